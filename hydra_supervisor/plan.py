@@ -1,0 +1,97 @@
+"""The Plan: what the resolver decides and the supervisor runs. Plain frozen data, JSON-able.
+
+One EngineSpec per process (or per remote peer hydra only connects to), with everything needed
+to start it: program, argv, environment, bind address and port, role and start order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Role(Enum):
+    HEAD = "head"
+    PEER = "peer"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    role: Role
+    program: str  # "llama-server" | "ggml-rpc-server"; resolved to a path at start time
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    host: str
+    port: int
+    device: str
+    start_order: int
+    managed: bool = True  # False: a remote peer on another host; hydra only probes it
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one device holds: whole layers (dense) or expert tensors (MoE), with byte counts."""
+
+    device: str
+    layers: int
+    weight_bytes: int
+    kv_bytes: int
+    overhead_bytes: int
+    free_bytes: int  # 0 = unknown
+    what: str = "layers"
+
+    @property
+    def need_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.overhead_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile: str
+    source: str
+    model_path: str
+    model_kind: str  # "dense" | "moe"
+    mode: str
+    transport: str
+    host: str
+    port: int
+    engines: tuple[EngineSpec, ...]
+    placements: tuple[Placement, ...] = ()
+    notes: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def head(self) -> EngineSpec:
+        return next(e for e in self.engines if e.role is Role.HEAD)
+
+    @property
+    def peers(self) -> tuple[EngineSpec, ...]:
+        return tuple(e for e in self.engines if e.role is Role.PEER)
+
+    def in_start_order(self) -> list[EngineSpec]:
+        return sorted(self.engines, key=lambda e: e.start_order)
+
+    def to_json(self) -> dict[str, Any]:
+        def enc(obj: Any) -> Any:
+            if isinstance(obj, Enum):
+                return obj.value
+            if isinstance(obj, dict):
+                return {k: enc(v) for k, v in obj.items()}
+            if isinstance(obj, list | tuple):
+                return [enc(v) for v in obj]
+            return obj
+
+        data = enc(asdict(self))
+        for eng, spec in zip(data["engines"], self.engines, strict=True):
+            eng["env"] = spec.env_dict()
+            eng["endpoint"] = spec.endpoint
+        return data
