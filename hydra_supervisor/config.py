@@ -260,6 +260,13 @@ NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
     "restart": _section(RESTART_SCHEMA, "restart"),
 }
 
+# Always defined (a node file may redefine them): the host CPU as a head device, and the host CPU
+# behind a local ggml-rpc-server as a peer device (for demos and tests on CPU-only machines).
+BUILTIN_DEVICES = {
+    "cpu": DeviceDecl(name="cpu", cpu=True),
+    "cpu-peer": DeviceDecl(name="cpu-peer", cpu=True),
+}
+
 BINARY_NAMES = ("llama-server", "ggml-rpc-server", "llama-bench")
 
 NODE_SCHEMA: dict[str, Checker] = {
@@ -288,7 +295,7 @@ def _raise(src: Sourced, problems: list[tuple[PathKey, str]]) -> None:
 
 def default_node() -> Node:
     """No node file: the CPU plus every local GPU the inventory finds (named gpu0, gpu1, ...)."""
-    return Node(source="<built-in>", devices={"cpu": DeviceDecl(name="cpu", cpu=True)})
+    return Node(source="<built-in>", devices=dict(BUILTIN_DEVICES))
 
 
 def find_node_file(explicit: str | None) -> Path | None:
@@ -315,7 +322,7 @@ def load_node(path: Path | None) -> Node:
     if not isinstance(data, dict):
         raise ConfigError(f"{src.where(())}: a node file is a mapping; got {type(data).__name__}")
     checked, problems = _check_mapping(data, (), NODE_SCHEMA, "node file")
-    devices: dict[str, DeviceDecl] = {"cpu": DeviceDecl(name="cpu", cpu=True)}
+    devices: dict[str, DeviceDecl] = dict(BUILTIN_DEVICES)
     for name, spec in (checked.get("devices") or {}).items():
         p: PathKey = ("devices", name)
         if not isinstance(spec, dict):

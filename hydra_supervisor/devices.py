@@ -46,6 +46,7 @@ class Device:
     cuda_index: int | None = None
     endpoint: str | None = None
     model: str = ""
+    threads: int = 0  # CPU devices: cores to use (ggml-rpc-server defaults to 1 thread)
 
     @property
     def label(self) -> str:
@@ -62,6 +63,7 @@ class Inventory:
     cpu_total: int
     cpu_free: int
     source: str
+    cpu_count: int = 0
 
 
 def _meminfo() -> tuple[int, int]:
@@ -130,7 +132,8 @@ def _from_file(path: Path) -> Inventory:
         for g in data.get("gpus", []))
     cpu = data.get("cpu", {})
     return Inventory(gpus, int(cpu.get("total_mib", 0)) * MIB,
-                     int(cpu.get("free_mib", cpu.get("total_mib", 0))) * MIB, str(path))
+                     int(cpu.get("free_mib", cpu.get("total_mib", 0))) * MIB, str(path),
+                     int(cpu.get("threads", 4)))
 
 
 def inventory() -> Inventory:
@@ -146,7 +149,7 @@ def inventory() -> Inventory:
     if gpus is None:
         gpus = ()
         source = "CPU only"
-    return Inventory(gpus, total, free, source)
+    return Inventory(gpus, total, free, source, len(os.sched_getaffinity(0)))
 
 
 def devices(node: Node, inv: Inventory) -> dict[str, Device]:
@@ -158,7 +161,7 @@ def devices(node: Node, inv: Inventory) -> dict[str, Device]:
         override = decl.memory_mib * MIB if decl.memory_mib else None
         if decl.cpu:
             out[decl.name] = Device(decl.name, Kind.CPU, override or inv.cpu_total,
-                                    override or inv.cpu_free)
+                                    override or inv.cpu_free, threads=inv.cpu_count)
         elif decl.endpoint:
             out[decl.name] = Device(decl.name, Kind.REMOTE, override or 0, override or 0,
                                     endpoint=decl.endpoint)

@@ -3,10 +3,12 @@
 This module owns turning a GGUF file into a ModelInfo (architecture, block and expert counts,
 attention shape, and every tensor's name, layer, shape, type and byte size) and caching that
 result. A split model (``name-00001-of-00003.gguf``, as llama.cpp's gguf-split writes it) is
-inspected as one model when given its first shard. Reading the header of a model with a large vocabulary takes seconds with gguf-py's
-reader (it builds a numpy view per token string), so results are cached as JSON under
+inspected as one model when given its first shard.
+
+Reading the header of a model with a large vocabulary takes seconds with gguf-py's reader (it
+builds a numpy view per token string), so results are cached as JSON under
 ``cache_dir()/modelinfo``, one entry per real path, valid while the file's identity (real path,
-size, mtime_ns, inode) is unchanged.
+size, mtime_ns, inode of every shard) is unchanged.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class ModelInfo:
         return out
 
     def non_layer_bytes(self) -> int:
-        """Bytes of everything outside blocks 0..block_count-1: token_embd, output, output_norm..."""
+        """Bytes outside blocks 0..block_count-1: token_embd, output, output_norm, ..."""
         return self.tensor_bytes() - sum(self.layer_bytes())
 
     def tensor_bytes(self) -> int:
@@ -108,7 +110,7 @@ def _cache_root() -> Path:
 
 
 def _shards(real: str) -> list[str]:
-    """The files that make up the model: all shards of a split model given its first, else itself."""
+    """The files of the model: every shard of a split model given its first, else just it."""
     m = _SPLIT_RE.match(real)
     if not m:
         return [real]

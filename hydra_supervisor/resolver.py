@@ -160,6 +160,11 @@ def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
 
 def _layer_placements(model: Model, order: Sequence[Device], counts: Sequence[int],
                       ctx: int, kv_type: float, cpu_sharers: int) -> list[Placement]:
+    """Placements in layer order (`order` lists devices by the blocks they hold, first first).
+
+    The output layer (and with it the non-block tensors, for the estimate) goes with the last
+    device in layer order, as llama.cpp places it.
+    """
     layer_bytes = model.layer_bytes()
     kv_per_layer = model.kv_bytes_per_token(kv_type) * ctx // max(model.block_count, 1)
     out = []
@@ -167,7 +172,7 @@ def _layer_placements(model: Model, order: Sequence[Device], counts: Sequence[in
     for i, (dev, count) in enumerate(zip(order, counts, strict=True)):
         weights = sum(layer_bytes[start:start + count])
         if i == len(order) - 1:
-            weights += model.non_layer_bytes()  # token_embd/output stay with the head
+            weights += model.non_layer_bytes()
         start += count
         out.append(Placement(
             device=dev.name, layers=count, weight_bytes=weights, kv_bytes=kv_per_layer * count,
@@ -219,7 +224,12 @@ def _peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Pr
                           managed=False)
     assert port is not None
     # -c: keep ggml-rpc-server's tensor cache so a restarted head does not resend weights.
-    args = ("-H", PEER_BIND, "-p", str(port), "-c")
+    args: tuple[str, ...] = ("-H", PEER_BIND, "-p", str(port), "-c")
+    if dev.kind is Kind.CPU:
+        threads = profile.server_args.get("threads", profile.server_args.get("t"))
+        threads = threads if isinstance(threads, int) and threads > 0 else dev.threads
+        if threads:
+            args += ("-t", str(threads))
     return EngineSpec(name=name, role=Role.PEER, program="ggml-rpc-server", args=args,
                       env=_base_env(profile) + _pin_env(dev), host=PEER_BIND, port=port,
                       device=dev.name, start_order=order)
@@ -332,15 +342,19 @@ def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence
                    ) -> tuple[list[str], list[Placement]]:
     order = [*peers, head]
     counts = plan_layer_split(profile, model, order, cpu_sharers)
-    placements = _layer_placements(model, order, counts, ctx, kv_type, cpu_sharers)
-    _check_fit(placements, profile)
     if head.kind is Kind.CPU:
         # The CPU is not an offload device: -ngl N offloads the last N blocks to the RPC
         # devices (split among them by -ts); the first blocks stay on the head.
-        args = ["-ngl", str(sum(counts[:-1])), "-sm", "layer"]
+        placements = _layer_placements(model, [head, *peers], [counts[-1], *counts[:-1]], ctx,
+                                       kv_type, cpu_sharers)
+        _check_fit(placements, profile)
+        # -ngl counts the output layer too (offloaded first, to the last RPC device).
+        args = ["-ngl", str(sum(counts[:-1]) + 1), "-sm", "layer"]
         if len(peers) > 1:
             args += ["-ts", ",".join(str(c) for c in counts[:-1])]
         return args, placements
+    placements = _layer_placements(model, order, counts, ctx, kv_type, cpu_sharers)
+    _check_fit(placements, profile)
     return ["-ngl", "99", "-sm", "layer", "-ts", ",".join(str(c) for c in counts)], placements
 
 

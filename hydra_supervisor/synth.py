@@ -1,0 +1,426 @@
+"""Synthetic random-weight GGUF models for tests and benchmarks.
+
+This module owns writing llama-architecture GGUF files (dense and Mixtral-style MoE) of any shape,
+with random weights and a real tokenizer copied from one of the tokenizer-only GGUFs that ship in
+the pinned llama.cpp source tree (``models/ggml-vocab-<name>.gguf``). The files load in stock
+``llama-server`` and generate (gibberish) tokens, so layouts, splits and expert offload can be
+exercised at realistic sizes without downloading weights.
+
+Weights are generated and written one chunk of rows at a time, so an 8B-shaped file needs only
+a few hundred MB of RAM. Output is deterministic for a given (shape, ftype, vocab, seed).
+
+CLI: ``python -m hydra_supervisor.synth dense|moe OUT.gguf [--layers N ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import gguf
+import numpy as np
+
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.install import source_dir
+
+ARCH = "llama"
+WEIGHT_STD = 0.02
+# Elements generated per chunk: bounds peak RAM (float32 source + quantized copy) to ~100 MB.
+_CHUNK_ELEMS = 8 * 1024 * 1024
+
+QT = gguf.GGMLQuantizationType
+
+# Types gguf-py can quantize itself (the K-quants there only dequantize).
+FTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (QT.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (QT.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q5_1": (QT.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
+    "q5_0": (QT.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
+    "q4_1": (QT.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+    "q4_0": (QT.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+
+
+@dataclass(frozen=True)
+class _TensorPlan:
+    name: str
+    shape: tuple[int, ...]  # numpy order (rows last dim = ggml ne0)
+    qtype: gguf.GGMLQuantizationType
+    ones: bool  # norm weights are 1.0 so activations keep their scale
+
+    @property
+    def n_bytes(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape) // block * type_size
+
+
+def vocab_path(vocab: str) -> Path:
+    """The tokenizer-only GGUF for `vocab` ("llama-spm", "llama-bpe", ...) in the pinned source."""
+    p = source_dir() / "models" / f"ggml-vocab-{vocab}.gguf"
+    if not p.is_file():
+        available = sorted(
+            q.name[len("ggml-vocab-") : -len(".gguf")]
+            for q in p.parent.glob("ggml-vocab-*.gguf")
+        )
+        raise HydraError(
+            f"tokenizer GGUF not found: {p}",
+            hint=(
+                f"pick one of: {', '.join(available)}"
+                if available
+                else "fetch the pinned llama.cpp source first (hydra install)"
+            ),
+        )
+    return p
+
+
+_TokEntry = tuple[str, Any, gguf.GGUFValueType, Any]
+
+
+def _read_tokenizer(vocab: str) -> tuple[tuple[_TokEntry, ...], int]:
+    """All tokenizer.* KV entries of the vocab file, as (key, value, type, subtype); and n_vocab."""
+    p = vocab_path(vocab)
+    st = p.stat()
+    return _read_tokenizer_file(str(p), st.st_size, st.st_mtime_ns)
+
+
+# Parsing a vocab file takes about a second (gguf-py builds a view per token); callers writing
+# several models in one process (tests, benchmarks) reuse it. Size and mtime key out stale copies.
+@functools.lru_cache(maxsize=4)
+def _read_tokenizer_file(path: str, size: int, mtime_ns: int) -> tuple[tuple[_TokEntry, ...], int]:
+    reader = gguf.GGUFReader(path)
+    entries: list[_TokEntry] = []
+    n_vocab = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        main = field.types[0]
+        if main == gguf.GGUFValueType.ARRAY:
+            if len(field.types) != 2:
+                raise HydraError(f"{path}: nested array in {key} is not supported")
+            sub = field.types[1]
+            if not field.data:
+                continue  # the writer refuses empty arrays; llama.cpp treats absent == empty
+            if sub == gguf.GGUFValueType.STRING:
+                # Raw bytes, not str: copies tokens exactly even where they are not valid UTF-8.
+                value: Any = tuple(bytes(field.parts[i]) for i in field.data)
+            else:
+                value = tuple(field.contents())
+            entries.append((key, value, main, sub))
+            if key == "tokenizer.ggml.tokens":
+                n_vocab = len(field.data)
+        elif main == gguf.GGUFValueType.STRING:
+            entries.append((key, bytes(field.parts[-1]), main, None))
+        else:
+            entries.append((key, field.contents(), main, None))
+    if n_vocab == 0:
+        raise HydraError(f"{path} has no tokenizer.ggml.tokens")
+    return tuple(entries), n_vocab
+
+
+def _weight_type(qtype: gguf.GGMLQuantizationType, row: int) -> gguf.GGMLQuantizationType:
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    # A row that is not a whole number of blocks cannot be quantized (convert_hf_to_gguf agrees).
+    return qtype if row % block == 0 else QT.F16
+
+
+def _check_shape(n_layers: int, n_embd: int, n_head: int, n_head_kv: int, ctx: int) -> None:
+    if min(n_layers, n_embd, n_head, n_head_kv, ctx) <= 0:
+        raise HydraError("synthetic model: layers, embd, heads, heads-kv and ctx must be > 0")
+    if n_embd % n_head:
+        raise HydraError(f"synthetic model: embd {n_embd} is not a multiple of heads {n_head}")
+    if n_head % n_head_kv:
+        raise HydraError(
+            f"synthetic model: heads {n_head} is not a multiple of heads-kv {n_head_kv}"
+        )
+    if (n_embd // n_head) % 2:
+        raise HydraError(f"synthetic model: head dim {n_embd // n_head} must be even (RoPE)")
+
+
+def _plan(
+    *,
+    n_layers: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    n_vocab: int,
+    qtype: gguf.GGMLQuantizationType,
+    n_ff: int,
+    n_expert: int,
+) -> list[_TensorPlan]:
+    head_dim = n_embd // n_head
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+
+    def w(name: str, *shape: int) -> _TensorPlan:
+        return _TensorPlan(name, shape, _weight_type(qtype, shape[-1]), ones=False)
+
+    def norm(name: str) -> _TensorPlan:
+        return _TensorPlan(name, (n_embd,), QT.F32, ones=True)
+
+    plan = [w("token_embd.weight", n_vocab, n_embd)]
+    for i in range(n_layers):
+        b = f"blk.{i}"
+        plan += [
+            norm(f"{b}.attn_norm.weight"),
+            w(f"{b}.attn_q.weight", q_dim, n_embd),
+            w(f"{b}.attn_k.weight", kv_dim, n_embd),
+            w(f"{b}.attn_v.weight", kv_dim, n_embd),
+            w(f"{b}.attn_output.weight", n_embd, q_dim),
+            norm(f"{b}.ffn_norm.weight"),
+        ]
+        if n_expert == 0:
+            plan += [
+                w(f"{b}.ffn_gate.weight", n_ff, n_embd),
+                w(f"{b}.ffn_up.weight", n_ff, n_embd),
+                w(f"{b}.ffn_down.weight", n_embd, n_ff),
+            ]
+        else:
+            plan += [
+                # The router stays F32 as llama-quantize leaves it: tiny, and precision-sensitive.
+                _TensorPlan(f"{b}.ffn_gate_inp.weight", (n_expert, n_embd), QT.F32, ones=False),
+                w(f"{b}.ffn_gate_exps.weight", n_expert, n_ff, n_embd),
+                w(f"{b}.ffn_up_exps.weight", n_expert, n_ff, n_embd),
+                w(f"{b}.ffn_down_exps.weight", n_expert, n_embd, n_ff),
+            ]
+    plan += [norm("output_norm.weight"), w("output.weight", n_vocab, n_embd)]
+    return plan
+
+
+def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator) -> None:
+    cols = t.shape[-1]
+    rows = math.prod(t.shape[:-1])
+    chunk_rows = max(1, _CHUNK_ELEMS // cols)
+    written = 0
+    for start in range(0, rows, chunk_rows):
+        n = min(chunk_rows, rows - start)
+        if t.ones:
+            data = np.ones((n, cols), dtype=np.float32)
+        else:
+            data = rng.standard_normal((n, cols), dtype=np.float32)
+            data *= WEIGHT_STD
+        # Quantization works row by row, so quantizing a slab of rows equals quantizing the whole.
+        out = gguf.quants.quantize(data, t.qtype)
+        fout.write(out.tobytes())
+        written += out.nbytes
+    if written != t.n_bytes:  # a bug here would make every later tensor offset wrong
+        raise AssertionError(f"{t.name}: wrote {written} bytes, planned {t.n_bytes}")
+
+
+def _write(
+    path: str | os.PathLike[str],
+    *,
+    name: str,
+    n_layers: int,
+    n_embd: int,
+    n_ff: int,
+    n_head: int,
+    n_head_kv: int,
+    ctx: int,
+    vocab: str,
+    seed: int,
+    ftype: str,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+) -> Path:
+    _check_shape(n_layers, n_embd, n_head, n_head_kv, ctx)
+    if n_ff <= 0:
+        raise HydraError("synthetic model: ff must be > 0")
+    if ftype not in FTYPES:
+        raise HydraError(f"synthetic model: unknown ftype {ftype!r}; one of {', '.join(FTYPES)}")
+    qtype, file_type = FTYPES[ftype]
+    tok_entries, n_vocab = _read_tokenizer(vocab)
+    head_dim = n_embd // n_head
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename at the end: a crash never leaves a truncated model there.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        writer.add_type("model")
+        writer.add_name(name)
+        writer.add_block_count(n_layers)
+        writer.add_context_length(ctx)
+        writer.add_embedding_length(n_embd)
+        writer.add_feed_forward_length(n_ff)
+        writer.add_head_count(n_head)
+        writer.add_head_count_kv(n_head_kv)
+        # Required by llama.cpp's llama loader (no default); the rest below are for clarity.
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_vocab_size(n_vocab)
+        if n_expert:
+            writer.add_expert_count(n_expert)
+            writer.add_expert_used_count(n_expert_used)
+        writer.add_file_type(int(file_type))
+        if qtype not in (QT.F32, QT.F16, QT.BF16):
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, value, vtype, sub in tok_entries:
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+
+        plan = _plan(
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            n_vocab=n_vocab,
+            qtype=qtype,
+            n_ff=n_ff,
+            n_expert=n_expert,
+        )
+        for t in plan:
+            # raw_dtype given and a non-uint8 dtype: the writer takes `shape` as element shape.
+            writer.add_tensor_info(
+                t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype
+            )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+
+        # Tensor data is streamed here rather than through write_tensor_data, which needs each
+        # whole tensor in memory (a stacked expert tensor of a big MoE is several GB).
+        assert writer.fout is not None and len(writer.fout) == 1
+        fout = writer.fout[0]
+        writer.write_padding(fout, fout.tell())
+        for index, t in enumerate(plan):
+            _write_tensor(fout, t, np.random.default_rng([seed, index]))
+            writer.write_padding(fout, t.n_bytes)
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def write_dense(
+    path: str | os.PathLike[str],
+    *,
+    n_layers: int = 4,
+    n_embd: int = 256,
+    n_ff: int = 512,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    ctx: int = 2048,
+    vocab: str = "llama-spm",
+    seed: int = 0,
+    ftype: str = "f16",
+    name: str = "hydra-synth-dense",
+) -> Path:
+    """Write a dense llama model with random weights to `path`; returns the path."""
+    return _write(
+        path,
+        name=name,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        ctx=ctx,
+        vocab=vocab,
+        seed=seed,
+        ftype=ftype,
+    )
+
+
+def write_moe(
+    path: str | os.PathLike[str],
+    *,
+    n_layers: int = 4,
+    n_embd: int = 256,
+    n_ff_exp: int = 128,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    ctx: int = 2048,
+    vocab: str = "llama-spm",
+    seed: int = 0,
+    ftype: str = "f16",
+    name: str = "hydra-synth-moe",
+) -> Path:
+    """Write a Mixtral-style llama MoE (experts stacked in blk.N.ffn_*_exps) to `path`."""
+    if n_expert < 1 or not 1 <= n_expert_used <= n_expert:
+        raise HydraError(
+            f"synthetic MoE: need 1 <= experts-used ({n_expert_used}) <= experts ({n_expert})"
+        )
+    # Mixtral convention: llama.feed_forward_length is the per-expert FFN width.
+    return _write(
+        path,
+        name=name,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_ff=n_ff_exp,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        ctx=ctx,
+        vocab=vocab,
+        seed=seed,
+        ftype=ftype,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hydra_supervisor.synth",
+        description="Write a random-weight llama GGUF (dense or MoE) with a real tokenizer.",
+    )
+    p.add_argument("kind", choices=["dense", "moe"])
+    p.add_argument("out", type=Path)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=256)
+    p.add_argument("--ff", type=int, default=None, help="FFN width (per expert for moe)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--experts-used", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads-kv", type=int, default=2)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--vocab", default="llama-spm")
+    p.add_argument("--ftype", choices=list(FTYPES), default="f16")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    common: dict[str, Any] = dict(
+        n_layers=args.layers,
+        n_embd=args.embd,
+        n_head=args.heads,
+        n_head_kv=args.heads_kv,
+        ctx=args.ctx,
+        vocab=args.vocab,
+        seed=args.seed,
+        ftype=args.ftype,
+    )
+    try:
+        if args.kind == "dense":
+            out = write_dense(args.out, n_ff=args.ff or 512, **common)
+        else:
+            out = write_moe(
+                args.out,
+                n_ff_exp=args.ff or 128,
+                n_expert=args.experts,
+                n_expert_used=args.experts_used,
+                **common,
+            )
+    except HydraError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{out} ({out.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""`hydra up --profile demo` end to end on the real llama-server and the Gemma model."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+import requests
+from openai import OpenAI
+
+from tests.conftest import free_port, run_hydra, status_json, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_serves_chat_status_and_down(hydra_up, hydra_env):
+    port = free_port()
+    up = hydra_up("--profile", "demo", "--port", str(port))
+    st = up.wait_ready()
+    head = st["status"]["engines"][0]
+    assert head["name"] == "head" and head["state"] == "READY" and head["port"] == port
+    assert f"http://127.0.0.1:{port}" in up.output()
+    assert "curl" in up.output()
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    reply = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8)
+    assert reply.choices[0].message.content is not None
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+    chunks = list(client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Count"}], max_tokens=8,
+        stream=True))
+    assert len(chunks) >= 2
+    assert any(c.choices and c.choices[0].delta.content for c in chunks)
+
+    table = run_hydra(hydra_env, "status")
+    assert table.returncode == 0
+    assert "READY" in table.stdout and "head" in table.stdout and str(port) in table.stdout
+
+    pid = head["pid"]
+    res = run_hydra(hydra_env, "down")
+    assert res.returncode == 0, res.stderr
+    assert "stopped profile demo" in res.stdout
+    assert up.proc.wait(30) == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert run_hydra(hydra_env, "status").returncode == 3
+
+
+def test_sigterm_stops_every_child(hydra_up):
+    port = free_port()
+    up = hydra_up("--profile", "demo", "--port", str(port))
+    up.wait_ready()
+    children = list(up.children)
+    assert children, "hydra up started no child"
+    assert up.stop(signal.SIGTERM) == 0
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+
+
+def test_sigkill_of_hydra_leaves_no_orphan(hydra_up, hydra_env):
+    port = free_port()
+    up = hydra_up("--profile", "demo", "--port", str(port))
+    up.wait_ready()
+    children = list(up.children)
+    up.proc.kill()
+    up.proc.wait(5)
+    t0 = time.monotonic()
+    _, alive = psutil.wait_procs(children, timeout=2.0)
+    assert not alive, f"orphans after SIGKILL of hydra up: {alive}"
+    assert time.monotonic() - t0 <= 2.0
+    # The port is free again and a new hydra up starts cleanly on it.
+    up2 = hydra_up("--profile", "demo", "--port", str(port))
+    up2.wait_ready()
+    assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    assert status_json(hydra_env)["status"]["engines"][0]["state"] == "READY"
+
+
+def test_second_up_is_refused_while_running(hydra_up, hydra_env):
+    port = free_port()
+    up = hydra_up("--profile", "demo", "--port", str(port))
+    up.wait_ready()
+    res = run_hydra(hydra_env, "up", "--profile", "demo", "--port", str(free_port()))
+    assert res.returncode == 2
+    assert "already running" in res.stderr and "hydra down" in res.stderr
+
+
+def test_wait_until_has_deadline():
+    with pytest.raises(AssertionError, match="timed out"):
+        wait_until(lambda: False, 0.2, "nothing")
