@@ -1,0 +1,231 @@
+"""Golden argv/env tests for the resolver's four cells (pure: no processes, no files).
+
+The model here is a stand-in with llama.cpp's real tensor naming; test_resolver_moe.py checks
+the generated -ot patterns against a real synthetic MoE GGUF.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+
+from hydra_supervisor import resolver
+from hydra_supervisor.config import Mode, Profile, Transport
+from hydra_supervisor.devices import MIB, Device, Kind
+from hydra_supervisor.errors import HydraError
+
+GIB = 1024 * MIB
+
+
+@dataclass
+class FakeModel:
+    block_count: int = 4
+    context_length: int = 4096
+    expert_count: int = 0
+    per_layer: int = 100 * MIB
+    per_layer_experts: int = 0
+    extra: int = 50 * MIB
+    kv_per_token: int = 16 * 1024
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_count > 0
+
+    def layer_bytes(self) -> list[int]:
+        return [self.per_layer + self.per_layer_experts] * self.block_count
+
+    def expert_bytes_per_layer(self) -> list[int]:
+        return [self.per_layer_experts] * self.block_count
+
+    def non_layer_bytes(self) -> int:
+        return self.extra
+
+    def tensor_names(self) -> list[str]:
+        if self.names:
+            return self.names
+        out = ["token_embd.weight", "output_norm.weight", "output.weight"]
+        for i in range(self.block_count):
+            out += [f"blk.{i}.attn_q.weight", f"blk.{i}.attn_norm.weight"]
+            if self.is_moe:
+                out += [f"blk.{i}.ffn_gate_inp.weight"] + [
+                    f"blk.{i}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
+            else:
+                out += [f"blk.{i}.ffn_{k}.weight" for k in ("gate", "up", "down")]
+        return out
+
+    def kv_bytes_per_token(self, type_bytes: float = 2.0) -> int:
+        return int(self.kv_per_token * type_bytes / 2)
+
+
+DEVICES = {
+    "cpu": Device("cpu", Kind.CPU, 64 * GIB, 48 * GIB, threads=8),
+    "cpu-peer": Device("cpu-peer", Kind.CPU, 64 * GIB, 48 * GIB, threads=8),
+    "rtx": Device("rtx", Kind.CUDA, 16 * GIB, 15 * GIB, cuda_index=0, model="RTX 5060 Ti"),
+    "rtx3060": Device("rtx3060", Kind.CUDA, 12 * GIB, 11 * GIB, cuda_index=1,
+                      model="RTX 3060"),
+    "p100": Device("p100", Kind.REMOTE, 16 * GIB, 16 * GIB, endpoint="192.168.122.21:50052"),
+}
+M = "/m/model.gguf"
+
+
+def prof(**kw) -> Profile:
+    base = Profile(name="t", source="t.yaml", model="x", port=8080)
+    return replace(base, **kw)
+
+
+def test_dense_solo_gpu():
+    plan = resolver.resolve(prof(head="rtx", server_args={"ctx-size": 8192, "jinja": True}),
+                            FakeModel(), M, DEVICES, [])
+    (head,) = plan.engines
+    assert head.program == "llama-server"
+    assert head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080",
+                         "-ngl", "99", "-sm", "none", "--ctx-size", "8192", "--jinja")
+    assert head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", "0"))
+
+
+def test_dense_solo_cpu_is_the_demo_shape():
+    plan = resolver.resolve(prof(head="cpu", server_args={"ctx-size": 4096, "parallel": 2}),
+                            FakeModel(), M, DEVICES, [])
+    assert plan.head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080", "-ngl", "0",
+                              "--ctx-size", "4096", "--parallel", "2")
+    assert plan.head.env_dict()["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_dense_combine_gpu_head_rpc_first():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 split=(1, 3)), FakeModel(), M, DEVICES, [50052])
+    peer, head = plan.in_start_order()
+    assert peer.args == ("-H", "127.0.0.1", "-p", "50052", "-c")
+    assert peer.env_dict()["CUDA_VISIBLE_DEVICES"] == "1"
+    assert head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080",
+                         "--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer", "-ts", "1,3")
+    assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0"
+    assert [p.layers for p in plan.placements] == [1, 3]
+    assert any("transport: local" in n for n in plan.notes)
+
+
+def test_dense_combine_split_by_name_and_output_layer_count():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 split={"rtx": 4, "rtx3060": 1}),
+                            FakeModel(), M, DEVICES, [50052])
+    assert plan.head.args[-2:] == ("-ts", "1,3")  # 5 = 4 blocks + output: output left to head
+
+
+def test_dense_combine_cpu_head_offloads_last_layers():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="cpu", peers=("cpu-peer",),
+                                 split=(2, 2)), FakeModel(), M, DEVICES, [50060])
+    peer, head = plan.in_start_order()
+    assert peer.args == ("-H", "127.0.0.1", "-p", "50060", "-c", "-t", "8")
+    # -ngl counts the output layer: 2 blocks + output go to the peer.
+    assert head.args[6:] == ("--rpc", "127.0.0.1:50060", "-ngl", "3", "-sm", "layer")
+    assert [(p.device, p.layers) for p in plan.placements] == [("cpu", 2), ("cpu-peer", 2)]
+    assert not plan.notes
+
+
+def test_dense_combine_with_remote_peer_is_not_spawned():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060", "p100"),
+                                 split=(1, 1, 2)), FakeModel(), M, DEVICES, [50052])
+    local, remote, head = plan.in_start_order()
+    assert local.managed and not remote.managed
+    assert remote.endpoint == "192.168.122.21:50052"
+    assert "--rpc" in head.args
+    assert head.args[head.args.index("--rpc") + 1] == "127.0.0.1:50052,192.168.122.21:50052"
+    assert head.args[-2:] == ("-ts", "1,1,2")
+
+
+def test_transport_local_one_process_over_both_gpus():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 split=(1, 3), transport=Transport.LOCAL),
+                            FakeModel(), M, DEVICES, [])
+    (head,) = plan.engines
+    assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "3,1")
+    assert plan.transport == "local"
+
+
+def test_moe_solo_with_n_cpu_moe():
+    plan = resolver.resolve(prof(head="rtx", n_cpu_moe=8),
+                            FakeModel(expert_count=8, per_layer_experts=200 * MIB), M, DEVICES, [])
+    assert plan.head.args[6:] == ("-ngl", "99", "-sm", "none", "--n-cpu-moe", "8")
+
+
+def test_moe_combine_experts_on_peer():
+    model = FakeModel(expert_count=8, per_layer_experts=200 * MIB)
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)), model, M,
+                            DEVICES, [50052])
+    peer, head = plan.in_start_order()
+    i = head.args.index("--rpc")
+    assert head.args[i:] == (
+        "--rpc", "127.0.0.1:50052", "-ngl", "99",
+        "-ot", r"blk\.[0-9]+\.ffn_(?:down|gate|up)_exps\.weight=RPC0[127.0.0.1:50052]")
+    assert head.args.index("--rpc") < head.args.index("-ot")
+
+
+def test_moe_combine_partial_when_peer_is_small():
+    model = FakeModel(expert_count=8, per_layer_experts=4 * GIB)
+    small = dict(DEVICES, rtx3060=replace(DEVICES["rtx3060"], free=10 * GIB))
+    big_head = dict(small, rtx=replace(DEVICES["rtx"], free=100 * GIB, total=100 * GIB))
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)), model, M,
+                            big_head, [50052])
+    ot = plan.head.args[plan.head.args.index("-ot") + 1]
+    assert ot.startswith(r"blk\.(?:2|3)\.ffn_(?:down|gate|up)_exps\.weight=RPC0[")
+    assert plan.placements[0].layers == 2
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(mode=Mode.COMBINE, head="rtx", peers=("rtx",)), "is the head's own device"),
+    (dict(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",), split=(1, 2)),
+     "adds up to 3 layers, but the model has 4"),
+    (dict(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",), split=(1, 1, 2)),
+     "split has 3 entries but this layout has 2 devices"),
+    (dict(mode=Mode.COMBINE, head="rtx", peers=()), "needs at least one entry in peers"),
+    (dict(head="rtx", peers=("rtx3060",)), "only used with mode: combine"),
+    (dict(head="nosuch"), "unknown device 'nosuch'"),
+    (dict(head="p100"), "is a remote peer"),
+    (dict(head="rtx", server_args={"port": 1}), "use the profile key 'port'"),
+    (dict(mode=Mode.COMBINE, head="cpu", peers=("cpu-peer",), transport=Transport.LOCAL),
+     "local GPUs only"),
+])
+def test_bad_layouts_are_refused(kw, needle):
+    with pytest.raises(HydraError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        resolver.resolve(prof(**kw), FakeModel(), M, DEVICES, [50052])
+
+
+def test_too_big_gives_numbers_per_device():
+    model = FakeModel(block_count=40, per_layer=800 * MIB)
+    with pytest.raises(HydraError) as exc:
+        resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)), model, M,
+                         DEVICES, [50052])
+    msg = str(exc.value)
+    assert "does not fit" in msg
+    assert "rtx3060: needs" in msg and "rtx: needs" in msg and "MiB usable" in msg
+
+
+def test_split_planned_from_free_memory():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)),
+                            FakeModel(block_count=26), M, DEVICES, [50052])
+    # 11 GiB vs 15 GiB free → 11/26 and 15/26 of 26 layers.
+    assert plan.head.args[-2:] == ("-ts", "11,15")
+
+
+def test_expert_pattern_never_matches_nothing():
+    names = FakeModel(expert_count=4).tensor_names()
+    with pytest.raises(HydraError, match="no expert tensors"):
+        resolver.expert_pattern([n for n in names if "exps" not in n])
+    pat = resolver.expert_pattern(names, [0])
+    assert pat == r"blk\.(?:0)\.ffn_(?:down|gate|up)_exps\.weight"
+
+
+def test_demo_profile_golden(tmp_path: Path):
+    """The shipped demo profile, through the real loader, gives this exact argv."""
+    from hydra_supervisor.config import default_node, load_profile
+    from hydra_supervisor.paths import repo_root
+
+    p = load_profile(repo_root() / "profiles" / "demo.yaml", default_node())
+    plan = resolver.resolve(p, FakeModel(), "/models/gemma.gguf", DEVICES, [])
+    assert plan.head.args == ("-m", "/models/gemma.gguf", "--host", "127.0.0.1", "--port",
+                              "8080", "-ngl", "0", "--ctx-size", "4096", "--parallel", "2")
+    assert plan.head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", ""))
