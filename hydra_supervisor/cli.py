@@ -10,6 +10,7 @@ import asyncio
 import functools
 import json
 import logging
+import logging.handlers
 import os
 import signal
 import sys
@@ -79,10 +80,9 @@ def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
 def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,
        host: str | None, verbose: bool) -> None:
     """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s hydra %(message)s", stream=sys.stderr)
     state = StateDir.default()
     state.ensure_writable()
+    _setup_logging(state, verbose)
     running = state.running_supervisor()
     if running:
         raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
@@ -97,15 +97,37 @@ def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int 
     layout.check_ports(lay.plan)
     layout.check_remote_peers(lay.plan)
     prof = lay.profile
-    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size, prof.load_timeout))
+    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size, prof.load_timeout),
+                        health=prof.health)
     sup = Supervisor(lay.plan, bins, state, prof.restart, prof.on_peer_loss, timeouts,
-                     model_label=prof.model)
+                     model_label=prof.model, solo_head=layout.solo_fallback(lay),
+                     pick_port=layout.port_picker(lay.node))
     state.write_supervisor(prof.name, prof.source)
+    sup.publish()  # replaces a previous run's status before anything starts
     try:
         code = asyncio.run(_serve(sup, lay))
     finally:
         state.clear_supervisor()
     sys.exit(code)
+
+
+def _setup_logging(state: StateDir, verbose: bool) -> None:
+    """hydra's own log: every state change once, with its reason, in logs/hydra.log."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    root = logging.getLogger("hydra")
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if verbose else logging.WARNING)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    try:
+        handler = logging.handlers.RotatingFileHandler(
+            state.log_path("hydra"), maxBytes=10 << 20, backupCount=3)
+    except OSError as exc:
+        err.print(f"warning: cannot write {state.log_path('hydra')}: {exc.strerror}")
+        return
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
 
 
 async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
@@ -163,14 +185,14 @@ def status(as_json: bool) -> None:
         return
     if not sup:
         out.print(f"hydra is not running (state dir {state.root})")
-        if data and data.get("fatal"):
-            out.print(f"last run ended FATAL: {data['fatal']}")
-        sys.exit(3)
-    if not data:
+        if not data or not data.get("fatal"):
+            sys.exit(3)
+        out.print("its last run:")
+    elif not data or data.get("pid") != sup["pid"]:
         out.print(f"hydra (pid {sup['pid']}) is starting profile {sup['profile']}")
         return
     out.print(f"profile [bold]{data['profile']}[/] ({data['mode']}) at {data['url']} — "
-              f"supervisor pid {sup['pid']}")
+              f"supervisor pid {data.get('pid')}")
     table = Table(show_edge=False, pad_edge=False)
     for col in ("engine", "role", "pid", "port", "state", "model", "uptime", "restarts",
                 "reason"):
@@ -182,8 +204,17 @@ def status(as_json: bool) -> None:
                       data["model"] if e["role"] == "head" else f"({e['device']})", uptime,
                       str(e["restarts"]), e["reason"])
     out.print(table)
+    if data.get("degraded"):
+        out.print(f"[bold yellow]{data['degraded']}[/]")
     if data.get("fatal"):
         out.print(f"[bold red]FATAL[/]: {data['fatal']}")
+    for e in data["engines"]:
+        if e.get("log_tail"):
+            out.print(f"last lines of {e['name']}'s log ({e['log']}):")
+            for line in e["log_tail"]:
+                out.print(f"  {line}", markup=False)
+    if not sup:
+        sys.exit(3)
 
 
 def _fmt_age(seconds: float) -> str:

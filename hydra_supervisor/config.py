@@ -46,6 +46,15 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
+class HealthPolicy:
+    interval: float = 2.0  # /health poll of a READY head
+    hang_timeout: float = 30.0  # /health silent this long → the head is killed and restarted
+    probe: bool = False  # also send a 1-token completion every probe_interval
+    probe_interval: float = 30.0
+    probe_timeout: float = 60.0
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     source: str
@@ -65,6 +74,7 @@ class Profile:
     port: int = 8080
     load_timeout: float | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    health: HealthPolicy = field(default_factory=HealthPolicy)
     description: str = ""
 
 
@@ -225,6 +235,14 @@ RESTART_SCHEMA: dict[str, Checker] = {
     "stable_after": _positive,
 }
 
+HEALTH_SCHEMA: dict[str, Checker] = {
+    "interval": _positive,
+    "hang_timeout": _positive,
+    "probe": _type(bool, "true or false"),
+    "probe_interval": _positive,
+    "probe_timeout": _positive,
+}
+
 PROFILE_SCHEMA: dict[str, Checker] = {
     "profile": _type(str, "a name"),
     "description": _type(str, "text"),
@@ -242,6 +260,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "port": _port,
     "load_timeout": _positive,
     "restart": _section(RESTART_SCHEMA, "restart"),
+    "health": _section(HEALTH_SCHEMA, "health"),
 }
 
 DEVICE_SCHEMA: dict[str, Checker] = {
@@ -258,6 +277,7 @@ NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
     "load_timeout": _positive,
     "on_peer_loss": _enum(PeerLoss),
     "restart": _section(RESTART_SCHEMA, "restart"),
+    "health": _section(HEALTH_SCHEMA, "health"),
 }
 
 # Always defined (a node file may redefine them): the host CPU as a head device, and the host CPU
@@ -400,7 +420,7 @@ def find_profile(name_or_path: str, extra: str | None = None) -> Path:
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
-        if key in ("server_args", "env", "restart") and isinstance(out.get(key), dict):
+        if key in ("server_args", "env", "restart", "health") and isinstance(out.get(key), dict):
             out[key] = {**out[key], **value}
         else:
             out[key] = value
@@ -423,10 +443,12 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
     merged = _merge(merged, dict(overrides or {}))
     name = merged.pop("profile", path.stem)
     restart = merged.pop("restart", {})
+    health = merged.pop("health", {})
     return Profile(
         name=name,
         source=str(path),
         restart=RestartPolicy(**restart),
+        health=HealthPolicy(**health),
         **merged,
     )
 

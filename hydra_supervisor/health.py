@@ -39,3 +39,27 @@ async def hello(host: str, port: int, timeout: float = 3.0) -> rpcproto.Version 
                                       timeout + 1.0)
     except (OSError, TimeoutError):
         return None
+
+
+async def completion_probe(host: str, port: int, timeout: float) -> tuple[bool, str]:
+    """One 1-token completion: catches a head whose /health is fine but cannot generate."""
+    body = b'{"prompt":"ping","n_predict":1,"cache_prompt":false}'
+    req = (f"POST /completion HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(req)
+                await writer.drain()
+                status = await reader.readline()
+                await reader.read()  # the body; the probe only needs to see it complete
+            finally:
+                writer.close()
+    except TimeoutError:
+        return False, f"no answer within {timeout:.0f}s"
+    except OSError as exc:
+        return False, str(exc)
+    parts = status.split()
+    code = int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else 0
+    return (code == 200, f"HTTP {code}")

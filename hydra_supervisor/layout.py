@@ -7,17 +7,18 @@ live here too, so every bad input is reported before any process starts.
 
 from __future__ import annotations
 
-import socket
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from hydra_supervisor import binaries, devices, models, resolver, rpcproto
 from hydra_supervisor.config import (
+    Mode,
     Node,
+    PeerLoss,
     Profile,
+    Transport,
     find_node_file,
     find_profile,
     load_node,
@@ -26,7 +27,8 @@ from hydra_supervisor.config import (
 from hydra_supervisor.devices import Device, Inventory
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.modelinfo import ModelInfo, inspect
-from hydra_supervisor.plan import Plan
+from hydra_supervisor.plan import EngineSpec, Plan
+from hydra_supervisor.ports import port_free, port_holder
 
 
 @dataclass(frozen=True)
@@ -38,35 +40,6 @@ class Layout:
     devices: dict[str, Device]
     inventory: Inventory
     plan: Plan
-
-
-def port_free(host: str, port: int) -> bool:
-    bind_host = "0.0.0.0" if host in ("", "*") else host
-    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((bind_host, port))
-        except OSError:
-            return False
-    return True
-
-
-def port_holder(port: int) -> str:
-    """Who listens on `port`, for the error message (pid and command), or 'another process'."""
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return "another process"
-    for c in conns:
-        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
-            try:
-                proc = psutil.Process(c.pid)
-                cmd = " ".join(proc.cmdline()) or proc.name()
-            except psutil.Error:
-                cmd = "?"
-            return f"pid {c.pid} ({cmd[:120]})"
-    return "another process"
 
 
 def free_rpc_ports(node: Node, count: int, exclude: set[int]) -> list[int]:
@@ -96,6 +69,29 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
         ports = list(range(node.rpc_ports[0], node.rpc_ports[0] + n_peers))
     plan = resolver.resolve(profile, info, str(model_path), devs, ports)
     return Layout(node, profile, model_path, info, devs, inv, plan)
+
+
+def solo_fallback(lay: Layout) -> EngineSpec | None:
+    """The head as SOLO on its own device, for on_peer_loss: degrade (None when not asked)."""
+    prof = lay.profile
+    if prof.on_peer_loss is not PeerLoss.DEGRADE or prof.mode is not Mode.COMBINE:
+        return None
+    solo = replace(prof, mode=Mode.SOLO, peers=(), split=None, transport=Transport.RPC)
+    try:
+        plan = resolver.resolve(solo, lay.model, str(lay.model_path), lay.devices, [])
+    except HydraError as exc:
+        raise HydraError(f"{prof.source}: on_peer_loss: degrade needs the model to fit the "
+                         f"head's device alone, and it does not:\n{exc}",
+                         hint="use on_peer_loss: restart") from exc
+    return plan.head
+
+
+def port_picker(node: Node) -> Callable[[set[int]], int | None]:
+    def pick(taken: set[int]) -> int | None:
+        ports = free_rpc_ports(node, 1, taken)
+        return ports[0] if ports else None
+
+    return pick
 
 
 def find_binaries(layout: Layout) -> dict[str, str]:

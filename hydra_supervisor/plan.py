@@ -6,7 +6,7 @@ to start it: program, argv, environment, bind address and port, role and start o
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -35,6 +35,17 @@ class EngineSpec:
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
+
+    def with_port(self, port: int) -> EngineSpec:
+        """A managed peer moved to another port (its `-p` argument follows)."""
+        args = list(self.args)
+        if "-p" in args:
+            args[args.index("-p") + 1] = str(port)
+        return replace(self, port=port, args=tuple(args))
+
+    def repointed(self, old: str, new: str) -> EngineSpec:
+        """A head whose peer moved: rewrite `host:port` in --rpc and in -ot's RPC0[...]."""
+        return replace(self, args=tuple(a.replace(old, new) for a in self.args))
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ def _child_setup(parent: int) -> Callable[[], None]:
     return setup
 
 
+class LogUnavailable(OSError):
+    """The child's log file cannot be opened (the log dir is gone or not writable)."""
+
+
 def rotate(log: Path, keep: int = 3) -> None:
     """Keep the logs of the last `keep` runs: engine.log.1 is the previous run."""
     for i in range(keep, 0, -1):
@@ -41,9 +45,13 @@ def rotate(log: Path, keep: int = 3) -> None:
 
 async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path
                 ) -> asyncio.subprocess.Process:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    rotate(log)
-    with log.open("ab") as out:
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        rotate(log)
+        out = log.open("ab")
+    except OSError as exc:
+        raise LogUnavailable(exc.errno, exc.strerror, str(log)) from exc
+    with out:
         return await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **env}, process_group=0, preexec_fn=_child_setup(os.getpid()))

@@ -19,6 +19,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra_supervisor import health, process
-from hydra_supervisor.config import PeerLoss, RestartPolicy
+from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
 from hydra_supervisor.plan import EngineSpec, Plan, Role
+from hydra_supervisor.ports import port_free
 from hydra_supervisor.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError
 from hydra_supervisor.state import StateDir
 
@@ -151,8 +154,7 @@ class Timeouts:
     load: float  # head: spawn to /health 200
     peer: float = 30.0  # peer: spawn to HELLO
     stop_grace: float = 10.0
-    health_interval: float = 2.0
-    hang: float = 30.0  # head READY but /health silent this long → killed
+    health: HealthPolicy = field(default_factory=HealthPolicy)
 
 
 def load_timeout_for(model_bytes: int, configured: float | None) -> float:
@@ -162,19 +164,32 @@ def load_timeout_for(model_bytes: int, configured: float | None) -> float:
     return 60.0 + 15.0 * model_bytes / (1 << 30)
 
 
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+PortPicker = Callable[[set[int]], int | None]
+
+
 class Supervisor:
+    """Owns every ManagedProcess of one Plan; the only code that changes their states."""
+
     def __init__(self, plan: Plan, binaries: dict[str, str], state: StateDir,
                  policy: RestartPolicy, on_peer_loss: PeerLoss, timeouts: Timeouts,
-                 model_label: str) -> None:
+                 model_label: str, *, solo_head: EngineSpec | None = None,
+                 pick_port: PortPicker | None = None) -> None:
         self.plan = plan
         self.state = state
         self.timeouts = timeouts
         self.on_peer_loss = on_peer_loss
         self.model_label = model_label
+        self.solo_head = solo_head  # the head as SOLO, for on_peer_loss: degrade
+        self.pick_port = pick_port
         self.stopping = asyncio.Event()
         self.first_ready = asyncio.Event()
         self.fatal: str | None = None
-        self.started_wall = time.time()
+        self.degraded: str | None = None
+        self.recovery: asyncio.Task[None] | None = None
         self.procs = [
             ManagedProcess(spec=spec, binary=binaries.get(spec.program, spec.program),
                            log_path=state.log_path(spec.name), policy=policy,
@@ -182,29 +197,64 @@ class Supervisor:
             for spec in plan.in_start_order()
         ]
         self.head = next(p for p in self.procs if p.spec.role is Role.HEAD)
+        self.combine_head = self.head.spec
         self.peers = [p for p in self.procs if p.spec.role is Role.PEER]
 
     # -- status -----------------------------------------------------------------------------
 
     def publish(self) -> None:
-        self.state.write_status({
-            "profile": self.plan.profile, "source": self.plan.source, "mode": self.plan.mode,
-            "model": self.model_label, "url": f"http://{self.plan.host}:{self.plan.port}",
-            "fatal": self.fatal, "updated": time.time(),
-            "engines": [p.row() for p in self.procs],
-        })
+        try:
+            self.state.write_status({
+                "pid": os.getpid(), "profile": self.plan.profile, "source": self.plan.source,
+                "mode": self.plan.mode, "model": self.model_label,
+                "url": f"http://{_local(self.plan.host)}:{self.plan.port}",
+                "fatal": self.fatal, "degraded": self.degraded, "updated": time.time(),
+                "engines": [p.row() for p in self.procs],
+            })
+        except OSError as exc:  # a full or read-only state dir must not stop the serving
+            log.warning("cannot write status: %s", exc)
 
     # -- one process ------------------------------------------------------------------------
 
+    def _free_peer_port(self, mp: ManagedProcess) -> None:
+        """A managed peer whose port another process took moves to a free one (head follows)."""
+        spec = mp.spec
+        if spec.role is not Role.PEER or port_free(spec.host, spec.port) or not self.pick_port:
+            return
+        taken = {p.spec.port for p in self.peers} | {self.plan.port}
+        new = self.pick_port(taken)
+        if new is None:
+            raise StartFailed(f"port {spec.port} is taken and no free port is left in the "
+                              "node's rpc_ports range")
+        old_ep = spec.endpoint
+        mp.spec = spec.with_port(new)
+        self.combine_head = self.combine_head.repointed(old_ep, mp.spec.endpoint)
+        if self.head.spec.role is Role.HEAD and not self.degraded:
+            self.head.spec = self.combine_head
+        log.warning("%s: port %d is taken by another process; moved to %d", mp.name,
+                    spec.port, new)
+
     async def _spawn(self, mp: ManagedProcess) -> None:
+        self._free_peer_port(mp)
         mp.to(State.STARTING, "spawning")
         argv = [mp.binary, *mp.spec.args]
         try:
             mp.proc = await process.spawn(argv, mp.spec.env_dict(), mp.log_path)
+        except process.LogUnavailable as exc:
+            fallback = Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-logs" / \
+                mp.log_path.name
+            log.error("%s: cannot write log %s (%s); logging to %s", mp.name, mp.log_path,
+                      exc, fallback)
+            mp.log_path = fallback
+            mp.reason = f"log dir not writable ({exc}); logging to {fallback}"
+            mp.proc = await process.spawn(argv, mp.spec.env_dict(), mp.log_path)
         except OSError as exc:
             raise StartFailed(f"cannot start {mp.binary}: {exc.strerror}") from exc
         mp.started_wall = time.time()
-        self.state.record_child(mp.name, mp.proc.pid)
+        try:
+            self.state.record_child(mp.name, mp.proc.pid)
+        except OSError as exc:
+            log.warning("cannot write pidfile for %s: %s", mp.name, exc)
         self.publish()
 
     async def _wait_ready(self, mp: ManagedProcess) -> None:
@@ -218,8 +268,7 @@ class Supervisor:
             if self.stopping.is_set():
                 raise StartFailed("stop requested")
             if spec.role is Role.HEAD:
-                code = await health.http_status(spec.host if spec.host not in ("0.0.0.0", "::")
-                                                else "127.0.0.1", spec.port)
+                code = await health.http_status(_local(spec.host), spec.port)
                 if code == 200:
                     return
                 mp.reason = "loading model" if code == 503 else "waiting for /health"
@@ -244,23 +293,29 @@ class Supervisor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stopping.wait(), seconds)
 
+    async def _kill(self, mp: ManagedProcess) -> int | None:
+        code = None
+        if mp.proc is not None:
+            code = await process.stop(mp.proc, self.timeouts.stop_grace)
+        self.state.forget_child(mp.name)
+        return code
+
     async def _stop_one(self, mp: ManagedProcess, reason: str) -> None:
-        if mp.proc is None or not mp.spec.managed:
-            if mp.state in (State.STARTING, State.READY, State.UNHEALTHY):
-                mp.to(State.STOPPING, reason)
-                mp.to(State.STOPPED, reason)
-            return
         if mp.state in (State.STARTING, State.READY, State.UNHEALTHY):
             mp.to(State.STOPPING, reason)
-        code = await process.stop(mp.proc, self.timeouts.stop_grace)
-        self.state.forget_child(mp.name)
+        code = await self._kill(mp) if mp.spec.managed else None
         if mp.state is State.STOPPING:
-            mp.to(State.STOPPED, f"{reason} ({process.describe_exit(code)})")
+            mp.to(State.STOPPED, reason if code is None
+                  else f"{reason} ({process.describe_exit(code)})")
+        elif mp.state is State.BACKOFF:
+            mp.to(State.STOPPED, reason)
 
     async def _bring_up(self, mp: ManagedProcess) -> None:
         """Start until READY, backing off between failures; raises Fatal or StartFailed(stop)."""
         while not self.stopping.is_set():
             try:
+                if mp.alive:  # a cancelled earlier attempt left one running
+                    await self._kill(mp)
                 if mp.spec.managed:
                     await self._spawn(mp)
                 else:
@@ -273,20 +328,15 @@ class Supervisor:
             except StartFailed as exc:
                 if self.stopping.is_set():
                     break
-                reason = str(exc)
-                if mp.proc is not None:
-                    await process.stop(mp.proc, self.timeouts.stop_grace)
-                    self.state.forget_child(mp.name)
+                await self._kill(mp)
                 if mp.state is State.STOPPED:
-                    mp.to(State.STARTING, reason)
-                delay = mp.record_failure(reason)
+                    mp.to(State.STARTING, str(exc))
+                delay = mp.record_failure(str(exc))
                 await self._sleep(delay)
                 if not self.stopping.is_set():
                     mp.restarts += 1
             except Fatal:
-                if mp.proc is not None:
-                    await process.stop(mp.proc, self.timeouts.stop_grace)
-                    self.state.forget_child(mp.name)
+                await self._kill(mp)
                 if mp.state is not State.FATAL:
                     mp.to(State.FATAL, "protocol mismatch")
                 raise
@@ -307,9 +357,10 @@ class Supervisor:
             self.publish()
 
     async def _converge(self) -> None:
-        for peer in self.peers:
-            if peer.state is not State.READY:
-                await self._bring_up(peer)
+        if not self.degraded:
+            for peer in self.peers:
+                if peer.state is not State.READY:
+                    await self._bring_up(peer)
         if self.head.state is not State.READY:
             await self._bring_up(self.head)
         self.first_ready.set()
@@ -320,16 +371,29 @@ class Supervisor:
             event, who = await self._next_event()
             if event == "stop":
                 return
-            if event == "exit" and who is self.head:
+            if event == "peers-back":
+                await self._undegrade()
+            elif event == "exit" and who is self.head:
                 code = self.head.proc.returncode if self.head.proc else None
                 self.state.forget_child(self.head.name)
+                if self.peers and not self.degraded:
+                    await asyncio.sleep(0.3)  # let a peer's exit, if any, be reaped too
+                dead = [p for p in self.peers if p.spec.managed and p.proc is not None
+                        and not p.alive and not self.degraded]
+                if dead:
+                    # The head died because its peer did (abort at the next RPC call): treat
+                    # it as the peer's loss, which restarts the pair in order.
+                    await self._stop_one(self.head, f"head {process.describe_exit(code)} "
+                                         f"after its peer {dead[0].name} died")
+                    await self._peer_lost(dead[0])
+                    continue
                 delay = self.head.record_failure(f"head {process.describe_exit(code)}")
                 await self._sleep(delay)
                 self.head.restarts += 1
-            elif event == "hang":
-                await self._stop_one(self.head, "stopped answering /health")
-                delay = self.head.record_failure(
-                    f"/health silent for {self.timeouts.hang:.0f}s (hung), killed")
+            elif event.startswith("hang"):
+                reason = event.partition(":")[2]
+                await self._stop_one(self.head, reason)
+                delay = self.head.record_failure(f"{reason}; killed")
                 await self._sleep(delay)
                 self.head.restarts += 1
             elif event == "exit" and who is not None:
@@ -340,58 +404,100 @@ class Supervisor:
         self.state.forget_child(peer.name)
         reason = f"peer {peer.name} {process.describe_exit(code)}"
         # llama.cpp's head aborts at its next RPC call once its peer is gone; stop it cleanly.
-        await self._stop_one(self.head, reason)
+        if self.head.state is not State.STOPPED:
+            await self._stop_one(self.head, reason)
         if self.on_peer_loss is PeerLoss.FAIL:
             peer.to(State.FATAL, f"{reason}; on_peer_loss: fail")
             raise Fatal(f"{reason}; on_peer_loss is fail")
+        if self.on_peer_loss is PeerLoss.DEGRADE and self.solo_head is not None:
+            peer.to(State.BACKOFF, f"{reason}; head degraded to SOLO meanwhile")
+            self.degraded = (f"DEGRADED: {reason}; serving SOLO on {self.solo_head.device} "
+                             "until the peer is back")
+            log.warning("%s", self.degraded)
+            self.head.spec = self.solo_head
+            self.recovery = asyncio.create_task(self._recover_peers())
+            return
         delay = peer.record_failure(reason)
         await self._sleep(delay)
         peer.restarts += 1
 
+    async def _recover_peers(self) -> None:
+        """Degraded mode: bring the peers back (with backoff) while the SOLO head serves."""
+        for peer in self.peers:
+            if peer.state is not State.READY:
+                delay = peer.record_failure(peer.reason or "peer lost")
+                await self._sleep(delay)
+                peer.restarts += 1
+                await self._bring_up(peer)
+
+    async def _undegrade(self) -> None:
+        log.warning("peers are back: returning %s to COMBINE", self.plan.profile)
+        self.recovery = None
+        await self._stop_one(self.head, "peer is back: switching to COMBINE")
+        self.head.spec = self.combine_head
+        self.degraded = None
+        self.head.restarts += 1
+
     async def _next_event(self) -> tuple[str, ManagedProcess | None]:
-        waits: dict[asyncio.Task[Any], tuple[str, ManagedProcess | None]] = {
-            asyncio.create_task(self.stopping.wait()): ("stop", None),
-            asyncio.create_task(self._watch_health()): ("hang", self.head),
+        waits: dict[asyncio.Future[Any], tuple[str, ManagedProcess | None]] = {
+            asyncio.ensure_future(self.stopping.wait()): ("stop", None),
+            asyncio.ensure_future(self._watch_head()): ("hang", self.head),
         }
         for mp in self.procs:
-            if mp.proc is not None and mp.spec.managed:
-                waits[asyncio.create_task(mp.proc.wait())] = ("exit", mp)
+            if mp.proc is not None and mp.spec.managed and mp.alive and not (
+                    self.degraded and mp.spec.role is Role.PEER):
+                waits[asyncio.ensure_future(mp.proc.wait())] = ("exit", mp)
+        if self.recovery is not None:
+            waits[self.recovery] = ("peers-back", None)
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+            if task is not self.recovery:  # peer recovery outlives a single event
+                task.cancel()
+        await asyncio.gather(*(t for t in pending if t is not self.recovery),
+                             return_exceptions=True)
         # A process exit wins over a hang verdict reached in the same instant.
-        ranked = sorted(done, key=lambda t: {"stop": 0, "exit": 1, "hang": 2}[waits[t][0]])
-        return waits[ranked[0]]
+        rank = {"stop": 0, "exit": 1, "peers-back": 2, "hang": 3}
+        first = sorted(done, key=lambda t: rank[waits[t][0]])[0]
+        event, who = waits[first]
+        if event == "peers-back":
+            first.result()  # re-raises Fatal from the peer's recovery
+        if event == "hang":
+            event = f"hang:{first.result()}"
+        return event, who
 
-    async def _watch_health(self) -> None:
-        """Returns only when the head has not answered /health for `hang` seconds."""
+    async def _watch_head(self) -> str:
+        """Returns (with the reason) only when the head is judged hung or broken."""
         spec = self.head.spec
-        host = spec.host if spec.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        policy = self.timeouts.health
+        host = _local(spec.host)
         last_ok = time.monotonic()
+        next_probe = time.monotonic() + policy.probe_interval
         while True:
-            await asyncio.sleep(self.timeouts.health_interval)
-            code = await health.http_status(host, spec.port, timeout=self.timeouts.health_interval)
+            await asyncio.sleep(policy.interval)
+            code = await health.http_status(host, spec.port, timeout=policy.interval)
             now = time.monotonic()
             if code == 200:
                 last_ok = now
                 if self.head.state is State.UNHEALTHY:
                     self.head.to(State.READY, "answering /health again")
-            elif now - last_ok >= self.timeouts.hang:
-                return
+            elif now - last_ok >= policy.hang_timeout:
+                return f"/health silent for {policy.hang_timeout:.0f}s (hung)"
             elif self.head.state is State.READY:
                 self.head.to(State.UNHEALTHY, f"/health {'silent' if code is None else code}")
+            if policy.probe and code == 200 and now >= next_probe:
+                next_probe = now + policy.probe_interval
+                ok, why = await health.completion_probe(host, spec.port, policy.probe_timeout)
+                if not ok:
+                    return f"completion probe failed ({why})"
 
     async def shutdown(self, reason: str) -> None:
         self.stopping.set()
+        if self.recovery is not None:
+            self.recovery.cancel()
+            await asyncio.gather(self.recovery, return_exceptions=True)
         # Head first (it holds the peers), then peers in reverse start order.
         for mp in reversed(self.procs):
             if mp.state is State.FATAL:
-                if mp.proc is not None and mp.proc.returncode is None:
-                    await process.stop(mp.proc, self.timeouts.stop_grace)
-                self.state.forget_child(mp.name)
-                continue
-            if mp.state is State.BACKOFF:
-                mp.to(State.STOPPED, reason)
+                await self._kill(mp)
                 continue
             await self._stop_one(mp, reason)

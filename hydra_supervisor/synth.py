@@ -9,6 +9,12 @@ exercised at realistic sizes without downloading weights.
 Weights are generated and written one chunk of rows at a time, so an 8B-shaped file needs only
 a few hundred MB of RAM. Output is deterministic for a given (shape, ftype, vocab, seed).
 
+``write_shape_only`` writes a *planning* model instead: a complete header (hyperparameters and
+every tensor's name, shape, quant type and offset, K-quants included) over a sparse hole where
+the tensor data would be, so a 20 GB-shaped model costs tens of KB of disk and
+``modelinfo.inspect`` reads its real sizes. It has no tokenizer and all-zero weights: it is for
+``hydra plan`` tests, not for serving.
+
 CLI: ``python -m hydra_supervisor.synth dense|moe OUT.gguf [--layers N ...]``.
 """
 
@@ -22,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import gguf
 import numpy as np
@@ -47,6 +53,17 @@ FTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "q5_0": (QT.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
     "q4_1": (QT.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
     "q4_0": (QT.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+
+# write_shape_only writes no tensor data, so it also takes the K-quants gguf-py cannot produce.
+# Every weight matrix gets the one type (a real Q5_K_M mixes in some Q6_K), norms stay F32.
+SHAPE_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    **FTYPES,
+    "q2_k": (QT.Q2_K, gguf.LlamaFileType.MOSTLY_Q2_K),
+    "q3_k": (QT.Q3_K, gguf.LlamaFileType.MOSTLY_Q3_K_M),
+    "q4_k": (QT.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    "q5_k": (QT.Q5_K, gguf.LlamaFileType.MOSTLY_Q5_K_M),
+    "q6_k": (QT.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
 }
 
 
@@ -194,6 +211,44 @@ def _plan(
     return plan
 
 
+def _add_model_kv(
+    writer: gguf.GGUFWriter,
+    *,
+    name: str,
+    n_layers: int,
+    n_embd: int,
+    n_ff: int,
+    n_head: int,
+    n_head_kv: int,
+    ctx: int,
+    n_vocab: int,
+    qtype: gguf.GGMLQuantizationType,
+    file_type: gguf.LlamaFileType,
+    n_expert: int,
+    n_expert_used: int,
+) -> None:
+    """The llama-architecture hyperparameter KVs (everything but the tokenizer)."""
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    # Required by llama.cpp's llama loader (no default); the rest below are for clarity.
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(n_vocab)
+    if n_expert:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
+    writer.add_file_type(int(file_type))
+    if qtype not in (QT.F32, QT.F16, QT.BF16):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
 def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator) -> None:
     cols = t.shape[-1]
     rows = math.prod(t.shape[:-1])
@@ -237,7 +292,6 @@ def _write(
         raise HydraError(f"synthetic model: unknown ftype {ftype!r}; one of {', '.join(FTYPES)}")
     qtype, file_type = FTYPES[ftype]
     tok_entries, n_vocab = _read_tokenizer(vocab)
-    head_dim = n_embd // n_head
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,25 +299,21 @@ def _write(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(tmp, ARCH)
     try:
-        writer.add_type("model")
-        writer.add_name(name)
-        writer.add_block_count(n_layers)
-        writer.add_context_length(ctx)
-        writer.add_embedding_length(n_embd)
-        writer.add_feed_forward_length(n_ff)
-        writer.add_head_count(n_head)
-        writer.add_head_count_kv(n_head_kv)
-        # Required by llama.cpp's llama loader (no default); the rest below are for clarity.
-        writer.add_layer_norm_rms_eps(1e-5)
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_rope_freq_base(10000.0)
-        writer.add_vocab_size(n_vocab)
-        if n_expert:
-            writer.add_expert_count(n_expert)
-            writer.add_expert_used_count(n_expert_used)
-        writer.add_file_type(int(file_type))
-        if qtype not in (QT.F32, QT.F16, QT.BF16):
-            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _add_model_kv(
+            writer,
+            name=name,
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_ff=n_ff,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            ctx=ctx,
+            n_vocab=n_vocab,
+            qtype=qtype,
+            file_type=file_type,
+            n_expert=n_expert,
+            n_expert_used=n_expert_used,
+        )
         for key, value, vtype, sub in tok_entries:
             writer.add_key_value(key, value, vtype, sub_type=sub)
 
@@ -369,6 +419,118 @@ def write_moe(
         n_expert=n_expert,
         n_expert_used=n_expert_used,
     )
+
+
+def write_shape_only(
+    path: str | os.PathLike[str],
+    *,
+    kind: Literal["dense", "moe"],
+    n_layers: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    n_ff: int = 0,
+    n_ff_exp: int = 0,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+    ctx: int = 4096,
+    weight_type: str = "q5_k",
+    vocab_size: int = 32000,
+    name: str | None = None,
+) -> Path:
+    """Write a llama GGUF whose header is complete but whose tensor data is a sparse hole.
+
+    For planning tests only (``hydra plan`` against a model of the real size): the tensor infos
+    carry the real names, shapes, quant types and byte sizes, and the file has its full size, but
+    the data region is made with truncate, so it costs (almost) no disk and reads as zeros. The
+    model will not generate text: its weights are all zero and it has no tokenizer
+    (``tokenizer.ggml.model = "none"``, so llama.cpp makes ``vocab_size`` dummy tokens). Stock
+    llama-server loads it and answers /health, but aborts on the first token it generates (it
+    cannot turn a token into text); nothing in hydra depends on loading it.
+
+    `kind` "dense" takes the FFN width `n_ff`; "moe" takes the per-expert width `n_ff_exp` with
+    `n_expert` / `n_expert_used` (experts stacked in ``blk.N.ffn_{gate,up,down}_exps.weight``).
+    `weight_type` is a key of SHAPE_TYPES ("q5_k", "q4_k", "q3_k", "f16", ...).
+    """
+    _check_shape(n_layers, n_embd, n_head, n_head_kv, ctx)
+    if kind == "dense":
+        if n_ff_exp or n_expert or n_expert_used:
+            raise HydraError("shape-only dense model: give n_ff, not n_ff_exp / experts")
+        ff = n_ff
+    elif kind == "moe":
+        if n_ff:
+            raise HydraError("shape-only MoE model: give the per-expert width as n_ff_exp")
+        if n_expert < 1 or not 1 <= n_expert_used <= n_expert:
+            raise HydraError(
+                f"shape-only MoE: need 1 <= experts-used ({n_expert_used}) <= experts ({n_expert})"
+            )
+        ff = n_ff_exp
+    else:
+        raise HydraError(f"shape-only model: kind must be 'dense' or 'moe', got {kind!r}")
+    if ff <= 0:
+        raise HydraError("shape-only model: the FFN width must be > 0")
+    if vocab_size <= 0:
+        raise HydraError("shape-only model: vocab_size must be > 0")
+    if weight_type not in SHAPE_TYPES:
+        raise HydraError(
+            f"shape-only model: unknown weight_type {weight_type!r}; "
+            f"one of {', '.join(SHAPE_TYPES)}"
+        )
+    qtype, file_type = SHAPE_TYPES[weight_type]
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        _add_model_kv(
+            writer,
+            name=name or f"hydra-shape-{kind}",
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_ff=ff,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            ctx=ctx,
+            n_vocab=vocab_size,
+            qtype=qtype,
+            file_type=file_type,
+            n_expert=n_expert if kind == "moe" else 0,
+            n_expert_used=n_expert_used if kind == "moe" else 0,
+        )
+        # A real tokenizer of a big vocabulary would make the header megabytes (and its parsing
+        # seconds); the planner never reads it.
+        writer.add_tokenizer_model("none")
+        plan = _plan(
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            n_vocab=vocab_size,
+            qtype=qtype,
+            n_ff=ff,
+            n_expert=n_expert if kind == "moe" else 0,
+        )
+        for t in plan:
+            writer.add_tensor_info(
+                t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype
+            )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        assert writer.fout is not None and len(writer.fout) == 1
+        fout = writer.fout[0]
+        writer.write_padding(fout, fout.tell())
+        # The offsets in the tensor infos advance by each tensor's size padded to the alignment;
+        # extending the file to the end of the last one leaves a hole that reads as zeros.
+        data = sum(writer.ggml_pad(t.n_bytes, writer.data_alignment) for t in plan)
+        fout.truncate(fout.tell() + data)
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -113,7 +113,7 @@ class Up:
             if self.proc.poll() is not None:
                 raise AssertionError(f"hydra up exited {self.proc.returncode}:\n{self.output()}")
             st = status_json(self.env)
-            if st["running"] and st["status"] and all(
+            if st["running"] and st["status"] and st["status"]["pid"] == self.proc.pid and all(
                     e["state"] == "READY" for e in st["status"]["engines"]) and \
                     "ready:" in Path(self.out.name).read_text():
                 return st
