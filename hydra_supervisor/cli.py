@@ -279,7 +279,7 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
               f"ctx {p.meta.get('ctx')}, devices from {lay.inventory.source}")
     for pl in p.placements:
         free = f"{pl.free_bytes / 2**20:,.0f} MiB usable" if pl.free_bytes else "free unknown"
-        out.print(f"  {pl.device}: {pl.layers} {pl.what}, weights {pl.weight_bytes / 2**20:,.0f}"
+        out.print(f"  {pl.device}: {pl.what}, weights {pl.weight_bytes / 2**20:,.0f}"
                   f" MiB + KV {pl.kv_bytes / 2**20:,.0f} + buffers "
                   f"{pl.overhead_bytes / 2**20:,.0f} = {pl.need_bytes / 2**20:,.0f} MiB ({free})")
     for e in p.in_start_order():

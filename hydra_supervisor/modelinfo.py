@@ -88,6 +88,15 @@ class ModelInfo:
         """Bytes outside blocks 0..block_count-1: token_embd, output, output_norm, ..."""
         return self.tensor_bytes() - sum(self.layer_bytes())
 
+    def output_bytes(self) -> int:
+        """What the output layer puts on its device: everything outside the blocks but the
+        input embedding, which llama.cpp always keeps on the CPU; with tied embeddings (no
+        output.weight) the output layer uses token_embd, so its bytes count here instead."""
+        names = {t.name for t in self.tensors}
+        embd = sum(t.n_bytes for t in self.tensors if t.name == "token_embd.weight")
+        tied = "output.weight" not in names
+        return self.non_layer_bytes() - embd + (embd if tied else 0)
+
     def tensor_bytes(self) -> int:
         """All tensor data, in bytes (layer_bytes() + non_layer_bytes())."""
         return sum(t.n_bytes for t in self.tensors)

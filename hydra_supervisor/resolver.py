@@ -46,6 +46,7 @@ class Model(Protocol):
     def layer_bytes(self) -> list[int]: ...
     def expert_bytes_per_layer(self) -> list[int]: ...
     def non_layer_bytes(self) -> int: ...
+    def output_bytes(self) -> int: ...
     def tensor_names(self) -> list[str]: ...
     def kv_bytes_per_token(self, type_bytes: float = 2.0) -> int: ...
 
@@ -145,12 +146,51 @@ def plan_layer_split(profile: Profile, model: Model, order: Sequence[Device],
     return _largest_remainder([float(a) for a in avail], n)
 
 
+def _user_ngl(profile: Profile) -> int | None:
+    for key in ("n-gpu-layers", "ngl", "gpu-layers"):
+        val = profile.server_args.get(key)
+        if isinstance(val, int):
+            return val
+        if isinstance(val, str) and val.isdigit():
+            return int(val)
+    return None
+
+
+def _solo_placements(profile: Profile, model: Model, head: Device, host: Device | None,
+                     ctx: int, kv_type: float) -> list[Placement]:
+    """SOLO: all on the head's device, minus what n-gpu-layers / n_cpu_moe leave on the CPU."""
+    n = model.block_count
+    if head.kind is Kind.CPU:
+        return _layer_placements(model, [head], [n], ctx, kv_type, 1)
+    ngl = _user_ngl(profile)
+    gpu_layers = n + 1 if ngl is None else max(0, min(ngl, n + 1))
+    gpu_blocks = max(gpu_layers - 1, 0)  # the output layer is offloaded first
+    first_gpu = n - gpu_blocks
+    layer_bytes = model.layer_bytes()
+    expert = model.expert_bytes_per_layer()
+    cpu_moe = set(range(min(profile.n_cpu_moe or 0, n)))
+    on_gpu = [b - (expert[i] if i in cpu_moe else 0) for i, b in enumerate(layer_bytes)]
+    gpu_w = sum(on_gpu[first_gpu:]) + (model.output_bytes() if gpu_layers else 0)
+    kv_layer = model.kv_bytes_per_token(kv_type) * ctx // max(n, 1)
+    what = f"layers {first_gpu}-{n - 1} + output" if gpu_blocks else "output only"
+    out = [Placement(head.name, gpu_blocks, gpu_w, kv_layer * gpu_blocks, GPU_OVERHEAD,
+                     _available(head, 1), what=what if gpu_layers else "nothing")]
+    cpu_w = model.non_layer_bytes() + sum(layer_bytes) - gpu_w
+    if first_gpu or cpu_moe:  # (the input embedding alone on the CPU is not worth a row)
+        out.append(Placement(
+            "cpu (host RAM)", first_gpu, cpu_w, kv_layer * first_gpu, CPU_OVERHEAD,
+            _available(host, 1) if host else 0,
+            what=(f"layers 0-{first_gpu - 1}" if first_gpu else "input embedding")
+            + (f", experts of layers 0-{len(cpu_moe) - 1}" if cpu_moe else "")))
+    return out
+
+
 def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
     short = [p for p in placements if p.free_bytes and p.need_bytes > p.free_bytes]
     if not short:
         return
     rows = "\n".join(
-        f"  {p.device}: needs {p.need_bytes / MIB:,.0f} MiB ({p.layers} {p.what}: weights "
+        f"  {p.device}: needs {p.need_bytes / MIB:,.0f} MiB ({p.what}: weights "
         f"{p.weight_bytes / MIB:,.0f} + KV {p.kv_bytes / MIB:,.0f} + buffers "
         f"{p.overhead_bytes / MIB:,.0f}), has {p.free_bytes / MIB:,.0f} MiB usable"
         for p in placements)
@@ -173,14 +213,34 @@ def _layer_placements(model: Model, order: Sequence[Device], counts: Sequence[in
     start = 0
     for i, (dev, count) in enumerate(zip(order, counts, strict=True)):
         weights = sum(layer_bytes[start:start + count])
-        if i == len(order) - 1:
-            weights += model.non_layer_bytes()
-        start += count
+        last = i == len(order) - 1
+        if last:
+            weights += model.output_bytes()
         out.append(Placement(
             device=dev.name, layers=count, weight_bytes=weights, kv_bytes=kv_per_layer * count,
             overhead_bytes=CPU_OVERHEAD if dev.kind is Kind.CPU else GPU_OVERHEAD,
-            free_bytes=_available(dev, cpu_sharers)))
+            free_bytes=_available(dev, cpu_sharers),
+            what=f"layers {start}-{start + count - 1}" + (" + output" if last else "")
+            if count else ("output" if last else "layers")))
+        start += count
     return out
+
+
+def _ranges(nums: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out: list[str] = []
+    for n in sorted(nums):
+        if out and int(out[-1].split("-")[-1]) == n - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)
+
+
+def _ts(counts: Sequence[int]) -> str:
+    """-ts for llama.cpp, which spreads it over the offloaded blocks *and* the output layer:
+    the last device (which gets the output layer) counts one more."""
+    return ",".join(str(c + (1 if i == len(counts) - 1 else 0)) for i, c in enumerate(counts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +337,8 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
             dev_flags = dev_flags[2:]
         if profile.n_cpu_moe is not None:
             dev_flags += ["--n-cpu-moe", str(profile.n_cpu_moe)]
-        placements = _layer_placements(model, [head_dev], [model.block_count], ctx, kv_type, 1)
+        placements = _solo_placements(profile, model, head_dev, devices.get("cpu"), ctx,
+                                      kv_type)
         _check_fit(placements, profile)
         engines.append(EngineSpec(
             name="head", role=Role.HEAD, program="llama-server",
@@ -296,8 +357,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         local_counts = [counts[-1], *counts[:-1]]
         placements = _layer_placements(model, gpus, local_counts, ctx, kv_type, 1)
         _check_fit(placements, profile)
-        args = base + ["-ngl", "99", "-sm", "layer",
-                       "-ts", ",".join(str(c) for c in local_counts)] + extra
+        args = base + ["-ngl", "99", "-sm", "layer", "-ts", _ts(local_counts)] + extra
         engines.append(EngineSpec(
             name="head", role=Role.HEAD, program="llama-server", args=tuple(args),
             env=_base_env(profile) + _pin_env(gpus), host=profile.host, port=profile.port,
@@ -353,11 +413,11 @@ def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence
         # -ngl counts the output layer too (offloaded first, to the last RPC device).
         args = ["-ngl", str(sum(counts[:-1]) + 1), "-sm", "layer"]
         if len(peers) > 1:
-            args += ["-ts", ",".join(str(c) for c in counts[:-1])]
+            args += ["-ts", _ts(counts[:-1])]
         return args, placements
     placements = _layer_placements(model, order, counts, ctx, kv_type, cpu_sharers)
     _check_fit(placements, profile)
-    return ["-ngl", "99", "-sm", "layer", "-ts", ",".join(str(c) for c in counts)], placements
+    return ["-ngl", "99", "-sm", "layer", "-ts", _ts(counts)], placements
 
 
 def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device,
@@ -384,10 +444,11 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device,
     kv = model.kv_bytes_per_token(kv_type) * ctx
     placements = [
         Placement(peer.name, len(chosen), peer_bytes, 0, overhead, peer_avail,
-                  what="expert layers"),
+                  what=f"experts of {len(chosen)} layers ({_ranges(chosen)})"),
         Placement(head.name, model.block_count, head_bytes, kv,
                   CPU_OVERHEAD if head.kind is Kind.CPU else GPU_OVERHEAD,
-                  _available(head, cpu_sharers), what="layers (non-expert)"),
+                  _available(head, cpu_sharers),
+                  what=f"all {model.block_count} layers but those experts"),
     ]
     _check_fit(placements, profile)
     # The buffer type name is RPC0[host:port]; bare RPC0 is "unknown buffer type".

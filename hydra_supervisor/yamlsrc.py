@@ -54,8 +54,14 @@ def _convert(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], file: st
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_convert(item, path + (i,), lines, file) for i, item in enumerate(node.value)]
-    # Scalars: let the safe constructor apply YAML's own typing (ints, bools, nulls).
-    return yaml.safe_load(yaml.serialize(node))
+    # Scalars: let the safe constructor apply YAML's own typing (ints, bools, nulls) -- but
+    # YAML 1.2 booleans only: a plain `on`/`off`/`yes`/`no` stays a string, so
+    # `flash-attn: on` means `--flash-attn on`, as the operator wrote it.
+    value = yaml.safe_load(yaml.serialize(node))
+    if isinstance(value, bool) and isinstance(node, yaml.ScalarNode) and not node.style \
+            and node.value.lower() not in ("true", "false"):
+        return node.value
+    return value
 
 
 def load_text(text: str, file: str) -> Sourced:

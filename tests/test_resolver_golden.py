@@ -43,6 +43,9 @@ class FakeModel:
     def non_layer_bytes(self) -> int:
         return self.extra
 
+    def output_bytes(self) -> int:
+        return self.extra // 2  # the other half is token_embd, which stays on the CPU
+
     def tensor_names(self) -> list[str]:
         if self.names:
             return self.names
@@ -101,7 +104,7 @@ def test_dense_combine_gpu_head_rpc_first():
     assert peer.args == ("-H", "127.0.0.1", "-p", "50052", "-c")
     assert peer.env_dict()["CUDA_VISIBLE_DEVICES"] == "1"
     assert head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080",
-                         "--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer", "-ts", "1,3")
+                         "--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer", "-ts", "1,4")
     assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0"
     assert [p.layers for p in plan.placements] == [1, 3]
     assert any("transport: local" in n for n in plan.notes)
@@ -111,7 +114,9 @@ def test_dense_combine_split_by_name_and_output_layer_count():
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
                                  split={"rtx": 4, "rtx3060": 1}),
                             FakeModel(), M, DEVICES, [50052])
-    assert plan.head.args[-2:] == ("-ts", "1,3")  # 5 = 4 blocks + output: output left to head
+    # 5 = 4 blocks + output, as llama.cpp counts -ts: 1 block on the peer, 3 + output on the head
+    assert plan.head.args[-2:] == ("-ts", "1,4")
+    assert [p.layers for p in plan.placements] == [1, 3]
 
 
 def test_dense_combine_cpu_head_offloads_last_layers():
@@ -133,7 +138,7 @@ def test_dense_combine_with_remote_peer_is_not_spawned():
     assert remote.endpoint == "192.168.122.21:50052"
     assert "--rpc" in head.args
     assert head.args[head.args.index("--rpc") + 1] == "127.0.0.1:50052,192.168.122.21:50052"
-    assert head.args[-2:] == ("-ts", "1,1,2")
+    assert head.args[-2:] == ("-ts", "1,1,3")
 
 
 def test_transport_local_one_process_over_both_gpus():
@@ -142,7 +147,7 @@ def test_transport_local_one_process_over_both_gpus():
                             FakeModel(), M, DEVICES, [])
     (head,) = plan.engines
     assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "3,1")
+    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "3,2")
     assert plan.transport == "local"
 
 
@@ -208,7 +213,7 @@ def test_split_planned_from_free_memory():
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)),
                             FakeModel(block_count=26), M, DEVICES, [50052])
     # 11 GiB vs 15 GiB free → 11/26 and 15/26 of 26 layers.
-    assert plan.head.args[-2:] == ("-ts", "11,15")
+    assert plan.head.args[-2:] == ("-ts", "11,16")
 
 
 def test_expert_pattern_never_matches_nothing():
@@ -229,3 +234,50 @@ def test_demo_profile_golden(tmp_path: Path):
     assert plan.head.args == ("-m", "/models/gemma.gguf", "--host", "127.0.0.1", "--port",
                               "8080", "-ngl", "0", "--ctx-size", "4096", "--parallel", "2")
     assert plan.head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", ""))
+
+
+def llama_cpp_devices(ts: list[float], n_layer: int, ngl: int) -> list[int]:
+    """Blocks per device as llama.cpp assigns them (src/llama-model.cpp: cumulative -ts split
+    points over the offloaded layers, output layer included; upper_bound of il/act)."""
+    import bisect
+
+    total = sum(ts)
+    points = [sum(ts[:i + 1]) / total for i in range(len(ts))]
+    start = max(n_layer + 1 - ngl, 0)
+    act = min(ngl, n_layer + 1)
+    out = [0] * len(ts)
+    for il in range(start, n_layer):
+        out[bisect.bisect_right(points, (il - start) / act)] += 1
+    return out
+
+
+@pytest.mark.parametrize("n,split", [(4, (1, 3)), (64, (25, 39)), (65, (21, 44)), (18, (9, 9)),
+                                     (40, (13, 13, 14))])
+def test_ts_gives_llama_cpp_exactly_the_planned_blocks(n, split):
+    peers = ("rtx3060", "p100")[:len(split) - 1]
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=peers, split=split),
+                            FakeModel(block_count=n, per_layer=1 * MIB), M, DEVICES,
+                            [50052])
+    ts = [float(x) for x in plan.head.args[plan.head.args.index("-ts") + 1].split(",")]
+    assert llama_cpp_devices(ts, n, 99) == [p.layers for p in plan.placements]
+
+
+def test_solo_partial_offload_counts_only_what_the_gpu_holds():
+    model = FakeModel(block_count=10, per_layer=2 * GIB, extra=2 * MIB)
+    plan = resolver.resolve(prof(head="rtx", server_args={"n-gpu-layers": 6}), model, M,
+                            DEVICES, [])
+    gpu, host = plan.placements
+    assert (gpu.device, gpu.layers, gpu.what) == ("rtx", 5, "layers 5-9 + output")
+    assert gpu.weight_bytes == 5 * 2 * GIB + MIB
+    assert host.layers == 5 and host.weight_bytes == 5 * 2 * GIB + MIB
+    with pytest.raises(HydraError, match="does not fit"):
+        resolver.resolve(prof(head="rtx"), model, M, DEVICES, [])
+
+
+def test_solo_n_cpu_moe_keeps_those_experts_off_the_gpu():
+    model = FakeModel(block_count=8, expert_count=8, per_layer=100 * MIB,
+                      per_layer_experts=1 * GIB)
+    full = resolver.resolve(prof(head="rtx"), model, M, DEVICES, []).placements[0]
+    part = resolver.resolve(prof(head="rtx", n_cpu_moe=3), model, M, DEVICES, []).placements
+    assert full.weight_bytes - part[0].weight_bytes == 3 * GIB
+    assert part[1].device == "cpu (host RAM)" and "experts of layers 0-2" in part[1].what

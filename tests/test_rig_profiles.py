@@ -226,8 +226,8 @@ def test_dense_combine_argv_env_and_start_order(rig: Rig, dense: ModelInfo) -> N
     assert value(args, "-sm") == "layer"
     assert value(args, "-ngl") == "99"
     ts = [int(x) for x in value(args, "-ts").split(",")]
-    assert ts == [25, 39]  # the profile's 25/40 counts the output layer on the head
-    assert sum(ts) == dense.block_count
+    assert ts == [25, 40]  # llama.cpp spreads -ts over 64 blocks + the output layer
+    assert sum(ts) == dense.block_count + 1
     common_server_args(args, 60000)
     assert (value(args, "--rope-scaling"), value(args, "--rope-scale"),
             value(args, "--yarn-orig-ctx")) == ("yarn", "4", "32768")
@@ -240,8 +240,9 @@ def test_dense_combine_placements_bytes(rig: Rig, dense: ModelInfo) -> None:
     assert (peer["device"], peer["layers"], head["device"], head["layers"]) == (
         "rtx3060", 25, "rtx", 39)
     assert peer["weight_bytes"] == sum(layer_bytes[:25])
-    # the head holds the later blocks plus output / token_embd / output_norm (the estimate)
-    assert head["weight_bytes"] == sum(layer_bytes[25:]) + dense.non_layer_bytes()
+    # the head holds the later blocks plus the output layer; token_embd stays on the CPU
+    assert head["weight_bytes"] == sum(layer_bytes[25:]) + dense.output_bytes()
+    assert dense.output_bytes() < dense.non_layer_bytes()
     assert peer["kv_bytes"] / MIB == pytest.approx(kv_mib(dense, 60000, 25), abs=1)
     assert head["kv_bytes"] / MIB == pytest.approx(kv_mib(dense, 60000, 39), abs=1)
     for p in (peer, head):
@@ -261,15 +262,15 @@ def test_dense_combine_text_form_is_readable(rig: Rig) -> None:
     out = res.stdout
     assert "profile dense27b-combine" in out
     assert "64 layers" in out and "MiB" in out
-    assert re.search(r"rtx3060: 25 layers, weights [\d,]+ MiB .* = [\d,]+ MiB "
+    assert re.search(r"rtx3060: layers 0-24, weights [\d,]+ MiB .* = [\d,]+ MiB "
                      r"\(11,305 MiB usable\)", out), out
-    assert re.search(r"rtx: 39 layers, .* \(15,010 MiB usable\)", out), out
+    assert re.search(r"rtx: layers 25-63 \+ output, .* \(15,010 MiB usable\)", out), out
     peer_line = out.index("0. peer-rtx3060 (peer, on rtx3060) listens 127.0.0.1:50052")
     head_line = out.index("1. head (head, on rtx) listens 127.0.0.1:8080")
     assert peer_line < head_line
     assert "CUDA_VISIBLE_DEVICES=1 ggml-rpc-server -H 127.0.0.1 -p 50052 -c" in out
     assert "CUDA_VISIBLE_DEVICES=0 llama-server -m " in out
-    assert "--rpc 127.0.0.1:50052 -ngl 99 -sm layer -ts 25,39" in out
+    assert "--rpc 127.0.0.1:50052 -ngl 99 -sm layer -ts 25,40" in out
     assert "note: all devices are local GPUs: transport: local" in out
     assert all(len(line) < 400 for line in out.splitlines() if "llama-server" not in line)
 
@@ -294,10 +295,6 @@ def llama_cpp_blocks_per_device(ts: list[float], n_layer: int, ngl: int) -> list
     return counts
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "resolver emits -ts as block counts adding up to n_layer, but llama.cpp spreads -ts over "
-    "n_layer + 1 layers (the output layer included): '-ts 25,39' puts 26 blocks on the peer, "
-    "not the 25 the plan's placements show; '-ts 25,40' would"))
 def test_dense_combine_ts_gives_llama_cpp_the_planned_blocks(rig: Rig, dense: ModelInfo) -> None:
     plan = rig.plan("dense27b-combine")
     args = engines(plan)["head"]["args"]
@@ -346,7 +343,7 @@ def test_moe_combine_placements_bytes(rig: Rig, mini: ModelInfo) -> None:
     peer, head = plan["placements"]
     expert_bytes = mini.expert_bytes_per_layer()
     n_peer = peer["layers"]
-    assert peer["what"] == "expert layers"
+    assert peer["what"] == f"experts of {n_peer} layers ({40 - n_peer}-39)"
     assert peer["weight_bytes"] == sum(expert_bytes[-n_peer:])
     assert peer["kv_bytes"] == 0
     assert head["weight_bytes"] == mini.tensor_bytes() - peer["weight_bytes"]
@@ -361,7 +358,8 @@ def test_moe_combine_text_form(rig: Rig) -> None:
     res = rig.hydra("plan", "--profile", "moe35b-combine")
     assert res.returncode == 0, res.stderr
     assert "256 experts (8 used)" in res.stdout
-    assert re.search(r"rtx3060: \d+ expert layers, weights [\d,]+ MiB", res.stdout)
+    assert re.search(r"rtx3060: experts of \d+ layers \(\d+-39\), weights [\d,]+ MiB",
+                     res.stdout)
     assert "=RPC0[127.0.0.1:50052]'" in res.stdout  # shell-quoted, copy-pastable
 
 
@@ -369,10 +367,6 @@ def test_moe_combine_text_form(rig: Rig) -> None:
 # SOLO profiles: partial offload the resolver does not credit yet
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the resolver's fit check charges every expert tensor to the GPU and ignores --n-cpu-moe "
-    "(the 8 CPU layers' experts are ~2.6 GiB here), so it refuses the deployed layout: "
-    "needs 15,292 MiB, has 15,010"))
 def test_moe_solo_n_cpu_moe(rig: Rig, mini: ModelInfo) -> None:
     plan = rig.plan("moe35b-solo")
     (head,) = plan["engines"]
@@ -381,15 +375,13 @@ def test_moe_solo_n_cpu_moe(rig: Rig, mini: ModelInfo) -> None:
     assert value(args, "--n-cpu-moe") == "8"
     assert "--rpc" not in args and "-ot" not in args
     common_server_args(args, 65536)
-    (pl,) = plan["placements"]
+    gpu, host = plan["placements"]
     cpu_experts = sum(mini.expert_bytes_per_layer()[:8])
-    assert pl["weight_bytes"] == mini.tensor_bytes() - cpu_experts
+    assert gpu["weight_bytes"] == sum(mini.layer_bytes()) - cpu_experts + mini.output_bytes()
+    assert host["device"] == "cpu (host RAM)" and "experts of layers 0-7" in host["what"]
+    assert gpu["weight_bytes"] + gpu["kv_bytes"] + gpu["overhead_bytes"] <= gpu["free_bytes"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the resolver's SOLO fit check places all 64 blocks on the GPU and ignores the profile's "
-    "n-gpu-layers 40, so it refuses a partial offload that fits (needs 20,521 MiB for the "
-    "whole model, has 15,010)"))
 def test_dense_solo_partial_offload(rig: Rig, dense: ModelInfo) -> None:
     plan = rig.plan("dense27b-solo")
     (head,) = plan["engines"]
@@ -399,18 +391,11 @@ def test_dense_solo_partial_offload(rig: Rig, dense: ModelInfo) -> None:
     assert "-ngl" not in args
     assert value(args, "-sm") == "none"
     common_server_args(args, 32768)
-    (pl,) = plan["placements"]
-    # the last 39 blocks + output (40 if the output layer is counted); the first 25 on the CPU
-    assert pl["layers"] in (39, 40)
-
-
-def test_solo_profiles_are_refused_today_with_per_device_numbers(rig: Rig) -> None:
-    """Pins today's message (see the xfails above) so a change in it is noticed."""
-    for profile, need in (("dense27b-solo", "20,521"), ("moe35b-solo", "15,292")):
-        res = rig.hydra("plan", "--profile", profile)
-        assert res.returncode == 2, res.stdout
-        assert f"rtx: needs {need} MiB" in res.stderr, res.stderr
-        assert "has 15,010 MiB usable" in res.stderr
+    gpu, host = plan["placements"]
+    # -ngl 40: the output layer and the last 39 blocks on the GPU, blocks 0-24 on the CPU
+    assert (gpu["layers"], gpu["what"]) == (39, "layers 25-63 + output")
+    assert (host["layers"], host["what"]) == (25, "layers 0-24")
+    assert gpu["weight_bytes"] == sum(dense.layer_bytes()[25:]) + dense.output_bytes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +412,7 @@ def test_too_big_is_refused_with_per_device_numbers(rig: Rig, tmp_path: Path) ->
     assert res.returncode == 2, res.stdout
     err = res.stderr
     assert "model does not fit the devices of profile 'balanced-on-3060'" in err
-    m = re.search(r"rtx3060: needs ([\d,]+) MiB \(40 layers: weights ([\d,]+) \+ KV ([\d,]+) "
+    m = re.search(r"rtx3060: needs ([\d,]+) MiB \(layers 0-39 \+ output: weights ([\d,]+) \+ KV ([\d,]+) "
                   r"\+ buffers 768\), has 11,305 MiB usable", err)
     assert m, err
     need, weights, kv = (int(x.replace(",", "")) for x in m.groups())

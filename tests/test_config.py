@@ -1,0 +1,57 @@
+"""Config loading (pure): YAML typing, layering node < profile < CLI, line numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hydra_supervisor.config import Mode, PeerLoss, load_node, load_profile
+from hydra_supervisor.errors import ConfigError
+from hydra_supervisor.yamlsrc import load_text
+
+
+def test_yaml11_on_off_stay_strings_true_false_are_bools():
+    src = load_text("a: on\nb: off\nc: yes\nd: true\ne: 'on'\nf: False\n", "x.yaml")
+    assert src.data == {"a": "on", "b": "off", "c": "yes", "d": True, "e": "on", "f": False}
+    assert src.where(("c",)) == "x.yaml:3"
+
+
+def test_layering_node_defaults_then_profile_then_cli(tmp_path: Path):
+    node_file = tmp_path / "node.yaml"
+    node_file.write_text("defaults:\n  server_args: {flash-attn: on, ctx-size: 1024}\n"
+                         "  on_peer_loss: fail\n  restart: {max_failures: 9}\n")
+    prof = tmp_path / "p.yaml"
+    prof.write_text("model: m.gguf\nmode: combine\nserver_args: {ctx-size: 2048}\n"
+                    "restart: {backoff_max: 7}\n")
+    p = load_profile(prof, load_node(node_file), {"port": 9999})
+    assert p.server_args == {"flash-attn": "on", "ctx-size": 2048}
+    assert p.on_peer_loss is PeerLoss.FAIL and p.mode is Mode.COMBINE and p.port == 9999
+    assert (p.restart.max_failures, p.restart.backoff_max) == (9, 7)
+    assert p.name == "p"
+
+
+def test_node_device_errors_name_line(tmp_path: Path):
+    node_file = tmp_path / "node.yaml"
+    node_file.write_text("devices:\n  rtx: {cuda: 0}\n  bad: {cuda: 1, cpu: true}\n"
+                         "  far: {endpoint: nohostport}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_node(node_file)
+    msg = str(exc.value)
+    assert f"{node_file}:3: devices.bad: give exactly one of cuda, cpu, endpoint" in msg
+    assert "devices.far.endpoint: expected host:port" in msg
+
+
+def test_missing_model_key(tmp_path: Path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text("mode: solo\n")
+    with pytest.raises(ConfigError, match="missing required key 'model'"):
+        load_profile(prof, load_node(None))
+
+
+def test_health_section_is_validated(tmp_path: Path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text("model: m\nhealth:\n  hang_timout: 5\n")
+    with pytest.raises(ConfigError, match=r"p.yaml:3: health.hang_timout: unknown key .*"
+                                          r"did you mean .hang_timeout."):
+        load_profile(prof, load_node(None))
