@@ -412,8 +412,8 @@ def test_too_big_is_refused_with_per_device_numbers(rig: Rig, tmp_path: Path) ->
     assert res.returncode == 2, res.stdout
     err = res.stderr
     assert "model does not fit the devices of profile 'balanced-on-3060'" in err
-    m = re.search(r"rtx3060: needs ([\d,]+) MiB \(layers 0-39 \+ output: weights ([\d,]+) \+ KV ([\d,]+) "
-                  r"\+ buffers 768\), has 11,305 MiB usable", err)
+    m = re.search(r"rtx3060: needs ([\d,]+) MiB \(layers 0-39 \+ output: weights ([\d,]+) "
+                  r"\+ KV ([\d,]+) \+ buffers 768\), has 11,305 MiB usable", err)
     assert m, err
     need, weights, kv = (int(x.replace(",", "")) for x in m.groups())
     assert weights > 20_000 and kv == 340 and need == weights + kv + 768
