@@ -202,7 +202,8 @@ def status(as_json: bool) -> None:
         uptime = _fmt_age(now - e["started"]) if e.get("started") else "-"
         table.add_row(e["name"], e["role"], str(e["pid"] or "-"), str(e["port"]), e["state"],
                       data["model"] if e["role"] == "head" else f"({e['device']})", uptime,
-                      str(e["restarts"]), e["reason"])
+                      str(e["restarts"]), e["reason"] + (f" [{e['warning']}]"
+                                                         if e.get("warning") else ""))
     out.print(table)
     if data.get("degraded"):
         out.print(f"[bold yellow]{data['degraded']}[/]")

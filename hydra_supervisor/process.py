@@ -63,16 +63,31 @@ def kill_group(pid: int, sig: int) -> None:
 
 
 async def stop(proc: asyncio.subprocess.Process, grace: float = 10.0) -> int:
-    """TERM the group, wait up to `grace` seconds, then KILL. Returns the exit status."""
+    """TERM the group; TERM again after 2 s; KILL after `grace` seconds. Returns the status.
+
+    The second TERM is for llama-server, which can hang in its clean-up when requests are in
+    flight; a second signal makes it exit at once ("terminating immediately").
+    """
     if proc.returncode is not None:
         kill_group(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
         return proc.returncode
     kill_group(proc.pid, signal.SIGTERM)
+    first = min(2.0, grace / 2)
     try:
-        return await asyncio.wait_for(proc.wait(), grace)
+        return await asyncio.wait_for(proc.wait(), first)
+    except TimeoutError:
+        kill_group(proc.pid, signal.SIGTERM)
+    try:
+        return await asyncio.wait_for(proc.wait(), grace - first)
     except TimeoutError:
         kill_group(proc.pid, signal.SIGKILL)
         return await asyncio.wait_for(proc.wait(), 10.0)
+
+
+async def kill_now(proc: asyncio.subprocess.Process) -> int:
+    """SIGKILL the group at once (for a hung process, which would ignore SIGTERM)."""
+    kill_group(proc.pid, signal.SIGKILL)
+    return await asyncio.wait_for(proc.wait(), 10.0)
 
 
 def describe_exit(code: int | None) -> str:

@@ -87,6 +87,7 @@ class ManagedProcess:
     restarts: int = 0
     failures: collections.deque[float] = field(default_factory=collections.deque)
     consecutive: int = 0
+    warning: str = ""  # a lasting condition worth showing beside the state (log fallback)
 
     @property
     def name(self) -> str:
@@ -144,7 +145,7 @@ class ManagedProcess:
             "host": self.spec.host, "port": self.spec.port, "device": self.spec.device,
             "state": self.state.value, "reason": self.reason, "restarts": self.restarts,
             "started": self.started_wall if self.alive else None,
-            "managed": self.spec.managed, "log": str(self.log_path),
+            "managed": self.spec.managed, "log": str(self.log_path), "warning": self.warning,
             "log_tail": self.log_tail() if self.state is State.FATAL else [],
         }
 
@@ -246,7 +247,7 @@ class Supervisor:
             log.error("%s: cannot write log %s (%s); logging to %s", mp.name, mp.log_path,
                       exc, fallback)
             mp.log_path = fallback
-            mp.reason = f"log dir not writable ({exc}); logging to {fallback}"
+            mp.warning = f"log dir not writable ({exc.strerror}); logging to {fallback}"
             mp.proc = await process.spawn(argv, mp.spec.env_dict(), mp.log_path)
         except OSError as exc:
             raise StartFailed(f"cannot start {mp.binary}: {exc.strerror}") from exc
@@ -352,6 +353,9 @@ class Supervisor:
             log.error("FATAL: %s", exc)
         except StartFailed:
             pass
+        except IllegalTransition as exc:  # a bug: say so loudly, then stop cleanly
+            self.fatal = f"internal error (illegal state transition {exc}); please report"
+            log.exception("BUG: %s", exc)
         finally:
             await self.shutdown("hydra is stopping")
             self.publish()
@@ -392,7 +396,10 @@ class Supervisor:
                 self.head.restarts += 1
             elif event.startswith("hang"):
                 reason = event.partition(":")[2]
-                await self._stop_one(self.head, reason)
+                # A hung process will not act on SIGTERM (a SIGSTOPped one cannot): KILL it.
+                if self.head.proc is not None:
+                    await process.kill_now(self.head.proc)
+                self.state.forget_child(self.head.name)
                 delay = self.head.record_failure(f"{reason}; killed")
                 await self._sleep(delay)
                 self.head.restarts += 1
@@ -422,13 +429,27 @@ class Supervisor:
         peer.restarts += 1
 
     async def _recover_peers(self) -> None:
-        """Degraded mode: bring the peers back (with backoff) while the SOLO head serves."""
-        for peer in self.peers:
-            if peer.state is not State.READY:
-                delay = peer.record_failure(peer.reason or "peer lost")
-                await self._sleep(delay)
-                peer.restarts += 1
-                await self._bring_up(peer)
+        """Degraded mode: bring the peers back (with backoff) while the SOLO head serves, and
+        return only once they have stayed up for restart.stable_after seconds: each switch
+        costs a head restart, so a flapping peer must not make the head flap too."""
+        hold = self.head.policy.stable_after
+        while True:
+            for peer in self.peers:
+                if peer.state is not State.READY or not peer.alive:
+                    if peer.state is State.READY:
+                        code = peer.proc.returncode if peer.proc else None
+                        peer.record_failure(f"peer {peer.name} {process.describe_exit(code)}")
+                    delay = min(peer.policy.backoff_initial * 2 ** max(peer.consecutive - 1, 0),
+                                peer.policy.backoff_max)
+                    await self._sleep(delay)
+                    peer.restarts += 1
+                    await self._bring_up(peer)
+            self.degraded = (self.degraded or "").split(";")[0] + \
+                f"; peers back, returning to COMBINE after {hold:.0f}s stable"
+            self.publish()
+            await self._sleep(hold)
+            if all(p.alive for p in self.peers if p.spec.managed):
+                return
 
     async def _undegrade(self) -> None:
         log.warning("peers are back: returning %s to COMBINE", self.plan.profile)

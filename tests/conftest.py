@@ -1,18 +1,11 @@
-"""Shared fixtures: an isolated state dir per test, free ports, and a real `hydra up` harness.
+"""Shared fixtures: an isolated state dir per test and a real `hydra up` harness (see harness.py).
 
-Every wait here has a deadline; every process a test starts is stopped in a finally, and the
-harness asserts that no child outlives its `hydra up`.
+Every process a test starts is stopped in a finally, and the harness asserts that no child
+outlives its `hydra up`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,131 +13,12 @@ from typing import Any
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-HYDRA = [sys.executable, "-m", "hydra_supervisor"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_range(n: int = 8) -> tuple[int, int]:
-    """A run of n consecutive free ports (best effort: checked, not reserved)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base, base + n - 1
-    raise RuntimeError("no free port range")
-
-
-def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        val = pred()
-        if val:
-            return val
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+from tests.harness import Up, make_env
 
 
 @pytest.fixture
 def hydra_env(tmp_path: Path) -> dict[str, str]:
-    """Environment for a hydra CLI call with its own state dir and a private node file."""
-    lo, hi = free_port_range(8)
-    node = tmp_path / "node.yaml"
-    node.write_text(f"rpc_ports: [{lo}, {hi}]\n")
-    env = dict(os.environ)
-    env.update({
-        "HYDRA_STATE_DIR": str(tmp_path / "state"),
-        "HYDRA_NODE": str(node),
-        "PYTHONUNBUFFERED": "1",
-    })
-    return env
-
-
-def run_hydra(env: dict[str, str], *args: str, timeout: float = 60.0
-              ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*HYDRA, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, check=False)
-
-
-def status_json(env: dict[str, str]) -> dict[str, Any]:
-    res = run_hydra(env, "status", "--json")
-    return dict(json.loads(res.stdout))
-
-
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-class Up:
-    """A running `hydra up` (a real subprocess) and what it started."""
-
-    def __init__(self, env: dict[str, str], args: list[str], tmp: Path) -> None:
-        self.env = env
-        self.out = (tmp / "up.out").open("w+")
-        self.err = (tmp / "up.err").open("w+")
-        self.proc = subprocess.Popen([*HYDRA, "up", *args], env=env, stdout=self.out,
-                                     stderr=self.err, cwd=REPO)
-        self.children: list[psutil.Process] = []
-
-    def output(self) -> str:
-        self.out.flush()
-        self.err.flush()
-        return Path(self.out.name).read_text() + Path(self.err.name).read_text()
-
-    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
-        def ready() -> dict[str, Any] | None:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"hydra up exited {self.proc.returncode}:\n{self.output()}")
-            st = status_json(self.env)
-            if st["running"] and st["status"] and st["status"]["pid"] == self.proc.pid and all(
-                    e["state"] == "READY" for e in st["status"]["engines"]) and \
-                    "ready:" in Path(self.out.name).read_text():
-                return st
-            return None
-
-        st = wait_until(ready, timeout, "all engines READY")
-        self.children = descendants(self.proc.pid)
-        return dict(st)
-
-    def engine(self, name: str) -> dict[str, Any]:
-        st = status_json(self.env)
-        return next(e for e in st["status"]["engines"] if e["name"] == name)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.out.close()
-            self.err.close()
-
-    def kill_everything(self) -> None:
-        for p in [*descendants(self.proc.pid), *self.children]:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+    return make_env(tmp_path)
 
 
 @pytest.fixture

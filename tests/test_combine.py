@@ -16,7 +16,7 @@ import requests
 from openai import OpenAI
 
 from hydra_supervisor import rpcproto
-from tests.conftest import free_port, run_hydra, status_json, wait_until
+from tests.harness import free_port, run_hydra, status_json, wait_until
 
 pytestmark = pytest.mark.slow
 

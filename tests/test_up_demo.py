@@ -10,7 +10,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.conftest import free_port, run_hydra, status_json, wait_until
+from tests.harness import free_port, run_hydra, status_json, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -49,6 +49,7 @@ Addr = tuple[str, int]
 COPY_BUFFER = 256 * 1024
 PIPE_SIZE = 1024 * 1024
 
+FIRST_READ = 64 * 1024
 _CONNECT_TIMEOUT = 3.0
 _QUEUE_TIMEOUT = 30.0
 # After a 503 we half-close and read what the client still sends, so that closing with unread
@@ -158,7 +159,6 @@ class _Conn:
         "id",
         "client",
         "peer",
-        "allowed",
         "accepted",
         "deadline",
         "prefix",
@@ -172,11 +172,10 @@ class _Conn:
         "halves",
     )
 
-    def __init__(self, cid: int, client: socket.socket, peer: Any, allowed: bool, now: float):
+    def __init__(self, cid: int, client: socket.socket, peer: Any, now: float):
         self.id = cid
         self.client = client
         self.peer = peer
-        self.allowed = allowed
         self.accepted = now
         self.deadline = now
         self.prefix = b""
@@ -463,7 +462,7 @@ class Router:
                 log.warning("router %s accept failed: %s", self.name, e)
                 return False
             now = time.monotonic()
-            conn = _Conn(next(self._ids), client, peer, self._is_allowed(peer), now)
+            conn = _Conn(next(self._ids), client, peer, now)
             with self._lock:
                 self._c["total"] += 1
             if len(pending) + len(waiting) >= self._max_pending:
@@ -487,7 +486,9 @@ class Router:
         waiting: collections.deque[_Conn],
     ) -> None:
         try:
-            data = conn.client.recv(MAX_PREFIX - len(conn.prefix))
+            # Classification needs MAX_PREFIX bytes at most, but taking whatever has arrived
+            # (typically a whole HTTP request) lets the relay forward it in one write.
+            data = conn.client.recv(FIRST_READ)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -499,7 +500,7 @@ class Router:
             self._drop(conn, "client closed before first bytes", None)
             return
         conn.prefix += data
-        kind = classify(conn.prefix)
+        kind = classify(conn.prefix[:MAX_PREFIX])
         if kind is Kind.NEED_MORE:
             return
         del pending[conn.id]
@@ -508,7 +509,8 @@ class Router:
             self._drop(conn, f"unrecognised first bytes {conn.prefix.hex()}", "rejected")
             return
         conn.kind = kind
-        if kind in (Kind.RPC, Kind.HYDRA) and not conn.allowed:
+        # Checked only for these kinds: HTTP is open, and the check costs microseconds.
+        if kind in (Kind.RPC, Kind.HYDRA) and not self._is_allowed(conn.peer):
             # ggml-rpc-server has no authentication: from a source outside the allow list it
             # must be unreachable, so close without a word.
             self._drop(conn, f"{kind.value} from a source not allow-listed", "denied")
@@ -637,8 +639,9 @@ class Router:
         return sock
 
     def _relay(self, conn: _Conn, ups: Upstreams) -> None:
-        """Connect upstream, then pump client → upstream here and upstream → client on a
-        second worker."""
+        """Connect upstream, then pump upstream → client here and client → upstream on a
+        second worker. This way round because the first read usually carried the whole
+        request already, so the answer is on the critical path, not the rest of the upload."""
         try:
             upstream = self._open_upstream(conn, ups)
         except BaseException:
@@ -648,13 +651,13 @@ class Router:
             self._finish(conn)
             return
         try:
-            self._run(self._pump, conn, upstream, conn.client, False)
+            self._run(self._pump, conn, conn.client, upstream, True)
         except RuntimeError as e:  # "can't start new thread": out of threads or memory
             conn.note(f"no relay thread: {e}")
             conn.shutdown_all()
             with self._lock:
                 conn.halves -= 1
-        self._pump(conn, conn.client, upstream, True)
+        self._pump(conn, upstream, conn.client, False)
 
     def _open_upstream(self, conn: _Conn, ups: Upstreams) -> socket.socket | None:
         """Connect to the connection's upstream and forward the classified prefix.

@@ -1,0 +1,63 @@
+"""Fault-injection suite (real binaries, CPU profiles): every fault detected, serving again
+within load time + 3 s (plus the first backoff), FATAL for a crash loop, no orphan ever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fault_scenarios import SCENARIOS, FaultResult
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
+
+BACKOFF = 0.5  # FAST_POLICY's first restart delay
+
+
+def _check_recovered(r: FaultResult, extra: float = 0.0) -> None:
+    assert not r.orphans, f"orphans: {r.orphans}"
+    assert r.detected_s is not None, f"{r.fault}: not detected"
+    assert r.recovered_s is not None, f"{r.fault}: did not recover ({r.notes})"
+    assert r.recovered_s <= r.load_s + 3 + BACKOFF + extra, r
+
+
+@pytest.mark.parametrize("name", ["kill_head", "kill_peer_mid_stream", "peer_port_taken",
+                                  "log_dir_unwritable"])
+def test_fault_recovers(name: str, tmp_path: Path) -> None:
+    r = SCENARIOS[name](tmp_path)
+    # A peer loss restarts two processes in order: the peer's load plus the head's.
+    _check_recovered(r, extra=r.load_s if "peer" in name else 0.0)
+    if name == "log_dir_unwritable":
+        assert "log dir not writable" in r.notes
+    if name == "peer_port_taken":
+        old, _, new = r.notes.rpartition(" ")[0].partition(" -> ")[0], None, r.notes.split()[-1]
+        assert new != "None" and not r.notes.endswith(old)
+
+
+def test_sigstop_head_is_killed_and_restarted(tmp_path: Path) -> None:
+    r = SCENARIOS["sigstop_head"](tmp_path)
+    # hang_timeout 3 s must pass before hydra may call it hung.
+    _check_recovered(r, extra=3.0)
+    assert r.detected_s is not None and r.detected_s < 3.0 + 1.0
+
+
+def test_sigkill_hydra_leaves_no_orphan(tmp_path: Path) -> None:
+    r = SCENARIOS["sigkill_hydra"](tmp_path)
+    assert not r.orphans
+    assert r.detected_s is not None and r.detected_s <= 2.0
+    assert r.recovered_s is not None
+
+
+def test_crash_loop_ends_fatal_with_reason(tmp_path: Path) -> None:
+    r = SCENARIOS["crash_at_load"](tmp_path)
+    assert not r.orphans
+    assert r.detected_s is not None, r.notes
+    assert "4 failures within 60s" in r.notes and "exited during start-up" in r.notes
+    # 4 attempts with 0.5 + 1 + 2 s of backoff between them, plus each failed load.
+    assert r.detected_s < 30
+
+
+def test_degrade_serves_solo_then_returns_to_combine(tmp_path: Path) -> None:
+    r = SCENARIOS["degrade_to_solo"](tmp_path)
+    assert not r.orphans
+    assert r.detected_s is not None and r.recovered_s is not None, r
