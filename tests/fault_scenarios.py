@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import requests
 
-from tests.harness import Up, free_port, make_env, run_hydra, status_json, wait_until
+from tests.harness import Up, free_port, make_env, run_hydra, status_json, wait_dead, wait_until
 
 FAST_POLICY = """
 restart: {backoff_initial: 0.5, backoff_max: 4, max_failures: 4, window: 60, stable_after: 3}
@@ -215,7 +215,7 @@ def sigkill_hydra(tmp: Path) -> FaultResult:
     t0 = time.monotonic()
     up.proc.kill()
     up.proc.wait(5)
-    _, alive = psutil.wait_procs(children, timeout=2.0)
+    alive = wait_dead(children, timeout=2.0)
     detected = time.monotonic() - t0 if not alive else None
     orphans = [f"{p.pid} {p.name()}" for p in alive]
     up.kill_everything()

@@ -143,3 +143,22 @@ class Up:
             self.proc.wait(10)
 
 
+
+
+def wait_dead(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every process has exited; returns those still running. A zombie counts as
+    dead: it runs nothing and holds no port; reaping it is its new parent's (init's) job."""
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _running(p)]
+        if alive:
+            time.sleep(0.02)
+    return alive
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

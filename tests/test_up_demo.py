@@ -10,7 +10,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.harness import free_port, run_hydra, status_json, wait_until
+from tests.harness import free_port, run_hydra, status_json, wait_dead, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_sigkill_of_hydra_leaves_no_orphan(hydra_up, hydra_env):
     up.proc.kill()
     up.proc.wait(5)
     t0 = time.monotonic()
-    _, alive = psutil.wait_procs(children, timeout=2.0)
+    alive = wait_dead(children, timeout=2.0)
     assert not alive, f"orphans after SIGKILL of hydra up: {alive}"
     assert time.monotonic() - t0 <= 2.0
     # The port is free again and a new hydra up starts cleanly on it.
