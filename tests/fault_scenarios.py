@@ -133,12 +133,21 @@ def _finish(up: Up, seen: set[int]) -> list[str]:
     return [f"{p.pid} {p.name()}" for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
+_STARTED: list[Up] = []
+
+
+def _up(env: dict[str, str], args: list[str], tmp: Path) -> Up:
+    up = Up(env, args, tmp)
+    _STARTED.append(up)
+    return up
+
+
 def _start(tmp: Path, profile: Path | str, env: dict[str, str] | None = None
            ) -> tuple[Up, dict[str, str], int, float]:
     env = env or make_env(tmp)
     port = free_port()
     t0 = time.monotonic()
-    up = Up(env, ["--profile", str(profile), "--port", str(port)], tmp)
+    up = _up(env, ["--profile", str(profile), "--port", str(port)], tmp)
     up.wait_ready(180)
     return up, env, port, time.monotonic() - t0
 
@@ -220,7 +229,7 @@ def sigkill_hydra(tmp: Path) -> FaultResult:
     orphans = [f"{p.pid} {p.name()}" for p in alive]
     up.kill_everything()
     t1 = time.monotonic()
-    up2 = Up(env, ["--profile", "demo", "--port", str(port)], tmp)
+    up2 = _up(env, ["--profile", "demo", "--port", str(port)], tmp)
     up2.wait_ready(180)
     recovered = time.monotonic() - t1 if _serving(port) else None
     orphans += _finish(up2, {p.pid for p in children})
@@ -237,7 +246,7 @@ def crash_at_load(tmp: Path) -> FaultResult:
     env = make_env(tmp)
     port = free_port()
     t0 = time.monotonic()
-    up = Up(env, ["--profile", str(prof), "--port", str(port)], tmp)
+    up = _up(env, ["--profile", str(prof), "--port", str(port)], tmp)
     rc = up.proc.wait(90)
     fatal_after = time.monotonic() - t0
     st = status_json(env)
@@ -336,7 +345,19 @@ def broken_model(path: Path) -> Path:
     return path
 
 
-SCENARIOS: dict[str, Callable[[Path], FaultResult]] = {
+def guarded(fn: Callable[[Path], FaultResult]) -> Callable[[Path], FaultResult]:
+    """Whatever happens in the scenario, every hydra it started is stopped afterwards."""
+    def run(tmp: Path) -> FaultResult:
+        try:
+            return fn(tmp)
+        finally:
+            while _STARTED:
+                _STARTED.pop().kill_everything()
+
+    return run
+
+
+_SCENARIOS: dict[str, Callable[[Path], FaultResult]] = {
     "kill_peer_mid_stream": kill_peer_mid_stream,
     "kill_head": kill_head,
     "sigstop_head": sigstop_head,
@@ -346,3 +367,4 @@ SCENARIOS: dict[str, Callable[[Path], FaultResult]] = {
     "log_dir_unwritable": log_dir_unwritable,
     "degrade_to_solo": degrade_to_solo,
 }
+SCENARIOS = {name: guarded(fn) for name, fn in _SCENARIOS.items()}
