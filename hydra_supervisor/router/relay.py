@@ -4,14 +4,14 @@ This module owns everything between the external listener and the engine's inter
 
 - one *acceptor* thread (a ``selectors`` loop) accepts, reads each new connection's first bytes
   without blocking, enforces the first-byte timeout, the allow list and the bounded wait queue;
-- each admitted connection gets a *relay* thread pair with blocking sockets, one per direction,
-  moving bytes with ``os.splice`` (a kernel pipe, no copy through Python) or, as a fallback,
-  ``recv_into``/``sendall``.
+- each admitted connection gets two *relay* workers (pooled threads) with blocking sockets, one
+  per direction, moving bytes with ``os.splice`` (a kernel pipe, no copy through Python) or, as
+  a fallback, ``recv_into``/``sendall``.
 
 Why threads with blocking sockets and not asyncio: the ggml-RPC path is per-token, so the relay's
-wake-up latency is paid several times per decoded token. Measured on the project's 2-core box, a
-blocked ``recv``/``splice`` that the kernel wakes directly beats an event loop's
-epoll → callback → write path; docs/router.md has the numbers. The threads release the GIL
+wake-up latency and CPU are paid on every decoded token. Measured (bench/router.py), a blocked
+``recv``/``splice`` that the kernel wakes directly beats an event loop's epoll → callback →
+write path in added latency and CPU; docs/router.md has the numbers. The threads release the GIL
 while blocked, so the router lives happily inside the supervisor's asyncio process.
 
 Invariants: a relaying connection is never dropped to admit another (new ones wait in a bounded
@@ -322,12 +322,11 @@ class Router:
             if self._listener is None or self._stopping:
                 return
             self._stopping = True
-            active = list(self._active.values())
-        self._wake()
-        with self._lock:  # under the lock: _finish closes sockets under it, so no fd reuse race
-            for conn in active:
+            # Under the lock: _finish closes sockets under it, so no fd is reused under us.
+            for conn in self._active.values():
                 conn.note("router stopped")
                 conn.shutdown_all()
+        self._wake()
         deadline = time.monotonic() + timeout
         if self._acceptor is not None:
             self._acceptor.join(max(0.0, deadline - time.monotonic()))

