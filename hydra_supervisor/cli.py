@@ -25,6 +25,8 @@ from rich.table import Table
 from hydra_supervisor import __version__, install, layout
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import Plan
+from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import Supervisor, Timeouts, load_timeout_for
 
@@ -102,13 +104,27 @@ def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int 
     sup = Supervisor(lay.plan, bins, state, prof.restart, prof.on_peer_loss, timeouts,
                      model_label=prof.model, solo_head=layout.solo_fallback(lay),
                      pick_port=layout.port_picker(lay.node))
+    router = _router(lay.plan)
+    sup.router = router
     state.write_supervisor(prof.name, prof.source)
     sup.publish()  # replaces a previous run's status before anything starts
     try:
+        if router is not None:
+            router.start()
         code = asyncio.run(_serve(sup, lay))
     finally:
+        if router is not None:
+            router.stop()
         state.clear_supervisor()
     sys.exit(code)
+
+
+def _router(plan: Plan) -> Router | None:
+    spec = plan.router
+    if spec is None:
+        return None
+    return Router(spec.host, spec.port, Upstreams(http=spec.http, rpc=spec.rpc, hydra=None),
+                  allow=spec.allow, name=plan.profile)
 
 
 def _setup_logging(state: StateDir, verbose: bool) -> None:
@@ -291,6 +307,11 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
             env = " ".join(f"{k}={v}" for k, v in e.env)
             out.print(f"   {env} {e.program} {' '.join(_quote(a) for a in e.args)}", markup=False,
                       soft_wrap=True)
+    if p.router:
+        r = p.router
+        rpc = f", ggml-RPC -> {r.rpc[0]}:{r.rpc[1]} (from {', '.join(r.allow)})" if r.rpc else ""
+        out.print(f"[bold]router[/] listens {r.host}:{r.port}: HTTP -> {r.http[0]}:{r.http[1]}"
+                  f"{rpc}")
     for note in p.notes:
         out.print(f"  note: {note}")
 

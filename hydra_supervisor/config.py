@@ -8,6 +8,7 @@ unknown key lists the valid ones (with a did-you-mean). See docs/profiles.md for
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -75,6 +76,8 @@ class Profile:
     load_timeout: float | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     health: HealthPolicy = field(default_factory=HealthPolicy)
+    router: bool = True  # the external port is hydra's first-byte router; false: llama-server's
+    rpc_allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # who may speak ggml-RPC through it
     description: str = ""
 
 
@@ -150,6 +153,19 @@ def _str_list(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         return None, [(p, f"expected a list of names, got {v!r}")]
     return tuple(v), []
+
+
+def _cidrs(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    val, probs = _str_list(v, p)
+    if probs:
+        return val, probs
+    bad = []
+    for i, cidr in enumerate(val):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            bad.append((p + (i,), f"not an address or CIDR: {cidr!r}"))
+    return val, bad
 
 
 def _split(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
@@ -261,6 +277,8 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "load_timeout": _positive,
     "restart": _section(RESTART_SCHEMA, "restart"),
     "health": _section(HEALTH_SCHEMA, "health"),
+    "router": _type(bool, "true or false"),
+    "rpc_allow": _cidrs,
 }
 
 DEVICE_SCHEMA: dict[str, Checker] = {

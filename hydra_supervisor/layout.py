@@ -42,8 +42,10 @@ class Layout:
     plan: Plan
 
 
-def free_rpc_ports(node: Node, count: int, exclude: set[int]) -> list[int]:
-    first, last = node.rpc_ports
+def free_rpc_ports(node: Node, count: int, exclude: set[int],
+                   span: tuple[int, int] | None = None) -> list[int]:
+    """The first `count` free loopback ports of the node's rpc_ports (or `span`) range."""
+    first, last = span or node.rpc_ports
     out: list[int] = []
     for port in range(first, last + 1):
         if len(out) == count:
@@ -65,9 +67,15 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     n_peers = len(profile.peers)
     if check_ports:
         ports = free_rpc_ports(node, n_peers, {profile.port})
+        internal = free_rpc_ports(node, 1, {profile.port, *ports}, node.internal_ports)
+        if profile.router and not internal:
+            raise HydraError(f"no free port left in the node's internal_ports range "
+                             f"{node.internal_ports[0]}-{node.internal_ports[1]}")
     else:
         ports = list(range(node.rpc_ports[0], node.rpc_ports[0] + n_peers))
-    plan = resolver.resolve(profile, info, str(model_path), devs, ports)
+        internal = [node.internal_ports[0]]
+    plan = resolver.resolve(profile, info, str(model_path), devs, ports,
+                            internal[0] if profile.router else None)
     return Layout(node, profile, model_path, info, devs, inv, plan)
 
 
@@ -78,7 +86,9 @@ def solo_fallback(lay: Layout) -> EngineSpec | None:
         return None
     solo = replace(prof, mode=Mode.SOLO, peers=(), split=None, transport=Transport.RPC)
     try:
-        plan = resolver.resolve(solo, lay.model, str(lay.model_path), lay.devices, [])
+        # Same internal port as the COMBINE head, so the router needs no change.
+        plan = resolver.resolve(solo, lay.model, str(lay.model_path), lay.devices, [],
+                                lay.plan.head.port if lay.plan.router else None)
     except HydraError as exc:
         raise HydraError(f"{prof.source}: on_peer_loss: degrade needs the model to fit the "
                          f"head's device alone, and it does not:\n{exc}",
@@ -100,6 +110,11 @@ def find_binaries(layout: Layout) -> dict[str, str]:
 
 
 def check_ports(plan: Plan) -> None:
+    if plan.router and not port_free(plan.router.host, plan.router.port):
+        raise HydraError(
+            f"port {plan.router.port} on {plan.router.host} (the profile's external port) is "
+            f"already in use by {port_holder(plan.router.port)}",
+            hint="stop that process, or pick another port: hydra up --port N")
     for eng in plan.engines:
         if eng.managed and not port_free(eng.host, eng.port):
             raise HydraError(

@@ -66,6 +66,17 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    """The external port: HTTP to the head, ggml-RPC (allow-listed) to the engine's local peer."""
+
+    host: str
+    port: int
+    http: tuple[str, int]
+    rpc: tuple[str, int] | None
+    allow: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     profile: str
     source: str
@@ -79,6 +90,7 @@ class Plan:
     placements: tuple[Placement, ...] = ()
     notes: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
+    router: RouterSpec | None = None
 
     @property
     def head(self) -> EngineSpec:

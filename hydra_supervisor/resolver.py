@@ -22,7 +22,7 @@ from hydra_supervisor.argv import server_flags
 from hydra_supervisor.config import Mode, Profile, Transport
 from hydra_supervisor.devices import MIB, Device, Kind
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role
+from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
 
 PEER_BIND = "127.0.0.1"
 # Compute buffers and CUDA context are not in the GGUF; these estimates are deliberately high.
@@ -298,7 +298,9 @@ def _peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Pr
 
 
 def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[str, Device],
-            rpc_ports: Sequence[int]) -> Plan:
+            rpc_ports: Sequence[int], internal_port: int | None = None) -> Plan:
+    """With `internal_port`, the head binds 127.0.0.1:internal_port and the Plan carries a
+    RouterSpec for the external host:port; without it, the head binds the external port."""
     head_dev = _device(devices, profile.head, profile, "head")
     if head_dev.kind is Kind.REMOTE:
         raise HydraError(f"{profile.source}: head: '{head_dev.name}' is a remote peer; the head "
@@ -325,7 +327,9 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
     if profile.n_cpu_moe is not None and not model.is_moe:
         raise HydraError(f"{profile.source}: n_cpu_moe is for MoE models; {model_path} is dense")
     cpu_sharers = sum(1 for d in [head_dev, *peer_devs] if d.kind is Kind.CPU)
-    base = ["-m", model_path, "--host", profile.host, "--port", str(profile.port)]
+    head_host, head_port = ((PEER_BIND, internal_port) if internal_port
+                            else (profile.host, profile.port))
+    base = ["-m", model_path, "--host", head_host, "--port", str(head_port)]
     notes: list[str] = []
     engines: list[EngineSpec] = []
     placements: list[Placement] = []
@@ -343,7 +347,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         engines.append(EngineSpec(
             name="head", role=Role.HEAD, program="llama-server",
             args=tuple(base + dev_flags + extra), env=_base_env(profile) + _pin_env(head_dev),
-            host=profile.host, port=profile.port, device=head_dev.name, start_order=0))
+            host=head_host, port=head_port, device=head_dev.name, start_order=0))
     elif transport is Transport.LOCAL:
         gpus = [head_dev, *peer_devs]
         if any(d.kind is not Kind.CUDA for d in gpus):
@@ -360,7 +364,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         args = base + ["-ngl", "99", "-sm", "layer", "-ts", _ts(local_counts)] + extra
         engines.append(EngineSpec(
             name="head", role=Role.HEAD, program="llama-server", args=tuple(args),
-            env=_base_env(profile) + _pin_env(gpus), host=profile.host, port=profile.port,
+            env=_base_env(profile) + _pin_env(gpus), host=head_host, port=head_port,
             device="+".join(d.name for d in gpus), start_order=0))
     else:
         managed = [d for d in peer_devs if d.kind is not Kind.REMOTE]
@@ -390,13 +394,20 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         engines.append(EngineSpec(
             name="head", role=Role.HEAD, program="llama-server",
             args=tuple(base + ["--rpc", rpc] + args + extra),
-            env=_base_env(profile) + _pin_env(head_dev), host=profile.host,
-            port=profile.port, device=head_dev.name, start_order=len(peers)))
+            env=_base_env(profile) + _pin_env(head_dev), host=head_host,
+            port=head_port, device=head_dev.name, start_order=len(peers)))
+    router = None
+    if internal_port:
+        # ggml-RPC through the external port would reach a local peer, but every local peer
+        # here already serves this profile's head, and a ggml-rpc-server serves one client at
+        # a time: an outside client would hang in its backlog. So RPC is closed at once.
+        router = RouterSpec(host=profile.host, port=profile.port, http=(head_host, head_port),
+                            rpc=None, allow=tuple(profile.rpc_allow))
     return Plan(
         profile=profile.name, source=profile.source, model_path=model_path, model_kind=kind,
         mode=profile.mode.value, transport=transport.value, host=profile.host, port=profile.port,
         engines=tuple(engines), placements=tuple(placements), notes=tuple(notes),
-        meta={"ctx": ctx, "block_count": model.block_count})
+        meta={"ctx": ctx, "block_count": model.block_count}, router=router)
 
 
 def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence[Device],

@@ -191,6 +191,7 @@ class Supervisor:
         self.fatal: str | None = None
         self.degraded: str | None = None
         self.recovery: asyncio.Task[None] | None = None
+        self.router: Any = None  # the profile's Router, whose upstreams follow a moved peer
         self.procs = [
             ManagedProcess(spec=spec, binary=binaries.get(spec.program, spec.program),
                            log_path=state.log_path(spec.name), policy=policy,
@@ -234,6 +235,10 @@ class Supervisor:
             self.head.spec = self.combine_head
         log.warning("%s: port %d is taken by another process; moved to %d", mp.name,
                     spec.port, new)
+        if self.router is not None and self.router.upstreams.rpc == (spec.host, spec.port):
+            up = self.router.upstreams
+            self.router.set_upstreams(type(up)(http=up.http, rpc=(spec.host, new),
+                                               hydra=up.hydra))
 
     async def _spawn(self, mp: ManagedProcess) -> None:
         self._free_peer_port(mp)

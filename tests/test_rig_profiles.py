@@ -266,8 +266,9 @@ def test_dense_combine_text_form_is_readable(rig: Rig) -> None:
                      r"\(11,305 MiB usable\)", out), out
     assert re.search(r"rtx: layers 25-63 \+ output, .* \(15,010 MiB usable\)", out), out
     peer_line = out.index("0. peer-rtx3060 (peer, on rtx3060) listens 127.0.0.1:50052")
-    head_line = out.index("1. head (head, on rtx) listens 127.0.0.1:8080")
+    head_line = out.index("1. head (head, on rtx) listens 127.0.0.1:39100")
     assert peer_line < head_line
+    assert "router listens 127.0.0.1:8080: HTTP -> 127.0.0.1:39100" in out
     assert "CUDA_VISIBLE_DEVICES=1 ggml-rpc-server -H 127.0.0.1 -p 50052 -c" in out
     assert "CUDA_VISIBLE_DEVICES=0 llama-server -m " in out
     assert "--rpc 127.0.0.1:50052 -ngl 99 -sm layer -ts 25,40" in out

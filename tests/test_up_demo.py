@@ -20,7 +20,10 @@ def test_demo_serves_chat_status_and_down(hydra_up, hydra_env):
     up = hydra_up("--profile", "demo", "--port", str(port))
     st = up.wait_ready()
     head = st["status"]["engines"][0]
-    assert head["name"] == "head" and head["state"] == "READY" and head["port"] == port
+    assert head["name"] == "head" and head["state"] == "READY"
+    # The external port is hydra's router; llama-server listens on an internal loopback port.
+    assert st["status"]["url"] == f"http://127.0.0.1:{port}" and head["port"] != port
+    assert head["host"] == "127.0.0.1"
     assert f"http://127.0.0.1:{port}" in up.output()
     assert "curl" in up.output()
 
@@ -90,3 +93,49 @@ def test_second_up_is_refused_while_running(hydra_up, hydra_env):
 def test_wait_until_has_deadline():
     with pytest.raises(AssertionError, match="timed out"):
         wait_until(lambda: False, 0.2, "nothing")
+
+
+def test_router_answers_503_json_while_head_is_down_and_closes_rpc(hydra_up, hydra_env):
+    import json
+    import os
+    import socket
+
+    port = free_port()
+    up = hydra_up("--profile", "demo", "--port", str(port))
+    st = up.wait_ready()
+    head = st["status"]["engines"][0]
+    os.kill(head["pid"], signal.SIGKILL)
+    # While the head is down and restarting, HTTP gets an immediate 503 with a JSON reason.
+    deadline = time.monotonic() + 10
+    seen_503 = False
+    while time.monotonic() < deadline and not seen_503:
+        try:
+            r = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+            if r.status_code == 503:
+                body = json.loads(r.text)
+                assert "error" in body
+                seen_503 = True
+        except requests.RequestException:
+            pass
+        time.sleep(0.02)
+    assert seen_503
+    wait_until(lambda: status_json(hydra_env)["status"]["engines"][0]["state"] == "READY"
+               and status_json(hydra_env)["status"]["engines"][0]["pid"] != head["pid"], 60,
+               "head back")
+    # ggml-RPC on the external port: closed at once (no local peer is offered to outsiders).
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"\x0e" + bytes(32))
+        s.settimeout(5)
+        assert s.recv(16) == b""
+
+
+def test_router_off_binds_llama_server_directly(hydra_up, hydra_env, tmp_path):
+    from hydra_supervisor.paths import repo_root
+
+    prof = tmp_path / "direct.yaml"
+    prof.write_text((repo_root() / "profiles" / "demo.yaml").read_text() + "router: false\n")
+    port = free_port()
+    up = hydra_up("--profile", str(prof), "--port", str(port))
+    st = up.wait_ready()
+    assert st["status"]["engines"][0]["port"] == port
+    assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
