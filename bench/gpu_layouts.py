@@ -74,9 +74,16 @@ def run_layout(name: str, profile: Path, env: dict[str, str], port: int, rounds:
         tps = measure(port, rounds, n)
         head_log = (Path(env["HYDRA_STATE_DIR"]) / "logs" / "head.log").read_text(errors="replace")
         buffers = re.findall(r"load_tensors: +(\S+) model buffer size = +([\d.]+) MiB", head_log)
-        argv = json.loads(hydra(env, "plan", "-p", str(profile), "--json").stdout)
+        plan = json.loads(hydra(env, "plan", "-p", str(profile), "--json").stdout)
+        # With --verbose llama.cpp logs where each block went: compare with hydra's plan.
+        assigned: dict[str, int] = {}
+        for dev in re.findall(r"load_tensors: layer +\d+ assigned to device (\S+?),", head_log):
+            assigned[dev] = assigned.get(dev, 0) + 1
+        overridden = len(re.findall(r"buffer type overridden to RPC0", head_log))
         return {"layout": name, "decode_tps": tps, "load_s": load, "buffers": buffers,
-                "head_args": " ".join(next(e for e in argv["engines"]
+                "blocks_by_device_llama": assigned, "experts_overridden_to_rpc": overridden,
+                "planned": [(p["device"], p["what"]) for p in plan["placements"]],
+                "head_args": " ".join(next(e for e in plan["engines"]
                                            if e["role"] == "head")["args"][2:])}
     finally:
         hydra(env, "down")
@@ -91,8 +98,11 @@ def main() -> int:
     ap.add_argument("--moe-layers", type=int, default=16)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--split", default="[0.5, 0.5]", help="COMBINE split, peer first")
     ap.add_argument("--n-predict", type=int, default=128)
     ap.add_argument("--out", default="")
+    ap.add_argument("--verify", action="store_true",
+                    help="run llama-server with --verbose and report where each block went")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="hydra-gpu-"))
     dense, moe = tmp / "dense.gguf", tmp / "moe.gguf"
@@ -106,13 +116,14 @@ def main() -> int:
     node = tmp / "node.yaml"
     node.write_text("devices:\n  gpu0: {cuda: 0}\n  gpu1: {cuda: 1}\nrpc_ports: [50152, 50170]\n")
     env = dict(os.environ, HYDRA_NODE=str(node), HYDRA_STATE_DIR=str(tmp / "state"))
-    common = "server_args: {ctx-size: 4096, parallel: 1, flash-attn: on}\n"
+    verbose = ", verbose: true" if args.verify else ""
+    common = f"server_args: {{ctx-size: 4096, parallel: 1, flash-attn: on{verbose}}}\n"
     layouts = {
         "dense solo": f"model: {dense}\nhead: gpu0\n",
         "dense combine rpc": f"model: {dense}\nmode: combine\nhead: gpu0\npeers: [gpu1]\n"
-                             "split: [0.5, 0.5]\n",
+                             f"split: {args.split}\n",
         "dense combine local": f"model: {dense}\nmode: combine\nhead: gpu0\npeers: [gpu1]\n"
-                               "split: [0.5, 0.5]\ntransport: local\n",
+                               f"split: {args.split}\ntransport: local\n",
         "moe solo": f"model: {moe}\nhead: gpu0\n",
         "moe combine rpc (-ot)": f"model: {moe}\nmode: combine\nhead: gpu0\npeers: [gpu1]\n",
     }
@@ -137,6 +148,10 @@ def main() -> int:
         ratio = f"{tps / ref:.2f}" if ref else "-"
         bufs = ", ".join(f"{d} {float(m):,.0f} MiB" for d, m in r["buffers"])  # type: ignore
         print(f"{r['layout']:24} {tps:10.1f} {ratio:>8} {float(r['load_s']):5.1f}s  {bufs}")
+        if args.verify:
+            print(f"{'':24} planned {r['planned']}; llama.cpp put blocks "
+                  f"{r['blocks_by_device_llama']}, experts overridden to RPC0: "
+                  f"{r['experts_overridden_to_rpc']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

@@ -2,6 +2,8 @@
 """Does hydra add anything per token? Decode and prefill tokens/s of a profile started by
 `hydra up` vs the very same argv started by hand, measured side by side in one run.
 
+hydra's copy is measured through its external port (the first-byte router in front of
+llama-server), the hand-started one directly on llama-server's port.
 Both copies run at once (an idle llama-server costs no CPU) and requests alternate between them,
 round after round, so machine noise hits both alike. Speeds are llama-server's own `timings`
 (prompt_per_second, predicted_per_second); the ratio printed is hydra / by-hand, median over
@@ -76,8 +78,9 @@ def start_hydra(profile: str, port: int, env: dict[str, str], tmp: Path) -> subp
 
 
 def start_by_hand(profile: str, port: int, env: dict[str, str], tmp: Path
-                  ) -> list[subprocess.Popen[bytes]]:
-    """The plan's argv, spawned plainly (no hydra): peers, HELLO, head."""
+                  ) -> tuple[list[subprocess.Popen[bytes]], int]:
+    """The plan's argv, spawned plainly (no hydra, no router): peers, HELLO, head.
+    Returns the processes and the port the head listens on."""
     res = subprocess.run([*HYDRA, "plan", "-p", profile, "--port", str(port), "--json"],
                          env=env, capture_output=True, text=True, check=True)
     plan = json.loads(res.stdout)
@@ -95,8 +98,9 @@ def start_by_hand(profile: str, port: int, env: dict[str, str], tmp: Path
                 except (OSError, rpcproto.HelloError):
                     return False
             wait(hello, 30, f"peer {eng['endpoint']}")
-    wait(lambda: healthy(port), 180, f"hand-started {profile}")
-    return procs
+    head_port = next(e["port"] for e in plan["engines"] if e["role"] == "head")
+    wait(lambda: healthy(head_port), 180, f"hand-started {profile}")
+    return procs, head_port
 
 
 def measure(port: int, n_predict: int) -> tuple[float, float]:
@@ -113,7 +117,7 @@ def bench(profile: str, rounds: int, n_predict: int, tmp: Path) -> dict[str, flo
     hydra = start_hydra(profile, hp, henv, tmp)
     hand: list[subprocess.Popen[bytes]] = []
     try:
-        hand = start_by_hand(profile, mp, menv, tmp)
+        hand, mp = start_by_hand(profile, mp, menv, tmp)
         measure(hp, 8)  # warm both (page cache, first-request allocations)
         measure(mp, 8)
         dec: dict[str, list[float]] = {"hydra": [], "hand": []}

@@ -463,6 +463,11 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device,
     ]
     _check_fit(placements, profile)
     # The buffer type name is RPC0[host:port]; bare RPC0 is "unknown buffer type".
-    ngl = "99" if head.kind is Kind.CUDA else "0"
-    args = ["-ngl", ngl, "-ot", f"{pattern}=RPC0[{peer_spec.endpoint}]"]
+    if head.kind is Kind.CUDA:
+        # -ts 0,1: every layer on the head's GPU; without it llama.cpp also spreads whole
+        # layers over the RPC device by free memory, not just the overridden experts.
+        args = ["-ngl", "99", "-ts", "0,1"]
+    else:
+        args = ["-ngl", "0"]  # the CPU is no offload device: only the -ot tensors move
+    args += ["-ot", f"{pattern}=RPC0[{peer_spec.endpoint}]"]
     return args, placements

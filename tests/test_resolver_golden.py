@@ -164,7 +164,7 @@ def test_moe_combine_experts_on_peer():
     peer, head = plan.in_start_order()
     i = head.args.index("--rpc")
     assert head.args[i:] == (
-        "--rpc", "127.0.0.1:50052", "-ngl", "99",
+        "--rpc", "127.0.0.1:50052", "-ngl", "99", "-ts", "0,1",
         "-ot", r"blk\.[0-9]+\.ffn_(?:down|gate|up)_exps\.weight=RPC0[127.0.0.1:50052]")
     assert head.args.index("--rpc") < head.args.index("-ot")
 

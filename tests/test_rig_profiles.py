@@ -323,7 +323,9 @@ def test_moe_combine_ot_matches_exactly_the_planned_expert_tensors(rig: Rig,
     assert value(args, "--rpc") == "127.0.0.1:50052"
     assert args.index("--rpc") < args.index("-ot")
     assert value(args, "-ngl") == "99"
-    assert "-ts" not in args and "--n-cpu-moe" not in args
+    # -ts 0,1: no whole layer on the RPC device, only the -ot expert tensors (seen on 2 H200s:
+    # without it llama.cpp spread layers over both devices by free memory)
+    assert value(args, "-ts") == "0,1" and "--n-cpu-moe" not in args
     common_server_args(args, 131072)
 
     pattern, _, buft = value(args, "-ot").rpartition("=")
