@@ -18,6 +18,7 @@ import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import requests
 
@@ -149,6 +150,24 @@ def _find_sdist() -> tuple[str, str]:
     raise HydraError(f"{SDIST_NAME} is not on {index}")
 
 
+def _run_with_progress(argv: list[str], out: IO[str], logfile: Path,
+                       log: Callable[[str], None], every: float = 15.0) -> int:
+    """Run a build step into its log; every `every` seconds say how far it got (ninja's
+    "[n/m]" line), so a 6-minute compile does not look like a hang."""
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    last = ""
+    while True:
+        try:
+            return proc.wait(timeout=every)
+        except subprocess.TimeoutExpired:
+            pass
+        lines = logfile.read_text(errors="replace").splitlines()
+        step = next((ln for ln in reversed(lines) if ln.startswith("[")), "")
+        if step and step != last:
+            last = step
+            log(f"  {step.split(' ', 1)[0]} {step.rsplit('/', 1)[-1][:60]}")
+
+
 def build(opts: BuildOptions, *, jobs: int | None = None,
           log: Callable[[str], None] = print) -> Path:
     """Build (or reuse) the binaries for ``opts``; return their bin dir."""
@@ -172,7 +191,7 @@ def build(opts: BuildOptions, *, jobs: int | None = None,
         log(f"{step}: {' '.join(argv)}")
         logfile = bdir / logname
         with logfile.open("w") as out:
-            rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+            rc = _run_with_progress(argv, out, logfile, log)
         if rc != 0:
             tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-25:])
             raise HydraError(f"llama.cpp {step} failed (exit {rc}); log {logfile}:\n{tail}")

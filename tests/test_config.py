@@ -55,3 +55,26 @@ def test_health_section_is_validated(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"p.yaml:3: health.hang_timout: unknown key .*"
                                           r"did you mean .hang_timeout."):
         load_profile(prof, load_node(None))
+
+
+def test_install_progress_reports_ninja_steps(tmp_path: Path):
+    from hydra_supervisor.install import _run_with_progress
+
+    log = tmp_path / "build.log"
+    seen: list[str] = []
+    script = 'for i in 1 2 3; do echo "[$i/3] Building CXX object src/f$i.cpp.o"; sleep 0.3; done'
+    with log.open("w") as out:
+        rc = _run_with_progress(["bash", "-c", script], out, log, seen.append, every=0.1)
+    assert rc == 0
+    assert seen and seen[0].strip().startswith("[1/3]") and "f1.cpp.o" in seen[0]
+    assert len(seen) == len(set(seen))  # each step said once
+
+
+def test_install_options_key_the_cache():
+    from hydra_supervisor.install import BuildOptions, build_dir
+
+    cpu, cuda = BuildOptions(), BuildOptions(cuda=True, cuda_archs="86;120")
+    assert build_dir(cpu).name == "11434.0.0-cpu"
+    assert build_dir(cuda).name == "11434.0.0-cuda-86_120"
+    assert "-DGGML_RPC=ON" in cpu.cmake_args() and "-DGGML_CUDA=ON" in cuda.cmake_args()
+    assert "-DCMAKE_CUDA_ARCHITECTURES=86;120" in cuda.cmake_args()
