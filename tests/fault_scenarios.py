@@ -191,30 +191,25 @@ def kill_peer_mid_stream(tmp: Path) -> FaultResult:
                        client.failed + stream_lost, client.sent + 1, _finish(up, seen))
 
 
-def kill_head(tmp: Path) -> FaultResult:
+def _signal_head(tmp: Path, sig: int, fault: str, notes: str = "") -> FaultResult:
     up, env, port, load = _start(tmp, _profile(tmp, "demo"))
     seen = {p.pid for p in up.children}
     (head,) = _engines(env)
     with Client(port) as client:
         time.sleep(0.5)
         t0 = time.monotonic()
-        os.kill(head["pid"], signal.SIGKILL)
+        os.kill(head["pid"], sig)
         detected, recovered = _watch(env, port, t0, {head["pid"]}, 60 + load)
-    return FaultResult("kill -9 head", load, detected, recovered, client.failed, client.sent,
-                       _finish(up, seen))
+    return FaultResult(fault, load, detected, recovered, client.failed, client.sent,
+                       _finish(up, seen), notes=notes)
+
+
+def kill_head(tmp: Path) -> FaultResult:
+    return _signal_head(tmp, signal.SIGKILL, "kill -9 head")
 
 
 def sigstop_head(tmp: Path) -> FaultResult:
-    up, env, port, load = _start(tmp, _profile(tmp, "demo"))
-    seen = {p.pid for p in up.children}
-    (head,) = _engines(env)
-    with Client(port) as client:
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        os.kill(head["pid"], signal.SIGSTOP)
-        detected, recovered = _watch(env, port, t0, {head["pid"]}, 60 + load)
-    return FaultResult("SIGSTOP head (hang)", load, detected, recovered, client.failed,
-                       client.sent, _finish(up, seen), notes="hang_timeout 3 s")
+    return _signal_head(tmp, signal.SIGSTOP, "SIGSTOP head (hang)", "hang_timeout 3 s")
 
 
 def sigkill_hydra(tmp: Path) -> FaultResult:
