@@ -99,8 +99,8 @@ class Node:
     binaries: Mapping[str, str] = field(default_factory=dict)
     models: Mapping[str, str] = field(default_factory=dict)
     model_dirs: tuple[str, ...] = ()
-    rpc_ports: tuple[int, int] = (50052, 50151)
-    internal_ports: tuple[int, int] = (39100, 39199)
+    rpc_ports: tuple[int, int] = (30052, 30151)
+    internal_ports: tuple[int, int] = (30200, 30299)
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -384,8 +384,8 @@ def load_node(path: Path | None) -> Node:
         binaries=binaries,
         models=checked.get("models", {}),
         model_dirs=checked.get("model_dirs", ()),
-        rpc_ports=checked.get("rpc_ports", (50052, 50151)),
-        internal_ports=checked.get("internal_ports", (39100, 39199)),
+        rpc_ports=checked.get("rpc_ports", Node.rpc_ports),
+        internal_ports=checked.get("internal_ports", Node.internal_ports),
         defaults=checked.get("defaults", {}),
     )
 

@@ -12,6 +12,11 @@ import asyncio
 from hydra_supervisor import rpcproto
 
 
+def _self_connected(writer: asyncio.StreamWriter) -> bool:
+    """A connect to a down local port that landed on itself (see ports.py): not an answer."""
+    return bool(writer.get_extra_info("sockname") == writer.get_extra_info("peername"))
+
+
 async def http_status(host: str, port: int, path: str = "/health", timeout: float = 2.0
                       ) -> int | None:
     """The HTTP status code of GET path, or None when nothing answers in time."""
@@ -19,6 +24,8 @@ async def http_status(host: str, port: int, path: str = "/health", timeout: floa
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
             try:
+                if _self_connected(writer):
+                    return None
                 writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
                 await writer.drain()
                 line = await reader.readline()
@@ -50,6 +57,8 @@ async def completion_probe(host: str, port: int, timeout: float) -> tuple[bool, 
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
             try:
+                if _self_connected(writer):
+                    return False, "nothing listens"
                 writer.write(req)
                 await writer.drain()
                 status = await reader.readline()

@@ -28,7 +28,7 @@ from hydra_supervisor.devices import Device, Inventory
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.modelinfo import ModelInfo, inspect
 from hydra_supervisor.plan import EngineSpec, Plan
-from hydra_supervisor.ports import port_free, port_holder
+from hydra_supervisor.ports import ephemeral_range, port_free, port_holder
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,14 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
         internal = [node.internal_ports[0]]
     plan = resolver.resolve(profile, info, str(model_path), devs, ports,
                             internal[0] if profile.router else None)
+    lo, hi = ephemeral_range()
+    overlap = [name for name, (a, b) in (("rpc_ports", node.rpc_ports),
+                                         ("internal_ports", node.internal_ports))
+               if a <= hi and b >= lo]
+    if overlap:
+        plan = replace(plan, notes=(*plan.notes, (
+            f"{node.source}: {', '.join(overlap)} overlap the kernel's ephemeral port range "
+            f"{lo}-{hi}; outgoing connections may take those ports: prefer ports below {lo}")))
     return Layout(node, profile, model_path, info, devs, inv, plan)
 
 

@@ -1,4 +1,12 @@
-"""Local TCP ports: is one free, and who holds it (for the error message)."""
+"""Local TCP ports: is one free, who holds it (for the error message), and TCP self-connects.
+
+A connect() to a local port nobody listens on can, rarely, pick that very port as its own
+ephemeral source port and "succeed" (TCP simultaneous open): the socket is then connected to
+itself and holds the port, so the server that should bind it next fails. Anything that
+retries connects against a local port that may be down (health probes, the router) must
+detect that and let go. Ports below the kernel's ephemeral range cannot self-connect: hydra's
+default port ranges sit there.
+"""
 
 from __future__ import annotations
 
@@ -34,3 +42,18 @@ def port_holder(port: int) -> str:
                 cmd = "?"
             return f"pid {c.pid} ({cmd[:120]})"
     return "another process"
+
+
+def self_connected(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:
+        return False
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999

@@ -59,6 +59,8 @@ def probe(host: str, port: int, timeout: float = 3.0) -> Version:
     """Connect, HELLO, read the version, disconnect. OSError when nothing answers."""
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as sock:
+        if sock.getsockname() == sock.getpeername():  # TCP self-connect: nobody listens
+            raise ConnectionRefusedError(111, f"{host}:{port}: nothing listens (self-connect)")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(HELLO_REQUEST)
         buf = b""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
@@ -247,7 +248,8 @@ class Supervisor:
         try:
             mp.proc = await process.spawn(argv, mp.spec.env_dict(), mp.log_path)
         except process.LogUnavailable as exc:
-            fallback = Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-logs" / \
+            tag = hashlib.sha1(str(self.state.root).encode()).hexdigest()[:8]
+            fallback = Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-{tag}-logs" / \
                 mp.log_path.name
             log.error("%s: cannot write log %s (%s); logging to %s", mp.name, mp.log_path,
                       exc, fallback)

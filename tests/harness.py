@@ -28,11 +28,12 @@ def free_port() -> int:
 
 
 def free_port_range(n: int = 8) -> tuple[int, int]:
-    """A run of n consecutive free ports (best effort: checked, not reserved)."""
+    """A run of n consecutive free ports below the ephemeral range (see hydra's ports.py: no
+    TCP self-connects there), picked at random (best effort: checked, not reserved)."""
+    import random
+
     for _ in range(200):
-        base = free_port()
-        if base + n > 65000:
-            continue
+        base = random.randrange(20000, 32000 - n)
         ok = True
         for p in range(base, base + n):
             with socket.socket() as s:
@@ -58,9 +59,10 @@ def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.1) -> A
 
 def make_env(tmp_path: Path, node_extra: str = "") -> dict[str, str]:
     """Environment for hydra CLI calls with its own state dir and a private node file."""
-    lo, hi = free_port_range(8)
+    lo, hi = free_port_range(16)
     node = tmp_path / "node.yaml"
-    node.write_text(f"rpc_ports: [{lo}, {hi}]\n" + node_extra)
+    node.write_text(f"rpc_ports: [{lo}, {lo + 7}]\ninternal_ports: [{lo + 8}, {hi}]\n"
+                    + node_extra)
     env = dict(os.environ)
     env.update({
         "HYDRA_STATE_DIR": str(tmp_path / "state"),

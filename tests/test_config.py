@@ -78,3 +78,23 @@ def test_install_options_key_the_cache():
     assert build_dir(cuda).name == "11434.0.0-cuda-86_120"
     assert "-DGGML_RPC=ON" in cpu.cmake_args() and "-DGGML_CUDA=ON" in cuda.cmake_args()
     assert "-DCMAKE_CUDA_ARCHITECTURES=86;120" in cuda.cmake_args()
+
+
+def test_self_connect_is_detected():
+    """TCP simultaneous open: a socket bound to port P that connects to P is connected to
+    itself -- what a retried connect to a down local port can stumble into."""
+    import socket
+
+    from hydra_supervisor.ports import self_connected
+    from tests.harness import free_port
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.connect(("127.0.0.1", port))
+        assert self_connected(s)
+    with socket.socket() as srv, socket.socket() as c:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        c.connect(srv.getsockname())
+        assert not self_connected(c)

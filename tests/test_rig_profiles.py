@@ -176,7 +176,7 @@ def test_example_node_file_parses() -> None:
     assert node.devices["rtx"].cuda == 0
     assert node.devices["rtx3060"].cuda == 1
     p100 = node.devices["p100"]
-    assert (p100.endpoint, p100.memory_mib) == ("192.168.122.21:50052", 16384)
+    assert (p100.endpoint, p100.memory_mib) == ("192.168.122.21:30052", 16384)
     assert set(node.models) >= {"qwen3.6-27B-coder", "qwen3.6-35B-mini"}
     assert all(path.startswith("/models/") for path in node.models.values())
 
@@ -214,7 +214,7 @@ def test_dense_combine_argv_env_and_start_order(rig: Rig, dense: ModelInfo) -> N
     assert peer["program"] == "ggml-rpc-server"
     assert peer["env"]["CUDA_VISIBLE_DEVICES"] == "1"
     assert peer["args"] == ["-H", "127.0.0.1", "-p", str(peer["port"]), "-c"]
-    assert peer["endpoint"] == "127.0.0.1:50052"  # first port of the node's rpc_ports
+    assert peer["endpoint"] == "127.0.0.1:30052"  # first port of the node's rpc_ports
 
     args = head["args"]
     assert head["program"] == "llama-server"
@@ -265,13 +265,13 @@ def test_dense_combine_text_form_is_readable(rig: Rig) -> None:
     assert re.search(r"rtx3060: layers 0-24, weights [\d,]+ MiB .* = [\d,]+ MiB "
                      r"\(11,305 MiB usable\)", out), out
     assert re.search(r"rtx: layers 25-63 \+ output, .* \(15,010 MiB usable\)", out), out
-    peer_line = out.index("0. peer-rtx3060 (peer, on rtx3060) listens 127.0.0.1:50052")
-    head_line = out.index("1. head (head, on rtx) listens 127.0.0.1:39100")
+    peer_line = out.index("0. peer-rtx3060 (peer, on rtx3060) listens 127.0.0.1:30052")
+    head_line = out.index("1. head (head, on rtx) listens 127.0.0.1:30200")
     assert peer_line < head_line
-    assert "router listens 127.0.0.1:8080: HTTP -> 127.0.0.1:39100" in out
-    assert "CUDA_VISIBLE_DEVICES=1 ggml-rpc-server -H 127.0.0.1 -p 50052 -c" in out
+    assert "router listens 127.0.0.1:8080: HTTP -> 127.0.0.1:30200" in out
+    assert "CUDA_VISIBLE_DEVICES=1 ggml-rpc-server -H 127.0.0.1 -p 30052 -c" in out
     assert "CUDA_VISIBLE_DEVICES=0 llama-server -m " in out
-    assert "--rpc 127.0.0.1:50052 -ngl 99 -sm layer -ts 25,40" in out
+    assert "--rpc 127.0.0.1:30052 -ngl 99 -sm layer -ts 25,40" in out
     assert "note: all devices are local GPUs: transport: local" in out
     assert all(len(line) < 400 for line in out.splitlines() if "llama-server" not in line)
 
@@ -317,10 +317,10 @@ def test_moe_combine_ot_matches_exactly_the_planned_expert_tensors(rig: Rig,
     assert (peer["start_order"], head["start_order"]) == (0, 1)
     assert peer["env"]["CUDA_VISIBLE_DEVICES"] == "1"
     assert head["env"]["CUDA_VISIBLE_DEVICES"] == "0"
-    assert peer["args"] == ["-H", "127.0.0.1", "-p", "50052", "-c"]
+    assert peer["args"] == ["-H", "127.0.0.1", "-p", "30052", "-c"]
 
     args = head["args"]
-    assert value(args, "--rpc") == "127.0.0.1:50052"
+    assert value(args, "--rpc") == "127.0.0.1:30052"
     assert args.index("--rpc") < args.index("-ot")
     assert value(args, "-ngl") == "99"
     # -ts 0,1: no whole layer on the RPC device, only the -ot expert tensors (seen on 2 H200s:
@@ -363,7 +363,7 @@ def test_moe_combine_text_form(rig: Rig) -> None:
     assert "256 experts (8 used)" in res.stdout
     assert re.search(r"rtx3060: experts of \d+ layers \(\d+-39\), weights [\d,]+ MiB",
                      res.stdout)
-    assert "=RPC0[127.0.0.1:50052]'" in res.stdout  # shell-quoted, copy-pastable
+    assert "=RPC0[127.0.0.1:30052]'" in res.stdout  # shell-quoted, copy-pastable
 
 
 # ---------------------------------------------------------------------------------------------

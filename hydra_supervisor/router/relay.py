@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hydra_supervisor.ports import self_connected
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 
 log = logging.getLogger("hydra.router")
@@ -632,6 +633,8 @@ class Router:
             sock.settimeout(self._connect_timeout)
             sock.connect((host, target[1]))
             sock.settimeout(None)
+            if self_connected(sock):  # the upstream is down and we hold its port: let go
+                raise ConnectionRefusedError(111, "upstream down (self-connect)")
         except OSError:
             sock.close()
             raise
