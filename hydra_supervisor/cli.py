@@ -99,10 +99,11 @@ def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int 
     layout.check_ports(lay.plan)
     layout.check_remote_peers(lay.plan)
     prof = lay.profile
-    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size, prof.load_timeout),
+    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
+                                              prof.load_timeout),
                         health=prof.health)
     sup = Supervisor(lay.plan, bins, state, prof.restart, prof.on_peer_loss, timeouts,
-                     model_label=prof.model, solo_head=layout.solo_fallback(lay),
+                     model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
                      pick_port=layout.port_picker(lay.node))
     router = _router(lay.plan)
     sup.router = router
@@ -162,7 +163,13 @@ async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
                               f"— {current.reason or 'starting'} "
                               f"({time.monotonic() - current.since:.0f}s)")
             await asyncio.sleep(0.2)
-    if sup.first_ready.is_set() and not runner.done():
+    if sup.first_ready.is_set() and not runner.done() and plan.router and not plan.router.http:
+        r = plan.router
+        out.print(f"[bold green]ready[/]: {plan.profile} serves {plan.engines[0].device} over "
+                  f"ggml-RPC at {r.host}:{r.port} (from {', '.join(r.allow)})")
+        out.print(f"  on the head's host: llama-server -m MODEL --rpc {_client_host(r.host)}"
+                  f":{r.port} ...   (or a node file device: {{endpoint: HOST:{r.port}}})")
+    elif sup.first_ready.is_set() and not runner.done():
         url = f"http://{_client_host(plan.host)}:{plan.port}"
         out.print(f"[bold green]ready[/]: {plan.profile} serving {lay.profile.model} at {url}")
         out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
@@ -289,11 +296,16 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         return
     m = lay.model
     out.print(f"profile [bold]{p.profile}[/] ({p.source})")
-    out.print(f"  model {p.model_path}: {m.arch}, {m.block_count} layers"
-              + (f", {m.expert_count} experts ({m.expert_used_count} used)" if m.is_moe else "")
-              + f", {m.file_size / 2**20:,.0f} MiB")
-    out.print(f"  mode {p.mode} ({p.model_kind}), transport {p.transport}, "
-              f"ctx {p.meta.get('ctx')}, devices from {lay.inventory.source}")
+    if m is not None:
+        out.print(f"  model {p.model_path}: {m.arch}, {m.block_count} layers"
+                  + (f", {m.expert_count} experts ({m.expert_used_count} used)"
+                     if m.is_moe else "") + f", {m.file_size / 2**20:,.0f} MiB")
+    if p.mode == "peer":
+        out.print(f"  mode peer: serves {p.engines[0].device} over ggml-RPC, devices from "
+                  f"{lay.inventory.source}")
+    else:
+        out.print(f"  mode {p.mode} ({p.model_kind}), transport {p.transport}, "
+                  f"ctx {p.meta.get('ctx')}, devices from {lay.inventory.source}")
     for pl in p.placements:
         free = f"{pl.free_bytes / 2**20:,.0f} MiB usable" if pl.free_bytes else "free unknown"
         out.print(f"  {pl.device}: {pl.what}, weights {pl.weight_bytes / 2**20:,.0f}"
@@ -310,8 +322,8 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
     if p.router:
         r = p.router
         rpc = f", ggml-RPC -> {r.rpc[0]}:{r.rpc[1]} (from {', '.join(r.allow)})" if r.rpc else ""
-        out.print(f"[bold]router[/] listens {r.host}:{r.port}: HTTP -> {r.http[0]}:{r.http[1]}"
-                  f"{rpc}")
+        http = f"HTTP -> {r.http[0]}:{r.http[1]}" if r.http else "HTTP -> 503 (no head)"
+        out.print(f"[bold]router[/] listens {r.host}:{r.port}: {http}{rpc}")
     for note in p.notes:
         out.print(f"  note: {note}")
 

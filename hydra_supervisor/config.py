@@ -24,6 +24,7 @@ from hydra_supervisor.yamlsrc import PathKey, Sourced, load_file
 class Mode(Enum):
     SOLO = "solo"
     COMBINE = "combine"
+    PEER = "peer"  # no head: serve the `head` device over ggml-RPC to another host's head
 
 
 class Transport(Enum):
@@ -59,7 +60,7 @@ class HealthPolicy:
 class Profile:
     name: str
     source: str
-    model: str
+    model: str = ""  # not used by mode: peer
     mode: Mode = Mode.SOLO
     head: str = "cpu"
     peers: tuple[str, ...] = ()
@@ -453,7 +454,7 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
     if not isinstance(data, dict):
         raise ConfigError(f"{src.where(())}: a profile is a mapping; got {type(data).__name__}")
     checked, problems = _check_mapping(data, (), PROFILE_SCHEMA, "profile")
-    if "model" not in data:
+    if "model" not in data and data.get("mode") != "peer":
         problems.append(((), "missing required key 'model' (an alias such as gemma3-270m, "
                          "or a path to a .gguf file)"))
     _raise(src, problems)

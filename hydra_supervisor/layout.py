@@ -35,8 +35,8 @@ from hydra_supervisor.ports import ephemeral_range, port_free, port_holder
 class Layout:
     node: Node
     profile: Profile
-    model_path: Path
-    model: ModelInfo
+    model_path: Path | None  # None for mode: peer (no model)
+    model: ModelInfo | None
     devices: dict[str, Device]
     inventory: Inventory
     plan: Plan
@@ -60,10 +60,15 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     node = load_node(find_node_file(node_file))
     path = find_profile(profile_ref, profiles_dir)
     profile = load_profile(path, node, overrides)
-    model_path = models.resolve_model(profile.model, node, path.parent)
-    info = inspect(model_path)
     inv = devices.inventory()
     devs = devices.devices(node, inv)
+    if profile.mode is Mode.PEER:
+        span = node.rpc_ports
+        ports = free_rpc_ports(node, 1, {profile.port}) if check_ports else [span[0]]
+        return Layout(node, profile, None, None, devs, inv,
+                      resolver.resolve_peer_engine(profile, devs, ports))
+    model_path = models.resolve_model(profile.model, node, path.parent)
+    info = inspect(model_path)
     n_peers = len(profile.peers)
     if check_ports:
         ports = free_rpc_ports(node, n_peers, {profile.port})
@@ -92,6 +97,7 @@ def solo_fallback(lay: Layout) -> EngineSpec | None:
     prof = lay.profile
     if prof.on_peer_loss is not PeerLoss.DEGRADE or prof.mode is not Mode.COMBINE:
         return None
+    assert lay.model is not None
     solo = replace(prof, mode=Mode.SOLO, peers=(), split=None, transport=Transport.RPC)
     try:
         # Same internal port as the COMBINE head, so the router needs no change.

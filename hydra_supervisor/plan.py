@@ -71,7 +71,7 @@ class RouterSpec:
 
     host: str
     port: int
-    http: tuple[str, int]
+    http: tuple[str, int] | None
     rpc: tuple[str, int] | None
     allow: tuple[str, ...]
 

@@ -297,6 +297,27 @@ def _peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Pr
                       device=dev.name, start_order=order)
 
 
+def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
+                        rpc_ports: Sequence[int]) -> Plan:
+    """mode: peer -- one ggml-rpc-server on the profile's device, reachable from other hosts
+    only through the router (ggml-RPC has no authentication: the allow list guards it)."""
+    dev = _device(devices, profile.head, profile, "head")
+    if dev.kind is Kind.REMOTE:
+        raise HydraError(f"{profile.source}: head: mode: peer serves a device of this host; "
+                         f"'{dev.name}' is a remote peer")
+    if not profile.router:
+        raise HydraError(f"{profile.source}: mode: peer needs router: true (the ggml-rpc-server "
+                         "binds 127.0.0.1; the router's allow list is its only way in)")
+    if not rpc_ports:
+        raise HydraError("no free ggml-rpc-server port left in the node's rpc_ports range")
+    peer = _peer_spec(f"peer-{dev.name}", dev, rpc_ports[0], 0, profile)
+    router = RouterSpec(host=profile.host, port=profile.port, http=None,
+                        rpc=(peer.host, peer.port), allow=tuple(profile.rpc_allow))
+    return Plan(profile=profile.name, source=profile.source, model_path="", model_kind="-",
+                mode=profile.mode.value, transport="rpc", host=profile.host, port=profile.port,
+                engines=(peer,), router=router)
+
+
 def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[str, Device],
             rpc_ports: Sequence[int], internal_port: int | None = None) -> Plan:
     """With `internal_port`, the head binds 127.0.0.1:internal_port and the Plan carries a

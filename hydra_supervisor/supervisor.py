@@ -199,8 +199,9 @@ class Supervisor:
                            on_change=lambda _p: self.publish())
             for spec in plan.in_start_order()
         ]
-        self.head = next(p for p in self.procs if p.spec.role is Role.HEAD)
-        self.combine_head = self.head.spec
+        # A peer-only engine (mode: peer) has no head: it serves its device to another host.
+        self.head = next((p for p in self.procs if p.spec.role is Role.HEAD), None)
+        self.combine_head = self.head.spec if self.head else None
         self.peers = [p for p in self.procs if p.spec.role is Role.PEER]
 
     # -- status -----------------------------------------------------------------------------
@@ -210,7 +211,9 @@ class Supervisor:
             self.state.write_status({
                 "pid": os.getpid(), "profile": self.plan.profile, "source": self.plan.source,
                 "mode": self.plan.mode, "model": self.model_label,
-                "url": f"http://{_local(self.plan.host)}:{self.plan.port}",
+                "url": (f"ggml-rpc://{self.plan.host}:{self.plan.port}"
+                        if self.plan.router and not self.plan.router.http
+                        else f"http://{_local(self.plan.host)}:{self.plan.port}"),
                 "fatal": self.fatal, "degraded": self.degraded, "updated": time.time(),
                 "engines": [p.row() for p in self.procs],
             })
@@ -231,9 +234,10 @@ class Supervisor:
                               "node's rpc_ports range")
         old_ep = spec.endpoint
         mp.spec = spec.with_port(new)
-        self.combine_head = self.combine_head.repointed(old_ep, mp.spec.endpoint)
-        if self.head.spec.role is Role.HEAD and not self.degraded:
-            self.head.spec = self.combine_head
+        if self.head is not None and self.combine_head is not None:
+            self.combine_head = self.combine_head.repointed(old_ep, mp.spec.endpoint)
+            if not self.degraded:
+                self.head.spec = self.combine_head
         log.warning("%s: port %d is taken by another process; moved to %d", mp.name,
                     spec.port, new)
         if self.router is not None and self.router.upstreams.rpc == (spec.host, spec.port):
@@ -372,7 +376,7 @@ class Supervisor:
             for peer in self.peers:
                 if peer.state is not State.READY:
                     await self._bring_up(peer)
-        if self.head.state is not State.READY:
+        if self.head is not None and self.head.state is not State.READY:
             await self._bring_up(self.head)
         self.first_ready.set()
 
@@ -384,7 +388,7 @@ class Supervisor:
                 return
             if event == "peers-back":
                 await self._undegrade()
-            elif event == "exit" and who is self.head:
+            elif event == "exit" and self.head is not None and who is self.head:
                 code = self.head.proc.returncode if self.head.proc else None
                 self.state.forget_child(self.head.name)
                 if self.peers and not self.degraded:
@@ -401,7 +405,7 @@ class Supervisor:
                 delay = self.head.record_failure(f"head {process.describe_exit(code)}")
                 await self._sleep(delay)
                 self.head.restarts += 1
-            elif event.startswith("hang"):
+            elif event.startswith("hang") and self.head is not None:
                 reason = event.partition(":")[2]
                 # A hung process will not act on SIGTERM (a SIGSTOPped one cannot): KILL it.
                 if self.head.proc is not None:
@@ -418,12 +422,13 @@ class Supervisor:
         self.state.forget_child(peer.name)
         reason = f"peer {peer.name} {process.describe_exit(code)}"
         # llama.cpp's head aborts at its next RPC call once its peer is gone; stop it cleanly.
-        if self.head.state is not State.STOPPED:
+        if self.head is not None and self.head.state is not State.STOPPED:
             await self._stop_one(self.head, reason)
         if self.on_peer_loss is PeerLoss.FAIL:
             peer.to(State.FATAL, f"{reason}; on_peer_loss: fail")
             raise Fatal(f"{reason}; on_peer_loss is fail")
-        if self.on_peer_loss is PeerLoss.DEGRADE and self.solo_head is not None:
+        if self.on_peer_loss is PeerLoss.DEGRADE and self.solo_head is not None \
+                and self.head is not None:
             peer.to(State.BACKOFF, f"{reason}; head degraded to SOLO meanwhile")
             self.degraded = (f"DEGRADED: {reason}; serving SOLO on {self.solo_head.device} "
                              "until the peer is back")
@@ -439,6 +444,7 @@ class Supervisor:
         """Degraded mode: bring the peers back (with backoff) while the SOLO head serves, and
         return only once they have stayed up for restart.stable_after seconds: each switch
         costs a head restart, so a flapping peer must not make the head flap too."""
+        assert self.head is not None
         hold = self.head.policy.stable_after
         while True:
             for peer in self.peers:
@@ -461,6 +467,7 @@ class Supervisor:
     async def _undegrade(self) -> None:
         log.warning("peers are back: returning %s to COMBINE", self.plan.profile)
         self.recovery = None
+        assert self.head is not None and self.combine_head is not None
         await self._stop_one(self.head, "peer is back: switching to COMBINE")
         self.head.spec = self.combine_head
         self.degraded = None
@@ -469,8 +476,9 @@ class Supervisor:
     async def _next_event(self) -> tuple[str, ManagedProcess | None]:
         waits: dict[asyncio.Future[Any], tuple[str, ManagedProcess | None]] = {
             asyncio.ensure_future(self.stopping.wait()): ("stop", None),
-            asyncio.ensure_future(self._watch_head()): ("hang", self.head),
         }
+        if self.head is not None:
+            waits[asyncio.ensure_future(self._watch_head(self.head))] = ("hang", self.head)
         for mp in self.procs:
             if mp.proc is not None and mp.spec.managed and mp.alive and not (
                     self.degraded and mp.spec.role is Role.PEER):
@@ -493,9 +501,9 @@ class Supervisor:
             event = f"hang:{first.result()}"
         return event, who
 
-    async def _watch_head(self) -> str:
+    async def _watch_head(self, head: ManagedProcess) -> str:
         """Returns (with the reason) only when the head is judged hung or broken."""
-        spec = self.head.spec
+        spec = head.spec
         policy = self.timeouts.health
         host = _local(spec.host)
         last_ok = time.monotonic()
@@ -506,12 +514,12 @@ class Supervisor:
             now = time.monotonic()
             if code == 200:
                 last_ok = now
-                if self.head.state is State.UNHEALTHY:
-                    self.head.to(State.READY, "answering /health again")
+                if head.state is State.UNHEALTHY:
+                    head.to(State.READY, "answering /health again")
             elif now - last_ok >= policy.hang_timeout:
                 return f"/health silent for {policy.hang_timeout:.0f}s (hung)"
-            elif self.head.state is State.READY:
-                self.head.to(State.UNHEALTHY, f"/health {'silent' if code is None else code}")
+            elif head.state is State.READY:
+                head.to(State.UNHEALTHY, f"/health {'silent' if code is None else code}")
             if policy.probe and code == 200 and now >= next_probe:
                 next_probe = now + policy.probe_interval
                 ok, why = await health.completion_probe(host, spec.port, policy.probe_timeout)
