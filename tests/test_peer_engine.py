@@ -82,3 +82,23 @@ def test_peer_mode_needs_the_router(tmp_path: Path):
     prof.write_text("mode: peer\nhead: cpu-peer\nrouter: false\n")
     res = run_hydra(env, "up", "--profile", str(prof), "--port", str(free_port()))
     assert res.returncode == 2 and "mode: peer needs router: true" in res.stderr
+
+
+def test_gpu_peer_example_plans_on_a_gpu_host(tmp_path: Path):
+    import json
+
+    env = make_env(tmp_path)
+    inv = tmp_path / "devices.yaml"
+    inv.write_text("gpus:\n  - {index: 0, name: Tesla P100, total_mib: 16384, free_mib: 16000}\n"
+                   "cpu: {total_mib: 32768, free_mib: 30000, threads: 8}\n")
+    env["HYDRA_DEVICES_FILE"] = str(inv)
+    res = run_hydra(env, "plan", "--profile", "gpu-peer", "--json")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    (peer,) = plan["engines"]
+    assert peer["program"] == "ggml-rpc-server" and peer["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert peer["host"] == "127.0.0.1" and "-c" in peer["args"]
+    assert plan["router"]["host"] == "0.0.0.0" and plan["router"]["port"] == 30052
+    assert plan["router"]["http"] is None
+    assert plan["router"]["rpc"] == ["127.0.0.1", peer["port"]]
+    assert "192.168.122.0/24" in plan["router"]["allow"]
