@@ -249,6 +249,20 @@ def _add_model_kv(
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def _write_header(writer: gguf.GGUFWriter, plan: Sequence[_TensorPlan]) -> BinaryIO:
+    """KV data and tensor infos; returns the file, positioned where tensor data starts."""
+    for t in plan:
+        # raw_dtype given and a non-uint8 dtype: the writer takes `shape` as element shape.
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None and len(writer.fout) == 1
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    return fout
+
+
 def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator) -> None:
     cols = t.shape[-1]
     rows = math.prod(t.shape[:-1])
@@ -327,20 +341,9 @@ def _write(
             n_ff=n_ff,
             n_expert=n_expert,
         )
-        for t in plan:
-            # raw_dtype given and a non-uint8 dtype: the writer takes `shape` as element shape.
-            writer.add_tensor_info(
-                t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype
-            )
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-
         # Tensor data is streamed here rather than through write_tensor_data, which needs each
         # whole tensor in memory (a stacked expert tensor of a big MoE is several GB).
-        assert writer.fout is not None and len(writer.fout) == 1
-        fout = writer.fout[0]
-        writer.write_padding(fout, fout.tell())
+        fout = _write_header(writer, plan)
         for index, t in enumerate(plan):
             _write_tensor(fout, t, np.random.default_rng([seed, index]))
             writer.write_padding(fout, t.n_bytes)
@@ -511,16 +514,7 @@ def write_shape_only(
             n_ff=ff,
             n_expert=n_expert if kind == "moe" else 0,
         )
-        for t in plan:
-            writer.add_tensor_info(
-                t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype
-            )
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        assert writer.fout is not None and len(writer.fout) == 1
-        fout = writer.fout[0]
-        writer.write_padding(fout, fout.tell())
+        fout = _write_header(writer, plan)
         # The offsets in the tensor infos advance by each tensor's size padded to the alignment;
         # extending the file to the end of the last one leaves a hole that reads as zeros.
         data = sum(writer.ggml_pad(t.n_bytes, writer.data_alignment) for t in plan)
