@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,15 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hydra_supervisor import binaries, rpcproto  # noqa: E402
+from hydra_supervisor.ports import free_port  # noqa: E402
 
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
 PROMPT = " ".join(f"The number {i} is followed by {i + 1}." for i in range(40))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait(pred: Any, timeout: float, what: str) -> None:

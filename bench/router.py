@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hydra_supervisor.install import BuildOptions, bin_dir  # noqa: E402
+from hydra_supervisor.ports import free_port  # noqa: E402
 from hydra_supervisor.router import Router, Upstreams  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -266,12 +267,6 @@ def _stop_proc(proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait(grace)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -7,7 +7,6 @@ version, the models it can resolve, and the devices (GPUs, or "CPU only").
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 
@@ -16,17 +15,12 @@ from rich.console import Console
 from hydra_supervisor import binaries, devices, install, models, rpcproto
 from hydra_supervisor.config import find_node_file, load_node
 from hydra_supervisor.errors import HydraError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from hydra_supervisor.ports import free_port
 
 
 def rpc_protocol(path: str, timeout: float = 10.0) -> str:
     """Start ggml-rpc-server on a free loopback port, HELLO it, stop it."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([path, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={"CUDA_VISIBLE_DEVICES": ""})

@@ -57,3 +57,10 @@ def ephemeral_range() -> tuple[int, int]:
         return int(lo), int(hi)
     except (OSError, ValueError):
         return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the kernel's pick for a bind to 0)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

