@@ -31,8 +31,10 @@ from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import Supervisor, Timeouts, load_timeout_for
 
 # soft_wrap: long argv and paths stay on one line (copy-pastable), also when piped.
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Piped output (logs, scripts, tests) is not cut to 80 columns: tables keep one row per line.
+_WIDTH = None if sys.stdout.isatty() else 160
+out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=_WIDTH)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
