@@ -14,6 +14,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from hydra_supervisor.ports import self_connected
+
 RPC_CMD_HELLO = 0x0E
 CAPS_SIZE = 24
 HELLO_REQUEST = bytes([RPC_CMD_HELLO]) + struct.pack("<Q", CAPS_SIZE) + bytes(CAPS_SIZE)
@@ -59,7 +61,7 @@ def probe(host: str, port: int, timeout: float = 3.0) -> Version:
     """Connect, HELLO, read the version, disconnect. OSError when nothing answers."""
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as sock:
-        if sock.getsockname() == sock.getpeername():  # TCP self-connect: nobody listens
+        if self_connected(sock):  # TCP self-connect: nobody listens (see ports.py)
             raise ConnectionRefusedError(111, f"{host}:{port}: nothing listens (self-connect)")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(HELLO_REQUEST)

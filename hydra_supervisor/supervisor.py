@@ -128,10 +128,14 @@ class ManagedProcess:
                    f"{self.policy.window:.0f}s, giving up")
             self.to(State.FATAL, msg)
             raise Fatal(f"{self.name}: {msg}")
-        delay = min(self.policy.backoff_initial * 2 ** (self.consecutive - 1),
-                    self.policy.backoff_max)
+        delay = self.backoff_delay()
         self.to(State.BACKOFF, f"{reason}; restart in {delay:.0f}s")
         return delay
+
+    def backoff_delay(self) -> float:
+        """Capped exponential: backoff_initial doubled per consecutive failure."""
+        return min(self.policy.backoff_initial * 2 ** max(self.consecutive - 1, 0),
+                   self.policy.backoff_max)
 
     def log_tail(self, n: int = 12) -> list[str]:
         try:
@@ -402,18 +406,14 @@ class Supervisor:
                                          f"after its peer {dead[0].name} died")
                     await self._peer_lost(dead[0])
                     continue
-                delay = self.head.record_failure(f"head {process.describe_exit(code)}")
-                await self._sleep(delay)
-                self.head.restarts += 1
+                await self._fail_and_wait(self.head, f"head {process.describe_exit(code)}")
             elif event.startswith("hang") and self.head is not None:
                 reason = event.partition(":")[2]
                 # A hung process will not act on SIGTERM (a SIGSTOPped one cannot): KILL it.
                 if self.head.proc is not None:
                     await process.kill_now(self.head.proc)
                 self.state.forget_child(self.head.name)
-                delay = self.head.record_failure(f"{reason}; killed")
-                await self._sleep(delay)
-                self.head.restarts += 1
+                await self._fail_and_wait(self.head, f"{reason}; killed")
             elif event == "exit" and who is not None:
                 await self._peer_lost(who)
 
@@ -436,9 +436,13 @@ class Supervisor:
             self.head.spec = self.solo_head
             self.recovery = asyncio.create_task(self._recover_peers())
             return
-        delay = peer.record_failure(reason)
+        await self._fail_and_wait(peer, reason)
+
+    async def _fail_and_wait(self, mp: ManagedProcess, reason: str) -> None:
+        """Count a failure (FATAL when the budget is spent), wait out its backoff."""
+        delay = mp.record_failure(reason)
         await self._sleep(delay)
-        peer.restarts += 1
+        mp.restarts += 1
 
     async def _recover_peers(self) -> None:
         """Degraded mode: bring the peers back (with backoff) while the SOLO head serves, and
@@ -452,9 +456,7 @@ class Supervisor:
                     if peer.state is State.READY:
                         code = peer.proc.returncode if peer.proc else None
                         peer.record_failure(f"peer {peer.name} {process.describe_exit(code)}")
-                    delay = min(peer.policy.backoff_initial * 2 ** max(peer.consecutive - 1, 0),
-                                peer.policy.backoff_max)
-                    await self._sleep(delay)
+                    await self._sleep(peer.backoff_delay())
                     peer.restarts += 1
                     await self._bring_up(peer)
             self.degraded = (self.degraded or "").split(";")[0] + \
