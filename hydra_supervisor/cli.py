@@ -12,6 +12,7 @@ import json
 import logging
 import logging.handlers
 import os
+import shlex
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from hydra_supervisor import __version__, install, layout
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import Plan
+from hydra_supervisor.ports import client_host
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import Supervisor, Timeouts, load_timeout_for
@@ -169,10 +171,10 @@ async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
         r = plan.router
         out.print(f"[bold green]ready[/]: {plan.profile} serves {plan.engines[0].device} over "
                   f"ggml-RPC at {r.host}:{r.port} (from {', '.join(r.allow)})")
-        out.print(f"  on the head's host: llama-server -m MODEL --rpc {_client_host(r.host)}"
+        out.print(f"  on the head's host: llama-server -m MODEL --rpc {client_host(r.host)}"
                   f":{r.port} ...   (or a node file device: {{endpoint: HOST:{r.port}}})")
     elif sup.first_ready.is_set() and not runner.done():
-        url = f"http://{_client_host(plan.host)}:{plan.port}"
+        url = f"http://{client_host(plan.host)}:{plan.port}"
         out.print(f"[bold green]ready[/]: {plan.profile} serving {lay.profile.model} at {url}")
         out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
                   "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'")
@@ -189,10 +191,6 @@ async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
                         err.print(f"  {line}", markup=False)
         return 1
     return 0
-
-
-def _client_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,8 +317,8 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
                   f"listens {e.endpoint}")
         if e.managed:
             env = " ".join(f"{k}={v}" for k, v in e.env)
-            out.print(f"   {env} {e.program} {' '.join(_quote(a) for a in e.args)}", markup=False,
-                      soft_wrap=True)
+            argv = " ".join(shlex.quote(a) for a in e.args)
+            out.print(f"   {env} {e.program} {argv}", markup=False, soft_wrap=True)
     if p.router:
         r = p.router
         rpc = f", ggml-RPC -> {r.rpc[0]}:{r.rpc[1]} (from {', '.join(r.allow)})" if r.rpc else ""
@@ -328,12 +326,6 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         out.print(f"[bold]router[/] listens {r.host}:{r.port}: {http}{rpc}")
     for note in p.notes:
         out.print(f"  note: {note}")
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 # --------------------------------------------------------------------------------------------

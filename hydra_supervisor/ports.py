@@ -64,3 +64,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def client_host(bind_host: str) -> str:
+    """Where a local client reaches a server bound to `bind_host` (a wildcard means loopback)."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "", "*") else bind_host

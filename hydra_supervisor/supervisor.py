@@ -32,7 +32,7 @@ from typing import Any
 from hydra_supervisor import health, process
 from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
 from hydra_supervisor.plan import EngineSpec, Plan, Role
-from hydra_supervisor.ports import port_free
+from hydra_supervisor.ports import client_host, port_free
 from hydra_supervisor.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError
 from hydra_supervisor.state import StateDir
 
@@ -170,10 +170,6 @@ def load_timeout_for(model_bytes: int, configured: float | None) -> float:
     return 60.0 + 15.0 * model_bytes / (1 << 30)
 
 
-def _local(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
 PortPicker = Callable[[set[int]], int | None]
 
 
@@ -217,7 +213,7 @@ class Supervisor:
                 "mode": self.plan.mode, "model": self.model_label,
                 "url": (f"ggml-rpc://{self.plan.host}:{self.plan.port}"
                         if self.plan.router and not self.plan.router.http
-                        else f"http://{_local(self.plan.host)}:{self.plan.port}"),
+                        else f"http://{client_host(self.plan.host)}:{self.plan.port}"),
                 "fatal": self.fatal, "degraded": self.degraded, "updated": time.time(),
                 "engines": [p.row() for p in self.procs],
             })
@@ -284,7 +280,7 @@ class Supervisor:
             if self.stopping.is_set():
                 raise StartFailed("stop requested")
             if spec.role is Role.HEAD:
-                code = await health.http_status(_local(spec.host), spec.port)
+                code = await health.http_status(client_host(spec.host), spec.port)
                 if code == 200:
                     return
                 mp.reason = "loading model" if code == 503 else "waiting for /health"
@@ -507,7 +503,7 @@ class Supervisor:
         """Returns (with the reason) only when the head is judged hung or broken."""
         spec = head.spec
         policy = self.timeouts.health
-        host = _local(spec.host)
+        host = client_host(spec.host)
         last_ok = time.monotonic()
         next_probe = time.monotonic() + policy.probe_interval
         while True:
