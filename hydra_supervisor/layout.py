@@ -62,25 +62,27 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     profile = load_profile(path, node, overrides)
     inv = devices.inventory()
     devs = devices.devices(node, inv)
+
+    def pick(n: int, exclude: set[int], span: tuple[int, int]) -> list[int]:
+        if not check_ports:  # `hydra plan`: a stable answer, whatever runs right now
+            return list(range(span[0], span[0] + n))
+        return free_rpc_ports(node, n, exclude, span)
+
+    model_path: Path | None = None
+    info: ModelInfo | None = None
     if profile.mode is Mode.PEER:
-        span = node.rpc_ports
-        ports = free_rpc_ports(node, 1, {profile.port}) if check_ports else [span[0]]
-        return Layout(node, profile, None, None, devs, inv,
-                      resolver.resolve_peer_engine(profile, devs, ports))
-    model_path = models.resolve_model(profile.model, node, path.parent)
-    info = inspect(model_path)
-    n_peers = len(profile.peers)
-    if check_ports:
-        ports = free_rpc_ports(node, n_peers, {profile.port})
-        internal = free_rpc_ports(node, 1, {profile.port, *ports}, node.internal_ports)
+        plan = resolver.resolve_peer_engine(profile, devs,
+                                            pick(1, {profile.port}, node.rpc_ports))
+    else:
+        model_path = models.resolve_model(profile.model, node, path.parent)
+        info = inspect(model_path)
+        ports = pick(len(profile.peers), {profile.port}, node.rpc_ports)
+        internal = pick(1, {profile.port, *ports}, node.internal_ports)
         if profile.router and not internal:
             raise HydraError(f"no free port left in the node's internal_ports range "
                              f"{node.internal_ports[0]}-{node.internal_ports[1]}")
-    else:
-        ports = list(range(node.rpc_ports[0], node.rpc_ports[0] + n_peers))
-        internal = [node.internal_ports[0]]
-    plan = resolver.resolve(profile, info, str(model_path), devs, ports,
-                            internal[0] if profile.router else None)
+        plan = resolver.resolve(profile, info, str(model_path), devs, ports,
+                                internal[0] if profile.router else None)
     lo, hi = ephemeral_range()
     overlap = [name for name, (a, b) in (("rpc_ports", node.rpc_ports),
                                          ("internal_ports", node.internal_ports))
