@@ -23,14 +23,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from hydra_supervisor import __version__, install, layout
+from hydra_supervisor import __version__, deployment, install, layout
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import Plan
 from hydra_supervisor.ports import client_host
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import Supervisor, Timeouts, load_timeout_for
+from hydra_supervisor.supervisor import Supervisor
 
 # soft_wrap: long argv and paths stay on one line (copy-pastable), also when piped.
 # Piped output (logs, scripts, tests) is not cut to 80 columns: tables keep one row per line.
@@ -97,18 +97,11 @@ def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int 
     stale = state.kill_stale()
     if stale:
         err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}")
-    lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=_overrides(port, host))
-    bins = layout.find_binaries(lay)
-    layout.check_ports(lay.plan)
-    layout.check_remote_peers(lay.plan)
+    dep = deployment.prepare(profile, node_file=node_file, profiles_dir=profiles_dir,
+                             overrides=_overrides(port, host))
+    lay = dep.layout
     prof = lay.profile
-    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
-                                              prof.load_timeout),
-                        health=prof.health)
-    sup = Supervisor(lay.plan, bins, state, prof.restart, prof.on_peer_loss, timeouts,
-                     model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
-                     pick_port=layout.port_picker(lay.node))
+    sup = Supervisor(dep, state)
     router = _router(lay.plan)
     sup.router = router
     state.write_supervisor(prof.name, prof.source)
