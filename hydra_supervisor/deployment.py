@@ -54,13 +54,18 @@ class Deployment:
 
 def prepare(profile_ref: str, *, node_file: str | None = None,
             profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
-            check_ports: bool = True) -> Deployment:
-    """Read, resolve and check a profile into a Deployment; raises HydraError on bad input."""
+            keep: Plan | None = None, external: int | None = None) -> Deployment:
+    """Read, resolve and check a profile into a Deployment; raises HydraError on bad input.
+
+    For a running engine, `keep` is its current plan (whose ports are reused) and `external`
+    its own external port (held by its router, so not checked)."""
     lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=overrides)
+                       overrides=overrides, keep=keep)
     bins = layout.find_binaries(lay)
-    if check_ports:
-        layout.check_ports(lay.plan)
+    ours: set[int] = {external} if external is not None else set()
+    if keep is not None:
+        ours |= {e.port for e in keep.engines if e.managed}
+    layout.check_ports(lay.plan, ours)
     layout.check_remote_peers(lay.plan)
     prof = lay.profile
     timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,

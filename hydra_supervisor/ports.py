@@ -69,3 +69,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 def client_host(bind_host: str) -> str:
     """Where a local client reaches a server bound to `bind_host` (a wildcard means loopback)."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "", "*") else bind_host
+
+
+def url_for(host: str, port: int, scheme: str = "http") -> str:
+    """The URL a local client uses for a server bound to host:port (IPv6 in brackets)."""
+    h = client_host(host)
+    if ":" in h:
+        h = f"[{h}]"
+    return f"{scheme}://{h}:{port}"
