@@ -115,8 +115,12 @@ class Engine:
                  allow: tuple[str, ...] = DEFAULT_ALLOW, use_router: bool = True,
                  profiles: Callable[[], list[str]] | None = None,
                  switch_timeouts: SwitchTimeouts | None = None,
-                 router_kwargs: dict[str, Any] | None = None) -> None:
+                 router_kwargs: dict[str, Any] | None = None,
+                 make_supervisor: Callable[[Deployment, StateDir], Supervisor] = Supervisor,
+                 make_router: Callable[..., Router] = Router) -> None:
         self.state = state
+        self.make_supervisor = make_supervisor  # seams: policy tests use fakes
+        self.make_router = make_router
         self.host = host
         self.port = port
         self.allow = allow
@@ -141,8 +145,8 @@ class Engine:
         """Bind the external port (the router). Without a router the head binds it itself."""
         if not self.use_router:
             return
-        self.router = Router(self.host, self.port, Upstreams(), allow=self.allow,
-                             name=f"port {self.port}", **self.router_kwargs)
+        self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
+                                       name=f"port {self.port}", **self.router_kwargs)
         self.router.start()
         self.port = self.router.port  # --port 0: the port the kernel gave us
         self._idle_message()
@@ -206,7 +210,7 @@ class Engine:
     # -- running one deployment ----------------------------------------------------------------
 
     def _launch(self, dep: Deployment) -> Supervisor:
-        sup = Supervisor(dep, self.state)
+        sup = self.make_supervisor(dep, self.state)
         sup.router = self.router
         add = getattr(sup, "listeners", None)
         if isinstance(add, list):
