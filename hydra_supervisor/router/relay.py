@@ -371,6 +371,7 @@ class Router:
         self._idle_workers = 0
         self._n_pending = 0
         self._fds_active = 0
+        self._open_peak = 0
         self._fd_budget = 0
         self._nofile = (0, 0)
         self._c = {"accepted": 0, "bytes_up": 0, "bytes_down": 0}
@@ -532,6 +533,7 @@ class Router:
             out["refused"] = dict(self._refused)
             out["events"] = dict(self._events)
             out["open"] = len(self._active)
+            out["open_peak"] = self._open_peak
             out["pending"] = self._n_pending
             out["bytes_up"] += live_up
             out["bytes_down"] += live_down
@@ -806,6 +808,7 @@ class Router:
                 conn.cost = cost
                 self._fds_active += cost
                 self._active[conn.id] = conn
+                self._open_peak = max(self._open_peak, len(self._active))
                 self._by_kind[conn.kind.value] += 1
             if conn.kind is Kind.HTTP and self._http_mode == "aware":
                 conn.session = True
