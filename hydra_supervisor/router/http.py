@@ -226,12 +226,19 @@ class HttpSession:
             if ev is not h11.NEED_DATA:
                 return ev
             if idle:
-                timeout = self.r.idle_timeout
-            else:
-                assert deadline is not None
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    raise TimeoutError
+                # Marked idle while blocked here: the acceptor may close this connection to
+                # admit a waiting one when descriptors run short (router/relay.py).
+                self.conn.idle_since = time.monotonic()
+                try:
+                    data = self._recv_client(self.r.idle_timeout)
+                finally:
+                    self.conn.idle_since = None
+                self.h.receive_data(data)
+                continue
+            assert deadline is not None
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise TimeoutError
             self.h.receive_data(self._recv_client(timeout))
 
     def _send_client(self, data: bytes) -> None:

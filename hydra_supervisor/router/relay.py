@@ -78,6 +78,9 @@ _FDS_SPLICE = 6
 # about IDLE + INTVL * CNT = 2 minutes, without timing out a live but quiet ggml-RPC link.
 _KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 60, 10, 6
 _LOG_EVERY_S = 10.0
+# An idle keep-alive connection is closed for room only after this long idle: a client that is
+# about to send its next request has usually sent it by then.
+_IDLE_CLOSE_MIN_S = 0.05
 _EMFILE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PUMPS = ("splice", "copy")
@@ -205,6 +208,7 @@ class _Conn:
         "halves",
         "cost",
         "session",
+        "idle_since",
     )
 
     def __init__(self, cid: int, client: socket.socket, peer: Any, now: float):
@@ -226,6 +230,7 @@ class _Conn:
         self.halves = 2  # relay directions still running; the last one to end closes
         self.cost = 0  # descriptors reserved for it at admission
         self.session = False  # an HTTP session (times its own idleness), not a byte relay
+        self.idle_since: float | None = None  # session between requests, waiting for the next
 
     def note(self, reason: str) -> None:
         if not self.reason:
@@ -800,10 +805,12 @@ class Router:
             with self._lock:
                 if self._stopping:
                     return
-                if self._max_active is not None and len(self._active) >= self._max_active:
+                full = self._max_active is not None and len(self._active) >= self._max_active
+                if full or (self._fds_active + cost > self._fd_budget and self._active):
+                    # Wait for a relay to end rather than fail one with EMFILE; idle keep-alive
+                    # connections (between requests) are closed to make room, as HTTP allows.
+                    self._close_idle_locked(len(waiting))
                     return
-                if self._fds_active + cost > self._fd_budget and self._active:
-                    return  # wait for a relay to end rather than fail one with EMFILE
                 waiting.popleft()
                 conn.cost = cost
                 self._fds_active += cost
@@ -819,6 +826,23 @@ class Router:
                 self._run(fn, conn, self._upstreams)
             except RuntimeError as e:  # Thread.start failed: out of threads or memory
                 self._no_thread(conn, e)
+
+    def _close_idle_locked(self, want: int) -> None:
+        """Close up to ``want`` HTTP connections idle between requests, longest idle first.
+        Not an active connection: an HTTP/1.1 server may close an idle keep-alive connection
+        at any time, and clients reconnect (the openai client retries such a request)."""
+        now = time.monotonic()
+        idle = [c for c in self._active.values()
+                if c.idle_since is not None and now - c.idle_since >= _IDLE_CLOSE_MIN_S]
+        idle.sort(key=lambda c: c.idle_since or 0.0)
+        for conn in idle[:want]:
+            conn.idle_since = None
+            conn.note("idle keep-alive closed to admit a waiting connection")
+            self._events["idle_closed_for_room"] += 1
+            try:
+                conn.client.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _no_thread(self, conn: _Conn, e: BaseException) -> None:
         """A connection we could not give a thread: 503 (HTTP) and close; the router goes on."""
