@@ -310,3 +310,122 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: fl
             pass
         time.sleep(0.2)
     raise TimeoutError(f"llama-server on {port} not healthy within {timeout}s:\n{_log_tail(log)}")
+
+
+# --------------------------------------------------------------------------- many streams
+
+
+def stream_request(tokens: int = 5, delay: float = 0.0, **extra: object) -> bytes:
+    """A streaming chat completion request for tests/sse_upstream.py (keep-alive)."""
+    body = json.dumps({"model": "standin", "messages": [{"role": "user", "content": "hi"}],
+                       "stream": True, "max_tokens": tokens, "x_delay": delay, **extra}).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> dict[str, object]:
+    """Open ``n`` connections, send ``request`` on each, and read every streamed response to
+    its last chunk, all at once from one thread (a selector). Returns counts and per-stream
+    times to the first byte and to the end (seconds)."""
+    sel = selectors.DefaultSelector()
+    socks: list[socket.socket] = []
+    bufs: dict[int, bytearray] = {}
+    t0: dict[int, float] = {}
+    first: list[float] = []
+    total: list[float] = []
+    failed: list[str] = []
+    done = 0
+    deadline = time.monotonic() + timeout
+    try:
+        for i in range(n):
+            s = socket.create_connection((HOST, port), timeout=timeout)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t0[i] = time.monotonic()
+            s.sendall(request)
+            s.setblocking(False)
+            socks.append(s)
+            bufs[i] = bytearray()
+            sel.register(s, selectors.EVENT_READ, i)
+        left = n
+        while left and time.monotonic() < deadline:
+            for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+                i = key.data
+                s = socks[i]
+                try:
+                    data = s.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    data, why = b"", str(e)
+                else:
+                    why = "closed early"
+                buf = bufs[i]
+                if data and not buf:
+                    first.append(time.monotonic() - t0[i])
+                buf += data
+                finished = buf.endswith(b"\r\n0\r\n\r\n")
+                if finished or not data:
+                    sel.unregister(s)
+                    left -= 1
+                    if finished and buf.startswith(b"HTTP/1.1 200") and b"[DONE]" in buf:
+                        done += 1
+                        total.append(time.monotonic() - t0[i])
+                    else:
+                        failed.append(f"{why}: {bytes(buf[:200])!r}")
+        failed += ["no answer before the deadline"] * left
+    finally:
+        sel.close()
+        for s in socks:
+            s.close()
+    return {"done": done, "failed": failed, "first": first, "total": total}
+
+
+ROUTER_CHILD = """
+import json, resource, sys
+soft, hard, up = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+from hydra_supervisor.router import Router, Upstreams, raise_nofile
+r = Router("127.0.0.1", 0, Upstreams(http=("127.0.0.1", up)), name="child")
+r.start()
+print(json.dumps({"port": r.port, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)}),
+      flush=True)
+for line in sys.stdin:
+    print(json.dumps(r.stats()), flush=True)
+r.stop()
+"""
+
+
+@contextmanager
+def child(argv: list[str], **popen: object) -> Iterator[subprocess.Popen[str]]:
+    """A child process with pipes; its stdin closed and it waited for on the way out."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            **popen)  # type: ignore[call-overload]
+    try:
+        yield proc
+    finally:
+        try:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def readline(proc: subprocess.Popen[str], timeout: float = DEADLINE) -> str:
+    """One line of a child's stdout, with a deadline."""
+    assert proc.stdout is not None
+    ready = selectors.DefaultSelector()
+    ready.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not ready.select(timeout):
+            raise TimeoutError(f"no line from {proc.args!r} within {timeout}s")
+    finally:
+        ready.close()
+    line = proc.stdout.readline()
+    if not line:
+        raise EOFError(f"{proc.args!r} exited {proc.wait(5)}")
+    return line

@@ -1,12 +1,16 @@
 """The first-byte router: one external port per engine carrying ggml-RPC, Hydra control and HTTP.
 
 ``classify`` owns the sans-IO decision on a connection's first bytes; ``relay`` owns the sockets:
-the listener, admission (allow list, bounded queue, timeouts) and the byte relay to the engine's
-internal llama-server, its local ggml-rpc-server, or hydra's control handler. docs/router.md says
+the listener, admission (allow list, bounded queues, timeouts) and the byte relay to the engine's
+local ggml-rpc-server or hydra's control handler; ``http`` is the request-aware HTTP leg to the
+internal llama-server (h11); ``gate`` decides when a request may go upstream (hold/release,
+unavailable, in flight); ``defaults`` merges T1 defaults into bodies; ``limits`` owns the
+process limits (open files, thread stacks, pipes). docs/router.md says
 why the relay is built the way it is, with the measurements.
 """
 
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
+from hydra_supervisor.router.limits import raise_nofile
 from hydra_supervisor.router.relay import Router, Upstreams
 
-__all__ = ["MAX_PREFIX", "Kind", "Router", "Upstreams", "classify"]
+__all__ = ["MAX_PREFIX", "Kind", "Router", "Upstreams", "classify", "raise_nofile"]

@@ -3,10 +3,12 @@
 This module owns everything between the external listener and the engine's internal endpoints:
 
 - one *acceptor* thread (a ``selectors`` loop) accepts, reads each new connection's first bytes
-  without blocking, enforces the first-byte timeout, the allow list and the bounded wait queue;
-- each admitted connection gets two *relay* workers (pooled threads) with blocking sockets, one
-  per direction, moving bytes with ``os.splice`` (a kernel pipe, no copy through Python) or, as
-  a fallback, ``recv_into``/``sendall``.
+  without blocking, enforces the first-byte timeout, the allow list and the bounded queues;
+- each admitted HTTP connection gets one pooled worker thread running an ``HttpSession``
+  (router/http.py: request-aware, h11), so the engine can hold, count, drain and cut requests;
+- each admitted ggml-RPC or Hydra connection gets two pooled workers with blocking sockets, one
+  per direction, moving bytes with ``os.splice`` (a kernel pipe, no copy through Python) or, as a
+  fallback, ``recv_into``/``sendall``. ggml-RPC is the per-token path: it stays a byte splice.
 
 Why threads with blocking sockets and not asyncio: the ggml-RPC path is per-token, so the relay's
 wake-up latency and CPU are paid on every decoded token. Measured (bench/router.py), a blocked
@@ -15,15 +17,16 @@ write path in added latency and CPU; docs/router.md has the numbers. The threads
 while blocked, so the router lives happily inside the supervisor's asyncio process.
 
 Invariants: a relaying connection is never dropped to admit another (new ones wait in a bounded
-queue, are refused beyond it); every wait has a deadline except a relay that is actually open
-(that one ends on EOF, error, the optional idle timeout, or ``stop()``); a missing or dead
-upstream closes the client at once (HTTP clients get a 503 with a JSON reason).
+queue; silent ones are evicted first); admission is sized from the descriptors the process
+really has, so an admitted relay does not die of EMFILE; every wait has a deadline except a relay
+that is actually open (an HTTP request in flight, a ggml-RPC link a head holds), which ends on
+EOF, error, ``cut_inflight`` or ``stop()``.
 """
 
 from __future__ import annotations
 
 import collections
-import fcntl
+import errno
 import ipaddress
 import itertools
 import json
@@ -34,12 +37,15 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hydra_supervisor.ports import self_connected
+from hydra_supervisor.router import limits
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
+from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate
+from hydra_supervisor.router.http import HttpSession, Record, UpstreamPool
 
 log = logging.getLogger("hydra.router")
 
@@ -60,12 +66,25 @@ _LINGER_DRAIN_BYTES = 1 << 20
 _ACCEPT_BATCH = 64
 _EMFILE_BACKOFF_S = 0.1
 _STOP_JOIN_S = 5.0
+_TICK_S = 1.0
 # Relay threads are pooled: starting a thread costs ~50-80 us of the new-connection latency, a
 # hand-off to an idle one ~10 us. Idle workers beyond the cap, or idle too long, exit.
 _MAX_IDLE_WORKERS = 64
 _WORKER_IDLE_S = 30.0
+# Descriptors per admitted relay: client + upstream; a spliced relay adds two pipes (4 fds).
+_FDS_HTTP = 2
+_FDS_SPLICE = 6
+# TCP keepalive on client sockets: a peer host that vanished (power, network) is found in
+# about IDLE + INTVL * CNT = 2 minutes, without timing out a live but quiet ggml-RPC link.
+_KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 60, 10, 6
+_LOG_EVERY_S = 10.0
+# An idle keep-alive connection is closed for room only after this long idle: a client that is
+# about to send its next request has usually sent it by then.
+_IDLE_CLOSE_MIN_S = 0.05
+_EMFILE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PUMPS = ("splice", "copy")
+HTTP_MODES = ("aware", "raw")
 
 
 def _is_loopback(host: str) -> bool:
@@ -138,15 +157,30 @@ def _set_nodelay(sock: socket.socket) -> None:
         pass  # not TCP (tests may hand us a socketpair); nothing to tune
 
 
-def http_error_response(status: int, reason: str, message: str) -> bytes:
+def _set_keepalive(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPIDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPINTVL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPCNT)
+    except OSError:
+        pass
+
+
+def http_error_response(
+    status: int, reason: str, message: str, retry_after: int | None = None
+) -> bytes:
     """A complete HTTP/1.1 error response whose body matches llama-server's error JSON."""
     body = json.dumps(
         {"error": {"code": status, "message": message, "type": "unavailable_error"}}
     ).encode()
+    retry = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
     head = (
         f"HTTP/1.1 {status} {reason}\r\n"
         "Content-Type: application/json; charset=utf-8\r\n"
         f"Content-Length: {len(body)}\r\n"
+        f"{retry}"
         "Connection: close\r\n\r\n"
     ).encode()
     return head + body
@@ -160,6 +194,7 @@ class _Conn:
         "id",
         "client",
         "peer",
+        "src",
         "accepted",
         "deadline",
         "prefix",
@@ -171,12 +206,17 @@ class _Conn:
         "last",
         "reason",
         "halves",
+        "cost",
+        "session",
+        "idle_since",
     )
 
     def __init__(self, cid: int, client: socket.socket, peer: Any, now: float):
         self.id = cid
         self.client = client
         self.peer = peer
+        ip = _source_ip(peer)
+        self.src = str(ip) if ip is not None else str(peer)
         self.accepted = now
         self.deadline = now
         self.prefix = b""
@@ -188,6 +228,9 @@ class _Conn:
         self.last = now
         self.reason = ""
         self.halves = 2  # relay directions still running; the last one to end closes
+        self.cost = 0  # descriptors reserved for it at admission
+        self.session = False  # an HTTP session (times its own idleness), not a byte relay
+        self.idle_since: float | None = None  # session between requests, waiting for the next
 
     def note(self, reason: str) -> None:
         if not self.reason:
@@ -205,10 +248,50 @@ class _Conn:
                 pass
 
 
+class _Pending:
+    """Accepted connections that have not sent their first bytes yet ("silent"), in accept
+    order overall and per source address, so the oldest silent one can be evicted."""
+
+    def __init__(self) -> None:
+        self.all: dict[int, _Conn] = {}
+        self.by_src: dict[str, collections.deque[_Conn]] = {}
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def add(self, conn: _Conn) -> None:
+        self.all[conn.id] = conn
+        self.by_src.setdefault(conn.src, collections.deque()).append(conn)
+
+    def remove(self, conn: _Conn) -> None:
+        del self.all[conn.id]
+        q = self.by_src[conn.src]
+        q.remove(conn)  # short: bounded by the per-source limit
+        if not q:
+            del self.by_src[conn.src]
+
+    def first(self) -> _Conn | None:
+        return next(iter(self.all.values()), None)
+
+    def from_source(self, src: str) -> int:
+        q = self.by_src.get(src)
+        return len(q) if q else 0
+
+    def oldest_of(self, src: str) -> _Conn:
+        return self.by_src[src][0]
+
+    def oldest_of_largest(self) -> _Conn:
+        """The oldest silent connection of the source with the most of them: a flood from one
+        address evicts its own connections, not a prompt client's from elsewhere."""
+        q = max(self.by_src.values(), key=len)
+        return q[0]
+
+
 class Router:
     """First-byte router for one engine's external port. Runs its own threads; ``start`` and
     ``stop`` are blocking but bounded, so an asyncio supervisor calls them directly (they take
-    milliseconds) or through ``asyncio.to_thread``."""
+    milliseconds) or through ``asyncio.to_thread``. Every other public method is thread-safe and
+    returns at once, except ``wait_idle`` (bounded by its timeout)."""
 
     def __init__(
         self,
@@ -218,22 +301,40 @@ class Router:
         *,
         allow: Sequence[str] = ("127.0.0.0/8", "::1/128"),
         first_byte_timeout: float = 10.0,
-        idle_timeout: float | None = None,
-        max_active: int = 512,
+        idle_timeout: float | None = 300.0,
+        rpc_idle_timeout: float | None = None,
+        max_active: int | None = None,
         max_pending: int = 128,
+        max_pending_per_source: int = 32,
+        max_waiting: int = 256,
         name: str = "engine",
         queue_timeout: float = _QUEUE_TIMEOUT,
         connect_timeout: float = _CONNECT_TIMEOUT,
         pump: str = "splice",
+        http: str = "aware",
+        hold_timeout: float = 120.0,
+        max_held: int = 1024,
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+        retry_wait: float = 1.0,
+        max_body: int = 64 << 20,
+        request_timeout: float = 120.0,
+        thread_factory: Callable[..., threading.Thread] = threading.Thread,
     ) -> None:
-        if max_active < 1 or max_pending < 1:
-            raise ValueError("max_active and max_pending must be at least 1")
+        if max_active is not None and max_active < 1:
+            raise ValueError("max_active must be at least 1 (or None: sized from the fd limit)")
+        if max_pending < 1 or max_pending_per_source < 1 or max_waiting < 1:
+            raise ValueError("max_pending, max_pending_per_source and max_waiting must be >= 1")
         if first_byte_timeout <= 0 or queue_timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
-        if idle_timeout is not None and idle_timeout <= 0:
-            raise ValueError("idle_timeout must be positive or None")
+        if request_timeout <= 0 or retry_wait < 0 or max_body < 0:
+            raise ValueError("request_timeout must be positive, retry_wait and max_body >= 0")
+        for label, t in (("idle_timeout", idle_timeout), ("rpc_idle_timeout", rpc_idle_timeout)):
+            if t is not None and t <= 0:
+                raise ValueError(f"{label} must be positive or None")
         if pump not in PUMPS:
             raise ValueError(f"pump must be one of {PUMPS}, not {pump!r}")
+        if http not in HTTP_MODES:
+            raise ValueError(f"http must be one of {HTTP_MODES}, not {http!r}")
         if pump == "splice" and not hasattr(os, "splice"):
             pump = "copy"  # os.splice is Linux-only
         self.bind_host = bind_host
@@ -242,16 +343,29 @@ class Router:
         self._upstreams = upstreams
         self._allow = _parse_allow(allow)
         self._first_byte_timeout = first_byte_timeout
-        self._idle_timeout = idle_timeout
+        self.idle_timeout = idle_timeout
+        self._rpc_idle_timeout = rpc_idle_timeout
         self._max_active = max_active
         self._max_pending = max_pending
+        self._max_per_source = min(max_pending_per_source, max_pending)
+        self._max_waiting = max_waiting
         self._queue_timeout = queue_timeout
         self._connect_timeout = connect_timeout
         self._pump_kind = pump
+        self._http_mode = http
+        self._on_request = on_request
+        self.retry_wait = retry_wait
+        self.max_body = max_body
+        self.request_timeout = request_timeout
+        self._thread_factory = thread_factory
+        self.request_defaults: dict[str, Any] = {}
+        self.gate = Gate(hold_timeout, max_held)
+        self.pool = UpstreamPool(self._connect)
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
+        self._bound_port: int | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -261,23 +375,25 @@ class Router:
         self._tasks: queue.SimpleQueue[tuple[Any, tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._idle_workers = 0
         self._n_pending = 0
-        self._c = {
-            "total": 0,
-            "refused": 0,
-            "rejected": 0,
-            "denied": 0,
-            "timeouts": 0,
-            "upstream_errors": 0,
-            "bytes_up": 0,
-            "bytes_down": 0,
-        }
+        self._fds_active = 0
+        self._open_peak = 0
+        self._fd_budget = 0
+        self._nofile = (0, 0)
+        self._c = {"accepted": 0, "bytes_up": 0, "bytes_down": 0}
+        self._refused: collections.Counter[str] = collections.Counter()
+        self._events: collections.Counter[str] = collections.Counter()
+        self._http = {"requests": 0, "1xx": 0, "2xx": 0, "3xx": 0, "4xx": 0, "5xx": 0,
+                      "cut": 0, "retried": 0}
         self._by_kind = {k.value: 0 for k in (Kind.RPC, Kind.HYDRA, Kind.HTTP)}
+        self._log_marks: dict[str, tuple[float, int]] = {}
 
     # ---------------------------------------------------------------- public API
 
     def start(self) -> None:
+        """Bind and start the acceptor. A stopped router may be started again."""
         if self._listener is not None:
             raise RuntimeError("router already started")
+        self._nofile = limits.raise_nofile()
         infos = socket.getaddrinfo(
             self.bind_host or None,
             self._req_port,
@@ -286,39 +402,106 @@ class Router:
         )
         family, _, _, _, sockaddr = infos[0]
         dual = family == socket.AF_INET6 and self.bind_host in ("::", "")
-        # Backlog: the kernel holds connections we have not accepted yet; beyond max_pending we
-        # accept and close, so a short backlog only bounds bursts between two accept batches.
-        backlog = max(128, self._max_pending)
+        # Backlog: the kernel holds connections we have not accepted yet (also while the
+        # acceptor pauses because the waiting queue is full); the kernel caps it at somaxconn.
         listener = socket.create_server(
-            sockaddr[:2], family=family, backlog=backlog, dualstack_ipv6=dual
+            sockaddr[:2], family=family, backlog=max(1024, self._max_pending), dualstack_ipv6=dual
         )
         listener.setblocking(False)
-        self._listener = listener
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._acceptor = threading.Thread(
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        reserved = self._max_pending + self._max_waiting + 16 + 3  # queues, pool, own sockets
+        with self._lock:
+            self._stopping = False
+            self._tasks = queue.SimpleQueue()
+            self._idle_workers = 0
+            self._fd_budget = limits.fd_budget(reserved)
+        self.gate.restart()
+        self._listener, self._wake_r, self._wake_w = listener, wake_r, wake_w
+        self._bound_port = int(listener.getsockname()[1])
+        self._req_port = self._bound_port  # port 0: a restart keeps the port it got
+        acceptor = self._thread_factory(
             target=self._accept_loop, name=f"router-{self.name}-accept", daemon=True
         )
-        self._acceptor.start()
-        log.info("router %s listening on %s", self.name, _fmt_addr(listener.getsockname()))
+        try:
+            acceptor.start()
+        except RuntimeError:
+            for s in (listener, wake_r, wake_w):
+                s.close()
+            self._listener = None
+            raise
+        self._acceptor = acceptor
+        per = _FDS_HTTP
+        log.info(
+            "router %s listening on %s (nofile %d/%d: room for ~%d HTTP connections)",
+            self.name, _fmt_addr(listener.getsockname()), self._nofile[0], self._nofile[1],
+            self._fd_budget // per,
+        )
+        if self._fd_budget // per < 64:
+            log.warning("router %s: the open-file limit leaves room for only %d connections; "
+                        "raise the hard limit (LimitNOFILE= in systemd)", self.name,
+                        self._fd_budget // per)
 
     @property
     def port(self) -> int:
-        if self._listener is None:
+        """The bound port (also after stop(); a restart binds it again)."""
+        if self._bound_port is None:
             raise RuntimeError("router not started")
-        return int(self._listener.getsockname()[1])
+        return self._bound_port
 
     @property
     def upstreams(self) -> Upstreams:
         return self._upstreams
 
     def set_upstreams(self, u: Upstreams) -> None:
-        """New connections (those not yet relaying) use ``u``; open relays keep their upstream."""
+        """New connections and new HTTP requests use ``u``; open byte relays keep theirs."""
         self._upstreams = u
 
+    def hold(self, reason: str) -> None:
+        """Park new HTTP requests (read whole, not sent) until release(); bounded per request
+        by hold_timeout and in number by max_held (then 503 with Retry-After)."""
+        self.gate.hold(reason)
+        log.info("router %s: holding new requests (%s)", self.name, reason)
+
+    def release(self) -> None:
+        """Send parked requests upstream (to the current upstreams)."""
+        held = self.gate.held()
+        self.gate.release()
+        log.info("router %s: released (%d requests were held)", self.name, held)
+
+    def set_unavailable(self, reason: str | None, retry_after: int = DEFAULT_RETRY_AFTER) -> None:
+        """New (and parked) HTTP requests get 503 ``reason`` with Retry-After; None clears."""
+        self.gate.set_unavailable(reason, retry_after)
+        log.info("router %s: %s", self.name,
+                 f"unavailable: {reason}" if reason is not None else "available")
+
+    def inflight(self) -> int:
+        """HTTP requests sent upstream whose response has not completed."""
+        return self.gate.inflight()
+
+    def wait_idle(self, timeout: float) -> int:
+        """Block until no HTTP request is in flight or ``timeout``; returns how many still are."""
+        return self.gate.wait_idle(timeout)
+
+    def cut_inflight(self, reason: str) -> int:
+        """Abort in-flight HTTP requests (streams end with an SSE error event); how many."""
+        n = self.gate.cut_inflight(reason)
+        if n:
+            log.info("router %s: cut %d in-flight requests (%s)", self.name, n, reason)
+        return n
+
+    def set_request_defaults(self, d: dict[str, Any]) -> None:
+        """T1 defaults added to completion request bodies that lack them (router/defaults.py)."""
+        self.request_defaults = dict(d)
+
+    def alive(self) -> bool:
+        a = self._acceptor
+        return a is not None and a.is_alive() and not self._stopping
+
     def stop(self, timeout: float = _STOP_JOIN_S) -> None:
-        """Close the listener, every waiting connection and every relay; bounded by ``timeout``."""
+        """Close the listener, every waiting connection and every relay; bounded by ``timeout``.
+        The router can be started again afterwards."""
         with self._lock:
             if self._listener is None or self._stopping:
                 return
@@ -327,6 +510,7 @@ class Router:
             for conn in self._active.values():
                 conn.note("router stopped")
                 conn.shutdown_all()
+        self.gate.stop()
         self._wake()
         deadline = time.monotonic() + timeout
         if self._acceptor is not None:
@@ -338,9 +522,12 @@ class Router:
             threads = list(self._threads)
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        self.pool.close()
         for s in (self._wake_r, self._wake_w):
             if s is not None:
                 s.close()
+        self._listener = self._wake_r = self._wake_w = None
+        self._acceptor = None
         log.info("router %s stopped", self.name)
 
     def stats(self) -> dict[str, Any]:
@@ -348,13 +535,79 @@ class Router:
             live_up = sum(c.up for c in self._active.values())
             live_down = sum(c.down for c in self._active.values())
             out: dict[str, Any] = dict(self._c)
+            out["refused"] = dict(self._refused)
+            out["events"] = dict(self._events)
             out["open"] = len(self._active)
+            out["open_peak"] = self._open_peak
             out["pending"] = self._n_pending
             out["bytes_up"] += live_up
             out["bytes_down"] += live_down
             out["bytes"] = out["bytes_up"] + out["bytes_down"]
             out["by_kind"] = dict(self._by_kind)
+            out["http"] = dict(self._http)
+            out["fds"] = {"nofile": self._nofile[0], "budget": self._fd_budget,
+                          "relays": self._fds_active}
+        out["held"] = self.gate.held()
+        out["inflight"] = self.gate.inflight()
+        out["pooled"] = self.pool.idle()
+        out["alive"] = self.alive()
         return out
+
+    # ---------------------------------------------------------------- for sessions
+
+    def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None:
+        """Count a refused connection or request under ``reason`` (stats "refused")."""
+        self._count(self._refused, reason, detail, log_it)
+
+    def count_event(self, reason: str, detail: str = "") -> None:
+        """Count something survived, not refused (stats "events"): EMFILE waited out, a
+        small pipe, a kernel accept failure."""
+        self._count(self._events, reason, detail, True)
+
+    def _count(
+        self, table: collections.Counter[str], reason: str, detail: str, log_it: bool
+    ) -> None:
+        # At most one INFO line per reason per _LOG_EVERY_S, saying how many were not logged.
+        now = time.monotonic()
+        with self._lock:
+            table[reason] += 1
+            if not log_it:
+                return
+            last, since = self._log_marks.get(reason, (-1e9, 0))
+            if now - last < _LOG_EVERY_S:
+                self._log_marks[reason] = (last, since + 1)
+                return
+            self._log_marks[reason] = (now, 0)
+        more = f" (+{since} more since the last line)" if since else ""
+        log.info("router %s %s: %s%s%s", self.name,
+                 "refused" if table is self._refused else "note", reason,
+                 f": {detail}" if detail else "", more)
+
+    def count_cut(self) -> None:
+        with self._lock:
+            self._http["cut"] += 1
+
+    def count_retried(self) -> None:
+        with self._lock:
+            self._http["retried"] += 1
+
+    def finish_request(self, rec: Record) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._http["requests"] += 1
+            cls = f"{rec.status // 100}xx"
+            if cls in self._http:
+                self._http[cls] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("router %s %s %s %d %.3fs in=%dB out=%dB %s%s", self.name, rec.method,
+                      rec.path, rec.status, now - rec.started, rec.bytes_in, rec.bytes_out,
+                      rec.outcome, f" ({rec.reason})" if rec.reason else "")
+        cb = self._on_request
+        if cb is not None:
+            try:
+                cb(rec.as_dict(now))
+            except Exception:  # a callback's bug must not end the client's connection
+                log.exception("router %s: on_request callback failed", self.name)
 
     # ---------------------------------------------------------------- acceptor
 
@@ -377,33 +630,35 @@ class Router:
         listener, wake_r = self._listener, self._wake_r
         assert listener is not None and wake_r is not None
         sel = selectors.DefaultSelector()
-        sel.register(listener, selectors.EVENT_READ, "listen")
         sel.register(wake_r, selectors.EVENT_READ, "wake")
-        # Both dicts/deques are in deadline order because each has one fixed timeout.
-        pending: dict[int, _Conn] = {}
+        listening = False
+        # Both are in deadline order because each has one fixed timeout.
+        pending = _Pending()
         waiting: collections.deque[_Conn] = collections.deque()
         paused_until = 0.0
-        idle_every = None if self._idle_timeout is None else min(1.0, self._idle_timeout / 4)
-        next_idle = time.monotonic() + (idle_every or 0.0)
+        next_tick = time.monotonic() + _TICK_S
         try:
             while not self._stopping:
+                want = not paused_until and len(waiting) < self._max_waiting
+                if want != listening:
+                    if want:
+                        sel.register(listener, selectors.EVENT_READ, "listen")
+                    else:
+                        sel.unregister(listener)
+                    listening = want
                 now = time.monotonic()
-                timeout: float | None = None
-                marks = []
-                if pending:
-                    marks.append(next(iter(pending.values())).deadline)
+                marks = [next_tick]
+                first = pending.first()
+                if first is not None:
+                    marks.append(first.deadline)
                 if waiting:
                     marks.append(waiting[0].deadline)
-                if idle_every is not None:
-                    marks.append(next_idle)
                 if paused_until:
                     marks.append(paused_until)
-                if marks:
-                    timeout = max(0.0, min(marks) - now)
+                timeout = max(0.0, min(marks) - now)
                 for key, _ in sel.select(timeout):
                     if key.data == "listen":
                         if not self._accept_batch(sel, pending, waiting):
-                            sel.unregister(listener)
                             paused_until = time.monotonic() + _EMFILE_BACKOFF_S
                     elif key.data == "wake":
                         try:
@@ -418,60 +673,81 @@ class Router:
                 now = time.monotonic()
                 if paused_until and now >= paused_until:
                     paused_until = 0.0
-                    sel.register(listener, selectors.EVENT_READ, "listen")
-                while pending:
-                    conn = next(iter(pending.values()))
-                    if conn.deadline > now:
-                        break
-                    del pending[conn.id]
-                    sel.unregister(conn.client)
-                    self._drop(conn, "first-byte timeout", "timeouts")
+                while (conn := pending.first()) is not None and conn.deadline <= now:
+                    self._unpend(sel, pending, conn)
+                    self._drop(conn, "first-byte timeout", "first_byte_timeout")
                 while waiting and waiting[0].deadline <= now:
-                    conn = waiting.popleft()
-                    self._busy(conn)
+                    self._busy(waiting.popleft())
                 self._admit(waiting)
-                if idle_every is not None and now >= next_idle:
-                    next_idle = now + idle_every
-                    self._reap_idle(now)
+                if now >= next_tick:
+                    next_tick = now + _TICK_S
+                    self._tick(now)
                 with self._lock:
                     self._n_pending = len(pending) + len(waiting)
+        except Exception:
+            # A bug here would silently stop all new connections; say so loudly. alive()
+            # now reports False, so the owner can stop() and start() the router again.
+            log.exception("router %s: acceptor failed", self.name)
+            raise
         finally:
             sel.close()
-            for conn in list(pending.values()) + list(waiting):
+            for conn in list(pending.all.values()) + list(waiting):
                 self._drop(conn, "router stopped", None)
             with self._lock:
                 self._n_pending = 0
             listener.close()
 
+    def _tick(self, now: float) -> None:
+        self.pool.reap(keep=self._upstreams.http)
+        self._reap_idle(now)
+
+    def _unpend(self, sel: selectors.BaseSelector, pending: _Pending, conn: _Conn) -> None:
+        pending.remove(conn)
+        try:
+            sel.unregister(conn.client)
+        except (KeyError, ValueError):
+            pass
+
     def _accept_batch(
         self,
         sel: selectors.BaseSelector,
-        pending: dict[int, _Conn],
+        pending: _Pending,
         waiting: collections.deque[_Conn],
     ) -> bool:
         """Accept what the kernel has queued. False when out of descriptors (caller backs off)."""
         listener = self._listener
         assert listener is not None
         for _ in range(_ACCEPT_BATCH):
+            if len(waiting) >= self._max_waiting:
+                return True  # the rest stay in the kernel's backlog until a slot frees
             try:
                 client, peer = listener.accept()
             except BlockingIOError:
                 return True
             except OSError as e:
                 # EMFILE/ENFILE/ENOBUFS: the listener stays readable; back off instead of spinning.
-                log.warning("router %s accept failed: %s", self.name, e)
+                self.count_event("accept_failed", f"{e.strerror or e}")
                 return False
             now = time.monotonic()
             conn = _Conn(next(self._ids), client, peer, now)
             with self._lock:
-                self._c["total"] += 1
-            if len(pending) + len(waiting) >= self._max_pending:
-                self._drop(conn, "queue full", "refused")
-                continue
+                self._c["accepted"] += 1
+            # Make room by evicting a *silent* connection (no first bytes yet): a client that
+            # sends its request promptly is never refused because of silent ones.
+            if pending.from_source(conn.src) >= self._max_per_source:
+                victim = pending.oldest_of(conn.src)
+                self._unpend(sel, pending, victim)
+                self._drop(victim, "evicted: too many silent connections from its address",
+                           "silent_source_limit")
+            elif len(pending) >= self._max_pending:
+                victim = pending.oldest_of_largest()
+                self._unpend(sel, pending, victim)
+                self._drop(victim, "evicted: silent while the queue was full", "silent_evicted")
             client.setblocking(False)
             _set_nodelay(client)
+            _set_keepalive(client)
             conn.deadline = now + self._first_byte_timeout
-            pending[conn.id] = conn
+            pending.add(conn)
             sel.register(client, selectors.EVENT_READ, conn)
             # Clients usually send right after connecting: read now rather than after
             # another trip through select (saves tens of microseconds per connection).
@@ -482,7 +758,7 @@ class Router:
         self,
         sel: selectors.BaseSelector,
         conn: _Conn,
-        pending: dict[int, _Conn],
+        pending: _Pending,
         waiting: collections.deque[_Conn],
     ) -> None:
         try:
@@ -495,18 +771,16 @@ class Router:
             data = b""
             conn.note(f"client error before first bytes: {e.strerror or e}")
         if not data:
-            del pending[conn.id]
-            sel.unregister(conn.client)
+            self._unpend(sel, pending, conn)
             self._drop(conn, "client closed before first bytes", None)
             return
         conn.prefix += data
         kind = classify(conn.prefix[:MAX_PREFIX])
         if kind is Kind.NEED_MORE:
             return
-        del pending[conn.id]
-        sel.unregister(conn.client)
+        self._unpend(sel, pending, conn)
         if kind is Kind.REJECT:
-            self._drop(conn, f"unrecognised first bytes {conn.prefix.hex()}", "rejected")
+            self._drop(conn, f"unrecognised first bytes {conn.prefix[:16].hex()}", "rejected")
             return
         conn.kind = kind
         # Checked only for these kinds: HTTP is open, and the check costs microseconds.
@@ -518,21 +792,78 @@ class Router:
         conn.deadline = time.monotonic() + self._queue_timeout
         waiting.append(conn)
 
+    def _fd_cost(self, kind: Kind) -> int:
+        if kind is Kind.HTTP and self._http_mode == "aware":
+            return _FDS_HTTP
+        return _FDS_SPLICE if self._pump_kind == "splice" else _FDS_HTTP
+
     def _admit(self, waiting: collections.deque[_Conn]) -> None:
         while waiting:
+            conn = waiting[0]
+            assert conn.kind is not None
+            cost = self._fd_cost(conn.kind)
             with self._lock:
-                if self._stopping or len(self._active) >= self._max_active:
+                if self._stopping:
                     return
-                conn = waiting.popleft()
-                assert conn.kind is not None
+                full = self._max_active is not None and len(self._active) >= self._max_active
+                if full or (self._fds_active + cost > self._fd_budget and self._active):
+                    # Wait for a relay to end rather than fail one with EMFILE; idle keep-alive
+                    # connections (between requests) are closed to make room, as HTTP allows.
+                    self._close_idle_locked(len(waiting))
+                    return
+                waiting.popleft()
+                conn.cost = cost
+                self._fds_active += cost
                 self._active[conn.id] = conn
+                self._open_peak = max(self._open_peak, len(self._active))
                 self._by_kind[conn.kind.value] += 1
-            self._run(self._relay, conn, self._upstreams)
+            if conn.kind is Kind.HTTP and self._http_mode == "aware":
+                conn.session = True
+                fn: Any = self._http_session
+            else:
+                fn = self._relay
+            try:
+                self._run(fn, conn, self._upstreams)
+            except RuntimeError as e:  # Thread.start failed: out of threads or memory
+                self._no_thread(conn, e)
+
+    def _close_idle_locked(self, want: int) -> None:
+        """Close up to ``want`` HTTP connections idle between requests, longest idle first.
+        Not an active connection: an HTTP/1.1 server may close an idle keep-alive connection
+        at any time, and clients reconnect (the openai client retries such a request)."""
+        now = time.monotonic()
+        idle = [c for c in self._active.values()
+                if c.idle_since is not None and now - c.idle_since >= _IDLE_CLOSE_MIN_S]
+        idle.sort(key=lambda c: c.idle_since or 0.0)
+        for conn in idle[:want]:
+            conn.idle_since = None
+            conn.note("idle keep-alive closed to admit a waiting connection")
+            self._events["idle_closed_for_room"] += 1
+            try:
+                conn.client.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _no_thread(self, conn: _Conn, e: BaseException) -> None:
+        """A connection we could not give a thread: 503 (HTTP) and close; the router goes on."""
+        with self._lock:
+            self._active.pop(conn.id, None)
+            self._fds_active -= conn.cost
+            conn.cost = 0
+        if conn.kind is Kind.HTTP:
+            try:
+                conn.client.send(http_error_response(
+                    503, "Service Unavailable", "hydra router: out of threads, try again",
+                    DEFAULT_RETRY_AFTER))
+            except OSError:
+                pass
+        self._drop(conn, f"no relay thread: {e}", "thread_start")
 
     # ---------------------------------------------------------------- worker pool
 
     def _run(self, fn: Any, *args: Any) -> None:
-        """Run fn(*args) on an idle worker thread, or on a new one if none is idle."""
+        """Run fn(*args) on an idle worker thread, or on a new one if none is idle.
+        Raises RuntimeError when a new thread cannot be started."""
         with self._lock:
             if self._idle_workers > 0:
                 # Reserve the idle worker under the lock, so a worker that times out now
@@ -540,13 +871,17 @@ class Router:
                 self._idle_workers -= 1
                 self._tasks.put((fn, args))
                 return
-            t = threading.Thread(
-                target=self._worker, args=(fn, args), name=f"router-{self.name}", daemon=True
-            )
-            self._threads.add(t)
-        t.start()
+        t = limits.start_thread(
+            self._thread_factory, target=self._worker, args=(fn, args, self._tasks),
+            name=f"router-{self.name}", daemon=True,
+        )
+        with self._lock:
+            if t.is_alive():
+                self._threads.add(t)
 
-    def _worker(self, fn: Any, args: tuple[Any, ...]) -> None:
+    def _worker(self, fn: Any, args: tuple[Any, ...], tasks: queue.SimpleQueue[Any]) -> None:
+        with self._lock:
+            self._threads.add(threading.current_thread())
         try:
             while True:
                 fn(*args)
@@ -556,11 +891,11 @@ class Router:
                     self._idle_workers += 1
                 while True:
                     try:
-                        item = self._tasks.get(timeout=_WORKER_IDLE_S)
+                        item = tasks.get(timeout=_WORKER_IDLE_S)
                         break
                     except queue.Empty:
                         with self._lock:
-                            if self._tasks.empty():  # nobody reserved us: retire
+                            if tasks.empty():  # nobody reserved us: retire
                                 self._idle_workers -= 1
                                 return
                 if item is None:
@@ -575,18 +910,22 @@ class Router:
         if conn.kind is Kind.HTTP:
             try:
                 conn.client.send(
-                    http_error_response(503, "Service Unavailable", "hydra router: too busy")
+                    http_error_response(503, "Service Unavailable", "hydra router: too busy",
+                                        DEFAULT_RETRY_AFTER)
                 )
             except OSError:
                 pass  # best effort on a non-blocking socket; we close either way
-        self._drop(conn, "waited too long for a relay slot", "timeouts")
+        self._drop(conn, "waited too long for a relay slot", "queue_timeout")
 
     def _reap_idle(self, now: float) -> None:
-        idle = self._idle_timeout
-        assert idle is not None
+        """Byte relays with no traffic past their idle timeout. HTTP sessions time their own
+        idleness; ggml-RPC links have none by default (a head may be quiet for hours)."""
         with self._lock:
             for conn in self._active.values():
-                if now - conn.last > idle:
+                if conn.session:
+                    continue
+                idle = self.idle_timeout if conn.kind is Kind.HTTP else self._rpc_idle_timeout
+                if idle is not None and now - conn.last > idle:
                     conn.note(f"idle > {idle:g}s")
                     conn.shutdown_all()
 
@@ -594,8 +933,7 @@ class Router:
         """Close a connection that never reached the relay; one debug line, like a relay."""
         conn.note(reason)
         if counter is not None:  # count before the close is visible to the client
-            with self._lock:
-                self._c[counter] += 1
+            self.count_refused(counter, reason)
         try:
             conn.client.close()
         except OSError:
@@ -620,9 +958,34 @@ class Router:
             conn.reason or "done",
         )
 
+    # ---------------------------------------------------------------- HTTP sessions
+
+    def _http_session(self, conn: _Conn, ups: Upstreams) -> None:
+        conn.target = ups.http
+        try:
+            HttpSession(self, conn).run()
+        except Exception:  # a bug in one session must not leak its sockets or kill the worker
+            log.exception("router %s #%d: HTTP session failed", self.name, conn.id)
+            conn.note("session error")
+        finally:
+            self._finish(conn)
+
     # ---------------------------------------------------------------- relay
 
     def _connect(self, target: Addr) -> socket.socket:
+        """Connect to a local upstream. Out of descriptors is waited out (bounded by the
+        connect timeout) rather than failing an admitted connection at once."""
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            try:
+                return self._connect_once(target)
+            except OSError as e:
+                if e.errno not in _EMFILE or time.monotonic() >= deadline:
+                    raise
+                self.count_event("emfile_wait", f"{e.strerror or e}")
+                time.sleep(0.05)
+
+    def _connect_once(self, target: Addr) -> socket.socket:
         # Not socket.create_connection: its getaddrinfo costs tens of microseconds per
         # connection, and targets are numeric loopback addresses anyway.
         host = "127.0.0.1" if target[0] == "localhost" else target[0]
@@ -656,6 +1019,7 @@ class Router:
             self._run(self._pump, conn, conn.client, upstream, True)
         except RuntimeError as e:  # "can't start new thread": out of threads or memory
             conn.note(f"no relay thread: {e}")
+            self.count_refused("thread_start", str(e))
             conn.shutdown_all()
             with self._lock:
                 conn.halves -= 1
@@ -697,10 +1061,16 @@ class Router:
         """One direction until EOF or error; the last direction to end closes the connection,
         so a half-closed stream stays open for as long as its other direction flows."""
         try:
-            if self._pump_kind == "splice":
-                eof = self._pump_splice(conn, src, dst, upward)
-            else:
-                eof = self._pump_copy(conn, src, dst, upward)
+            pipe = self._pipe() if self._pump_kind == "splice" else None
+            try:
+                if pipe is not None:
+                    eof = self._pump_splice(conn, src, dst, upward, pipe)
+                else:
+                    eof = self._pump_copy(conn, src, dst, upward)
+            finally:
+                if pipe is not None:
+                    os.close(pipe[0])
+                    os.close(pipe[1])
         except OSError as e:
             side = "client" if upward else "upstream"
             conn.note(f"{side} error: {e.strerror or e}")
@@ -720,6 +1090,23 @@ class Router:
             if last:
                 self._finish(conn)
 
+    def _pipe(self) -> tuple[int, int, int] | None:
+        """(read fd, write fd, capacity) for the splice pump, or None to use the copy pump:
+        out of descriptors, or a pipe too small to be worth it (an unprivileged user past
+        pipe-user-pages-soft gets one page). Never a reason to fail the relay."""
+        try:
+            r, w = os.pipe()
+        except OSError as e:
+            self.count_event("pipe_unavailable", f"{e.strerror or e}; copying instead")
+            return None
+        cap = limits.pipe_capacity(w, PIPE_SIZE)
+        if cap < limits.MIN_PIPE:
+            os.close(r)
+            os.close(w)
+            self.count_event("pipe_small", f"pipe of {cap} bytes; copying instead")
+            return None
+        return r, w, cap
+
     @staticmethod
     def _pump_copy(conn: _Conn, src: socket.socket, dst: socket.socket, upward: bool) -> bool:
         buf = bytearray(COPY_BUFFER)
@@ -737,46 +1124,40 @@ class Router:
             conn.last = clock()
 
     @staticmethod
-    def _pump_splice(conn: _Conn, src: socket.socket, dst: socket.socket, upward: bool) -> bool:
+    def _pump_splice(
+        conn: _Conn, src: socket.socket, dst: socket.socket, upward: bool,
+        pipe: tuple[int, int, int],
+    ) -> bool:
         # socket → pipe → socket inside the kernel: no copy through Python and the GIL is
         # released for the whole wait.
-        r, w = os.pipe()
-        try:
-            try:
-                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-            except OSError:
-                pass  # over the per-user pipe budget: the default 64 KiB pipe still works
-            cap = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
-            sfd, dfd = src.fileno(), dst.fileno()
-            splice, clock = os.splice, time.monotonic
-            while True:
-                n = splice(sfd, w, cap)
-                if not n:
-                    return True
-                left = n
-                while left:
-                    left -= splice(r, dfd, left)
-                if upward:
-                    conn.up += n
-                else:
-                    conn.down += n
-                conn.last = clock()
-        finally:
-            os.close(r)
-            os.close(w)
+        r, w, cap = pipe
+        sfd, dfd = src.fileno(), dst.fileno()
+        splice, clock = os.splice, time.monotonic
+        while True:
+            n = splice(sfd, w, cap)
+            if not n:
+                return True
+            left = n
+            while left:
+                left -= splice(r, dfd, left)
+            if upward:
+                conn.up += n
+            else:
+                conn.down += n
+            conn.last = clock()
 
     def _upstream_down(self, conn: _Conn, reason: str) -> None:
         """Upstream missing or refusing: close the client now; HTTP gets a 503 with the reason."""
         conn.note(reason)
-        with self._lock:
-            self._c["upstream_errors"] += 1
+        self.count_refused("upstream_down", reason)
         if conn.kind is not Kind.HTTP:
             return
         client = conn.client
         try:
             client.settimeout(_LINGER_DRAIN_S)
             client.sendall(
-                http_error_response(503, "Service Unavailable", f"hydra router: {reason}")
+                http_error_response(503, "Service Unavailable", f"hydra router: {reason}",
+                                    DEFAULT_RETRY_AFTER)
             )
             client.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + _LINGER_DRAIN_S
@@ -798,7 +1179,8 @@ class Router:
                         s.close()
                     except OSError:
                         pass
-            self._active.pop(conn.id, None)
+            if self._active.pop(conn.id, None) is not None:
+                self._fds_active -= conn.cost
             self._c["bytes_up"] += conn.up
             self._c["bytes_down"] += conn.down
         self._log_close(conn)

@@ -1,0 +1,64 @@
+"""T1 request defaults merged into completion bodies (sans-IO: bytes in, bytes out).
+
+A T1 setting (temperature, n_predict, …) needs no restart: the router adds it to each completion
+request that does not set it. Only JSON object bodies of ``POST`` to the completion endpoints are
+touched; anything else passes through byte for byte.
+
+The reply-length keys are aliases in llama-server, and ``n_predict`` wins over ``max_tokens``
+when both are present, so a default ``n_predict`` added to an OpenAI request that set
+``max_tokens`` would silently override the client. So the three length keys count as one: a
+body with any of them gets no length default, and on the OpenAI endpoints the default is written
+as ``max_tokens`` (the OpenAI name, which every OpenAI client also reads back).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+NATIVE_PATHS = frozenset({"/completion", "/completions"})
+OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/completions"})
+LENGTH_KEYS = ("n_predict", "max_tokens", "max_completion_tokens")
+# Bodies above this are passed through without a look (a prompt of megabytes still parses in
+# milliseconds, but nothing in a T1 default is worth parsing more).
+MAX_INSPECT = 8 << 20
+
+
+def path_of(target: bytes) -> str:
+    return target.split(b"?", 1)[0].decode("latin-1")
+
+
+def merge(path: str, body: bytes, defaults: dict[str, Any]) -> tuple[bytes | None, str | None]:
+    """(new body or None if unchanged, the request's ``model`` or None).
+
+    ``path`` is the request path without its query; the caller checks the method is POST."""
+    if path not in NATIVE_PATHS and path not in OPENAI_PATHS:
+        return None, None
+    if not body or len(body) > MAX_INSPECT or body.lstrip()[:1] != b"{":
+        return None, None
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None, None  # llama-server gives the client its own error for this body
+    if not isinstance(obj, dict):
+        return None, None
+    model = obj.get("model")
+    model = model if isinstance(model, str) else None
+    if not defaults:
+        return None, model
+    openai = path in OPENAI_PATHS
+    added = False
+    has_length = any(k in obj for k in LENGTH_KEYS)
+    for key, value in defaults.items():
+        if key in LENGTH_KEYS:
+            if has_length:
+                continue
+            key = "max_tokens" if openai else "n_predict"
+            has_length = True
+        if key in obj:
+            continue
+        obj[key] = value
+        added = True
+    if not added:
+        return None, model
+    return json.dumps(obj, separators=(",", ":")).encode(), model

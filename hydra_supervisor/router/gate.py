@@ -1,0 +1,203 @@
+"""Whether an HTTP request may go upstream now: hold/release, unavailability, in-flight requests.
+
+The engine holds the router while its head is not serving (restart, switch) and releases it when
+the head is ready again; requests that arrive meanwhile are parked here, bounded in time
+(``hold_timeout``) and number (``max_held``). ``set_unavailable`` answers at once instead (no
+model loaded, say). Requests sent upstream are registered as *flights*, so the engine can wait
+for them to drain (``wait_idle``) or abort them (``cut_inflight``).
+
+No sockets are read or written here; a flight only knows how to shut its upstream socket down
+(which wakes the session thread blocked on it). One ``threading.Condition`` guards everything, so
+every method is safe from any thread, and the non-blocking ones return in microseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+DEFAULT_RETRY_AFTER = 5
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is answered by the router instead of going upstream."""
+
+    status: int
+    message: str
+    retry_after: int
+    outcome: str  # the on_request record's outcome: held_timeout | error
+    counter: str  # the stats "refused" reason it is counted under
+
+
+class Flight:
+    """One HTTP request sent upstream whose response has not completed."""
+
+    __slots__ = ("id", "upstream", "cut")
+
+    def __init__(self, fid: int) -> None:
+        self.id = fid
+        self.upstream: socket.socket | None = None
+        self.cut: str | None = None  # set by cut_inflight: why it was aborted
+
+    def abort(self) -> None:
+        s = self.upstream
+        if s is not None:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the session thread; it closes the fd
+            except OSError:
+                pass
+
+
+class Gate:
+    def __init__(self, hold_timeout: float, max_held: int) -> None:
+        if hold_timeout <= 0 or max_held < 1:
+            raise ValueError("hold_timeout must be positive and max_held at least 1")
+        self.hold_timeout = hold_timeout
+        self.max_held = max_held
+        self._cond = threading.Condition()
+        self._held_reason: str | None = None
+        self._unavailable: tuple[str, int] | None = None
+        self._stopping = False
+        self._held = 0
+        self._flights: dict[int, Flight] = {}
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------ engine side
+
+    def hold(self, reason: str) -> None:
+        with self._cond:
+            self._held_reason = reason or "held"
+
+    def release(self) -> None:
+        with self._cond:
+            self._held_reason = None
+            self._cond.notify_all()
+
+    def set_unavailable(self, reason: str | None, retry_after: int = DEFAULT_RETRY_AFTER) -> None:
+        with self._cond:
+            self._unavailable = None if reason is None else (reason, max(0, int(retry_after)))
+            self._cond.notify_all()  # parked requests get the 503 now, not at their timeout
+
+    @property
+    def held_reason(self) -> str | None:
+        return self._held_reason
+
+    def held(self) -> int:
+        with self._cond:
+            return self._held
+
+    def inflight(self) -> int:
+        with self._cond:
+            return len(self._flights)
+
+    def wait_idle(self, timeout: float) -> int:
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self._flights:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return len(self._flights)
+
+    def cut_inflight(self, reason: str) -> int:
+        with self._cond:
+            flights = list(self._flights.values())
+            for f in flights:
+                f.cut = reason or "cut"
+                f.abort()
+            return len(flights)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            for f in self._flights.values():
+                f.cut = f.cut or "router stopped"
+                f.abort()
+            self._cond.notify_all()
+
+    def restart(self) -> None:
+        with self._cond:
+            self._stopping = False
+
+    # ------------------------------------------------------------ session side
+
+    def refusal_now(self) -> Refusal | None:
+        """The 503 a new request gets without waiting (unavailable, stopping), or None."""
+        with self._cond:
+            return self._refusal_locked()
+
+    def _refusal_locked(self) -> Refusal | None:
+        if self._stopping:
+            return Refusal(503, "router stopping", DEFAULT_RETRY_AFTER, "error", "stopping")
+        if self._unavailable is not None:
+            msg, after = self._unavailable
+            return Refusal(503, msg, after, "error", "unavailable")
+        return None
+
+    def wait_turn(self, delay: float = 0.0) -> Refusal | None:
+        """Block while the router is held (parked, bounded); None means "go upstream now".
+
+        ``delay`` first waits that long (the retry of a request whose upstream refused: give the
+        engine a moment to notice and hold); a stop or set_unavailable ends the wait early."""
+        with self._cond:
+            if delay > 0:
+                end = time.monotonic() + delay
+                while self._refusal_locked() is None:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            refusal = self._refusal_locked()
+            if refusal is not None or self._held_reason is None:
+                return refusal
+            if self._held >= self.max_held:
+                return Refusal(
+                    503,
+                    f"{self._held_reason} (already {self.max_held} requests waiting)",
+                    DEFAULT_RETRY_AFTER,
+                    "error",
+                    "held_full",
+                )
+            self._held += 1
+            deadline = time.monotonic() + self.hold_timeout
+            try:
+                while self._held_reason is not None:
+                    refusal = self._refusal_locked()
+                    if refusal is not None:
+                        return refusal
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return Refusal(
+                            503,
+                            f"{self._held_reason} (request held {self.hold_timeout:g}s)",
+                            DEFAULT_RETRY_AFTER,
+                            "held_timeout",
+                            "held_timeout",
+                        )
+                    self._cond.wait(left)
+                return self._refusal_locked()
+            finally:
+                self._held -= 1
+
+    def begin(self) -> Flight:
+        with self._cond:
+            f = Flight(next(self._ids))
+            self._flights[f.id] = f
+            return f
+
+    def attach(self, flight: Flight, upstream: socket.socket) -> bool:
+        """Give the flight its upstream socket; False if it was cut meanwhile."""
+        with self._cond:
+            flight.upstream = upstream
+            return flight.cut is None
+
+    def end(self, flight: Flight) -> None:
+        with self._cond:
+            flight.upstream = None
+            if self._flights.pop(flight.id, None) is not None and not self._flights:
+                self._cond.notify_all()

@@ -1,0 +1,331 @@
+"""The router within process limits and against silent clients: 1,000 concurrent streams under
+``ulimit -n 1024`` (as root and as an unprivileged user), silent connections that must not
+starve prompt ones, idle timeouts (HTTP yes, ggml-RPC no), a failing thread start, small pipes,
+rate-limited rejection logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from hydra_supervisor.router import Router, Upstreams, limits, raise_nofile
+from tests.helpers_router import (
+    HOST,
+    ROUTER_CHILD,
+    EchoServer,
+    child,
+    connect,
+    drive_streams,
+    readline,
+    recv_exact,
+    recv_to_eof,
+    stream_request,
+    wait_until,
+)
+from tests.helpers_router import raise_nofile as raise_test_nofile
+from tests.sse_upstream import StandIn
+
+ROOT = Path(__file__).resolve().parent.parent
+RPC_HELLO = bytes([0x0E]) + (0).to_bytes(8, "little")
+TEST_USER = "hydra-test"
+
+
+@pytest.fixture
+def upstream() -> Iterator[StandIn]:
+    s = StandIn()
+    yield s
+    s.close()
+
+
+def test_raise_nofile_lifts_soft_to_hard() -> None:
+    code = ("import resource; from hydra_supervisor.router import raise_nofile; "
+            "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, h)); print(*raise_nofile(), h)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT, timeout=30).stdout.split()
+    soft, hard, was_hard = map(int, out)
+    assert soft == hard == was_hard
+    assert raise_nofile()[0] == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# --------------------------------------------------------------------------- 1,000 streams
+
+
+def _unprivileged_python() -> tuple[list[str], dict[str, str]] | str:
+    """(argv prefix, env) to run Python as TEST_USER, creating the user; or why we cannot."""
+    if os.geteuid() != 0:
+        return "not root: cannot switch to another user"
+    try:
+        pwd.getpwnam(TEST_USER)
+    except KeyError:
+        useradd = shutil.which("useradd")
+        if useradd is None:
+            return "useradd not found"
+        r = subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/bin/false",
+                            TEST_USER], capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            return f"useradd failed: {r.stderr.strip()}"
+    # The venv's interpreter may live under /root (not traversable by others): use the system
+    # interpreter of the same version with the venv's packages on the path.
+    site = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{site / 'site-packages'}"}
+    for exe in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
+        try:
+            r = subprocess.run([exe, "-c", "import h11, psutil, hydra_supervisor.router"],
+                               user=TEST_USER, group=TEST_USER, extra_groups=[], env=env,
+                               cwd="/", capture_output=True, timeout=30)
+        except OSError:
+            continue  # not executable for that user
+        if r.returncode == 0:
+            return [exe], env
+    return f"no Python interpreter that {TEST_USER} may run with this project's packages"
+
+
+@contextmanager
+def _run_child_router(
+    soft: int, hard: int, upstream_port: int, as_user: bool
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    popen: dict[str, Any] = {"cwd": ROOT}
+    argv = [sys.executable]
+    if as_user:
+        how = _unprivileged_python()
+        if isinstance(how, str):
+            pytest.skip(how)
+        argv, env = how
+        popen.update(user=TEST_USER, group=TEST_USER, extra_groups=[], env=env, cwd="/")
+    with child([*argv, "-c", ROUTER_CHILD, str(soft), str(hard), str(upstream_port)],
+               **popen) as proc:
+        yield proc, json.loads(readline(proc, timeout=30))
+
+
+def _child_stats(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdin is not None
+    proc.stdin.write("stats\n")
+    proc.stdin.flush()
+    return dict(json.loads(readline(proc, timeout=10)))
+
+
+@pytest.fixture(scope="module")
+def upstream_child() -> Iterator[int]:
+    """The stand-in upstream in its own process (1,000 handler threads stay out of ours)."""
+    raise_test_nofile(16384)
+    with child([sys.executable, "-m", "tests.sse_upstream"], cwd=ROOT) as proc:
+        yield int(readline(proc, timeout=30))
+
+
+@pytest.mark.parametrize("as_user", [False, True], ids=["root", "unprivileged"])
+def test_thousand_streams_under_ulimit_1024(upstream_child: int, as_user: bool) -> None:
+    """Soft limit 1024, hard limit as the system has it: the router lifts its soft limit and
+    carries 1,000 concurrent SSE streams (each open ~4 s, so all overlap)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"hard RLIMIT_NOFILE {hard} is below what 1,000 relays need")
+    n = 1000
+    with _run_child_router(1024, int(hard), upstream_child, as_user) as (proc, hello):
+        assert hello["nofile"][0] == hello["nofile"][1] > 1024
+        res = drive_streams(hello["port"], n, stream_request(tokens=8, delay=0.5), timeout=90)
+        assert res["done"] == n, res["failed"][:5]
+        st = _child_stats(proc)
+        assert st["open_peak"] >= 0.9 * n, st
+        assert st["refused"] == {} and st["http"]["2xx"] == n, st
+        assert st["events"].get("emfile_wait", 0) == 0
+
+
+@pytest.mark.parametrize("as_user", [False, True], ids=["root", "unprivileged"])
+def test_thousand_streams_hard_limit_1024_all_served(upstream_child: int, as_user: bool) -> None:
+    """Hard limit 1024 too: admission is sized from it, so the streams beyond it wait their
+    turn (queue, then the kernel backlog) and every one is served; none dies of EMFILE."""
+    n = 1000
+    with _run_child_router(1024, 1024, upstream_child, as_user) as (proc, hello):
+        assert hello["nofile"] == [1024, 1024]
+        res = drive_streams(hello["port"], n, stream_request(tokens=4, delay=0.1), timeout=120)
+        assert res["done"] == n, res["failed"][:5]
+        st = _child_stats(proc)
+        assert st["open_peak"] * 2 <= st["fds"]["budget"] + 2, st
+        assert st["refused"] == {} and st["http"]["2xx"] == n, st
+
+
+# --------------------------------------------------------------------------- silent clients
+
+
+def test_silent_connections_do_not_starve_prompt_clients(upstream: StandIn) -> None:
+    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r.start()
+    silent: list[socket.socket] = []
+    try:
+        silent = [connect(r.port) for _ in range(200)]
+        wait_until(lambda: r.stats()["accepted"] == 200, what="200 accepted")
+        session = requests.Session()
+        for i in range(20):
+            t0 = time.monotonic()
+            reply = requests.get(f"http://{HOST}:{r.port}/health", timeout=5)  # new connection
+            assert reply.status_code == 200 and time.monotonic() - t0 < 2.0, i
+            assert session.get(f"http://{HOST}:{r.port}/health", timeout=5).status_code == 200
+        st = r.stats()
+        # Silent ones from one address were evicted (oldest first), the prompt ones served.
+        assert st["refused"].get("silent_source_limit", 0) >= 200 - 32
+        assert st["http"]["2xx"] == 40 and st["pending"] <= 32
+        assert recv_to_eof(silent[0], timeout=2) == b""  # the oldest was closed
+    finally:
+        for s in silent:
+            s.close()
+        r.stop()
+
+
+def test_flood_from_one_address_spares_a_slow_starter_from_another(upstream: StandIn) -> None:
+    r = Router(HOST, 0, Upstreams(http=upstream.addr), max_pending=64,
+               max_pending_per_source=48)
+    r.start()
+    socks: list[socket.socket] = []
+
+    def from_addr(ip: str) -> socket.socket:
+        s = socket.socket()
+        s.bind((ip, 0))
+        s.settimeout(5)
+        s.connect((HOST, r.port))
+        socks.append(s)
+        return s
+
+    try:
+        slow = from_addr("127.0.0.3")  # connects, says nothing yet
+        for _ in range(3):  # flood: 300 silent connections from 127.0.0.2 and 127.0.0.4
+            for ip in ("127.0.0.2", "127.0.0.4"):
+                for _ in range(50):
+                    from_addr(ip)
+        wait_until(lambda: r.stats()["accepted"] == 301, what="all accepted")
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert slow.recv(65536).startswith(b"HTTP/1.1 200 ")
+        assert r.stats()["refused"]["silent_evicted"] > 0
+    finally:
+        for s in socks:
+            s.close()
+        r.stop()
+
+
+def test_rpc_relay_not_idle_timed_http_keepalive_is() -> None:
+    echo = EchoServer(tag=b"rpc:")
+    r = Router(HOST, 0, Upstreams(rpc=echo.addr), idle_timeout=0.2)
+    r.start()
+    try:
+        with connect(r.port) as c:
+            c.sendall(RPC_HELLO)
+            assert recv_exact(c, 4 + len(RPC_HELLO)) == b"rpc:" + RPC_HELLO
+            [conn] = list(r._active.values())
+            assert conn.client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            time.sleep(1.0)  # 5x the HTTP idle timeout: a head's quiet link stays up
+            c.sendall(b"ping")
+            assert recv_exact(c, 4) == b"ping"
+    finally:
+        r.stop()
+        echo.close()
+
+
+# --------------------------------------------------------------------------- own faults
+
+
+class _NoStart(threading.Thread):
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+def test_failed_thread_start_503_and_recovery(upstream: StandIn) -> None:
+    fail = {"left": 2}
+
+    def factory(**kw: Any) -> threading.Thread:
+        if not kw.get("name", "").endswith("-accept") and fail["left"] > 0:
+            fail["left"] -= 1
+            return _NoStart(**kw)
+        return threading.Thread(**kw)
+
+    r = Router(HOST, 0, Upstreams(http=upstream.addr), thread_factory=factory)
+    r.start()
+    try:
+        for _ in range(2):
+            reply = requests.get(f"http://{HOST}:{r.port}/health", timeout=5)
+            assert reply.status_code == 503 and "Retry-After" in reply.headers
+            assert "out of threads" in reply.json()["error"]["message"]
+        assert r.alive()
+        assert requests.get(f"http://{HOST}:{r.port}/health", timeout=5).status_code == 200
+        st = r.stats()
+        assert st["refused"] == {"thread_start": 2} and st["fds"]["relays"] <= 2
+    finally:
+        r.stop()
+
+
+def test_acceptor_start_failure_leaves_router_restartable(upstream: StandIn) -> None:
+    calls = {"n": 0}
+
+    def factory(**kw: Any) -> threading.Thread:
+        calls["n"] += 1
+        return _NoStart(**kw) if calls["n"] == 1 else threading.Thread(**kw)
+
+    r = Router(HOST, 0, Upstreams(http=upstream.addr), thread_factory=factory)
+    with pytest.raises(RuntimeError):
+        r.start()
+    assert not r.alive()
+    r.start()
+    try:
+        assert r.alive()
+        assert requests.get(f"http://{HOST}:{r.port}/health", timeout=5).status_code == 200
+    finally:
+        r.stop()
+
+
+@pytest.mark.parametrize("fault", ["small_pipe", "no_pipe"])
+def test_splice_pipe_trouble_falls_back_to_copy(
+    monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    echo = EchoServer(tag=b"rpc:")
+    if fault == "small_pipe":  # an unprivileged user past pipe-user-pages-soft
+        monkeypatch.setattr(limits, "pipe_capacity", lambda w, want: 4096)
+    else:
+        def no_pipe() -> tuple[int, int]:
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr("hydra_supervisor.router.relay.os.pipe", no_pipe)
+    r = Router(HOST, 0, Upstreams(rpc=echo.addr))
+    r.start()
+    try:
+        with connect(r.port) as c:
+            data = RPC_HELLO + os.urandom(1 << 20)
+            c.sendall(data)
+            assert recv_exact(c, 4 + len(data)) == b"rpc:" + data
+        events = r.stats()["events"]
+        assert events == {"pipe_small" if fault == "small_pipe" else "pipe_unavailable": 2}
+    finally:
+        r.stop()
+        echo.close()
+
+
+def test_rejections_logged_at_most_once_per_interval(
+    upstream: StandIn, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hydra.router")
+    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r.start()
+    try:
+        for _ in range(5):
+            with connect(r.port) as c:
+                c.sendall(b"\x16\x03\x01")  # TLS to a plain-HTTP port
+                recv_to_eof(c, timeout=3)
+        wait_until(lambda: r.stats()["refused"].get("rejected") == 5, what="5 rejected")
+        lines = [m for m in caplog.messages if "refused: rejected" in m]
+        assert len(lines) == 1 and "160301" in lines[0]
+    finally:
+        r.stop()
