@@ -7,6 +7,7 @@ prints a traceback for bad input.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -14,6 +15,7 @@ import logging.handlers
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +25,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from hydra_supervisor import __version__, deployment, install, layout
+from hydra_supervisor import __version__, deployment, guard, install, layout
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import Plan
@@ -85,10 +87,27 @@ def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
 @friendly
 def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,
        host: str | None, verbose: bool) -> None:
-    """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM."""
+    """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM.
+
+    Exit status (docs/supervision.md): 0 stopped on request, 1 FATAL, 2 bad input or another
+    hydra holds the state dir, 3 stopped but a child could not be killed, 130 interrupted
+    before serving or by a second Ctrl-C.
+    """
     state = StateDir.default()
     state.ensure_writable()
     _setup_logging(state, verbose)
+    try:
+        with state.lock():
+            code = _up_locked(state, profile, node_file, profiles_dir, port, host)
+    except KeyboardInterrupt:
+        logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
+        err.print("interrupted before serving; nothing left running")
+        code = 130
+    sys.exit(code)
+
+
+def _up_locked(state: StateDir, profile: str, node_file: str | None, profiles_dir: str | None,
+               port: int | None, host: str | None) -> int:
     running = state.running_supervisor()
     if running:
         raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
@@ -106,15 +125,20 @@ def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int 
     sup.router = router
     state.write_supervisor(prof.name, prof.source)
     sup.publish()  # replaces a previous run's status before anything starts
+    # Stops every recorded child group the moment this process dies, kill -9 included.
+    keeper = guard.start(state.root)
     try:
         if router is not None:
             router.start()
-        code = asyncio.run(_serve(sup, lay))
+        return asyncio.run(_serve(sup, lay))
     finally:
         if router is not None:
             router.stop()
         state.clear_supervisor()
-    sys.exit(code)
+        if keeper.stdin is not None:
+            keeper.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            keeper.wait(5)
 
 
 def _router(plan: Plan) -> Router | None:
@@ -146,9 +170,28 @@ def _setup_logging(state: StateDir, verbose: bool) -> None:
 
 async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
     loop = asyncio.get_running_loop()
+    hydra_log = logging.getLogger("hydra")
+    interrupts = 0
+
     # Signal handlers only enqueue: the supervisor loop does the stopping.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, sup.stopping.set)
+    def on_int() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            err.print("stopping (Ctrl-C again to kill everything at once)")
+            sup.request_stop("SIGINT (Ctrl-C)")
+        else:
+            hydra_log.warning("second SIGINT: killing every child at once")
+            sup.request_stop("SIGINT twice: killed at once")
+            sup.kill_all_now()
+
+    def on_hup() -> None:
+        # SIGHUP will mean reload; until then it must not mean stop.
+        hydra_log.warning("SIGHUP received: reload is not implemented yet; ignored")
+
+    loop.add_signal_handler(signal.SIGINT, on_int)
+    loop.add_signal_handler(signal.SIGTERM, lambda: sup.request_stop("SIGTERM"))
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     runner = asyncio.create_task(sup.run())
     plan = lay.plan
     what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
@@ -173,6 +216,11 @@ async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
                   "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'")
         out.print("  (Ctrl-C stops it; `hydra status` / `hydra down` from another terminal)")
     await runner
+    if interrupts > 1:
+        return 130
+    if sup.unkillable:
+        err.print(f"[bold red]stopped, but could not kill[/]: {'; '.join(sup.unkillable)}")
+        return 3
     if sup.fatal:
         err.print(f"[bold red]FATAL[/]: {sup.fatal}")
         for mp in sup.procs:
@@ -201,6 +249,8 @@ def status(as_json: bool) -> None:
         return
     if not sup:
         out.print(f"hydra is not running (state dir {state.root})")
+        if data and data.get("stopped"):
+            out.print(f"its last run ended: {data['stopped']}")
         if not data or not data.get("fatal"):
             sys.exit(3)
         out.print("its last run:")
@@ -367,7 +417,8 @@ def logs(engine: str, lines: int, follow: bool) -> None:
         names = sorted(p.stem for p in state.logs.glob("*.log"))
         raise HydraError(f"no log for engine '{engine}' in {state.logs}; "
                          f"engines with logs: {', '.join(names) or '(none)'}")
-    with path.open(errors="replace") as fh:
+    fh = path.open(errors="replace")
+    try:
         tail = fh.readlines()[-lines:]
         sys.stdout.writelines(tail)
         sys.stdout.flush()
@@ -376,8 +427,16 @@ def logs(engine: str, lines: int, follow: bool) -> None:
             if line:
                 sys.stdout.write(line)
                 sys.stdout.flush()
-            else:
-                time.sleep(0.2)
+                continue
+            # A restart rotates the log (NAME.log -> NAME.log.1): follow the new file.
+            with contextlib.suppress(OSError):
+                if path.stat().st_ino != os.fstat(fh.fileno()).st_ino:
+                    fh.close()
+                    fh = path.open(errors="replace")
+                    continue
+            time.sleep(0.2)
+    finally:
+        fh.close()
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -502,7 +502,7 @@ class Supervisor:
             return
         if mp.state is State.STOPPING:
             mp.to(State.STOPPED, reason if res.code is None or not show_exit
-                  else f"{reason} ({process.describe_exit(res.code)})")
+                  else f"{reason}; {process.describe_exit(res.code)}")
         elif mp.state is State.BACKOFF:
             mp.to(State.STOPPED, reason)
 
@@ -801,15 +801,17 @@ class Supervisor:
         first), degrade to SOLO, or fail — as on_peer_loss says."""
         log.warning("peer loss: %s", reason)
         head = self.head
-        frozen = any(p.spec.managed and p.alive for p in peers)
+        for p in peers:
+            p.note(f"lost: {reason}")
         if head is not None and head.state not in (State.STOPPED, State.FATAL):
             if head.child is not None and head.child.returncode is not None:
                 why = (f"{process.describe_exit(head.child.returncode)} after its peer was "
                        f"lost ({reason})")
                 await self._stop_one(head, why, show_exit=False)
             else:
-                # A head blocked on a frozen peer would sit out SIGTERM's grace: KILL it.
-                await self._stop_one(head, f"stopped: {reason}", now=frozen)
+                # Nothing to save: it cannot serve without its peer, and one blocked on a
+                # frozen peer would sit out SIGTERM's grace. KILL it.
+                await self._stop_one(head, f"stopped: {reason}", now=True)
         # A frozen or stalled peer still runs: KILL it (a stopped process ignores TERM).
         await asyncio.gather(*(self._kill(p, now=True) for p in peers
                                if p.spec.managed and p.alive))
@@ -1059,8 +1061,18 @@ class Supervisor:
             await asyncio.gather(self.recovery, return_exceptions=True)
             self.recovery = None
         # In parallel: each process has its own bounded stop, and one stuck child (reported
-        # with pid and state) must not hold up the others.
-        await asyncio.gather(*(self._stop_for_good(mp, reason) for mp in self.procs))
+        # with pid and state) must not hold up the others. Peers get their TERM once the head
+        # is gone (bounded by 1 s), so that the head does not abort on a vanished peer.
+        head_stop = asyncio.ensure_future(self._stop_for_good(self.head, reason)) \
+            if self.head is not None else None
+
+        async def peer_stop(mp: ManagedProcess) -> None:
+            if head_stop is not None:
+                await self._race(asyncio.shield(head_stop), self.seams.sleep(1.0))
+            await self._stop_for_good(mp, reason)
+        await asyncio.gather(*(peer_stop(mp) for mp in self.peers))
+        if head_stop is not None:
+            await head_stop
         if self.seams.reap:
             leftovers = process.adopted(self._managed_pids())
             for p in leftovers:
