@@ -790,7 +790,7 @@ class Supervisor:
     async def _head_exited(self, head: ManagedProcess) -> None:
         code = head.child.returncode if head.child else None
         head.last_exit = code
-        self.state.forget_child(head.name)
+        await self._kill(head)  # what it forked (a wrapper script's llama-server) goes too
         what = f"head {process.describe_exit(code)}"
         if self.peers and not self.degraded:
             await self._check_peers(what)  # raises PeerLost: the peer's loss, not the head's
@@ -813,8 +813,7 @@ class Supervisor:
                 # frozen peer would sit out SIGTERM's grace. KILL it.
                 await self._stop_one(head, f"stopped: {reason}", now=True)
         # A frozen or stalled peer still runs: KILL it (a stopped process ignores TERM).
-        await asyncio.gather(*(self._kill(p, now=True) for p in peers
-                               if p.spec.managed and p.alive))
+        await asyncio.gather(*(self._kill(p, now=True) for p in peers if p.spec.managed))
         for p in peers:
             if p.child is not None and p.child.returncode is not None:
                 p.last_exit = p.child.returncode
