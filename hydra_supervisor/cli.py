@@ -7,6 +7,7 @@ prints a traceback for bad input.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -14,6 +15,7 @@ import logging.handlers
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +26,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from hydra_supervisor import __version__, control, daemon, deployment, install, layout
+from hydra_supervisor import __version__, control, daemon, deployment, guard, install, layout
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import client_host
@@ -86,12 +88,30 @@ def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
 @friendly
 def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str | None,
        port: int | None, host: str | None, verbose: bool) -> None:
-    """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM."""
+    """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM.
+
+    Exit status (docs/supervision.md): 0 stopped on request, 1 FATAL, 2 bad input or another
+    hydra holds the state dir, 3 stopped but a child could not be killed, 130 interrupted
+    before serving or by a second Ctrl-C.
+    """
     if idle and profile:
         raise HydraError("--no-profile and --profile exclude each other")
     state = StateDir.default()
     state.ensure_writable()
     _setup_logging(state, verbose)
+    try:
+        with state.lock():
+            code = _up_locked(state, None if idle else (profile or "demo"), node_file,
+                              profiles_dir, port, host)
+    except KeyboardInterrupt:
+        logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
+        err.print("interrupted before serving; nothing left running", markup=False)
+        code = 130
+    sys.exit(code)
+
+
+def _up_locked(state: StateDir, name: str | None, node_file: str | None,
+               profiles_dir: str | None, port: int | None, host: str | None) -> int:
     running = state.running_supervisor()
     if running:
         raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
@@ -101,7 +121,6 @@ def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str
     if stale:
         err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
                   markup=False)
-    name = None if idle else (profile or "demo")
     dep = None
     if name is not None:
         dep = deployment.prepare(name, node_file=node_file, profiles_dir=profiles_dir,
@@ -110,16 +129,24 @@ def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str
                           overrides=_overrides(port, host), host=host or "127.0.0.1",
                           port=8080 if port is None else port)
     state.write_supervisor(name or "-", dep.plan.source if dep else "-")
+    # Stops every recorded child group the moment this process dies, kill -9 included.
+    keeper = guard.start(state.root)
     try:
-        code = asyncio.run(_run_daemon(state, opts, dep))
+        return asyncio.run(_run_daemon(state, opts, dep))
     finally:
         state.clear_supervisor()
-    sys.exit(code)
+        if keeper.stdin is not None:
+            keeper.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            keeper.wait(5)
 
 
 async def _run_daemon(state: StateDir, opts: daemon.Options, dep: Any) -> int:
     d = daemon.Daemon(state, opts, dep)
     code = await d.run(on_start=_present)
+    if d.unkillable:
+        err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
+        return 3
     if code == daemon.EXIT_FATAL:
         err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
         snap = d.engine.snapshot()

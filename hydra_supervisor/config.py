@@ -75,6 +75,7 @@ class Profile:
     host: str = "127.0.0.1"
     port: int = 8080
     load_timeout: float | None = None
+    stop_grace: float = 10.0  # SIGTERM → SIGKILL, per process (all stop in parallel)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     health: HealthPolicy = field(default_factory=HealthPolicy)
     router: bool = True  # the external port is hydra's first-byte router; false: llama-server's
@@ -276,6 +277,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "host": _type(str, "a bind address"),
     "port": _port,
     "load_timeout": _positive,
+    "stop_grace": _positive,
     "restart": _section(RESTART_SCHEMA, "restart"),
     "health": _section(HEALTH_SCHEMA, "health"),
     "router": _type(bool, "true or false"),
@@ -294,6 +296,7 @@ NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
     "env": _str_map,
     "host": _type(str, "a bind address"),
     "load_timeout": _positive,
+    "stop_grace": _positive,
     "on_peer_loss": _enum(PeerLoss),
     "restart": _section(RESTART_SCHEMA, "restart"),
     "health": _section(HEALTH_SCHEMA, "health"),

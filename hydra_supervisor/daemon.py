@@ -35,7 +35,8 @@ log = logging.getLogger("hydra")
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_BAD_INPUT = 2
-EXIT_NOT_RUNNING = 3
+EXIT_NOT_RUNNING = 3  # for the client commands (status, switch...): no hydra answers
+EXIT_INTERRUPTED = 130
 
 Presenter = Callable[['Daemon'], Coroutine[Any, Any, None]]
 
@@ -84,13 +85,18 @@ class Daemon:
         return {"pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
                 "engines": [self.engine.snapshot()]}
 
+    @property
+    def unkillable(self) -> list[str]:
+        return self.engine.unkillable
+
     def legacy_status(self) -> dict[str, Any]:
         """The single-engine view (`status` in `hydra status --json`, and status.json)."""
         e = self.engine.snapshot()
         return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
                 "mode": e["mode"], "model": e["model"], "url": e["url"], "state": e["state"],
                 "fatal": e["fatal"], "degraded": e["degraded"], "updated": time.time(),
-                "engines": e["processes"]}
+                "stopped": self.stop_reason if self.stop_event.is_set() else None,
+                "unkillable": list(self.unkillable), "engines": e["processes"]}
 
     def _changed(self) -> None:
         with contextlib.suppress(OSError):
@@ -184,14 +190,12 @@ class Daemon:
     def _on_int(self) -> None:
         self._ints += 1
         if self._ints >= 2:
-            log.warning("second interrupt: stopping at once")
-            sup = self.engine.sup
-            if sup is not None:
-                for mp in sup.procs:
-                    if mp.proc is not None and mp.proc.returncode is None:
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(mp.proc.pid, signal.SIGKILL)
-        self.request_stop("interrupted (Ctrl-C)")
+            log.warning("second SIGINT: killing every child at once")
+            if self.engine.sup is not None:
+                self.engine.sup.kill_all_now()
+            self.request_stop("SIGINT twice: killed at once")
+            return
+        self.request_stop("SIGINT (Ctrl-C)")
 
     def _on_hup(self) -> None:
         log.info("SIGHUP: reloading the profile")
@@ -221,7 +225,8 @@ class Daemon:
             self._changed()
             if on_start is not None:
                 presenter = asyncio.create_task(on_start(self))
-            return await self._wait()
+            code = await self._wait()
+            return EXIT_INTERRUPTED if self._ints > 1 else code
         finally:
             if presenter is not None:
                 presenter.cancel()

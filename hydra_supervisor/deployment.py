@@ -44,7 +44,8 @@ class Deployment:
     timeouts: Timeouts = field(default_factory=lambda: Timeouts(load=60.0))
     model_label: str = "-"
     solo_head: EngineSpec | None = None  # the head as SOLO, for on_peer_loss: degrade
-    pick_port: PortPicker | None = None
+    pick_port: PortPicker | None = None  # a free rpc_ports port, for a peer whose port was taken
+    pick_internal_port: PortPicker | None = None  # a free internal_ports port, for the head
     layout: Any = None  # the layout.Layout it was built from (None in policy tests)
 
     @property
@@ -70,8 +71,10 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     prof = lay.profile
     timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
                                               prof.load_timeout),
-                        health=prof.health)
+                        stop_grace=prof.stop_grace, health=prof.health)
     return Deployment(plan=lay.plan, binaries=bins, policy=prof.restart,
                       on_peer_loss=prof.on_peer_loss, timeouts=timeouts,
                       model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
-                      pick_port=layout.port_picker(lay.node), layout=lay)
+                      pick_port=layout.port_picker(lay.node),
+                      pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports),
+                      layout=lay)

@@ -138,6 +138,7 @@ class Engine:
         self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
         self.listeners: list[Callable[[], None]] = []  # told on every change (status, notify)
         self.hydra_upstream: tuple[str, int] | None = None  # the wire server, when it runs
+        self.unkillable: list[str] = []  # children that survived SIGKILL (D state), reported
 
     # -- the port -----------------------------------------------------------------------------
 
@@ -180,6 +181,8 @@ class Engine:
         if sup is None or mp not in sup.procs:
             return
         self._sync_gate()
+
+    def _published(self) -> None:
         for fn in self.listeners:
             fn()
 
@@ -212,9 +215,8 @@ class Engine:
     def _launch(self, dep: Deployment) -> Supervisor:
         sup = self.make_supervisor(dep, self.state)
         sup.router = self.router
-        add = getattr(sup, "listeners", None)
-        if isinstance(add, list):
-            add.append(self._on_transition)
+        sup.listeners.append(self._on_transition)
+        sup.on_publish = self._published
         self.sup = sup
         self.dep = dep
         if self.router is not None:
@@ -223,7 +225,10 @@ class Engine:
         return sup
 
     async def _run(self, sup: Supervisor) -> None:
-        await sup.run()
+        try:
+            await sup.run()
+        finally:
+            self.unkillable.extend(sup.unkillable)
         if sup is self.sup:
             self._sync_gate()
             for fn in self.listeners:
@@ -255,7 +260,7 @@ class Engine:
         if sup is None:
             return []
         pids = [p.pid for p in sup.procs if p.pid is not None]
-        sup.stopping.set()
+        sup.request_stop(reason)
         if task is not None:
             await task
         self.sup = None
@@ -389,7 +394,7 @@ class Engine:
 
     async def shutdown(self, reason: str) -> None:
         if self.sup is not None:
-            self.sup.stopping.set()
+            self.sup.request_stop(reason)
         if self.task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task

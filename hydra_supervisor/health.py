@@ -1,4 +1,5 @@
-"""Readiness and liveness probes, async and bounded: llama-server /health and ggml-RPC HELLO.
+"""Readiness and liveness probes, async and bounded: llama-server /health and /slots, ggml-RPC
+HELLO, and a 1-token completion.
 
 /health is 503 while llama-server loads and 200 when it serves. The probe speaks minimal HTTP/1.0
 over asyncio streams so it never blocks the supervisor's loop. The HELLO probe runs the blocking
@@ -8,6 +9,7 @@ client from rpcproto in a thread, under the same deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from hydra_supervisor import rpcproto
 
@@ -37,6 +39,34 @@ async def http_status(host: str, port: int, path: str = "/health", timeout: floa
     if len(parts) >= 2 and parts[1].isdigit():
         return int(parts[1])
     return None
+
+
+async def slots_busy(host: str, port: int, timeout: float = 2.0) -> bool | None:
+    """Is any slot of the head processing a request (`GET /slots`, is_processing)? None when
+    it does not answer in time: /slots waits in the same HTTP worker pool as /health."""
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                if _self_connected(writer):
+                    return None
+                writer.write(f"GET /slots HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+                await writer.drain()
+                raw = await reader.read()
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return None
+    head, _, body = raw.partition(b"\r\n\r\n")
+    parts = head.split(b"\r\n", 1)[0].split()
+    if len(parts) < 2 or parts[1] != b"200":
+        return None
+    try:
+        slots = json.loads(body)
+    except ValueError:
+        return None
+    return isinstance(slots, list) and any(
+        isinstance(s, dict) and s.get("is_processing") for s in slots)
 
 
 async def hello(host: str, port: int, timeout: float = 3.0) -> rpcproto.Version | None:

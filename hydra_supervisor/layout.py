@@ -121,9 +121,11 @@ def solo_fallback(lay: Layout) -> EngineSpec | None:
     return plan.head
 
 
-def port_picker(node: Node) -> Callable[[set[int]], int | None]:
+def port_picker(node: Node, span: tuple[int, int] | None = None
+                ) -> Callable[[set[int]], int | None]:
+    """A free port of the node's rpc_ports range (or `span`, e.g. internal_ports)."""
     def pick(taken: set[int]) -> int | None:
-        ports = free_rpc_ports(node, 1, taken)
+        ports = free_rpc_ports(node, 1, taken, span)
         return ports[0] if ports else None
 
     return pick

@@ -1,19 +1,24 @@
 """The state dir: what a running `hydra up` tells other `hydra` commands, through files.
 
+  hydra.lock        flock()ed by the one hydra that owns this state dir (its pid inside)
   supervisor.json   pid, start time and profile of the running `hydra up`
   status.json       one row per engine (state, pid, port, reason...), rewritten atomically on
                     every state change
-  pids/NAME.json    pid, process start time and cmdline of each child, to find stale children of
-                    a crashed hydra (pid reuse is ruled out by start time and cmdline)
+  pids/NAME.json    pid, process group, start time, cmdline and hydra's pid for each child, to
+                    find stale children of a crashed hydra and their whole process group (pid
+                    reuse is ruled out by start time and cmdline)
   logs/NAME.log     each child's output (previous runs: NAME.log.1, .2, .3)
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +69,37 @@ class StateDir:
                 raise HydraError(f"state dir {d} is not writable",
                                  hint="set HYDRA_STATE_DIR to a writable directory")
 
+    # -- one hydra per state dir ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the state dir's lock for the block; HydraError naming the holder if another
+        hydra has it. flock() dies with its holder (a kill -9 frees it): no stale lock ever.
+        The descriptor is not inherited by children (Python's default), so a child that
+        outlives hydra cannot keep the lock either."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / "hydra.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                raise HydraError(
+                    f"another hydra (pid {holder}) holds the state dir {self.root} "
+                    f"(lock {path})",
+                    hint="`hydra status` / `hydra down`, or set HYDRA_STATE_DIR for a "
+                         "second hydra") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                yield
+            finally:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     # -- the supervisor ---------------------------------------------------------------------
 
     def write_supervisor(self, profile: str, source: str) -> None:
@@ -104,49 +140,101 @@ class StateDir:
     # -- children ---------------------------------------------------------------------------
 
     def record_child(self, engine: str, pid: int) -> None:
+        """The child leads its own process group (pgid = pid): stopping the group later also
+        stops what a wrapper script forked, even after the wrapper itself died."""
         try:
             proc = psutil.Process(pid)
-            info = {"pid": pid, "create_time": proc.create_time(), "cmdline": proc.cmdline()}
-        except psutil.Error:
+            info = {"pid": pid, "pgid": os.getpgid(pid), "create_time": proc.create_time(),
+                    "cmdline": proc.cmdline(), "hydra_pid": os.getpid()}
+        except (psutil.Error, OSError):
             return
         _write_json(self.root / "pids" / f"{engine}.json", info)
 
     def forget_child(self, engine: str) -> None:
         (self.root / "pids" / f"{engine}.json").unlink(missing_ok=True)
 
-    def stale_children(self) -> list[tuple[str, psutil.Process]]:
-        """Children recorded by an earlier hydra that still run (same pid, start time, cmdline)."""
+    def stale_children(self, hydra_pid: int | None = None) -> list[Stale]:
+        """Recorded children of an earlier hydra (only `hydra_pid`'s, when given) that still
+        run, each with the live members of its process group. A group whose leader is gone
+        still counts (a wrapper script killed with hydra, its llama-server still running):
+        Linux never reuses a pid while a process group of that id has members."""
         out = []
+        groups = _process_groups()
         for f in sorted((self.root / "pids").glob("*.json")):
             data = _read_json(f)
+            if not isinstance(data, dict):
+                f.unlink(missing_ok=True)
+                continue
+            if hydra_pid is not None and data.get("hydra_pid") != hydra_pid:
+                continue
             try:
-                proc = psutil.Process(int(data["pid"]))
-                same = (abs(proc.create_time() - float(data["create_time"])) < 1.0
-                        and proc.cmdline() == data["cmdline"])
-            except (psutil.Error, TypeError, KeyError, ValueError):
-                same = False
-            if same:
-                out.append((f.stem, proc))
+                pid = int(data["pid"])
+                pgid = int(data.get("pgid", pid))
+            except (TypeError, KeyError, ValueError):
+                f.unlink(missing_ok=True)
+                continue
+            leader = _same_leader(pid, data)
+            if leader is None:  # the pid runs another program now: not ours
+                f.unlink(missing_ok=True)
+                continue
+            live = [*leader, *(p for p in groups.get(pgid, []) if p.pid != pid)]
+            if live:
+                out.append(Stale(f.stem, pgid, live))
             else:
                 f.unlink(missing_ok=True)
         return out
 
-    def kill_stale(self, grace: float = 5.0) -> list[str]:
-        """Stop stale children (TERM their group, then KILL); return what was stopped."""
-        stale = self.stale_children()
-        for _, proc in stale:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                proc.terminate()
-        procs = [p for _, p in stale]
+    def kill_stale(self, grace: float = 5.0, hydra_pid: int | None = None) -> list[str]:
+        """Stop stale children's whole process groups (TERM, then KILL); say what was stopped."""
+        stale = self.stale_children(hydra_pid)
+        procs = [p for s in stale for p in s.procs]
+        for s in stale:
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(s.pgid, sig)
         _, alive = psutil.wait_procs(procs, timeout=grace)
-        for proc in alive:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                proc.kill()
+        for s in stale:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(s.pgid, signal.SIGKILL)
+        for p in alive:  # one that left the group (setsid) but was recorded in it
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         psutil.wait_procs(alive, timeout=5)
-        for name, _ in stale:
-            self.forget_child(name)
-        return [f"{name} (pid {p.pid})" for name, p in stale]
+        for s in stale:
+            self.forget_child(s.name)
+        return [f"{s.name} (pid {', '.join(str(p.pid) for p in s.procs)})" for s in stale]
+
+
+@dataclass(frozen=True)
+class Stale:
+    name: str
+    pgid: int
+    procs: list[psutil.Process]
+
+
+def _same_leader(pid: int, data: dict[str, Any]) -> list[psutil.Process] | None:
+    """[the recorded process] if it still runs; [] if gone; None if the pid was reused."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return []
+        same = (abs(proc.create_time() - float(data["create_time"])) < 1.0
+                and proc.cmdline() == data["cmdline"])
+    except psutil.NoSuchProcess:
+        return []
+    except (psutil.Error, TypeError, KeyError, ValueError):
+        return None
+    return [proc] if same else None
+
+
+def _process_groups() -> dict[int, list[psutil.Process]]:
+    """Every live (non-zombie) process of this user, by process group."""
+    groups: dict[int, list[psutil.Process]] = {}
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            groups.setdefault(os.getpgid(p.pid), []).append(p)
+        except (psutil.Error, OSError):
+            continue
+    return groups

@@ -10,9 +10,11 @@ whether any process outlived the run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +25,16 @@ from typing import Any
 import psutil
 import requests
 
-from tests.harness import Up, free_port, make_env, run_hydra, status_json, wait_dead, wait_until
+from tests.harness import (
+    Up,
+    free_port,
+    free_port_range,
+    make_env,
+    run_hydra,
+    status_json,
+    wait_dead,
+    wait_until,
+)
 
 FAST_POLICY = """
 restart: {backoff_initial: 0.5, backoff_max: 4, max_failures: 4, window: 60, stable_after: 3}
@@ -324,6 +335,205 @@ def degrade_to_solo(tmp: Path) -> FaultResult:
                        _finish(up, seen), notes="detected = SOLO serving; recovered = COMBINE")
 
 
+# -- peers in every state of the head (issue 8, item 1) ------------------------------------
+
+
+def _by_name(env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in _engines(env)}
+
+
+def kill_peer_during_load(tmp: Path) -> FaultResult:
+    """kill -9 of the peer while the head loads (a GPU peer out of memory while receiving
+    weights): seen at once, the pair restarts peer first — not five head restarts to FATAL."""
+    env = make_env(tmp)
+    port = free_port()
+    t_up = time.monotonic()
+    up = _up(env, ["--profile", str(_profile(tmp, "demo-combine")), "--port", str(port)], tmp)
+
+    def loading() -> dict[str, dict[str, Any]] | None:
+        eng = _by_name(env)
+        head = eng.get("head")
+        return eng if head and head["state"] == "STARTING" and head["pid"] and \
+            eng["peer-cpu-peer"]["state"] == "READY" else None
+    eng = wait_until(loading, 120, "the head loading")
+    seen = {e["pid"] for e in eng.values() if e["pid"]}
+    old_peer, old_head = eng["peer-cpu-peer"]["pid"], eng["head"]["pid"]
+    time.sleep(1.0)  # well into the head's load (weights going to the peer)
+    t0 = time.monotonic()
+    os.kill(old_peer, signal.SIGKILL)
+    detected = None
+    recovered = None
+    while time.monotonic() - t0 < 180:
+        eng = _by_name(env)
+        seen |= {e["pid"] for e in eng.values() if e["pid"]}
+        if detected is None and eng and (eng["head"]["pid"] != old_head or
+                                         eng["peer-cpu-peer"]["state"] != "READY"):
+            detected = time.monotonic() - t0
+        if eng and all(e["state"] == "READY" for e in eng.values()) and \
+                eng["head"]["pid"] != old_head and _serving(port):
+            recovered = time.monotonic() - t0
+            break
+        if _fatal(env):
+            break
+        time.sleep(0.05)
+    head = _by_name(env).get("head", {})
+    notes = (f"head restarts {head.get('restarts')}, fatal: {_fatal(env)}; load before kill "
+             f"{t0 - t_up:.1f}s")
+    return FaultResult("kill -9 peer while the head loads", 0.0, detected, recovered, 0, 0,
+                       _finish(up, seen), notes=notes)
+
+
+def _fatal(env: dict[str, str]) -> str | None:
+    st = status_json(env).get("status") or {}
+    return st.get("fatal")
+
+
+def sigstop_peer(tmp: Path) -> FaultResult:
+    """A frozen peer (SIGSTOP): /health stays 200 and every completion would hang. Caught by
+    the peer's process state; the pair restarts, peer first."""
+    up, env, port, load = _start(tmp, _profile(tmp, "demo-combine"))
+    seen = {p.pid for p in up.children}
+    peer, head = _engines(env)
+    with Client(port) as client:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(peer["pid"], signal.SIGSTOP)
+        detected, recovered = _watch(env, port, t0, {peer["pid"], head["pid"]}, 90 + load)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(peer["pid"], signal.SIGCONT)
+    reason = next((e["reason"] for e in _engines(env) if e["name"] == "head"), "")
+    return FaultResult("SIGSTOP peer (frozen)", load, detected, recovered, client.failed,
+                       client.sent, _finish(up, seen), notes=f"head restarts: "
+                       f"{_by_name(env).get('head', {}).get('restarts')}; {reason[:60]}")
+
+
+TWO_PEERS = """model: gemma3-270m
+mode: combine
+head: cpu
+peers: [cpu-peer, cpu-peer2]
+split: [6, 6, 6]
+server_args: {ctx-size: 4096, parallel: 2}
+"""
+
+
+def kill_two_peers(tmp: Path) -> FaultResult:
+    env = make_env(tmp, "devices:\n  cpu-peer2: {cpu: true}\n")
+    prof = tmp / "two-peers.yaml"
+    prof.write_text(TWO_PEERS + FAST_POLICY)
+    up, env, port, load = _start(tmp, prof, env)
+    seen = {p.pid for p in up.children}
+    engines = _engines(env)
+    peers = [e for e in engines if e["role"] == "peer"]
+    with Client(port) as client:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        for p in peers:
+            os.kill(p["pid"], signal.SIGKILL)
+        detected, recovered = _watch(env, port, t0, {e["pid"] for e in engines}, 120 + load)
+    eng = _by_name(env)
+    notes = ", ".join(f"{n} restarts {e['restarts']}" for n, e in eng.items())
+    return FaultResult("kill -9 two peers at once", load, detected, recovered, client.failed,
+                       client.sent, _finish(up, seen), notes=notes)
+
+
+def remote_peer_restarted(tmp: Path) -> FaultResult:
+    """A remote peer (`endpoint:`) killed and started again 3 s later: not a crash loop to
+    FATAL: the head is stopped once, the peer re-probed on a timer, the head back after it."""
+    from hydra_supervisor.install import BuildOptions, bin_dir
+
+    rpc_port = free_port_range(1)[0]
+    env = make_env(tmp, f"devices:\n  far: {{endpoint: '127.0.0.1:{rpc_port}'}}\n")
+    rpc_bin = str(bin_dir(BuildOptions()) / "ggml-rpc-server")
+
+    def start_peer() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([rpc_bin, "-H", "127.0.0.1", "-p", str(rpc_port), "-c"],
+                                start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env)
+        wait_until(lambda: not _port_free(rpc_port), 30, "the remote peer to listen")
+        return proc
+
+    prof = tmp / "remote.yaml"
+    prof.write_text("model: gemma3-270m\nmode: combine\nhead: cpu\npeers: [far]\n"
+                    "split: [9, 9]\nserver_args: {ctx-size: 4096, parallel: 2}\n" +
+                    FAST_POLICY)
+    peer = start_peer()
+    peers = [peer]
+    try:
+        up, env, port, load = _start(tmp, prof, env)
+        seen = {p.pid for p in up.children}
+        (_, head) = _engines(env)
+        with Client(port) as client:
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            peer.kill()
+            peer.wait(10)
+            time.sleep(3.0)
+            peers.append(start_peer())
+            detected, recovered = _watch(env, port, t0, {head["pid"]}, 120 + load)
+        eng = _by_name(env)
+        notes = (f"peer away 3 s; head restarts {eng.get('head', {}).get('restarts')}, "
+                 f"fatal: {_fatal(env)}")
+        return FaultResult("remote peer killed, back after 3 s", load, detected, recovered,
+                           client.failed, client.sent, _finish(up, seen), notes=notes)
+    finally:
+        for p in peers:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+# -- busy is not hung (item 2) ---------------------------------------------------------------
+
+
+def burst_internal_port(tmp: Path, n: int = 200) -> FaultResult:
+    """200 requests at once straight to llama-server's internal port (no router): /health
+    waits behind them for longer than hang_timeout (3 s). The head is busy, not hung: it must
+    not be killed, and no request may be lost."""
+    up, env, port, load = _start(tmp, _profile(tmp, "demo"))
+    seen = {p.pid for p in up.children}
+    (head,) = _engines(env)
+    internal = head["port"]
+    lost = 0
+    lock = threading.Lock()
+
+    def one() -> None:
+        nonlocal lost
+        try:
+            r = requests.post(f"http://127.0.0.1:{internal}/completion",
+                              json={"prompt": "Hi", "n_predict": 2}, timeout=600)
+            ok = r.status_code == 200
+        except requests.RequestException:
+            ok = False
+        if not ok:
+            with lock:
+                lost += 1
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    took = time.monotonic() - t0
+    after = _by_name(env).get("head", {})
+    killed = after.get("pid") != head["pid"] or after.get("restarts", 0) > 0
+    log = (Path(env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+    busy_seen = "busy: /health" in log
+    return FaultResult(f"burst of {n} requests on the internal port", load, None, None, lost,
+                       n, _finish(up, seen),
+                       notes=f"{'KILLED' if killed else 'not killed'}; burst took {took:.0f}s;"
+                       f" busy seen in log: {busy_seen}")
+
+
 def broken_model(path: Path) -> Path:
     """A synthetic llama GGUF without llama.attention.layer_norm_rms_epsilon: it inspects
     fine, and llama-server exits at load ("key not found in model")."""
@@ -361,5 +571,10 @@ _SCENARIOS: dict[str, Callable[[Path], FaultResult]] = {
     "peer_port_taken": peer_port_taken,
     "log_dir_unwritable": log_dir_unwritable,
     "degrade_to_solo": degrade_to_solo,
+    "kill_peer_during_load": kill_peer_during_load,
+    "sigstop_peer": sigstop_peer,
+    "kill_two_peers": kill_two_peers,
+    "remote_peer_restarted": remote_peer_restarted,
+    "burst_internal_port": burst_internal_port,
 }
 SCENARIOS = {name: guarded(fn) for name, fn in _SCENARIOS.items()}

@@ -101,7 +101,12 @@ class FakeSupervisor:
         self.head = FakeProc("head", Role.HEAD, self)
         self.procs = [FakeProc(e.name, e.role, self) for e in dep.plan.peers] + [self.head]
         self.restarted: list[str] = []
+        self.unkillable: list[str] = []
+        self.on_publish: Any = None
         STARTED.append(self)
+
+    def request_stop(self, reason: str) -> None:
+        self.stopping.set()
 
     async def run(self) -> None:
         how = BEHAVIOUR.get(self.plan.profile, "ok")

@@ -1,13 +1,16 @@
-"""Supervision cases beyond the fault table: the completion probe (with a stand-in server, the
-one fault a real llama-server cannot show on demand), on_peer_loss: fail, and stale children of
-an earlier hydra found through their pidfiles."""
+"""Supervision cases beyond the fault table, on real processes: the completion probe (with a
+stand-in server, the one fault a real llama-server cannot show on demand), on_peer_loss: fail,
+stale children of an earlier hydra found through their pidfiles, two `hydra up` at once in one
+state dir, and a wrapper script's llama-server when hydra is killed -9."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -15,7 +18,17 @@ import pytest
 
 from hydra_supervisor.install import BuildOptions, bin_dir
 from hydra_supervisor.state import StateDir
-from tests.harness import REPO, free_port, run_hydra, status_json, wait_dead, wait_until
+from tests.harness import (
+    REPO,
+    Up,
+    descendants,
+    free_port,
+    free_port_range,
+    run_hydra,
+    status_json,
+    wait_dead,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -59,15 +72,24 @@ def test_on_peer_loss_fail_stops_everything(hydra_up, hydra_env, tmp_path):
     assert res.returncode == 3 and "FATAL" in res.stdout
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_stale_children_of_a_dead_hydra_are_stopped(hydra_env):
     """A child that outlived its hydra (say hydra ran without PDEATHSIG support) is found by
     its pidfile (pid + start time + cmdline) and stopped by the next hydra command."""
     rpc = bin_dir(BuildOptions()) / "ggml-rpc-server"
-    port = free_port()
+    # A port below the ephemeral range (free_port() is in it: another connect may take it),
+    # and wait until the server listens: it must be running when `hydra down` looks.
+    port = free_port_range(1)[0]
     proc = subprocess.Popen([str(rpc), "-H", "127.0.0.1", "-p", str(port)],
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
+        wait_until(lambda: _listening(port) or proc.poll() is not None, 30, "rpc-server up")
+        assert proc.poll() is None, "the stand-in child did not start"
         state = StateDir(Path(hydra_env["HYDRA_STATE_DIR"]))
         state.ensure_writable()
         state.record_child("peer-cpu-peer", proc.pid)
@@ -84,3 +106,95 @@ def test_stale_children_of_a_dead_hydra_are_stopped(hydra_env):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_two_hydra_up_at_once_one_wins_the_other_names_it(hydra_env, tmp_path):
+    """Both started in the same instant in one state dir: the lock decides; the loser exits 2
+    naming the winner's pid, and never prints a false "ready:"."""
+    port = free_port()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Up(hydra_env, ["--profile", "demo", "--port", str(port)], tmp_path / "a")
+    b = Up(hydra_env, ["--profile", "demo", "--port", str(port)], tmp_path / "b")
+    try:
+        loser = wait_until(lambda: next((u for u in (a, b) if u.proc.poll() is not None),
+                                        None), 60, "one of the two to give up")
+        winner = b if loser is a else a
+        assert loser.proc.returncode == 2, loser.output()
+        text = loser.output()
+        assert f"another hydra (pid {winner.proc.pid}) holds the state dir" in text, text
+        assert "ready:" not in text
+        winner.wait_ready(120)
+        st = status_json(hydra_env)
+        assert st["supervisor"]["pid"] == winner.proc.pid
+        res = run_hydra(hydra_env, "down")
+        assert res.returncode == 0 and str(winner.proc.pid) in res.stdout
+        assert winner.proc.wait(30) == 0
+    finally:
+        for u in (a, b):
+            u.kill_everything()
+
+
+def test_wrapper_script_grandchild_dies_with_hydra(hydra_env, tmp_path):
+    """A node `binaries:` entry that is a shell script running llama-server WITHOUT exec:
+    kill -9 of hydra must leave nothing (the guard stops the recorded process group)."""
+    real = bin_dir(BuildOptions()) / "llama-server"
+    wrapper = tmp_path / "llama-server-wrapper.sh"
+    wrapper.write_text(f'#!/bin/sh\n# no exec: llama-server is a grandchild of hydra\n'
+                       f'"{real}" "$@"\necho "wrapper: llama-server exited $?"\n')
+    wrapper.chmod(0o755)
+    node = Path(hydra_env["HYDRA_NODE"])
+    node.write_text(node.read_text() + f"binaries:\n  llama-server: {wrapper}\n")
+    port = free_port()
+    up = Up(hydra_env, ["--profile", "demo", "--port", str(port)], tmp_path)
+    try:
+        st = up.wait_ready(120)
+        head = st["status"]["engines"][0]
+        tree = descendants(up.proc.pid)
+        servers = [p for p in tree if p.name() == "llama-server"]
+        assert servers and all(p.ppid() != up.proc.pid for p in servers), \
+            [(p.pid, p.ppid(), p.name()) for p in tree]  # really a grandchild
+        up.proc.kill()
+        up.proc.wait(10)
+        t0 = time.monotonic()
+        alive = wait_dead(tree, 15)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+        wait_until(lambda: not _listening(head["port"]), 10, "the head's port to be free")
+        took = time.monotonic() - t0
+        assert took < 15
+        # and the next hydra finds nothing to clean up
+        res = run_hydra(hydra_env, "down")
+        assert "hydra is not running" in res.stdout, res.stdout
+    finally:
+        up.kill_everything()
+
+
+def test_wrapper_script_orphan_is_adopted_and_stopped(hydra_env, tmp_path):
+    """The wrapper itself dies and its llama-server lives on, re-parented to hydra (a child
+    subreaper): hydra stops the whole group with the exited child, reaps the orphan (no
+    zombie left), restarts the head on its own port, and a clean stop leaves nothing."""
+    real = bin_dir(BuildOptions()) / "llama-server"
+    wrapper = tmp_path / "llama-server-wrapper.sh"
+    wrapper.write_text(f'#!/bin/sh\n"{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    node = Path(hydra_env["HYDRA_NODE"])
+    node.write_text(node.read_text() + f"binaries:\n  llama-server: {wrapper}\n")
+    up = Up(hydra_env, ["--profile", "demo", "--port", str(free_port())], tmp_path)
+    try:
+        st = up.wait_ready(120)
+        head = st["status"]["engines"][0]
+        server = next(p for p in descendants(up.proc.pid) if p.name() == "llama-server")
+        os.kill(head["pid"], signal.SIGKILL)  # the wrapper dies; llama-server is orphaned
+        wait_until(lambda: not psutil.pid_exists(server.pid), 20,
+                   "the orphan to be stopped and reaped (not left a zombie)")
+
+        def back() -> bool:
+            e = up.engine("head")
+            return e["state"] == "READY" and e["pid"] != head["pid"]
+        wait_until(back, 120, "the head back")
+        assert up.engine("head")["port"] == head["port"]  # its port was freed, not moved
+        children = descendants(up.proc.pid)
+        assert up.stop() == 0
+        assert not wait_dead(children, 15)
+    finally:
+        up.kill_everything()
