@@ -206,14 +206,24 @@ class Handlers:
         addr = self.control.head_http()
         if addr is None:
             return Drain(error(Status.ERROR, "no head llama-server is running"))
+        if op == Op.STATE_META:
+            return Buffered(head, lambda h, p: self.state_meta(slot, addr))
+        # This llama-server build does not check the slot id of a save/restore (a save of
+        # slot 5 on a one-slot server "succeeds"): check it against /slots first.
+        try:
+            ids = {int(s["id"]) for s in slots.list_slots(addr, self.meta_timeout)
+                   if isinstance(s.get("id"), int)}
+        except slots.SlotError as e:
+            return Drain(error(e.status, str(e)))
+        if slot not in ids:
+            return Drain(error(Status.NOT_FOUND, f"no slot {slot} on the head (slots: "
+                                                 f"{', '.join(map(str, sorted(ids)))})"))
         if op == Op.STATE_PUT:
             if head.payload_len == 0:
                 return Drain(error(Status.ERROR, "STATE_PUT needs the state as its payload"))
             return StatePut(self, slot, addr, head.payload_len)
         if op == Op.STATE_GET:
             return Buffered(head, lambda h, p: self.state_get(slot, addr))
-        if op == Op.STATE_META:
-            return Buffered(head, lambda h, p: self.state_meta(slot, addr))
         return Buffered(head, lambda h, p: self.prefill(slot, addr, p))
 
     @staticmethod
@@ -348,9 +358,16 @@ class Handlers:
 
 
 def _n_past(s: dict[str, Any]) -> int | None:
-    """Tokens in the slot's cache. Stock /slots has no n_past field in every build; fall back
-    to what it does report."""
-    for key in ("n_past", "n_prompt_tokens_cache", "n_tokens"):
-        if isinstance(s.get(key), int):
-            return int(s[key])
-    return None
+    """Tokens in the slot's cache. Stock /slots (this build) has no n_past: it reports the last
+    prompt's length (`n_prompt_tokens`) and the tokens decoded after it (`next_token[0]
+    .n_decoded`); their sum is the slot's n_past (STATE_GET's `n_past` is exact: it is what
+    llama-server saved)."""
+    if isinstance(s.get("n_past"), int):
+        return int(s["n_past"])
+    prompt = s.get("n_prompt_tokens")
+    if not isinstance(prompt, int):
+        return None
+    nxt = s.get("next_token")
+    decoded = nxt[0].get("n_decoded", 0) if isinstance(nxt, list) and nxt and isinstance(
+        nxt[0], dict) else 0
+    return prompt + (decoded if isinstance(decoded, int) else 0)

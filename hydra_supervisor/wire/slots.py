@@ -53,7 +53,7 @@ def _call(method: str, addr: Addr, path: str, timeout: float, **kw: Any) -> Any:
         low = msg.lower()
         if resp.status_code == 503:
             status = Status.BUSY
-        elif "invalid slot" in low or "slot id" in low and "invalid" in low:
+        elif "invalid slot id" in low:  # not "invalid slot save file" (a bad STATE_PUT)
             status = Status.NOT_FOUND
         else:
             status = Status.ERROR
