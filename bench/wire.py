@@ -16,7 +16,8 @@ Usage:
   .venv/bin/python bench/wire.py                  # all parts
   .venv/bin/python bench/wire.py --parts info,configure --n 5000
   .venv/bin/python bench/wire.py --parts state --tokens 4096 --rounds 5
-(The lead's run through the router: point --port at an engine's external port for info/configure.)
+info/configure run direct to the wire server and through a Router's "YH" route (both in the
+child); --port measures an existing endpoint instead (an engine's external port).
 """
 
 from __future__ import annotations
@@ -80,17 +81,23 @@ class BenchControl:
 
 
 def child_serve(head_port: int, slot_dir: str) -> None:
+    """Print "WIRE_PORT ROUTER_PORT": the wire server, and a Router relaying "YH" to it (as an
+    engine runs them: one process)."""
+    from hydra_supervisor.router import Router, Upstreams
     from hydra_supervisor.wire.server import WireServer
 
     server = WireServer(control=BenchControl(head_port, Path(slot_dir)))
     server.start()
-    print(server.port, flush=True)
+    router = Router(HOST, 0, Upstreams(hydra=(HOST, server.port)), name="bench")
+    router.start()
+    print(server.port, router.port, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
+    router.stop()
     server.stop()
 
 
 @contextmanager
-def wire_child(head_port: int = 0, slot_dir: str = "/tmp") -> Iterator[int]:
+def wire_child(head_port: int = 0, slot_dir: str = "/tmp") -> Iterator[tuple[int, int]]:
     proc = subprocess.Popen([sys.executable, __file__, "_serve", str(head_port), slot_dir],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -98,7 +105,8 @@ def wire_child(head_port: int = 0, slot_dir: str = "/tmp") -> Iterator[int]:
         line = proc.stdout.readline()
         if not line.strip():
             raise RuntimeError("the wire server child did not start")
-        yield int(line)
+        wire, routed = line.split()
+        yield int(wire), int(routed)
     finally:
         if proc.stdin:
             proc.stdin.close()
@@ -119,7 +127,7 @@ def pct(xs: list[float], p: float) -> float:
 
 def lat_line(label: str, xs: list[float]) -> str:
     us = [x * 1e6 for x in xs]
-    return (f"{label:<34} n={len(us):<6} p50 {pct(us, 50):8.1f} us   p99 {pct(us, 99):8.1f} us"
+    return (f"{label:<40} n={len(us):<6} p50 {pct(us, 50):8.1f} us   p99 {pct(us, 99):8.1f} us"
             f"   mean {statistics.fmean(us):8.1f} us")
 
 
@@ -133,7 +141,7 @@ def rt(sock: socket.socket, op: int, key: str = "", payload: bytes = b"") -> tup
 # ------------------------------------------------------------------------------------- parts
 
 
-def part_info(port: int, n: int) -> None:
+def part_info(port: int, n: int, via: str) -> None:
     with client.connect(HOST, port, 10) as s:
         for _ in range(200):
             rt(s, Op.INFO)
@@ -143,17 +151,17 @@ def part_info(port: int, n: int) -> None:
             status, _ = rt(s, Op.INFO)
             xs.append(time.perf_counter() - t)
             assert status == Status.OK
-    print(lat_line("INFO, persistent connection", xs))
+    print(lat_line(f"INFO {via}, persistent connection", xs))
     ys = []
     for _ in range(max(50, n // 10)):
         t = time.perf_counter()
         with client.connect(HOST, port, 10) as s:
             rt(s, Op.INFO)
         ys.append(time.perf_counter() - t)
-    print(lat_line("INFO, new connection each", ys))
+    print(lat_line(f"INFO {via}, new connection each", ys))
 
 
-def part_configure(port: int, n: int) -> None:
+def part_configure(port: int, n: int, via: str) -> None:
     with client.connect(HOST, port, 10) as s:
         xs, noop = [], []
         for i in range(n):
@@ -166,8 +174,8 @@ def part_configure(port: int, n: int) -> None:
             status, meta = rt(s, Op.CONFIGURE, "0", body.encode())
             noop.append(time.perf_counter() - t)
             assert meta.get("noop") is True
-    print(lat_line("CONFIGURE T1 (a change)", xs))
-    print(lat_line("CONFIGURE repeat (no-op)", noop))
+    print(lat_line(f"CONFIGURE T1 {via} (a change)", xs))
+    print(lat_line(f"CONFIGURE {via} repeat (no-op)", noop))
 
 
 @contextmanager
@@ -221,7 +229,7 @@ def part_state(tokens: int, rounds: int, chunks: list[int]) -> None:
         r.raise_for_status()
         print(f"prefilled {r.json()['timings']['prompt_n']} tokens in "
               f"{time.perf_counter() - t:.1f}s")
-        port = stack.enter_context(wire_child(head, str(slot_dir)))
+        port, _ = stack.enter_context(wire_child(head, str(slot_dir)))
 
         # baseline 1: llama-server's save + reading its file (what any file-based path costs)
         base_save, base_read = [], []
@@ -233,6 +241,7 @@ def part_state(tokens: int, rounds: int, chunks: list[int]) -> None:
             t1 = time.perf_counter()
             data = (slot_dir / f"base-{i}.bin").read_bytes()
             t2 = time.perf_counter()
+            (slot_dir / f"base-{i}.bin").unlink()  # as the wire server does: no writeback
             size = len(data)
             base_save.append(t2 - t)
             base_read.append(t2 - t1)
@@ -269,6 +278,7 @@ def part_state(tokens: int, rounds: int, chunks: list[int]) -> None:
                 (slot_dir / f"put-{i}.bin").write_bytes(state)
                 requests.post(f"http://{HOST}:{head}/slots/0?action=restore", timeout=300,
                               json={"filename": f"put-{i}.bin"}).raise_for_status()
+                (slot_dir / f"put-{i}.bin").unlink()
                 bw.append(time.perf_counter() - t)
             write_restore = mbps(size, statistics.median(bw))
             print(f"{'write the file + llama-server restore':<44} {write_restore:9.0f} MB/s")
@@ -299,13 +309,15 @@ def main() -> None:
     print(f"bench/wire.py  parts={args.parts}  cpus={os.cpu_count()}  "
           f"codec header={codec.REQUEST_HEADER.size}+{codec.RESPONSE_HEADER_SIZE} bytes")
     with ExitStack() as stack:
-        port = args.port
-        if port == 0 and ({"info", "configure"} & set(parts)):
-            port = stack.enter_context(wire_child())
-        if "info" in parts:
-            part_info(port, args.n)
-        if "configure" in parts:
-            part_configure(port, args.n // 3)
+        targets = [("given", args.port)]
+        if args.port == 0 and ({"info", "configure"} & set(parts)):
+            wire, routed = stack.enter_context(wire_child())
+            targets = [("direct", wire), ("via router", routed)]
+        for via, port in targets:
+            if "info" in parts:
+                part_info(port, args.n, via)
+            if "configure" in parts:
+                part_configure(port, args.n // 3, via)
     if "state" in parts:
         part_state(args.tokens, args.rounds, [int(c) for c in args.chunks.split(",")])
 

@@ -156,3 +156,15 @@ def test_state_moves_between_heads_with_cache_hits(
 
     for d in (a.slot_dir(), b.slot_dir()):
         assert list(d.iterdir()) == []  # every state file was removed
+
+    # keep_slots helpers: save every slot of A, restore into B (sharing the files), cache hits
+    from hydra_supervisor.wire import slots
+
+    complete(a.port, PROMPT)
+    saved = slots.save_all((HOST, a.port), "keep", timeout=60)
+    assert list(saved) == [0]
+    for name in saved.values():
+        (b.slot_dir() / name).write_bytes((a.slot_dir() / name).read_bytes())
+    restored = slots.restore_all((HOST, b.port), saved, timeout=60)
+    assert isinstance(restored[0], int) and restored[0] > 0, restored
+    assert complete(b.port, PROMPT)["timings"]["cache_n"] > 0

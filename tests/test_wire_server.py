@@ -278,3 +278,24 @@ def test_idle_connections_are_closed(control: StubControl) -> None:
         assert s.stats()["timeout_midframe"] == 1 and s.stats()["timeout_idle"] == 1
     finally:
         s.stop()
+
+
+def test_through_the_router(server: WireServer, fake_slots: FakeSlots) -> None:
+    """The router's "YH" route relays to the wire server (Upstreams.hydra)."""
+    from hydra_supervisor.router import Router, Upstreams
+
+    router = Router("127.0.0.1", 0, Upstreams(hydra=("127.0.0.1", server.port)), name="wire")
+    router.start()
+    try:
+        fake_slots.states[0] = os.urandom(1 << 20)
+        with wc.WireClient("127.0.0.1", router.port, timeout=10) as c:
+            assert c.info().meta["engine"] == "hydra"
+            assert c.configure({"top_k": 7}).meta["tier"] == "T1"
+            r = c.request(wc.STATE_GET, "0")
+            assert r.status == wc.OK and r.payload == fake_slots.states[0]
+        got = _send_and_close(router.port, b"YH" + bytes([0x41, 0]) + b"\xff" * 12,
+                              half_close=False)
+        assert got[0] == wc.BAD_REQUEST
+        _still_serving(server)
+    finally:
+        router.stop()

@@ -120,3 +120,11 @@ def test_table_rows_for_the_docs() -> None:
     rows = list(tiers.table_rows())
     assert len(rows) == len(KEYS)
     assert ("ctx_size", "n_ctx, ctx, c, ctx-size", "T2", "llama-server `--ctx-size`", "") in rows
+
+
+def test_docs_list_every_key() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    for key, _aliases, tier, _where, _note in tiers.table_rows():
+        assert f"| `{key}` |" in doc and tier in doc, f"docs/protocol.md lacks {key}"

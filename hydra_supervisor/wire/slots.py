@@ -103,3 +103,38 @@ def prefill(addr: Addr, slot: int, body: dict[str, Any], timeout: float) -> dict
                                             "'prompt'")
     out: dict[str, Any] = _call("POST", addr, path, timeout, json=req)
     return out
+
+
+# ------------------------------------------------------------------ keep_slots across restarts
+
+
+def save_all(addr: Addr, prefix: str, timeout: float) -> dict[int, str]:
+    """Save every slot that holds tokens to `<prefix>-<id>.bin` in the head's slot dir (before
+    a planned stop of the head). Returns slot id -> file name, for `restore_all`."""
+    saved: dict[int, str] = {}
+    for s in list_slots(addr, timeout):
+        sid = s.get("id")
+        if not isinstance(sid, int) or not s.get("n_prompt_tokens", 1):
+            continue
+        name = f"{prefix}-{sid}.bin"
+        res = save(addr, sid, name, timeout)
+        if int(res.get("n_saved", 0)) > 0:
+            saved[sid] = name
+    return saved
+
+
+def restore_all(addr: Addr, saved: dict[int, str], timeout: float) -> dict[int, int | str]:
+    """Restore the slots `save_all` saved into a new head of the same model (same slot dir).
+    Per slot: tokens restored, or the error (a slot the new head lacks, another model …); the
+    files are left for the caller to remove."""
+    have = {s.get("id") for s in list_slots(addr, timeout)}
+    out: dict[int, int | str] = {}
+    for sid, name in saved.items():
+        if sid not in have:
+            out[sid] = f"no slot {sid} on the new head"
+            continue
+        try:
+            out[sid] = int(restore(addr, sid, name, timeout).get("n_restored", 0))
+        except SlotError as e:
+            out[sid] = str(e)
+    return out
