@@ -117,9 +117,14 @@ def test_not_implemented_ops_drain_their_payload(server: WireServer, op: int) ->
 def test_busy_and_no_head(server: WireServer, control: StubControl) -> None:
     with client(server) as c:
         control.is_busy = True
-        for op, payload in ((wc.CONFIGURE, b"{}"), (wc.STATE_GET, b""), (wc.STATE_PUT, b"x" * 10),
+        for op, payload in ((wc.CONFIGURE, b'{"top_k": 1}'), (wc.STATE_GET, b""),
+                            (wc.STATE_PUT, b"x" * 10),
                             (wc.SET_EXPERT_MODE, b"solo"), (wc.PREFILL, b"{}")):
             assert c.request(op, "0", payload).status == wc.BUSY, op
+        # what changes nothing is still answered: Hydra.Core's state_chunk_size greeting
+        r = c.configure({"state_chunk_size": 1 << 20, "model": "gemma3-270m"})
+        assert r.status == wc.OK and r.meta["state_chunk_size_applied"] == 1 << 20
+        assert control.configured == []
         control.is_busy = False
         control.head = None
         r = c.request(wc.STATE_GET, "0")
@@ -299,3 +304,31 @@ def test_through_the_router(server: WireServer, fake_slots: FakeSlots) -> None:
         _still_serving(server)
     finally:
         router.stop()
+
+
+def test_concurrent_clients(server: WireServer, fake_slots: FakeSlots) -> None:
+    import threading
+
+    fake_slots.states[0] = os.urandom(700_000)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            with client(server) as c:
+                for _ in range(5):
+                    if i % 2:
+                        r = c.request(wc.STATE_GET, "0")
+                        assert r.status == wc.OK and r.payload == fake_slots.states[0]
+                    else:
+                        assert c.info().status == wc.OK
+                        assert c.configure({"top_k": i}).status == wc.OK
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    wait_until(lambda: server.stats()["open"] == 0, what="connections closed")

@@ -194,7 +194,9 @@ class _Parser:
                     self._head_step(out)
             else:
                 take = min(self._remaining, len(view))
-                out.append(PayloadChunk(bytes(view[:take])))
+                # the common case (a whole recv() inside the payload) passes the bytes through
+                whole = take == len(data) and len(view) == len(data)
+                out.append(PayloadChunk(data if whole else bytes(view[:take])))
                 view = view[take:]
                 self._remaining -= take
                 if self._remaining == 0:

@@ -39,6 +39,7 @@ NOT_SERVED = (Op.DECODE, Op.SWAP_QUANT, Op.PIPELINE_ATTACH)
 SERVED = (*SLOT_OPS, *ENGINE_OPS)
 CAPABILITIES = ["state_transfer", "prefill", "configure", "expert_mode"]
 FILE_PREFIX = "hydra-wire-"
+BUSY_MESSAGE = "the engine is switching; retry shortly"
 
 
 @dataclass
@@ -194,8 +195,10 @@ class Handlers:
         if op not in SERVED:
             what = "not served by hydra (stock llama.cpp)" if op in NOT_SERVED else "unknown"
             return Drain(error(Status.NOT_IMPLEMENTED, f"op {op_name(op)} is {what}"))
+        if op == Op.CONFIGURE:  # busy is checked once the payload says what it changes
+            return Buffered(head, self.configure)
         if self.control.busy():
-            return Drain(error(Status.BUSY, "the engine is switching; retry shortly"))
+            return Drain(error(Status.BUSY, BUSY_MESSAGE))
         if op in ENGINE_OPS:
             fn = {Op.CONFIGURE: self.configure, Op.SET_EXPERT_MODE: self.set_expert_mode}[Op(op)]
             return Buffered(head, fn)
@@ -269,9 +272,11 @@ class Handlers:
             "unchanged": list(diff.unchanged),
             "deferred_keys": [],
         })
-        if diff.noop:
+        if diff.noop:  # answered even while busy: Hydra.Core's state_chunk_size greeting
             meta["noop"] = True
             return Reply(Status.OK, meta)
+        if self.control.busy():
+            return error(Status.BUSY, BUSY_MESSAGE)
         result = self.control.configure(dict(diff.changed))
         meta.update(result or {})
         return Reply(Status.OK, meta)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -38,7 +39,7 @@ from hydra_supervisor.wire.handlers import Drain, Handlers, Reply, Sink, error
 log = logging.getLogger("hydra.wire")
 
 MAX_STATE_BYTES = 4 << 30  # Hydra.Core's own cap on a KV payload (RpcClient.MaxPayloadLen)
-RECV_SIZE = 256 << 10
+RECV_SIZE = 1 << 20
 
 
 def default_limits(max_state_bytes: int = MAX_STATE_BYTES) -> Limits:
@@ -108,6 +109,9 @@ class WireServer:
         return self._acceptor is not None and self._acceptor.is_alive()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Close the listener and every connection; waits at most `timeout` in all (a handler
+        blocked in a long llama-server call finishes on its own, on a daemon thread)."""
+        deadline = time.monotonic() + timeout
         self._stopping.set()
         if self._acceptor is not None:
             self._acceptor.join(timeout)
@@ -121,7 +125,7 @@ class WireServer:
             except OSError:
                 pass
         for _, t in conns:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
