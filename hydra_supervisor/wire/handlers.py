@@ -199,9 +199,8 @@ class Handlers:
             return Buffered(head, self.configure)
         if self.control.busy():
             return Drain(error(Status.BUSY, BUSY_MESSAGE))
-        if op in ENGINE_OPS:
-            fn = {Op.CONFIGURE: self.configure, Op.SET_EXPERT_MODE: self.set_expert_mode}[Op(op)]
-            return Buffered(head, fn)
+        if op == Op.SET_EXPERT_MODE:
+            return Buffered(head, self.set_expert_mode)
         slot = _slot_of(head.key)
         if slot is None:
             return Drain(error(Status.ERROR, f"{op_name(op)} needs a slot id as the key "
