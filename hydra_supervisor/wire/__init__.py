@@ -1,0 +1,26 @@
+"""The Hydra wire protocol on the engine port (design.md "Hydra wire protocol").
+
+- ``codec``: sans-IO frames and incremental parsers (bytes in, events out);
+- ``tiers``: the one table of CONFIGURE keys and the pure tier diff;
+- ``control``: the ``EngineControl`` protocol the engine implements, and ``ConfigureRefused``;
+- ``slots``: llama-server's slot save/restore API as the handlers use it;
+- ``handlers``: what each opcode does; ``server``: the loopback TCP server on its own threads;
+- ``cli_configure``: ``hydra configure KEY=VALUE…``.
+docs/protocol.md is the protocol as served.
+"""
+
+from hydra_supervisor.wire.codec import Op, Status
+from hydra_supervisor.wire.control import ConfigureRefused, EngineControl
+from hydra_supervisor.wire.server import WireServer
+from hydra_supervisor.wire.tiers import Tier, TierDiff, classify
+
+__all__ = [
+    "ConfigureRefused",
+    "EngineControl",
+    "Op",
+    "Status",
+    "Tier",
+    "TierDiff",
+    "WireServer",
+    "classify",
+]

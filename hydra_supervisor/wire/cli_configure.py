@@ -1,0 +1,103 @@
+"""`hydra configure KEY=VALUE…`: send one CONFIGURE (0x40) to an engine port and print the reply.
+
+The same path Hydra.Core uses (the wire protocol through the engine's router), so what the
+operator sees is what a coordinator gets: the tier, what changed, what was already so, unknown
+keys, or why it was refused. VALUE is read as JSON when it parses (`0.2`, `true`, `[21,44]`)
+and as a string otherwise (`q8_0`, `21/44`); the server's key table does the rest.
+Exit status: 0 applied (or nothing to do), 1 refused or unknown keys, 2 usage or connection.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from hydra_supervisor.wire import client, tiers
+from hydra_supervisor.wire.codec import Op, Status
+
+
+def parse_settings(items: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise click.UsageError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def describe(status: int, meta: dict[str, Any]) -> list[str]:
+    """The reply as lines for a human."""
+    if status != Status.OK:
+        name = Status(status).name if status <= max(Status) else str(status)
+        return [f"refused ({name}): {meta.get('error', meta)}"]
+    lines = []
+    applied = meta.get("params_applied") or {}
+    if meta.get("noop") or not applied:
+        lines.append("nothing to change")
+    else:
+        kv = ", ".join(f"{k}={json.dumps(v)}" for k, v in applied.items())
+        lines.append(f"applied ({meta.get('tier')}): {kv}")
+    if meta.get("restarted"):
+        lines.append(f"restarted: {', '.join(map(str, meta['restarted']))}")
+    if meta.get("unchanged"):
+        lines.append(f"already set: {', '.join(meta['unchanged'])}")
+    if "state_chunk_size_applied" in meta:
+        lines.append(f"state_chunk_size_applied: {meta['state_chunk_size_applied']}")
+    if meta.get("unknown_keys"):
+        lines.append(f"unknown keys (ignored): {', '.join(meta['unknown_keys'])}; "
+                     "`hydra configure --keys` lists the recognised ones")
+    return lines
+
+
+def keys_table() -> str:
+    rows = [("key", "tier", "maps to", "aliases")]
+    rows += [(k, t, where, aliases) for k, aliases, t, where, _ in tiers.table_rows()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(
+        f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip()
+        for r in rows
+    )
+
+
+@click.command("configure")
+@click.argument("settings", nargs=-1)
+@click.option("--host", default="127.0.0.1", show_default=True, help="engine host")
+@click.option("--port", "-p", type=int, default=8080, show_default=True,
+              help="the engine's external port (its router relays the Hydra protocol)")
+@click.option("--slot", default="0", show_default=True, help="the request key")
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="seconds to wait; a T2/T3 change restarts processes")
+@click.option("--json", "as_json", is_flag=True, help="print the reply meta as JSON")
+@click.option("--keys", "list_keys", is_flag=True, help="list the recognised keys and exit")
+def configure_command(settings: tuple[str, ...], host: str, port: int, slot: str,
+                      timeout: float, as_json: bool, list_keys: bool) -> None:
+    """Change an engine's settings at runtime: T1 (sampling, n_predict…) without a restart,
+    T2 (context, KV types, batch…) and T3 (model, split, peers…) by restarting only what they
+    affect; ports, host and binaries (T4) are refused. Example:
+    `hydra configure temperature=0.2 n_predict=256 -p 8080`."""
+    if list_keys:
+        click.echo(keys_table())
+        return
+    if not settings:
+        raise click.UsageError("give at least one KEY=VALUE (or --keys to list them)")
+    params = parse_settings(settings)
+    try:
+        status, meta, _ = client.request(host, port, Op.CONFIGURE, slot,
+                                         json.dumps(params).encode(), timeout=timeout)
+    except client.WireError as e:
+        click.echo(f"hydra configure: {e}", err=True)
+        raise SystemExit(2) from None
+    if as_json:
+        click.echo(json.dumps({"status": status, **meta}, indent=2))
+    else:
+        for line in describe(status, meta):
+            click.echo(line, err=status != Status.OK)
+    if status != Status.OK or meta.get("unknown_keys"):
+        raise SystemExit(1)
