@@ -124,7 +124,8 @@ def _up_locked(state: StateDir, name: str | None, node_file: str | None,
     dep = None
     if name is not None:
         dep = deployment.prepare(name, node_file=node_file, profiles_dir=profiles_dir,
-                                 overrides=_overrides(port, host))
+                                 overrides=_overrides(port, host),
+                                 slot_dir=daemon.slot_dir(state))
     opts = daemon.Options(profile=name, node_file=node_file, profiles_dir=profiles_dir,
                           overrides=_overrides(port, host), host=host or "127.0.0.1",
                           port=8080 if port is None else port)
@@ -575,3 +576,13 @@ def synth(args: tuple[str, ...]) -> None:
     from hydra_supervisor import synth as synth_mod
 
     sys.exit(synth_mod.main(list(args)))
+
+
+def _register_subcommands() -> None:
+    """Commands that live in their own modules (kept out of this file's imports' hot path)."""
+    from hydra_supervisor.wire.cli_configure import configure_command
+
+    main.add_command(configure_command, "configure")
+
+
+_register_subcommands()

@@ -27,6 +27,7 @@ from hydra_supervisor import control, deployment
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
+from hydra_supervisor.engine_wire import EngineWire
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.state import StateDir
 
@@ -43,6 +44,13 @@ Presenter = Callable[['Daemon'], Coroutine[Any, Any, None]]
 
 def socket_path(state: StateDir) -> Path:
     return state.root / "control.sock"
+
+
+def slot_dir(state: StateDir) -> Path:
+    """Where heads save KV slots (--slot-save-path): the wire protocol's STATE_* ops."""
+    path = state.root / "slots"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Daemon:
         self.stop_reason = "stop requested"
         self.started = time.time()
         self.ctl: control.ControlServer | None = None
+        self.wire: EngineWire | None = None
         self._ints = 0
         self.engine.listeners.append(self._changed)
 
@@ -146,7 +155,8 @@ class Daemon:
         return deployment.prepare(
             profile, node_file=self.opts.node_file,
             profiles_dir=profiles_dir or self.opts.profiles_dir,
-            overrides={"host": eng.host, "port": eng.port}, keep=running, external=eng.port)
+            overrides={"host": eng.host, "port": eng.port}, keep=running, external=eng.port,
+            slot_dir=slot_dir(self.state))
 
     async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
         if self.engine.lock.locked():
@@ -173,10 +183,10 @@ class Daemon:
             return {"result": "noop", "reason": "no profile is loaded"}
         ref = eng.dep.plan.source
         new = await asyncio.to_thread(self._prepare, ref, None)
-        if same_layout(eng.dep, new):
+        report = await eng.apply(new)
+        if report.result == "noop":
             log.info("reload: %s is unchanged; nothing to do", ref)
             return {"to": new.profile, "result": "noop", "reason": "profile unchanged"}
-        report = await eng.switch(new)
         return report.to_json()
 
     def request_stop(self, reason: str) -> None:
@@ -217,6 +227,9 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self._on_int)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         self.engine.open()
+        self.wire = EngineWire(self.engine, loop, self.opts.node_file)
+        if self.engine.router is not None:
+            self.engine.hydra_upstream = self.wire.start()
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
         presenter: asyncio.Task[None] | None = None
@@ -234,6 +247,7 @@ class Daemon:
             await self.engine.shutdown(self.stop_reason)
             self._changed()
             self.ctl.stop()
+            self.wire.stop()
             self.engine.close()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -261,14 +275,3 @@ class Daemon:
             await asyncio.sleep(0.05)  # a switch replaced the task: wait on the new one
         return EXIT_OK
 
-
-def same_layout(a: Deployment, b: Deployment) -> bool:
-    """Would running `b` change anything that `a` runs? (processes, their argv/env/ports, the
-    router's upstreams, the policies). Used by reload: unchanged is a no-op."""
-    def procs(d: Deployment) -> list[tuple[Any, ...]]:
-        return [(e.name, e.role, e.program, e.args, e.env, e.host, e.port, e.managed)
-                for e in d.plan.in_start_order()]
-
-    return (procs(a) == procs(b) and a.plan.router == b.plan.router
-            and a.policy == b.policy and a.on_peer_loss == b.on_peer_loss
-            and a.timeouts == b.timeouts and a.binaries == b.binaries)

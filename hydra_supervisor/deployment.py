@@ -10,12 +10,13 @@ effects beyond reading files and probing ports) and hand it to an Engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from hydra_supervisor import layout
-from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
-from hydra_supervisor.plan import EngineSpec, Plan
+from hydra_supervisor.config import HealthPolicy, PeerLoss, Profile, RestartPolicy
+from hydra_supervisor.plan import EngineSpec, Plan, Role
 
 PortPicker = Callable[[set[int]], int | None]
 
@@ -55,13 +56,14 @@ class Deployment:
 
 def prepare(profile_ref: str, *, node_file: str | None = None,
             profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
-            keep: Plan | None = None, external: int | None = None) -> Deployment:
+            keep: Plan | None = None, external: int | None = None,
+            profile: Profile | None = None, slot_dir: Path | None = None) -> Deployment:
     """Read, resolve and check a profile into a Deployment; raises HydraError on bad input.
 
     For a running engine, `keep` is its current plan (whose ports are reused) and `external`
     its own external port (held by its router, so not checked)."""
     lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=overrides, keep=keep)
+                       overrides=overrides, keep=keep, profile=profile)
     bins = layout.find_binaries(lay)
     ours: set[int] = {external} if external is not None else set()
     if keep is not None:
@@ -69,12 +71,24 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     layout.check_ports(lay.plan, ours)
     layout.check_remote_peers(lay.plan)
     prof = lay.profile
+    plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir)
     timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
                                               prof.load_timeout),
                         stop_grace=prof.stop_grace, health=prof.health)
-    return Deployment(plan=lay.plan, binaries=bins, policy=prof.restart,
+    return Deployment(plan=plan, binaries=bins, policy=prof.restart,
                       on_peer_loss=prof.on_peer_loss, timeouts=timeouts,
                       model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
                       pick_port=layout.port_picker(lay.node),
                       pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports),
                       layout=lay)
+
+
+def with_slot_dir(plan: Plan, slot_dir: Path) -> Plan:
+    """The head saves and restores KV slots under `slot_dir` (the wire protocol's STATE_* ops
+    and keep_slots use llama-server's /slots save/restore, which needs --slot-save-path)."""
+    engines = []
+    for e in plan.engines:
+        if e.role is Role.HEAD and e.managed and "--slot-save-path" not in e.args:
+            e = replace(e, args=(*e.args, "--slot-save-path", str(slot_dir)))
+        engines.append(e)
+    return replace(plan, engines=tuple(engines))

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra_supervisor import gpumem
+from hydra_supervisor import gpumem, plandiff
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import url_for
@@ -69,13 +69,14 @@ class SwitchReport:
     notes: list[str] = field(default_factory=list)
     cut: int = 0
     total_s: float = 0.0
+    restarted: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"to": self.to, "from": self.frm, "result": self.result,
                 "phases": {k: round(v, 3) for k, v in self.phases.items()},
                 "total_s": round(self.total_s, 3), "error": self.error,
                 "failed_phase": self.failed_phase, "log_tail": self.log_tail,
-                "notes": self.notes, "cut": self.cut}
+                "notes": self.notes, "cut": self.cut, "restarted": self.restarted}
 
 
 class _Phases:
@@ -299,14 +300,7 @@ class Engine:
                 if r is not None:
                     r.hold(f"switching to profile {dep.profile}")
             with phase("drain"):
-                if r is not None:
-                    left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
-                    if left:
-                        report.cut = r.cut_inflight(
-                            f"cut by the switch to {dep.profile} after "
-                            f"{self.switch_timeouts.drain:.0f}s of draining")
-                        report.notes.append(f"{report.cut} in-flight requests cut after "
-                                            f"the {self.switch_timeouts.drain:.0f}s drain")
+                await self._drain(report, dep.profile)
             with phase("stop"):
                 pids = await self._stop_current(f"switch to {dep.profile}")
             with phase("gpu_free"):
@@ -314,6 +308,7 @@ class Engine:
                 if left_pids:
                     report.notes.append(f"GPU memory of pids {left_pids} not released within "
                                         f"{self.switch_timeouts.gpu_free:.0f}s")
+            report.restarted = [e.name for e in dep.plan.in_start_order()]
             with phase("start"):
                 sup = self._launch(dep)
                 started_new = True
@@ -343,6 +338,85 @@ class Engine:
             for fn in self.listeners:
                 fn()
         return report
+
+    async def apply(self, dep: Deployment) -> SwitchReport:
+        """Run `dep` in place of the running layout, restarting only what changes (plandiff):
+        nothing (a no-op), the head alone (its peers keep running), or everything (a switch).
+        A different external address is refused."""
+        if self.lock.locked():
+            raise EngineBusy(f"a switch is already running on port {self.port} "
+                             f"(to {self.switching}); try again when it is done")
+        cur, sup = self.dep, self.sup
+        if cur is None or sup is None:
+            return await self.switch(dep)
+        d = plandiff.diff(cur.plan, dep.plan)
+        if d.change is plandiff.Change.REFUSED:
+            raise HydraError(d.reason)
+        if d.change is plandiff.Change.NONE and cur.policy == dep.policy \
+                and cur.timeouts == dep.timeouts:
+            rep = SwitchReport(to=dep.profile, frm=cur.profile, result="noop")
+            rep.notes.append("nothing changes")
+            return rep
+        if d.change is not plandiff.Change.HEAD:
+            rep = await self.switch(dep)
+            rep.restarted = list(d.restart)
+            return rep
+        async with self.lock:
+            return await self._restart_head(cur, dep, sup, d.restart)
+
+    async def _restart_head(self, old: Deployment, dep: Deployment, sup: Supervisor,
+                            names: tuple[str, ...]) -> SwitchReport:
+        report = SwitchReport(to=dep.profile, frm=old.profile, restarted=list(names))
+        phase = _Phases(report)
+        self.switching = dep.profile
+        r = self.router
+        try:
+            with phase("hold"):
+                if r is not None:
+                    r.hold(f"restarting the head of {dep.profile} with new settings")
+            with phase("drain"):
+                await self._drain(report, dep.profile)
+            with phase("restart_head"):
+                sup.adopt_head(dep)
+                self.dep = dep
+                await sup.restart(names[0])
+                await self._ready(sup, dep.timeouts.load)
+            self.last_good = dep
+            report.result = "ok"
+        except (LayoutFailed, HydraError, OSError) as exc:
+            report.failed_phase = phase.current
+            report.error = str(exc)
+            report.log_tail = getattr(exc, "tail", [])
+            with phase("rollback"):
+                try:
+                    sup.adopt_head(old)
+                    self.dep = old
+                    await sup.restart(names[0])
+                    await self._ready(sup, old.timeouts.load)
+                    report.result = "rolled_back"
+                except (LayoutFailed, HydraError, OSError) as exc2:
+                    report.result = "failed"
+                    report.error = f"{report.error}; the rollback failed too: {exc2}"
+        finally:
+            self.switching = None
+            self._sync_gate()
+            phase.done()
+            self.switches.append(report)
+            self._log_report(report)
+            for fn in self.listeners:
+                fn()
+        return report
+
+    async def _drain(self, report: SwitchReport, target: str) -> None:
+        r = self.router
+        if r is None:
+            return
+        left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
+        if left:
+            report.cut = r.cut_inflight(f"cut by the switch to {target} after "
+                                        f"{self.switch_timeouts.drain:.0f}s of draining")
+            report.notes.append(f"{report.cut} in-flight requests cut after the "
+                                f"{self.switch_timeouts.drain:.0f}s drain")
 
     async def _rollback(self, old: Deployment | None, report: SwitchReport, phase: _Phases,
                         started_new: bool) -> None:

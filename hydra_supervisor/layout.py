@@ -57,13 +57,17 @@ def free_rpc_ports(node: Node, count: int, exclude: set[int],
 
 def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
           overrides: dict[str, Any] | None = None, check_ports: bool = True,
-          keep: Plan | None = None) -> Layout:
+          keep: Plan | None = None, profile: Profile | None = None) -> Layout:
     """`keep`: the plan of the layout running on this engine now; its internal and peer ports
     are reused (they are ours: the old processes free them before the new ones start), so an
-    engine's ports stay put across switches and reloads."""
+    engine's ports stay put across switches and reloads. `profile`: an already loaded (and
+    possibly reconfigured) profile to plan instead of reading `profile_ref`."""
     node = load_node(find_node_file(node_file))
-    path = find_profile(profile_ref, profiles_dir)
-    profile = load_profile(path, node, overrides)
+    if profile is None:
+        path = find_profile(profile_ref, profiles_dir)
+        profile = load_profile(path, node, overrides)
+    else:
+        path = Path(profile.source)
     inv = devices.inventory()
     devs = devices.devices(node, inv)
 

@@ -1037,6 +1037,22 @@ class Supervisor:
             if not fut.done():
                 fut.set_result(None)
 
+    def adopt_head(self, deployment: Deployment) -> None:
+        """Take `deployment`, whose peers are those running now (plandiff says HEAD): the head's
+        spec, the policies and the timeouts change; the next head start (a planned restart)
+        uses them. Peers keep running untouched."""
+        if self.head is None or deployment.plan.head.name != self.head.name:
+            raise ValueError("adopt_head needs a deployment with the same head")
+        self.deployment = deployment
+        self.plan = deployment.plan
+        self.timeouts = deployment.timeouts
+        self.solo_head = deployment.solo_head
+        self.combine_head = deployment.plan.head
+        if not self.degraded:
+            self.head.spec = deployment.plan.head
+        self.head.policy = deployment.policy
+        self.head.backoff = Backoff(deployment.policy)
+
     def request_stop(self, reason: str) -> None:
         """From a signal handler: remember why, and let the loop do the stopping."""
         if self.stop_reason is None:

@@ -1,0 +1,217 @@
+"""The Engine as the wire server sees it (wire.control.EngineControl), and the wire server's life.
+
+The wire server runs on its own threads; everything here that changes the engine hands a
+coroutine to the daemon's event loop and waits for it (asyncio.run_coroutine_threadsafe), so
+processes are still only spawned from the loop's thread. What is read on every request (info,
+busy, head_http, slot_dir) reads plain attributes and never waits on the switch lock.
+
+CONFIGURE by tier (wire.tiers has the one table of keys):
+- T1 settings become request-body defaults in the router (no process restarts);
+- T2/T3 settings make a new profile (tiers.apply_to_profile), planned on the engine's own
+  address with its ports kept, and applied by Engine.apply: the head alone restarts when only
+  its flags change, otherwise the whole layout, peers before head;
+- T4 keys are refused by the wire server before they reach us.
+SET_EXPERT_MODE switches between the running profile's COMBINE layout and the same profile as
+SOLO on the head's device (the layout it was started with is remembered to come back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hydra_supervisor import binaries, deployment
+from hydra_supervisor.config import Mode, Profile
+from hydra_supervisor.engine import Engine, SwitchReport
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.wire import tiers
+from hydra_supervisor.wire.control import ConfigureRefused
+from hydra_supervisor.wire.server import WireServer
+
+CALL_TIMEOUT = 3600.0
+
+
+class EngineWire:
+    """EngineControl over an Engine; `node_file` is the node the daemon plans with."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+                 node_file: str | None) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.node_file = node_file
+        self.defaults: dict[str, Any] = {}  # T1 request defaults in force
+        self.combine_profile: Profile | None = None  # to come back from SET_EXPERT_MODE solo
+        self._build: dict[str, str] | None = None
+        self.server: WireServer | None = None
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def start(self) -> tuple[str, int]:
+        self.server = WireServer(host="127.0.0.1", port=0, control=self)
+        self.server.start()
+        return ("127.0.0.1", self.server.port)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    # -- what is read on every request ----------------------------------------------------------
+
+    def _profile(self) -> Profile | None:
+        dep = self.engine.dep
+        lay = dep.layout if dep is not None else None
+        return lay.profile if lay is not None else None
+
+    def build(self) -> dict[str, str]:
+        if self._build is None:
+            info: dict[str, str] = {}
+            with contextlib.suppress(HydraError, OSError):
+                found = binaries.find("llama-server")
+                line = binaries.version_line(found.path)
+                info = {"llama_server": str(found.path), "version": line}
+                # "version: 11434 (abcdef12)": the build number and the commit
+                parts = line.replace("version:", "").split()
+                if parts:
+                    info["build"] = parts[0]
+                if len(parts) > 1:
+                    info["commit"] = parts[1].strip("()")
+            self._build = info
+        return self._build
+
+    def info(self) -> dict[str, Any]:
+        eng = self.engine
+        snap = eng.snapshot()
+        dep = eng.dep
+        prof = self._profile()
+        plan = dep.plan if dep is not None else None
+        return {
+            "profile": snap["profile"], "mode": snap["mode"], "model": snap["model"],
+            "model_path": plan.model_path if plan else None,
+            "model_kind": plan.model_kind if plan else None,
+            "transport": plan.transport if plan else None,
+            "state": snap["state"],
+            "expert_mode": ("combined" if plan and plan.mode == "combine" else "solo")
+            if plan else None,
+            "peers": [{"name": e.name, "endpoint": e.endpoint, "device": e.device,
+                       "managed": e.managed} for e in (plan.peers if plan else ())],
+            "split": [{"device": p.device, "what": p.what, "layers": p.layers,
+                       "weight_bytes": p.weight_bytes, "need_bytes": p.need_bytes}
+                      for p in (plan.placements if plan else ())],
+            "processes": [{k: row.get(k) for k in ("name", "role", "pid", "state", "reason",
+                                                   "restarts", "device", "port")}
+                          for row in snap["processes"]],
+            "build": self.build(),
+            "capabilities": {"ops": ["STATE_GET", "STATE_PUT", "STATE_META", "CONFIGURE",
+                                     "INFO", "PREFILL", "SET_EXPERT_MODE"],
+                             "not_implemented": ["DECODE", "SWAP_QUANT", "PIPELINE_ATTACH"],
+                             "expert_modes": self._expert_modes()},
+            "settings": tiers.current_settings(prof, self.defaults) if prof else {},
+            "request_defaults": dict(self.defaults),
+        }
+
+    def _expert_modes(self) -> list[str]:
+        prof = self._profile()
+        if prof is None:
+            return []
+        if prof.mode is Mode.COMBINE or self.combine_profile is not None:
+            return ["solo", "combined"]
+        return ["solo"]
+
+    def busy(self) -> bool:
+        return self.engine.lock.locked()
+
+    def head_http(self) -> tuple[str, int] | None:
+        dep, sup = self.engine.dep, self.engine.sup
+        if dep is None or sup is None or sup.head is None:
+            return None
+        if sup.head.state.value != "READY":
+            return None
+        spec = sup.head.spec
+        return ("127.0.0.1" if spec.host in ("0.0.0.0", "", "::") else spec.host, spec.port)
+
+    def slot_dir(self) -> Path:
+        path = self.engine.state.root / "slots"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # -- what changes the engine ----------------------------------------------------------------
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT)
+
+    def configure(self, params: dict[str, Any]) -> dict[str, Any]:
+        t1 = {k: v for k, v in params.items()
+              if (spec := tiers.lookup(k)) is not None and spec.tier is tiers.Tier.T1}
+        rest = {k: v for k, v in params.items() if k not in t1}
+        meta: dict[str, Any] = {"restarted": []}
+        if t1:
+            self.defaults.update(t1)
+            if self.engine.router is not None:
+                self.engine.router.set_request_defaults(tiers.request_defaults(self.defaults))
+            meta["request_defaults"] = tiers.request_defaults(self.defaults)
+        if rest:
+            prof = self._profile()
+            if prof is None:
+                raise ConfigureRefused("no profile is loaded on this engine: nothing to "
+                                       "reconfigure (hydra switch NAME first)")
+            new = tiers.apply_to_profile(prof, rest)
+            rep = self._apply(new)
+            meta["restarted"] = rep.restarted if rep.result != "noop" else []
+            meta["result"] = rep.result
+            meta["phases"] = {k: round(v, 3) for k, v in rep.phases.items()}
+            if rep.result not in ("ok", "noop"):
+                raise ConfigureRefused(f"the new settings failed to start "
+                                       f"({rep.failed_phase}: {rep.error}); "
+                                       f"{'rolled back' if rep.result == 'rolled_back' else ''}")
+        return meta
+
+    def _apply(self, prof: Profile) -> SwitchReport:
+        eng = self.engine
+
+        def prepare() -> deployment.Deployment:
+            return deployment.prepare(prof.name, node_file=self.node_file,
+                                      keep=eng.dep.plan if eng.dep else None,
+                                      external=eng.port, profile=prof,
+                                      slot_dir=self.slot_dir())
+
+        async def go() -> SwitchReport:
+            try:
+                dep = await asyncio.to_thread(prepare)
+            except HydraError as exc:
+                raise ConfigureRefused(str(exc)) from exc
+            try:
+                return await eng.apply(dep)
+            except HydraError as exc:
+                raise ConfigureRefused(str(exc)) from exc
+
+        rep: SwitchReport = self._call(go())
+        return rep
+
+    def set_expert_mode(self, mode: str) -> dict[str, Any]:
+        prof = self._profile()
+        if prof is None:
+            raise ConfigureRefused("no profile is loaded on this engine")
+        want_solo = mode == "solo"
+        if want_solo == (prof.mode is Mode.SOLO):
+            return {"mode": mode, "changed": False}
+        if want_solo:
+            if prof.mode is not Mode.COMBINE:
+                raise ConfigureRefused(f"profile {prof.name} has no COMBINE layout")
+            self.combine_profile = prof
+            new = replace(prof, mode=Mode.SOLO, peers=(), split=None)
+        else:
+            if self.combine_profile is None:
+                raise ConfigureRefused(f"profile {prof.name} is SOLO and has no COMBINE layout "
+                                       "to return to (start hydra with its COMBINE profile)")
+            new = self.combine_profile
+        rep = self._apply(new)
+        now = self._profile()
+        in_effect = "solo" if now is not None and now.mode is Mode.SOLO else "combined"
+        if rep.result not in ("ok", "noop"):
+            raise ConfigureRefused(f"switching to {mode} failed ({rep.failed_phase}: "
+                                   f"{rep.error}); mode in effect: {in_effect}")
+        return {"mode": in_effect, "changed": True, "restarted": rep.restarted,
+                "phases": {k: round(v, 3) for k, v in rep.phases.items()}}
