@@ -52,8 +52,8 @@ SnapshotFn = Callable[[], Snapshot]
 # for the rest), so a dashboard can alert on `hydra_process_state{state="FATAL"} == 1` before
 # it has ever happened. A state not listed here still gets its series when it shows up.
 PROCESS_STATES = ("STOPPED", "STARTING", "READY", "UNHEALTHY", "STOPPING", "BACKOFF", "FATAL")
-ENGINE_STATES = ("serving", "starting", "switching", "idle", "degraded", "fatal")
-SWITCH_RESULTS = ("ok", "rolled_back", "failed")
+ENGINE_STATES = ("serving", "starting", "switching", "recovering", "idle", "degraded", "fatal")
+SWITCH_RESULTS = ("ok", "rolled_back", "failed", "noop")
 REQUEST_OUTCOMES = ("ok", "cut", "held_timeout", "error")
 # Request durations: a health check (ms) to a long generation (minutes).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
@@ -108,6 +108,8 @@ class SnapshotCollector(Collector):
 
     def __init__(self, snapshot: SnapshotFn) -> None:
         self._snapshot = snapshot
+        self._tallies: dict[Any, _SwitchTally] = {}
+        self._lock = threading.Lock()  # concurrent scrapes
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -252,32 +254,61 @@ class SnapshotCollector(Collector):
         yield from (accepted, conns, refused, *gauges.values(), byte_count, http, cut, retried)
 
     # -- switches
-    @staticmethod
-    def _switches(engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
-        el = ["engine", "profile"]
+    def _switches(self, engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
         count = CounterMetricFamily("hydra_switches", "Layout switches by result",
-                                    labels=[*el, "result"])
+                                    labels=["engine", "result"])
         phases = SummaryMetricFamily("hydra_switch_phase_seconds",
                                      "Time spent in each switch phase (phase=total: whole "
-                                     "switch)", labels=[*el, "phase"])
+                                     "switch)", labels=["engine", "phase"])
         last = GaugeMetricFamily("hydra_switch_last_phase_seconds",
-                                 "The last switch's time per phase", labels=[*el, "phase"])
+                                 "The last switch's time per phase", labels=["engine", "phase"])
         for e in engines:
-            lv = list(_engine_labels(e))
+            name = str(e.get("name", ""))
             switches = [s for s in e.get("switches") or [] if isinstance(s, Mapping)]
-            results = Tally(str(s.get("result")) for s in switches)
+            # Keyed by the external port: it stays put across switches, the name may not.
+            with self._lock:
+                tally = self._tallies.setdefault(e.get("port", name), _SwitchTally())
+                tally.update(switches)
+                results = dict(tally.results)
+                sums = {k: (tally.phase_count[k], v) for k, v in tally.phase_sum.items()}
             for r in dict.fromkeys([*SWITCH_RESULTS, *results]):
-                count.add_metric([*lv, r], float(results.get(r, 0)))
-            sums: dict[str, list[float]] = {}
-            for s in switches:
-                for phase, secs in _phases(s).items():
-                    sums.setdefault(phase, []).append(secs)
-            for phase, values in sums.items():
-                phases.add_metric([*lv, phase], count_value=len(values), sum_value=sum(values))
+                count.add_metric([name, r], float(results.get(r, 0)))
+            for phase, (n, total) in sums.items():
+                phases.add_metric([name, phase], count_value=n, sum_value=total)
             if switches:
                 for phase, secs in _phases(switches[-1]).items():
-                    last.add_metric([*lv, phase], secs)
+                    last.add_metric([name, phase], secs)
         yield from (count, phases, last)
+
+
+class _SwitchTally:
+    """Cumulative switch counts from a snapshot that keeps only the last N switch reports (the
+    Engine's deque): each scrape adds the reports after the last one it saw, so the counters
+    never go down. (More than N switches between two scrapes: the oldest are not counted.)"""
+
+    def __init__(self) -> None:
+        self.last: tuple[Any, ...] | None = None
+        self.results: Tally[str] = Tally()
+        self.phase_count: Tally[str] = Tally()
+        self.phase_sum: dict[str, float] = {}
+
+    @staticmethod
+    def _key(s: Mapping[str, Any]) -> tuple[Any, ...]:
+        return (s.get("to"), s.get("from"), s.get("result"), s.get("total_s"),
+                tuple(sorted((s.get("phases") or {}).items())), s.get("error"))
+
+    def update(self, switches: Sequence[Mapping[str, Any]]) -> None:
+        keys = [self._key(s) for s in switches]
+        start = 0
+        if self.last is not None and self.last in keys:
+            start = len(keys) - keys[::-1].index(self.last)
+        for s in switches[start:]:
+            self.results[str(s.get("result"))] += 1
+            for phase, secs in _phases(s).items():
+                self.phase_count[phase] += 1
+                self.phase_sum[phase] = self.phase_sum.get(phase, 0.0) + secs
+        if keys:
+            self.last = keys[-1]
 
 
 def _phases(switch: Mapping[str, Any]) -> dict[str, float]:

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 log = logging.getLogger("hydra.notify")
 
@@ -143,6 +144,23 @@ class Notifier:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+
+
+def status_text(snapshot: Mapping[str, Any]) -> str:
+    """One STATUS= line from the daemon's status snapshot (contracts shape): per engine its
+    profile, state and URL, and why when it is degraded or fatal. `systemctl status` shows it."""
+    parts = []
+    for e in snapshot.get("engines") or []:
+        what = e.get("profile") or "no profile"
+        state = e.get("state") or "?"
+        line = f"{what}: {state}"
+        if state in ("serving", "degraded") and e.get("url"):
+            line += f" at {e['url']}"
+        why = e.get("fatal") or e.get("degraded")
+        if why:
+            line += f" ({why})"
+        parts.append(line)
+    return "; ".join(parts) or "no engines"
 
 
 def _status(text: str | None) -> list[str]:

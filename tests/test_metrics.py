@@ -182,13 +182,13 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         assert value(s, "hydra_router_http_cut_total", **e) == 1
         assert value(s, "hydra_router_http_retried_total", **e) == 2
         # switches
-        assert value(s, "hydra_switches_total", **e, result="ok") == 1
-        assert value(s, "hydra_switches_total", **e, result="rolled_back") == 1
-        assert value(s, "hydra_switches_total", **e, result="failed") == 0
-        assert value(s, "hydra_switch_phase_seconds_count", **e, phase="hold") == 2
-        assert value(s, "hydra_switch_phase_seconds_sum", **e, phase="start") == 12.0
-        assert value(s, "hydra_switch_phase_seconds_sum", **e, phase="total") == 15.75
-        assert value(s, "hydra_switch_last_phase_seconds", **e, phase="start") == 9.0
+        assert value(s, "hydra_switches_total", engine="main", result="ok") == 1
+        assert value(s, "hydra_switches_total", engine="main", result="rolled_back") == 1
+        assert value(s, "hydra_switches_total", engine="main", result="failed") == 0
+        assert value(s, "hydra_switch_phase_seconds_count", engine="main", phase="hold") == 2
+        assert value(s, "hydra_switch_phase_seconds_sum", engine="main", phase="start") == 12.0
+        assert value(s, "hydra_switch_phase_seconds_sum", engine="main", phase="total") == 15.75
+        assert value(s, "hydra_switch_last_phase_seconds", engine="main", phase="start") == 9.0
         # the head's own metrics, relabelled
         assert value(s, "hydra_head_scrape_up", **e) == 1
         assert value(s, "llamacpp:tokens_predicted_total", **e) == 17
@@ -211,10 +211,39 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         assert value(s, "hydra_process_state", **head, state="STARTING") == 1
         assert value(s, "hydra_process_state", **head, state="READY") == 0
         assert value(s, "hydra_engine_state", **e, state="starting") == 1
-        assert value(s, "hydra_switches_total", **e, result="ok") == 2
-        assert value(s, "hydra_switch_last_phase_seconds", **e, phase="total") == 2.5
+        assert value(s, "hydra_switches_total", engine="main", result="ok") == 2
+        assert value(s, "hydra_switch_last_phase_seconds", engine="main", phase="total") == 2.5
         # the head is no longer READY: not scraped
         assert not [k for k in s if k[0] == "hydra_head_scrape_up"]
+
+
+def test_switch_counts_survive_a_bounded_report_list() -> None:
+    """The Engine keeps the last 20 reports; the counters must not drop when old ones go."""
+    def report(i: int) -> dict[str, Any]:
+        return {"to": f"p{i % 2}", "from": None, "result": "ok" if i % 3 else "rolled_back",
+                "phases": {"start": 1.0}, "total_s": 1.0 + i / 1000, "error": None}
+
+    reports: list[dict[str, Any]] = []
+    snap = {"engines": [{"name": "main", "port": 8080, "switches": reports}]}
+    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+        for i in range(20):
+            reports.append(report(i))
+        first = scrape(ms.url)
+        for i in range(20, 27):  # 7 more; the list keeps the last 20
+            reports.append(report(i))
+            del reports[0]
+        second = scrape(ms.url)
+        third = scrape(ms.url)  # nothing new: nothing added
+    total = sum(value(first, "hydra_switches_total", engine="main", result=r)
+                for r in ("ok", "rolled_back"))
+    assert total == 20
+    assert value(first, "hydra_switches_total", engine="main", result="rolled_back") == 7
+    for s in (second, third):
+        assert value(s, "hydra_switches_total", engine="main", result="rolled_back") == 9
+        assert value(s, "hydra_switches_total", engine="main", result="ok") == 18
+        assert value(s, "hydra_switch_phase_seconds_count", engine="main", phase="start") == 27
+        assert value(s, "hydra_switch_last_phase_seconds", engine="main",
+                     phase="total") == 1.026
 
 
 def test_request_records(fake_head: FakeHead) -> None:

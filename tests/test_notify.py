@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.notify import Notifier, monotonic_usec, watchdog_loop
+from hydra_supervisor.notify import Notifier, monotonic_usec, status_text, watchdog_loop
 
 DEADLINE = 10.0
 
@@ -168,3 +168,16 @@ def test_watchdog_pings_only_while_alive(path_listener: tuple[str, Listener]) ->
     assert silent == []
     assert again and all(m == {"WATCHDOG": "1"} for m in again)
     assert time.monotonic() - t0 < DEADLINE
+
+
+def test_status_text_from_a_snapshot() -> None:
+    snap = {"engines": [
+        {"name": "main", "profile": "demo", "state": "serving", "url": "http://127.0.0.1:8080",
+         "fatal": None, "degraded": None},
+        {"name": "b", "profile": None, "state": "idle", "url": "http://127.0.0.1:8081"},
+        {"name": "c", "profile": "moe", "state": "degraded", "url": "http://h:1",
+         "degraded": "peer lost: serving SOLO"},
+    ]}
+    assert status_text(snap) == ("demo: serving at http://127.0.0.1:8080; no profile: idle; "
+                                 "moe: degraded at http://h:1 (peer lost: serving SOLO)")
+    assert status_text({"engines": []}) == "no engines"
