@@ -152,8 +152,8 @@ def systemd() -> None:
 
 
 _profile = click.option("--profile", "-p", default=None,
-                        help="also render hydra.service, the node's one unit, starting this "
-                             "profile (the template hydra@.service is always rendered)")
+                        help="the profile hydra.service (the node's one unit) starts; without "
+                             "it, hydra.service starts model-less (hydra up --no-profile)")
 _node = click.option("--node", "node_file", default=None,
                      help="node file the units use (default: $HYDRA_NODE, "
                           "~/.config/hydra/node.yaml)")
@@ -174,8 +174,8 @@ _user = click.option("--user", default="hydra", show_default=True,
 @_friendly
 def render(profile: str | None, node_file: str | None, profiles_dir: str | None, user: str,
            output: str | None, example: bool) -> None:
-    """Render this node's units: hydra@.service (instance = profile), and with --profile
-    also hydra.service."""
+    """Render this node's units: hydra@.service (instance = profile) and hydra.service (the
+    node's one hydra, starting --profile or model-less)."""
     if example:
         opts = systemd_units.example_options()
     else:
@@ -236,10 +236,9 @@ def install(profile: str | None, node_file: str | None, profiles_dir: str | None
         _ensure_user(opts)
     if not no_reload and Path("/run/systemd/system").is_dir():
         subprocess.run(["systemctl", "daemon-reload"], check=False, timeout=60)
-    if profile:
-        click.echo("next: systemctl enable --now hydra.service   (or hydra@PROFILE per profile)")
-    else:
-        click.echo("next: systemctl enable --now hydra@PROFILE")
+    click.echo("next: systemctl enable --now hydra@PROFILE   (one hydra per profile), or")
+    click.echo(f"      systemctl enable --now hydra.service  (one hydra for the node, "
+               f"{'starting ' + profile if profile else 'model-less'}; `hydra switch`)")
     click.echo(f"      put node.yaml and profiles/ in {systemd_units.ETC_DIR} (or keep the "
                "paths baked into the unit), then `journalctl -u 'hydra*' -f`")
 

@@ -6,8 +6,9 @@ checks it. Two shapes:
   - `hydra@.service`, a template whose instance is the profile: `systemctl enable --now
     hydra@dense27b-combine` runs `hydra up --profile dense27b-combine`, state in
     /var/lib/hydra/<profile>;
-  - `hydra.service`, one unit for the node, starting one profile (`hydra switch` changes the
-    layout at run time without touching the unit), state in /var/lib/hydra/node.
+  - `hydra.service`, one unit for the node, starting one profile or none (`hydra up
+    --no-profile`); `hydra switch` changes the layout at run time without touching the unit;
+    state in /var/lib/hydra/node.
 Both: Type=notify (hydra sends READY=1 only after its engines are health-gated), a watchdog,
 SIGHUP to reload, SIGTERM to the main process only (hydra stops its own children: group TERM,
 bounded wait, KILL), a dedicated user, and hardening that still lets llama.cpp open the GPUs.
@@ -189,28 +190,28 @@ def render_template(opts: UnitOptions) -> str:
     )
 
 
-def render_node_unit(opts: UnitOptions, profile: str) -> str:
-    """hydra.service: the node's one hydra, starting `profile`; `hydra switch` changes it."""
+def render_node_unit(opts: UnitOptions, profile: str | None) -> str:
+    """hydra.service: the node's one hydra, starting `profile`, or model-less (`hydra up
+    --no-profile`: the port answers 503 until `hydra switch NAME` loads a layout)."""
+    args = ["up", "--profile", profile] if profile else ["up", "--no-profile"]
+    starts = f"started with profile {profile}" if profile else "started model-less"
     return _service(
         opts,
-        description=f"hydra: llama.cpp on this node (starts {profile})",
-        exec_start=_exec([*opts.hydra, "up", "--profile", profile]),
+        description=f"hydra: llama.cpp on this node ({starts})",
+        exec_start=_exec([*opts.hydra, *args]),
         state=NODE_STATE_NAME,
         doc_note=[
-            f"hydra.service: this node's hydra, started with profile {profile}; "
-            "`hydra switch NAME` changes the layout at run time.",
-            "Rendered by `hydra systemd render --profile`; do not run it together with a "
-            "hydra@ instance on the same port.",
+            f"hydra.service: this node's hydra, {starts}; `hydra switch NAME` changes the "
+            "layout at run time.",
+            "Rendered by `hydra systemd render`; enable this or hydra@PROFILE instances, not "
+            "both on one port.",
         ],
     )
 
 
 def render(opts: UnitOptions, profile: str | None = None) -> dict[str, str]:
-    """File name -> text: the template always, the node unit when a profile is named."""
-    units = {TEMPLATE_NAME: render_template(opts)}
-    if profile is not None:
-        units[NODE_UNIT_NAME] = render_node_unit(opts, profile)
-    return units
+    """File name -> text: the per-profile template and the node's one unit."""
+    return {TEMPLATE_NAME: render_template(opts), NODE_UNIT_NAME: render_node_unit(opts, profile)}
 
 
 def with_profile_port(opts: UnitOptions, port: int) -> UnitOptions:

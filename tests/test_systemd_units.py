@@ -86,7 +86,10 @@ def test_node_unit_starts_the_profile() -> None:
     node = units["hydra.service"]
     assert one(node, "ExecStart") == "/usr/bin/python3 -m hydra_supervisor up --profile moe35b-solo"
     assert one(node, "StateDirectory") == "hydra/node"
-    assert systemd_units.render(opts) == {"hydra@.service": units["hydra@.service"]}
+    idle = systemd_units.render(opts)
+    assert idle["hydra@.service"] == units["hydra@.service"]
+    assert one(idle["hydra.service"], "ExecStart") == \
+        "/usr/bin/python3 -m hydra_supervisor up --no-profile"
 
 
 def test_protect_home_and_low_ports() -> None:
@@ -127,7 +130,8 @@ def test_install_into_a_unit_dir(tmp_path: Path) -> None:
     res = CliRunner().invoke(systemd, ["install", "--unit-dir", str(unit_dir), "--no-user",
                                        "--no-reload"])
     assert res.exit_code == 0, res.output
-    assert (unit_dir / "hydra@.service").is_file() and not (unit_dir / "hydra.service").exists()
+    assert (unit_dir / "hydra@.service").is_file() and (unit_dir / "hydra.service").is_file()
+    assert "--no-profile" in (unit_dir / "hydra.service").read_text()
     assert not (unit_dir / ".hydra-staging").exists()
     assert "systemctl enable --now hydra@PROFILE" in res.output
 
