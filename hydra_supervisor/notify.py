@@ -53,6 +53,7 @@ class Notifier:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._failed = False
+        self._last_status: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, unset: bool = True
@@ -119,17 +120,30 @@ class Notifier:
         return True
 
     def ready(self, status: str | None = None) -> bool:
-        return self.notify("READY=1", *_status(status))
+        return self.notify("READY=1", *self._status(status))
 
     def status(self, text: str) -> bool:
-        return self.notify(*_status(text))
+        """STATUS=text; the same text twice sends nothing (call it from every change
+        listener)."""
+        lines = self._status(text, dedupe=True)
+        return self.notify(*lines) if lines else False
 
     def reloading(self, status: str | None = None) -> bool:
         """Begin a reload (SIGHUP). Send ready() when it has finished, failed or not."""
-        return self.notify("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec()}", *_status(status))
+        return self.notify("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec()}",
+                           *self._status(status))
 
     def stopping(self, status: str | None = None) -> bool:
-        return self.notify("STOPPING=1", *_status(status))
+        return self.notify("STOPPING=1", *self._status(status))
+
+    def _status(self, text: str | None, dedupe: bool = False) -> list[str]:
+        if not text:
+            return []
+        line = " ".join(text.split())  # one line: a newline would end the field
+        if dedupe and line == self._last_status:
+            return []
+        self._last_status = line
+        return ["STATUS=" + line]
 
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
@@ -163,10 +177,22 @@ def status_text(snapshot: Mapping[str, Any]) -> str:
     return "; ".join(parts) or "no engines"
 
 
-def _status(text: str | None) -> list[str]:
-    if not text:
-        return []
-    return ["STATUS=" + " ".join(text.split())]  # one line: a newline would end the field
+async def ready_when(notifier: Notifier, is_ready: Callable[[], bool],
+                     status: Callable[[], str] | None = None,
+                     stop: asyncio.Event | None = None, poll: float = 0.1) -> bool:
+    """Send READY=1 (with the current STATUS=) once `is_ready()` holds; False, sending
+    nothing, when `stop` is set first. Run it as a task right after the engines start: the
+    daemon's `is_ready` is e.g. `lambda: all(e.state_word() in ("serving", "idle",
+    "degraded") for e in engines)` ("idle": a model-less start is ready at once)."""
+    stop = stop or asyncio.Event()
+    while not is_ready():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=poll)
+            return False
+        except TimeoutError:
+            pass
+    notifier.ready(status() if status else None)
+    return True
 
 
 async def watchdog_loop(notifier: Notifier, alive: Callable[[], bool],

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.notify import Notifier, monotonic_usec, status_text, watchdog_loop
+from hydra_supervisor.notify import (
+    Notifier,
+    monotonic_usec,
+    ready_when,
+    status_text,
+    watchdog_loop,
+)
 
 DEADLINE = 10.0
 
@@ -181,3 +187,39 @@ def test_status_text_from_a_snapshot() -> None:
     assert status_text(snap) == ("demo: serving at http://127.0.0.1:8080; no profile: idle; "
                                  "moe: degraded at http://h:1 (peer lost: serving SOLO)")
     assert status_text({"engines": []}) == "no engines"
+
+
+def test_status_is_sent_once_per_change(path_listener: tuple[str, Listener]) -> None:
+    addr, lst = path_listener
+    n = Notifier(addr)
+    assert n.status("demo: starting") and not n.status("demo: starting")
+    assert n.status("demo: serving")
+    assert lst.drain() == [{"STATUS": "demo: starting"}, {"STATUS": "demo: serving"}]
+
+
+def test_ready_only_once_the_condition_holds(path_listener: tuple[str, Listener]) -> None:
+    addr, lst = path_listener
+    n = Notifier(addr)
+    healthy = {"v": False}
+
+    async def scenario() -> tuple[list[dict[str, str]], bool]:
+        task = asyncio.create_task(ready_when(n, lambda: healthy["v"],
+                                              lambda: "demo: serving", poll=0.01))
+        await asyncio.sleep(0.3)
+        before = lst.drain()  # still loading: nothing sent
+        healthy["v"] = True  # e.g. the head's /health answered 200
+        return before, await asyncio.wait_for(task, DEADLINE)
+
+    before, sent = asyncio.run(scenario())
+    assert before == [] and sent
+    assert lst.recv() == {"READY": "1", "STATUS": "demo: serving"}
+
+    async def stopped_first() -> bool:
+        stop = asyncio.Event()
+        task = asyncio.create_task(ready_when(n, lambda: False, stop=stop, poll=0.01))
+        await asyncio.sleep(0.05)
+        stop.set()
+        return await asyncio.wait_for(task, DEADLINE)
+
+    assert asyncio.run(stopped_first()) is False
+    assert lst.drain() == []
