@@ -68,6 +68,7 @@ KNOWN_PATHS = frozenset({
     "/v1/responses", "/api/tags", "/api/show", "/api/chat",
 })
 _SLOT_PATH = re.compile(r"^/slots/\d+$")
+_STATUS_CLASS = re.compile(r"^[1-5]xx$")
 
 
 def endpoint_label(path: str) -> str:
@@ -203,6 +204,8 @@ class SnapshotCollector(Collector):
                 ("held", "HTTP requests parked while the engine switches or restarts"),
                 ("inflight", "HTTP requests sent upstream whose response has not completed"),
                 ("pending", "Accepted connections waiting for their first bytes or a slot"),
+                ("open_peak", "Most connections relayed at once since the start"),
+                ("pooled", "Idle upstream connections kept for reuse"),
             )
         }
         byte_count = CounterMetricFamily("hydra_router_bytes",
@@ -211,6 +214,16 @@ class SnapshotCollector(Collector):
         http = CounterMetricFamily("hydra_router_http_responses",
                                    "HTTP responses by status class, as the router counts them",
                                    labels=[*el, "status_class"])
+        http_total = CounterMetricFamily("hydra_router_http_requests",
+                                         "HTTP requests the router finished", labels=el)
+        events = CounterMetricFamily("hydra_router_events",
+                                     "Trouble the router survived (e.g. EMFILE waited out)",
+                                     labels=[*el, "event"])
+        alive = GaugeMetricFamily("hydra_router_alive",
+                                  "1 while the router's acceptor thread runs", labels=el)
+        fd_gauge = GaugeMetricFamily("hydra_router_fds",
+                                     "File descriptors: the limit, the router's budget, in use "
+                                     "by relays", labels=[*el, "kind"])
         cut = CounterMetricFamily("hydra_router_http_cut",
                                   "HTTP requests cut mid-response (upstream died, or a switch)",
                                   labels=el)
@@ -243,15 +256,29 @@ class SnapshotCollector(Collector):
                     byte_count.add_metric([*lv, direction], v)
             h = st.get("http")
             if isinstance(h, Mapping):
-                by_class = h.get("requests") or h.get("by_status") or {}
-                if isinstance(by_class, Mapping):
-                    for cls, n in by_class.items():
+                # {"requests": n, "1xx": n, ..., "5xx": n, "cut": n, "retried": n}
+                for cls, n in h.items():
+                    if _STATUS_CLASS.match(str(cls)):
                         http.add_metric([*lv, str(cls)], _num(n) or 0.0)
-                for counter, key in ((cut, "cut"), (retried, "retried")):
+                for counter, key in ((http_total, "requests"), (cut, "cut"),
+                                     (retried, "retried")):
                     v = _num(h.get(key))
                     if v is not None:
                         counter.add_metric(lv, v)
-        yield from (accepted, conns, refused, *gauges.values(), byte_count, http, cut, retried)
+            ev = st.get("events")
+            if isinstance(ev, Mapping):
+                for what, n in ev.items():
+                    events.add_metric([*lv, str(what)], _num(n) or 0.0)
+            if isinstance(st.get("alive"), bool):
+                alive.add_metric(lv, 1.0 if st["alive"] else 0.0)
+            fds = st.get("fds")
+            if isinstance(fds, Mapping):
+                for what, n in fds.items():
+                    v = _num(n)
+                    if v is not None:
+                        fd_gauge.add_metric([*lv, str(what)], v)
+        yield from (accepted, conns, refused, *gauges.values(), byte_count, http_total, http,
+                    cut, retried, events, alive, fd_gauge)
 
     # -- switches
     def _switches(self, engines: list[Mapping[str, Any]]) -> Iterator[Metric]:

@@ -123,12 +123,15 @@ def make_snapshot(head_port: int) -> dict[str, Any]:
                 {**proc, "name": "peer-gpu2", "role": "peer", "port": 30053,
                  "device": "gpu2", "state": "STARTING", "restarts": 0, "last_exit": None},
             ],
-            "router": {
-                "total": 12, "refused": 1, "rejected": 2, "denied": 0, "timeouts": 3,
-                "upstream_errors": 0, "bytes_up": 1000, "bytes_down": 5000, "bytes": 6000,
-                "open": 2, "pending": 0, "held": 4, "inflight": 1,
+            "router": {  # Router.stats() as the router branch returns it
+                "accepted": 12, "refused": {"first_byte_timeout": 3, "unrecognised": 2},
+                "events": {"emfile_waited": 1}, "bytes_up": 1000, "bytes_down": 5000,
+                "bytes": 6000, "open": 2, "open_peak": 5, "pending": 0, "held": 4,
+                "inflight": 1, "pooled": 1, "alive": True,
                 "by_kind": {"http": 7, "rpc": 2, "hydra": 0},
-                "http": {"requests": {"2xx": 5, "5xx": 1}, "cut": 1, "retried": 2},
+                "http": {"requests": 6, "1xx": 0, "2xx": 5, "3xx": 0, "4xx": 0, "5xx": 1,
+                         "cut": 1, "retried": 2},
+                "fds": {"nofile": 65536, "budget": 60000, "relays": 4},
             },
             "switches": [
                 {"to": "demo", "result": "ok", "phases": {"hold": 0.25, "drain": 0.5,
@@ -171,7 +174,8 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         assert value(s, "hydra_router_connections_total", **e, protocol="http",
                      outcome="relayed") == 7
         assert value(s, "hydra_router_connections_total", **e, protocol="rpc") == 2
-        assert value(s, "hydra_router_connections_refused_total", **e, reason="timeout") == 3
+        assert value(s, "hydra_router_connections_refused_total", **e,
+                     reason="first_byte_timeout") == 3
         assert value(s, "hydra_router_connections_refused_total", **e,
                      reason="unrecognised") == 2
         assert value(s, "hydra_router_open", **e) == 2
@@ -179,6 +183,11 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         assert value(s, "hydra_router_inflight", **e) == 1
         assert value(s, "hydra_router_bytes_total", **e, direction="down") == 5000
         assert value(s, "hydra_router_http_responses_total", **e, status_class="5xx") == 1
+        assert value(s, "hydra_router_http_requests_total", **e) == 6
+        assert value(s, "hydra_router_events_total", **e, event="emfile_waited") == 1
+        assert value(s, "hydra_router_alive", **e) == 1
+        assert value(s, "hydra_router_fds", **e, kind="relays") == 4
+        assert value(s, "hydra_router_open_peak", **e) == 5
         assert value(s, "hydra_router_http_cut_total", **e) == 1
         assert value(s, "hydra_router_http_retried_total", **e) == 2
         # switches
@@ -215,6 +224,19 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         assert value(s, "hydra_switch_last_phase_seconds", engine="main", phase="total") == 2.5
         # the head is no longer READY: not scraped
         assert not [k for k in s if k[0] == "hydra_head_scrape_up"]
+
+
+def test_older_flat_router_counters() -> None:
+    """Router.stats() before the request-aware router: flat refusal counters."""
+    snap = {"engines": [{"name": "m", "profile": "p", "router": {
+        "total": 9, "refused": 1, "rejected": 2, "denied": 3, "timeouts": 4,
+        "upstream_errors": 5, "by_kind": {"http": 9}}}]}
+    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+        s = scrape(ms.url)
+    assert value(s, "hydra_router_connections_accepted_total") == 9
+    for reason, n in (("queue_full", 1), ("unrecognised", 2), ("not_allowed", 3),
+                      ("timeout", 4), ("upstream_error", 5)):
+        assert value(s, "hydra_router_connections_refused_total", reason=reason) == n
 
 
 def test_switch_counts_survive_a_bounded_report_list() -> None:
