@@ -118,8 +118,9 @@ def _bench(*args: str) -> tuple[int, dict[str, Any]]:
 @pytest.mark.slow
 def test_bench_against_hydra_up_demo(hydra_up: Any, hydra_env: dict[str, str],
                                      tmp_path: Path) -> None:
-    # This build's AMX repack kernels hit SIGILL on this VM (cpuid says AMX, the hypervisor
-    # traps it): llama-server children inherit the environment, so turn repacking off here.
+    # A native CPU build with AMX repack kernels hits SIGILL on VMs whose cpuid says AMX but
+    # whose hypervisor traps it; llama-server children inherit the environment, so turn
+    # repacking off here (harmless for a build without AMX).
     hydra_env["LLAMA_ARG_REPACK"] = "0"
     port = free_port()
     up = hydra_up("--profile", "demo", "--port", str(port))

@@ -363,8 +363,8 @@ def test_real_llama_server_metrics_relabelled(tmp_path: Path) -> None:
     argv = [str(bins / "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(port),
             "-c", "1024", "-t", "2", "-np", "1", "--metrics", "--api-key", "sk-m",
             "--chat-template", "gemma",
-            # This build's AMX repack kernels hit SIGILL on this VM (cpuid says AMX, the
-            # hypervisor traps it): without repacking the plain CPU kernels run.
+            # A native CPU build with AMX repack kernels hits SIGILL on VMs whose cpuid says
+            # AMX but whose hypervisor traps it; without repacking any build runs here.
             "--no-repack"]
     log = tmp_path / "llama-server.log"
     with llama_process(argv, log) as proc:
