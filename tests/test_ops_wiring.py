@@ -19,7 +19,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import free_port
+from tests.harness import free_port, status_json
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -65,8 +65,11 @@ def test_notify_and_metrics_on_a_real_hydra_up(hydra_up: Any, hydra_env: dict[st
     msg = note.next(300)
     while msg.get("READY") != "1":
         msg = note.next(300)
-    # READY=1 only once the layout serves: the external port's /health is 200 by now
-    assert requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    # READY=1 only once the layout serves: the head is READY and the external port answers
+    # /health 200 at once (a request held while the model loads would time out here)
+    assert requests.get(f"http://127.0.0.1:{port}/health", timeout=3).status_code == 200
+    st = status_json(hydra_env)
+    assert all(p["state"] == "READY" for p in st["status"]["engines"]), st
     assert "demo-ops: serving at" in msg["STATUS"]
 
     client = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions",
