@@ -81,6 +81,8 @@ class Profile:
     router: bool = True  # the external port is hydra's first-byte router; false: llama-server's
     rpc_allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # who may speak ggml-RPC through it
     description: str = ""
+    # `hydra bench` thresholds (decode_tps, prefill_tps: at least; ttft_ms: at most).
+    expect: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,12 @@ HEALTH_SCHEMA: dict[str, Checker] = {
     "probe_timeout": _positive,
 }
 
+EXPECT_SCHEMA: dict[str, Checker] = {
+    "decode_tps": _positive,
+    "prefill_tps": _positive,
+    "ttft_ms": _positive,
+}
+
 PROFILE_SCHEMA: dict[str, Checker] = {
     "profile": _type(str, "a name"),
     "description": _type(str, "text"),
@@ -282,6 +290,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "health": _section(HEALTH_SCHEMA, "health"),
     "router": _type(bool, "true or false"),
     "rpc_allow": _cidrs,
+    "expect": _section(EXPECT_SCHEMA, "expect"),
 }
 
 DEVICE_SCHEMA: dict[str, Checker] = {
