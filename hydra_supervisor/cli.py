@@ -85,9 +85,11 @@ def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
 @click.option("--port", type=int, default=None, help="external port (overrides the profile)")
 @click.option("--host", default=None, help="bind address (overrides the profile)")
 @click.option("-v", "--verbose", is_flag=True, help="log every state change to stderr")
+@click.option("--metrics-port", type=int, default=None, envvar="HYDRA_METRICS_PORT",
+              help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)")
 @friendly
 def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str | None,
-       port: int | None, host: str | None, verbose: bool) -> None:
+       port: int | None, host: str | None, verbose: bool, metrics_port: int | None) -> None:
     """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM.
 
     Exit status (docs/supervision.md): 0 stopped on request, 1 FATAL, 2 bad input or another
@@ -102,7 +104,7 @@ def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str
     try:
         with state.lock():
             code = _up_locked(state, None if idle else (profile or "demo"), node_file,
-                              profiles_dir, port, host)
+                              profiles_dir, port, host, metrics_port)
     except KeyboardInterrupt:
         logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
         err.print("interrupted before serving; nothing left running", markup=False)
@@ -111,7 +113,8 @@ def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str
 
 
 def _up_locked(state: StateDir, name: str | None, node_file: str | None,
-               profiles_dir: str | None, port: int | None, host: str | None) -> int:
+               profiles_dir: str | None, port: int | None, host: str | None,
+               metrics_port: int | None) -> int:
     running = state.running_supervisor()
     if running:
         raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
@@ -128,7 +131,7 @@ def _up_locked(state: StateDir, name: str | None, node_file: str | None,
                                  slot_dir=daemon.slot_dir(state))
     opts = daemon.Options(profile=name, node_file=node_file, profiles_dir=profiles_dir,
                           overrides=_overrides(port, host), host=host or "127.0.0.1",
-                          port=8080 if port is None else port)
+                          port=8080 if port is None else port, metrics_port=metrics_port)
     state.write_supervisor(name or "-", dep.plan.source if dep else "-")
     # Stops every recorded child group the moment this process dies, kill -9 included.
     keeper = guard.start(state.root)
@@ -580,9 +583,13 @@ def synth(args: tuple[str, ...]) -> None:
 
 def _register_subcommands() -> None:
     """Commands that live in their own modules (kept out of this file's imports' hot path)."""
+    from hydra_supervisor.bench_cmd import bench
+    from hydra_supervisor.systemd_cmd import systemd
     from hydra_supervisor.wire.cli_configure import configure_command
 
     main.add_command(configure_command, "configure")
+    main.add_command(bench)
+    main.add_command(systemd)
 
 
 _register_subcommands()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import control, deployment
+from hydra_supervisor import control, deployment, metrics, notify
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
@@ -64,6 +64,7 @@ class Options:
     host: str = "127.0.0.1"
     port: int = 8080
     switch_timeouts: SwitchTimeouts = field(default_factory=SwitchTimeouts)
+    metrics_port: int | None = None  # Prometheus on 127.0.0.1:PORT (None or 0: off)
 
 
 class Daemon:
@@ -75,11 +76,17 @@ class Daemon:
         host = plan.host if plan else opts.host
         port = plan.port if plan else opts.port
         use_router = plan is None or plan.router is not None
+        self.notifier = notify.Notifier.from_env()
+        self.metrics = (metrics.MetricsServer("127.0.0.1", opts.metrics_port,
+                                              snapshot=self.snapshot)
+                        if opts.metrics_port else None)
+        router_kwargs = {"on_request": self._on_request} if self.metrics else {}
         self.engine = Engine(state, host, port, use_router=use_router,
                              allow=tuple(plan.router.allow) if plan and plan.router
                              else ("127.0.0.0/8", "::1/128"),
                              profiles=lambda: list(known_profiles(opts.profiles_dir)),
-                             switch_timeouts=opts.switch_timeouts)
+                             switch_timeouts=opts.switch_timeouts,
+                             router_kwargs=router_kwargs)
         self.stop_event = asyncio.Event()
         self.stop_reason = "stop requested"
         self.started = time.time()
@@ -110,6 +117,20 @@ class Daemon:
     def _changed(self) -> None:
         with contextlib.suppress(OSError):
             self.state.write_status(self.legacy_status())
+        self.notifier.status(notify.status_text(self.snapshot()))
+
+    def _on_request(self, rec: dict[str, Any]) -> None:
+        """The router's per-request record (a router thread): counted in the metrics."""
+        if self.metrics is not None:
+            dep = self.engine.dep
+            self.metrics.observe_request(rec, dep.profile if dep else f"port {self.engine.port}")
+
+    def _router_alive(self) -> bool:
+        r = self.engine.router
+        return r is None or r.alive()
+
+    def _ready(self) -> bool:
+        return self.engine.state_word() in ("serving", "idle", "degraded")
 
     # -- control routes -------------------------------------------------------------------------
 
@@ -211,11 +232,14 @@ class Daemon:
         log.info("SIGHUP: reloading the profile")
 
         async def go() -> None:
+            self.notifier.reloading("reloading the profile")
             try:
                 res = await self.reload()
                 log.info("reload: %s", res.get("result"))
             except HydraError as exc:
                 log.error("reload failed: %s", exc)
+            finally:
+                self.notifier.ready(notify.status_text(self.snapshot()))
 
         asyncio.get_running_loop().create_task(go())
 
@@ -232,18 +256,32 @@ class Daemon:
             self.engine.hydra_upstream = self.wire.start()
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
+        if self.metrics is not None:
+            self.metrics.start()
+        # From the start: systemd's watchdog timer runs from the moment the process starts.
+        watchdog = asyncio.create_task(
+            notify.watchdog_loop(self.notifier, self._router_alive, self.stop_event))
+        readiness: asyncio.Task[bool] | None = None
         presenter: asyncio.Task[None] | None = None
         try:
             await self.engine.start(self.initial)
             self._changed()
+            readiness = asyncio.create_task(notify.ready_when(
+                self.notifier, self._ready, lambda: notify.status_text(self.snapshot()),
+                self.stop_event))
             if on_start is not None:
                 presenter = asyncio.create_task(on_start(self))
             code = await self._wait()
             return EXIT_INTERRUPTED if self._ints > 1 else code
         finally:
-            if presenter is not None:
-                presenter.cancel()
-                await asyncio.gather(presenter, return_exceptions=True)
+            self.notifier.stopping(f"stopping: {self.stop_reason}")
+            for task in (presenter, readiness, watchdog):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (presenter, readiness, watchdog)
+                                   if t is not None), return_exceptions=True)
+            if self.metrics is not None:
+                self.metrics.stop()
             await self.engine.shutdown(self.stop_reason)
             self._changed()
             self.ctl.stop()

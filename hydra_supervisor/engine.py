@@ -498,7 +498,7 @@ class Engine:
         sup = self.sup
         dep = self.dep
         return {
-            "name": dep.profile if dep else f"port {self.port}",
+            "name": f"port-{self.port}",  # stable across switches (metric labels)
             "profile": dep.profile if dep else None,
             "source": dep.plan.source if dep else None,
             "mode": dep.plan.mode if dep else None,

@@ -113,7 +113,7 @@ def test_state_get_put_and_fuzz_through_hydra(hydra_up, hydra_env, tmp_path):
     assert r.json()["timings"]["cache_n"] > 0
     # fuzz: random and truncated frames, then HTTP still answers
     rng = random.Random(7)
-    for i in range(60):
+    for _ in range(60):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             head = struct.pack("<HBBHQH", 0x4859, rng.randrange(256), rng.randrange(256),
                                rng.randrange(1 << 16), rng.choice([0, 5, 1 << 40, (1 << 64) - 1]),
