@@ -69,3 +69,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 def client_host(bind_host: str) -> str:
     """Where a local client reaches a server bound to `bind_host` (a wildcard means loopback)."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "", "*") else bind_host
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port` as URLs and `--rpc` write it: an IPv6 address goes in brackets ([::1]:8080)."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def url_for(bind_host: str, port: int, scheme: str = "http") -> str:
+    """The URL a local client uses for a server bound to `bind_host`:`port` (the one place
+    hydra builds one: wildcards become loopback, IPv6 gets brackets)."""
+    return f"{scheme}://{host_port(client_host(bind_host), port)}"
