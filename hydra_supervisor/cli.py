@@ -7,7 +7,6 @@ prints a traceback for bad input.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
@@ -26,14 +25,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hydra_supervisor import __version__, install, layout
+from hydra_supervisor import __version__, control, daemon, deployment, install, layout
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import Plan
-from hydra_supervisor.ports import client_host, host_port, url_for
-from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.ports import client_host, host_port
 from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import Supervisor, Timeouts, load_timeout_for
 
 # soft_wrap: long argv and paths stay on one line (copy-pastable), also when piped.
 # Piped output (logs, scripts, tests) is not cut to 80 columns: tables keep one row per line.
@@ -88,16 +84,21 @@ def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 @main.command()
-@profile_opt
+@click.option("--profile", "-p", default=None,
+              help="profile name (see `hydra profiles`) or path to a .yaml [default: demo]")
+@click.option("--no-profile", "idle", is_flag=True,
+              help="start with no layout loaded (ready at once; `hydra switch NAME` loads one)")
 @node_opt
 @dir_opt
 @click.option("--port", type=int, default=None, help="external port (overrides the profile)")
 @click.option("--host", default=None, help="bind address (overrides the profile)")
 @click.option("-v", "--verbose", is_flag=True, help="log every state change to stderr")
 @friendly
-def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,
-       host: str | None, verbose: bool) -> None:
+def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str | None,
+       port: int | None, host: str | None, verbose: bool) -> None:
     """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM."""
+    if idle and profile:
+        raise HydraError("--no-profile and --profile exclude each other")
     state = StateDir.default()
     state.ensure_writable()
     _setup_logging(state, verbose)
@@ -105,56 +106,170 @@ def up(profile: str, node_file: str | None, profiles_dir: str | None, port: int 
     if running:
         raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
                          f"'{running['profile']}', state dir {state.root})",
-                         hint="`hydra down` first")
+                         hint="`hydra down` first, or `hydra switch PROFILE` to change layout")
     stale = state.kill_stale()
     if stale:
-        err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}")
-    lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=_overrides(port, host))
-    if lay.plan.port == 0 and lay.plan.router is None:
-        raise HydraError(f"{lay.profile.source}: port 0 (any free port) needs hydra's router, "
-                         "and this profile has router: false",
-                         hint="give a port number: hydra up --port N")
-    bins = layout.find_binaries(lay)
-    layout.check_ports(lay.plan)
-    layout.check_remote_peers(lay.plan)
-    prof = lay.profile
-    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
-                                              prof.load_timeout),
-                        health=prof.health)
-    sup = Supervisor(lay.plan, bins, state, prof.restart, prof.on_peer_loss, timeouts,
-                     model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
-                     pick_port=layout.port_picker(lay.node))
-    router = _router(lay.plan)
-    sup.router = router
-    state.write_supervisor(prof.name, prof.source)
-    sup.publish()  # replaces a previous run's status before anything starts
+        err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
+                  markup=False)
+    name = None if idle else (profile or "demo")
+    dep = None
+    if name is not None:
+        dep = deployment.prepare(name, node_file=node_file, profiles_dir=profiles_dir,
+                                 overrides=_overrides(port, host))
+        if dep.plan.port == 0 and dep.plan.router is None:
+            raise HydraError(f"{dep.plan.source}: port 0 (any free port) needs hydra's router, "
+                             "and this profile has router: false",
+                             hint="give a port number: hydra up --port N")
+    opts = daemon.Options(profile=name, node_file=node_file, profiles_dir=profiles_dir,
+                          overrides=_overrides(port, host), host=host or "127.0.0.1",
+                          port=8080 if port is None else port)
+    state.write_supervisor(name or "-", dep.plan.source if dep else "-")
     try:
-        if router is not None:
-            router.start()
-            if sup.plan.port == 0:  # --port 0: the kernel chose; say which everywhere
-                sup.plan = _bound(sup.plan, router.port)
-                sup.publish()
-        code = asyncio.run(_serve(sup, lay))
+        code = asyncio.run(_run_daemon(state, opts, dep))
     finally:
-        if router is not None:
-            router.stop()
         state.clear_supervisor()
     sys.exit(code)
 
 
-def _bound(plan: Plan, port: int) -> Plan:
-    """The plan with the external port the router really bound (for `--port 0`)."""
-    router = dataclasses.replace(plan.router, port=port) if plan.router else None
-    return dataclasses.replace(plan, port=port, router=router)
+async def _run_daemon(state: StateDir, opts: daemon.Options, dep: Any) -> int:
+    d = daemon.Daemon(state, opts, dep)
+    code = await d.run(on_start=_present)
+    if code == daemon.EXIT_FATAL:
+        err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
+        snap = d.engine.snapshot()
+        for row in snap["processes"]:
+            if row.get("log_tail"):
+                err.print(f"last lines of {row['log']}:", markup=False)
+                for line in row["log_tail"]:
+                    err.print(f"  {line}", markup=False)
+    return code
 
 
-def _router(plan: Plan) -> Router | None:
-    spec = plan.router
-    if spec is None:
-        return None
-    return Router(spec.host, spec.port, Upstreams(http=spec.http, rpc=spec.rpc, hydra=None),
-                  allow=spec.allow, name=plan.profile)
+async def _present(d: daemon.Daemon) -> None:
+    """What `hydra up` shows in its terminal: progress while loading, then how to use it."""
+    eng = d.engine
+    sup = eng.sup
+    if sup is None:
+        out.print(f"ready: hydra at {eng.url} with no profile loaded; load one with "
+                  f"`hydra switch NAME` (profiles: {', '.join(eng.profiles())})", markup=False)
+        return
+    plan = sup.plan
+    what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
+    # A status string is always read as markup; a reason such as "RPC0[127.0.0.1:30052]" is not.
+    with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as spin:
+        while eng.state_word() == "starting":
+            cur = next((p for p in sup.procs if p.state.value != "READY"), None)
+            if cur is not None:
+                spin.update(Text(f"{plan.profile}: {cur.name} {cur.state.value} — "
+                                 f"{cur.reason or 'starting'} "
+                                 f"({time.monotonic() - cur.since:.0f}s)"))
+            await asyncio.sleep(0.2)
+    if eng.state_word() not in ("serving", "degraded"):
+        return
+    if plan.router and not plan.router.http:
+        r = plan.router
+        out.print(f"ready: {plan.profile} serves {plan.engines[0].device} over ggml-RPC at "
+                  f"{host_port(r.host, eng.port)} (from {', '.join(r.allow)})")
+        out.print(f"  on the head's host: llama-server -m MODEL --rpc "
+                  f"{host_port(client_host(r.host), eng.port)} ...   "
+                  f"(or a node file device: {{endpoint: HOST:{eng.port}}})")
+        return
+    url = eng.url
+    out.print(f"ready: {plan.profile} serving {sup.model_label} at {url}", markup=False)
+    out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'", markup=False)
+    out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "
+              "another terminal)", markup=False)
+
+
+def _control(route: str, body: dict[str, Any] | None = None, method: str = "POST",
+             timeout: float = 3600.0) -> tuple[int, dict[str, Any]]:
+    """One call to the running hydra's control API; exit 3 when none runs here."""
+    state = StateDir.default()
+    try:
+        return control.call(daemon.socket_path(state), method, route, body, timeout=timeout)
+    except control.NotRunning:
+        err.print(f"error: hydra is not running here (state dir {state.root})", markup=False)
+        sys.exit(daemon.EXIT_NOT_RUNNING)
+
+
+def _fail_reply(code: int, reply: dict[str, Any]) -> None:
+    if code != 200:
+        err.print(f"error: {reply.get('error', reply)}", markup=False)
+        sys.exit(1 if code >= 500 else 2 if code == 400 else 1)
+
+
+# --------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("profile")
+@dir_opt
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def switch(profile: str, profiles_dir: str | None, as_json: bool) -> None:
+    """Switch the running hydra to PROFILE: hold, drain, stop, start, gate, release.
+
+    A bad or too-big profile changes nothing; a layout that fails to start is rolled back to
+    the previous one (exit 1). Every phase's duration is printed."""
+    body: dict[str, Any] = {"profile": profile}
+    if profiles_dir:
+        body["profiles_dir"] = str(Path(profiles_dir).resolve())
+    code, reply = _control("/switch", body)
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(0 if code == 200 and reply.get("result") == "ok" else 1 if code == 200 else 2)
+    _fail_reply(code, reply)
+    _print_report(reply)
+    sys.exit(0 if reply.get("result") in ("ok", "noop") else 1)
+
+
+def _print_report(rep: dict[str, Any]) -> None:
+    phases = "  ".join(f"{k} {v:.2f}s" for k, v in rep.get("phases", {}).items())
+    result = rep.get("result")
+    if result == "noop":
+        out.print(f"nothing to do: {rep.get('reason', '')}", markup=False)
+        return
+    if result == "ok":
+        out.print(f"switched {rep.get('from') or '(none)'} -> {rep['to']} in "
+                  f"{rep['total_s']:.2f}s", markup=False)
+    else:
+        err.print(f"switch to {rep['to']} failed in phase {rep.get('failed_phase')}: "
+                  f"{rep.get('error')}", markup=False)
+        if result == "rolled_back":
+            err.print(f"rolled back: {rep.get('from')} is serving again", markup=False)
+        for line in rep.get("log_tail") or []:
+            err.print(f"  {line}", markup=False)
+    out.print(f"  phases: {phases}", markup=False)
+    for note in rep.get("notes") or []:
+        out.print(f"  note: {note}", markup=False)
+
+
+@main.command()
+@click.argument("engine")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def restart(engine: str, as_json: bool) -> None:
+    """Restart one process of the running layout (a peer restarts with its head)."""
+    code, reply = _control("/restart", {"engine": engine})
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(0 if code == 200 else 1)
+    _fail_reply(code, reply)
+    out.print(f"restarted {reply['engine']} of {reply['profile']}; ready again after "
+              f"{reply['seconds']:.2f}s", markup=False)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def reload(as_json: bool) -> None:
+    """Re-read the running profile and apply what changed as a switch (unchanged: nothing)."""
+    code, reply = _control("/reload")
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(0 if code == 200 and reply.get("result") in ("ok", "noop") else 1)
+    _fail_reply(code, reply)
+    _print_report(reply)
+    sys.exit(0 if reply.get("result") in ("ok", "noop") else 1)
 
 
 def _setup_logging(state: StateDir, verbose: bool) -> None:
@@ -176,99 +291,120 @@ def _setup_logging(state: StateDir, verbose: bool) -> None:
     root.addHandler(handler)
 
 
-async def _serve(sup: Supervisor, lay: layout.Layout) -> int:
-    loop = asyncio.get_running_loop()
-    # Signal handlers only enqueue: the supervisor loop does the stopping.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, sup.stopping.set)
-    runner = asyncio.create_task(sup.run())
-    plan = sup.plan  # lay.plan with the real external port (`--port 0`)
-    what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
-    # Status strings are rich markup; a reason such as "-ot ...=RPC0[127.0.0.1:30052]" is not.
-    with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as status:
-        while not sup.first_ready.is_set() and not runner.done():
-            current = next((p for p in sup.procs if p.state.value != "READY"), None)
-            if current is not None:
-                status.update(styled((plan.profile, "bold"),
-                                     f": {current.name} {current.state.value} "
-                                     f"— {current.reason or 'starting'} "
-                                     f"({time.monotonic() - current.since:.0f}s)"))
-            await asyncio.sleep(0.2)
-    if sup.first_ready.is_set() and not runner.done() and plan.router and not plan.router.http:
-        r = plan.router
-        rpc_at = host_port(client_host(r.host), r.port)
-        out.print(styled(("ready", "bold green"), f": {plan.profile} serves "
-                         f"{plan.engines[0].device} over ggml-RPC at {host_port(r.host, r.port)}"
-                         f" (from {', '.join(r.allow)})"))
-        out.print(f"  on the head's host: llama-server -m MODEL --rpc {rpc_at} ...   "
-                  f"(or a node file device: {{endpoint: HOST:{r.port}}})")
-    elif sup.first_ready.is_set() and not runner.done():
-        url = url_for(plan.host, plan.port)
-        out.print(styled(("ready", "bold green"),
-                         f": {plan.profile} serving {lay.profile.model} at {url}"))
-        out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-                  "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'")
-        out.print("  (Ctrl-C stops it; `hydra status` / `hydra down` from another terminal)")
-    await runner
-    if sup.fatal:
-        err.print(styled(("FATAL", "bold red"), f": {sup.fatal}"))
-        for mp in sup.procs:
-            if mp.state.value == "FATAL":
-                tail = mp.log_tail()
-                if tail:
-                    err.print(f"last lines of {mp.log_path}:")
-                    for line in tail:
-                        err.print(f"  {line}")
-        return 1
-    return 0
 
 
 # --------------------------------------------------------------------------------------------
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--watch", "-w", is_flag=True, help="refresh every second until Ctrl-C")
 @friendly
-def status(as_json: bool) -> None:
-    """Show what the running `hydra up` manages."""
+def status(as_json: bool, watch: bool) -> None:
+    """Show what the running hydra serves (live, from its control API)."""
     state = StateDir.default()
-    sup = state.running_supervisor()
-    data = state.read_status()
+    try:
+        code, live = control.call(daemon.socket_path(state), "GET", "/status", timeout=10)
+    except (control.NotRunning, OSError):
+        live = None
     if as_json:
-        click.echo(json.dumps({"running": bool(sup), "supervisor": sup, "status": data},
-                              indent=2))
+        if live is None:
+            click.echo(json.dumps({"running": False, "supervisor": state.running_supervisor(),
+                                   "status": state.read_status()}, indent=2))
+            sys.exit(daemon.EXIT_NOT_RUNNING)
+        click.echo(json.dumps(live, indent=2))
         return
-    if not sup:
-        out.print(f"hydra is not running (state dir {state.root})")
-        if not data or not data.get("fatal"):
-            sys.exit(3)
-        out.print("its last run:")
-    elif not data or data.get("pid") != sup["pid"]:
-        out.print(f"hydra (pid {sup['pid']}) is starting profile {sup['profile']}")
+    if live is None:
+        sup = state.running_supervisor()
+        if sup:
+            out.print(f"hydra (pid {sup['pid']}) is starting profile {sup['profile']}",
+                      markup=False)
+            return
+        out.print(f"hydra is not running here (state dir {state.root})", markup=False)
+        data = state.read_status()
+        if data and data.get("fatal"):
+            out.print("its last run:", markup=False)
+            _print_engine(_legacy_to_engine(data))
+        sys.exit(daemon.EXIT_NOT_RUNNING)
+    if not watch:
+        for eng in live["daemon"]["engines"]:
+            _print_engine(eng)
         return
-    out.print(styled("profile ", (data["profile"], "bold"),
-                     f" ({data['mode']}) at {data['url']} — supervisor pid {data.get('pid')}"))
+    from rich.live import Live
+
+    with Live(console=out, refresh_per_second=2) as view:
+        while True:
+            try:
+                _, live = control.call(daemon.socket_path(state), "GET", "/status", timeout=10)
+            except (control.NotRunning, OSError):
+                view.update(f"hydra is not running here (state dir {state.root})")
+                sys.exit(daemon.EXIT_NOT_RUNNING)
+            view.update(_status_view(live["daemon"]["engines"]))
+            time.sleep(1.0)
+
+
+def _legacy_to_engine(data: dict[str, Any]) -> dict[str, Any]:
+    return {"profile": data.get("profile"), "mode": data.get("mode"), "url": data.get("url"),
+            "model": data.get("model"), "state": data.get("state", "stopped"),
+            "fatal": data.get("fatal"), "degraded": data.get("degraded"),
+            "processes": data.get("engines", []), "router": None, "switches": []}
+
+
+def _status_view(engines: list[dict[str, Any]]) -> Any:
+    from rich.console import Group
+
+    parts: list[Any] = []
+    for eng in engines:
+        parts.extend(_engine_renderables(eng))
+    return Group(*parts)
+
+
+def _print_engine(eng: dict[str, Any]) -> None:
+    for part in _engine_renderables(eng):
+        out.print(part)
+
+
+def _engine_renderables(eng: dict[str, Any]) -> list[Any]:
+    from rich.text import Text
+
+    parts: list[Any] = []
+    if eng.get("profile") is None:
+        parts.append(Text(f"no profile loaded at {eng['url']} ({eng['state']}); "
+                          "`hydra switch NAME` loads one"))
+    else:
+        parts.append(Text.assemble(("profile ", ""), (str(eng["profile"]), "bold"),
+                                   f" ({eng['mode']}) at {eng['url']} — {eng['state']}"))
     table = Table(show_edge=False, pad_edge=False)
-    for col in ("engine", "role", "pid", "port", "state", "model", "uptime", "restarts",
+    for col in ("engine", "role", "device", "pid", "port", "state", "uptime", "restarts",
                 "reason"):
         table.add_column(col)
     now = time.time()
-    for e in data["engines"]:
+    for e in eng.get("processes", []):
         uptime = _fmt_age(now - e["started"]) if e.get("started") else "-"
-        table.add_row(e["name"], e["role"], str(e["pid"] or "-"), str(e["port"]), e["state"],
-                      data["model"] if e["role"] == "head" else f"({e['device']})", uptime,
-                      str(e["restarts"]), e["reason"] + (f" [{e['warning']}]"
-                                                         if e.get("warning") else ""))
-    out.print(table)
-    if data.get("degraded"):
-        out.print(data["degraded"], style="bold yellow")
-    if data.get("fatal"):
-        out.print(styled(("FATAL", "bold red"), f": {data['fatal']}"))
-    for e in data["engines"]:
+        reason = e.get("reason", "") + (f" [{e['warning']}]" if e.get("warning") else "")
+        table.add_row(e["name"], e["role"], str(e.get("device", "-")), str(e["pid"] or "-"),
+                      str(e["port"]), e["state"], uptime, str(e["restarts"]), Text(reason))
+    if eng.get("processes"):
+        parts.append(table)
+    r = eng.get("router")
+    if r:
+        http = r.get("http") or {}
+        parts.append(Text(f"router: {r.get('open', 0)} open, {r.get('held', 0)} held, "
+                          f"{r.get('inflight', 0)} in flight; {r.get('total', 0)} accepted, "
+                          f"{http.get('cut', 0)} cut, {http.get('retried', 0)} retried"))
+    if eng.get("degraded"):
+        parts.append(Text(str(eng["degraded"]), style="bold yellow"))
+    if eng.get("fatal"):
+        parts.append(Text(f"FATAL: {eng['fatal']}", style="bold red"))
+    sw = eng.get("switches") or []
+    if sw:
+        last = sw[-1]
+        parts.append(Text(f"last switch: {last.get('from')} -> {last['to']} {last['result']} "
+                          f"in {last['total_s']:.2f}s" + (f" ({last['error']})"
+                                                           if last.get("error") else "")))
+    for e in eng.get("processes", []):
         if e.get("log_tail"):
-            out.print(f"last lines of {e['name']}'s log ({e['log']}):")
-            for line in e["log_tail"]:
-                out.print(f"  {line}")
-    if not sup:
-        sys.exit(3)
+            parts.append(Text(f"last lines of {e['name']}'s log ({e['log']}):"))
+            parts.extend(Text(f"  {line}") for line in e["log_tail"])
+    return parts
 
 
 def _fmt_age(seconds: float) -> str:
@@ -285,22 +421,26 @@ def _fmt_age(seconds: float) -> str:
 @click.option("--timeout", default=30.0, show_default=True, help="seconds to wait")
 @friendly
 def down(timeout: float) -> None:
-    """Stop the running `hydra up` and every process it started."""
+    """Stop the running hydra and every process it started."""
     state = StateDir.default()
     sup = state.running_supervisor()
     if not sup:
         stale = state.kill_stale()
         if stale:
-            out.print(f"hydra was not running; stopped leftover processes: {', '.join(stale)}")
+            out.print(f"hydra was not running; stopped leftover processes: {', '.join(stale)}",
+                      markup=False)
         else:
-            out.print("hydra is not running")
+            out.print("hydra is not running", markup=False)
         return
     pid = int(sup["pid"])
-    os.kill(pid, signal.SIGTERM)
+    try:
+        control.call(daemon.socket_path(state), "POST", "/down", timeout=5)
+    except (control.NotRunning, OSError):
+        os.kill(pid, signal.SIGTERM)  # still starting (no control socket yet)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not state.running_supervisor():
-            out.print(f"stopped profile {sup['profile']} (hydra pid {pid})")
+            out.print(f"stopped profile {sup['profile']} (hydra pid {pid})", markup=False)
             return
         time.sleep(0.1)
     raise HydraError(f"hydra (pid {pid}) did not stop within {timeout:.0f}s",

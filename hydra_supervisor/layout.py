@@ -56,28 +56,37 @@ def free_rpc_ports(node: Node, count: int, exclude: set[int],
 
 
 def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
-          overrides: dict[str, Any] | None = None, check_ports: bool = True) -> Layout:
+          overrides: dict[str, Any] | None = None, check_ports: bool = True,
+          keep: Plan | None = None) -> Layout:
+    """`keep`: the plan of the layout running on this engine now; its internal and peer ports
+    are reused (they are ours: the old processes free them before the new ones start), so an
+    engine's ports stay put across switches and reloads."""
     node = load_node(find_node_file(node_file))
     path = find_profile(profile_ref, profiles_dir)
     profile = load_profile(path, node, overrides)
     inv = devices.inventory()
     devs = devices.devices(node, inv)
 
-    def pick(n: int, exclude: set[int], span: tuple[int, int]) -> list[int]:
+    def pick(n: int, exclude: set[int], span: tuple[int, int],
+             prefer: tuple[int, ...] = ()) -> list[int]:
         if not check_ports:  # `hydra plan`: a stable answer, whatever runs right now
             return [p for p in range(span[0], span[1] + 1) if p not in exclude][:n]
-        return free_rpc_ports(node, n, exclude, span)
+        mine = [p for p in prefer if p not in exclude][:n]
+        return mine + free_rpc_ports(node, n - len(mine), exclude | set(mine), span)
+
+    kept_peers = tuple(e.port for e in keep.peers if e.managed) if keep else ()
+    kept_head = (keep.head.port,) if keep and keep.router and keep.mode != "peer" else ()
 
     model_path: Path | None = None
     info: ModelInfo | None = None
     if profile.mode is Mode.PEER:
         plan = resolver.resolve_peer_engine(profile, devs,
-                                            pick(1, {profile.port}, node.rpc_ports))
+                                            pick(1, {profile.port}, node.rpc_ports, kept_peers))
     else:
         model_path = models.resolve_model(profile.model, node, path.parent)
         info = inspect(model_path)
-        ports = pick(len(profile.peers), {profile.port}, node.rpc_ports)
-        internal = pick(1, {profile.port, *ports}, node.internal_ports)
+        ports = pick(len(profile.peers), {profile.port}, node.rpc_ports, kept_peers)
+        internal = pick(1, {profile.port, *ports}, node.internal_ports, kept_head)
         if profile.router and not internal:
             raise HydraError(f"no free port left in the node's internal_ports range "
                              f"{node.internal_ports[0]}-{node.internal_ports[1]}")
@@ -145,14 +154,17 @@ def find_binaries(layout: Layout) -> dict[str, str]:
     return {name: str(binaries.find(name, dict(layout.node.binaries)).path) for name in needed}
 
 
-def check_ports(plan: Plan) -> None:
-    if plan.router and not port_free(plan.router.host, plan.router.port):
+def check_ports(plan: Plan, ours: set[int] | frozenset[int] = frozenset()) -> None:
+    """Every port the plan binds is free, except `ours` (held by this hydra's running layout or
+    its router, which a switch frees or keeps)."""
+    if plan.router and plan.router.port not in ours and \
+            not port_free(plan.router.host, plan.router.port):
         raise HydraError(
             f"port {plan.router.port} on {plan.router.host} (the profile's external port) is "
             f"already in use by {port_holder(plan.router.port)}",
             hint="stop that process, or pick another port: hydra up --port N")
     for eng in plan.engines:
-        if eng.managed and not port_free(eng.host, eng.port):
+        if eng.managed and eng.port not in ours and not port_free(eng.host, eng.port):
             raise HydraError(
                 f"port {eng.port} on {eng.host} (for {eng.name}) is already in use by "
                 f"{port_holder(eng.port)}",

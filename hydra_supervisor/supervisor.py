@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra_supervisor import health, process
-from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
-from hydra_supervisor.plan import EngineSpec, Plan, Role
+from hydra_supervisor.config import PeerLoss, RestartPolicy
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.plan import EngineSpec, Role
 from hydra_supervisor.ports import client_host, port_free
 from hydra_supervisor.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError
 from hydra_supervisor.state import StateDir
@@ -155,38 +156,20 @@ class ManagedProcess:
         }
 
 
-@dataclass(frozen=True)
-class Timeouts:
-    load: float  # head: spawn to /health 200
-    peer: float = 30.0  # peer: spawn to HELLO
-    stop_grace: float = 10.0
-    health: HealthPolicy = field(default_factory=HealthPolicy)
-
-
-def load_timeout_for(model_bytes: int, configured: float | None) -> float:
-    """Loads scale with size: 60 s plus 15 s per GiB (a 20 GB model on a slow disk: ~6 min)."""
-    if configured:
-        return configured
-    return 60.0 + 15.0 * model_bytes / (1 << 30)
-
-
-PortPicker = Callable[[set[int]], int | None]
-
-
 class Supervisor:
     """Owns every ManagedProcess of one Plan; the only code that changes their states."""
 
-    def __init__(self, plan: Plan, binaries: dict[str, str], state: StateDir,
-                 policy: RestartPolicy, on_peer_loss: PeerLoss, timeouts: Timeouts,
-                 model_label: str, *, solo_head: EngineSpec | None = None,
-                 pick_port: PortPicker | None = None) -> None:
-        self.plan = plan
+    def __init__(self, deployment: Deployment, state: StateDir) -> None:
+        self.deployment = deployment
+        plan = self.plan = deployment.plan
+        binaries = deployment.binaries
+        policy = deployment.policy
         self.state = state
-        self.timeouts = timeouts
-        self.on_peer_loss = on_peer_loss
-        self.model_label = model_label
-        self.solo_head = solo_head  # the head as SOLO, for on_peer_loss: degrade
-        self.pick_port = pick_port
+        self.timeouts = deployment.timeouts
+        self.on_peer_loss = deployment.on_peer_loss
+        self.model_label = deployment.model_label
+        self.solo_head = deployment.solo_head  # the head as SOLO, for on_peer_loss: degrade
+        self.pick_port = deployment.pick_port
         self.stopping = asyncio.Event()
         self.first_ready = asyncio.Event()
         self.fatal: str | None = None

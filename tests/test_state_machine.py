@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hydra_supervisor.config import RestartPolicy
+from hydra_supervisor.deployment import load_timeout_for
 from hydra_supervisor.plan import EngineSpec, Role
 from hydra_supervisor.supervisor import (
     TRANSITIONS,
@@ -14,7 +15,6 @@ from hydra_supervisor.supervisor import (
     IllegalTransition,
     ManagedProcess,
     State,
-    load_timeout_for,
 )
 
 

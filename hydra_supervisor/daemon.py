@@ -1,0 +1,269 @@
+"""The running hydra: one per state dir. Lock, signals, control socket, the Engine, exit codes.
+
+`hydra up` builds a Daemon and runs it; everything a running hydra does is reached through it:
+- the state-dir lock (a second hydra in the same state dir is refused and told who holds it);
+- signals, whose handlers only enqueue: TERM/INT stop (a second INT stops at once), HUP reloads;
+- the control API (control.py) on `STATE/control.sock`, served from memory;
+- the Engine that owns the external port, and status.json as the crash record.
+
+Exit codes (docs/supervision.md): 0 stopped on request; 1 the running layout went FATAL (its
+reason is in status.json and hydra.log); 2 bad input before anything started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra_supervisor import control, deployment
+from hydra_supervisor.config import known_profiles
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.state import StateDir
+
+log = logging.getLogger("hydra")
+
+EXIT_OK = 0
+EXIT_FATAL = 1
+EXIT_BAD_INPUT = 2
+EXIT_NOT_RUNNING = 3
+
+Presenter = Callable[['Daemon'], Coroutine[Any, Any, None]]
+
+
+def socket_path(state: StateDir) -> Path:
+    return state.root / "control.sock"
+
+
+@dataclass
+class Options:
+    """What `hydra up` was asked for; a reload re-reads the same profile with the same options."""
+
+    profile: str | None
+    node_file: str | None = None
+    profiles_dir: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    switch_timeouts: SwitchTimeouts = field(default_factory=SwitchTimeouts)
+
+
+class Daemon:
+    def __init__(self, state: StateDir, opts: Options, initial: Deployment | None) -> None:
+        self.state = state
+        self.opts = opts
+        self.initial = initial
+        plan = initial.plan if initial else None
+        host = plan.host if plan else opts.host
+        port = plan.port if plan else opts.port
+        use_router = plan is None or plan.router is not None
+        self.engine = Engine(state, host, port, use_router=use_router,
+                             allow=tuple(plan.router.allow) if plan and plan.router
+                             else ("127.0.0.0/8", "::1/128"),
+                             profiles=lambda: list(known_profiles(opts.profiles_dir)),
+                             switch_timeouts=opts.switch_timeouts)
+        self.stop_event = asyncio.Event()
+        self.stop_reason = "stop requested"
+        self.started = time.time()
+        self.ctl: control.ControlServer | None = None
+        self._ints = 0
+        self.engine.listeners.append(self._changed)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
+                "engines": [self.engine.snapshot()]}
+
+    def legacy_status(self) -> dict[str, Any]:
+        """The single-engine view (`status` in `hydra status --json`, and status.json)."""
+        e = self.engine.snapshot()
+        return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
+                "mode": e["mode"], "model": e["model"], "url": e["url"], "state": e["state"],
+                "fatal": e["fatal"], "degraded": e["degraded"], "updated": time.time(),
+                "engines": e["processes"]}
+
+    def _changed(self) -> None:
+        with contextlib.suppress(OSError):
+            self.state.write_status(self.legacy_status())
+
+    # -- control routes -------------------------------------------------------------------------
+
+    def routes(self) -> dict[tuple[str, str], control.Handler]:
+        return {("GET", "/status"): self._r_status, ("POST", "/switch"): self._r_switch,
+                ("POST", "/restart"): self._r_restart, ("POST", "/reload"): self._r_reload,
+                ("POST", "/down"): self._r_down}
+
+    async def _r_status(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return 200, {"running": True, "supervisor": self.state.running_supervisor(),
+                     "status": self.legacy_status(), "daemon": self.snapshot()}
+
+    async def _guard(self, coro: Coroutine[Any, Any, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+        try:
+            return 200, await coro
+        except EngineBusy as exc:
+            return 409, {"error": str(exc)}
+        except HydraError as exc:
+            return 400, {"error": str(exc)}
+
+    async def _r_switch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        name = body.get("profile")
+        if not isinstance(name, str) or not name:
+            return 400, {"error": "switch needs a profile name"}
+        return await self._guard(self.switch(name, body.get("profiles_dir")))
+
+    async def _r_restart(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._guard(self.engine.restart(str(body.get("engine", ""))))
+
+    async def _r_reload(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._guard(self.reload())
+
+    async def _r_down(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        self.request_stop("hydra down")
+        return 200, {"stopping": True, "pid": os.getpid()}
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def _prepare(self, profile: str, profiles_dir: str | None) -> Deployment:
+        """Validate and plan on the engine's own address; ports of the running layout kept."""
+        eng = self.engine
+        running = eng.dep.plan if eng.dep else None
+        return deployment.prepare(
+            profile, node_file=self.opts.node_file,
+            profiles_dir=profiles_dir or self.opts.profiles_dir,
+            overrides={"host": eng.host, "port": eng.port}, keep=running, external=eng.port)
+
+    async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
+        if self.engine.lock.locked():
+            raise EngineBusy(f"a switch is already running (to {self.engine.switching}); "
+                             "try again when it is done")
+        t0 = time.monotonic()
+        # Planning reads files and probes ports: off the loop, so status stays live.
+        dep = await asyncio.to_thread(self._prepare, profile, profiles_dir)
+        plan_s = time.monotonic() - t0
+        if not self.engine.use_router and dep.plan.router is not None:
+            raise HydraError("this hydra was started with `router: false` (llama-server binds the "
+                             "external port itself); switching to a profile with a router needs "
+                             "a restart of hydra")
+        report = await self.engine.switch(dep)
+        report.phases = {"plan": plan_s, **report.phases}
+        report.total_s += plan_s
+        self.opts.profile = profile if report.result == "ok" else self.opts.profile
+        return report.to_json()
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the running profile and apply the difference as a switch (none: no-op)."""
+        eng = self.engine
+        if eng.dep is None:
+            return {"result": "noop", "reason": "no profile is loaded"}
+        ref = eng.dep.plan.source
+        new = await asyncio.to_thread(self._prepare, ref, None)
+        if same_layout(eng.dep, new):
+            log.info("reload: %s is unchanged; nothing to do", ref)
+            return {"to": new.profile, "result": "noop", "reason": "profile unchanged"}
+        report = await eng.switch(new)
+        return report.to_json()
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop_event.is_set():
+            self.stop_reason = reason
+            log.info("stopping: %s", reason)
+        self.stop_event.set()
+
+    # -- signals ------------------------------------------------------------------------------
+
+    def _on_int(self) -> None:
+        self._ints += 1
+        if self._ints >= 2:
+            log.warning("second interrupt: stopping at once")
+            sup = self.engine.sup
+            if sup is not None:
+                for mp in sup.procs:
+                    if mp.proc is not None and mp.proc.returncode is None:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(mp.proc.pid, signal.SIGKILL)
+        self.request_stop("interrupted (Ctrl-C)")
+
+    def _on_hup(self) -> None:
+        log.info("SIGHUP: reloading the profile")
+
+        async def go() -> None:
+            try:
+                res = await self.reload()
+                log.info("reload: %s", res.get("result"))
+            except HydraError as exc:
+                log.error("reload failed: %s", exc)
+
+        asyncio.get_running_loop().create_task(go())
+
+    # -- the main loop ------------------------------------------------------------------------
+
+    async def run(self, on_start: Presenter | None = None) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self._on_int)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        self.engine.open()
+        self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
+        self.ctl.start()
+        presenter: asyncio.Task[None] | None = None
+        try:
+            await self.engine.start(self.initial)
+            self._changed()
+            if on_start is not None:
+                presenter = asyncio.create_task(on_start(self))
+            return await self._wait()
+        finally:
+            if presenter is not None:
+                presenter.cancel()
+                await asyncio.gather(presenter, return_exceptions=True)
+            await self.engine.shutdown(self.stop_reason)
+            self._changed()
+            self.ctl.stop()
+            self.engine.close()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    async def _wait(self) -> int:
+        """Until a stop is asked for, or the running layout goes FATAL (exit 1)."""
+        while not self.stop_event.is_set():
+            task = self.engine.task
+            waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.stop_event.wait())]
+            if task is not None:
+                waits.append(asyncio.ensure_future(asyncio.shield(task)))
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for p in pending:
+                p.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if self.stop_event.is_set():
+                break
+            sup = self.engine.sup
+            if task is self.engine.task and not self.engine.lock.locked():
+                if sup is not None and sup.fatal:
+                    self.stop_reason = f"FATAL: {sup.fatal}"
+                    return EXIT_FATAL
+                if sup is not None and sup.stopping.is_set():
+                    break
+            await asyncio.sleep(0.05)  # a switch replaced the task: wait on the new one
+        return EXIT_OK
+
+
+def same_layout(a: Deployment, b: Deployment) -> bool:
+    """Would running `b` change anything that `a` runs? (processes, their argv/env/ports, the
+    router's upstreams, the policies). Used by reload: unchanged is a no-op."""
+    def procs(d: Deployment) -> list[tuple[Any, ...]]:
+        return [(e.name, e.role, e.program, e.args, e.env, e.host, e.port, e.managed)
+                for e in d.plan.in_start_order()]
+
+    return (procs(a) == procs(b) and a.plan.router == b.plan.router
+            and a.policy == b.policy and a.on_peer_loss == b.on_peer_loss
+            and a.timeouts == b.timeouts and a.binaries == b.binaries)

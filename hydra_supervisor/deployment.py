@@ -1,0 +1,77 @@
+"""What to run for one layout: the Deployment, built and checked before anything starts.
+
+A Deployment bundles everything a Supervisor needs to run one profile's layout (the Plan, the
+binaries' paths, the restart / health / peer-loss policies, the timeouts, the SOLO fallback for
+on_peer_loss: degrade, and how to move a peer whose port was taken). It is plain frozen data:
+`hydra up`, `hydra switch` and `hydra reload` all build one with `prepare()` (which has no side
+effects beyond reading files and probing ports) and hand it to an Engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra_supervisor import layout
+from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
+from hydra_supervisor.plan import EngineSpec, Plan
+
+PortPicker = Callable[[set[int]], int | None]
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    load: float  # head: spawn to /health 200
+    peer: float = 30.0  # peer: spawn to HELLO
+    stop_grace: float = 10.0
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+
+
+def load_timeout_for(model_bytes: int, configured: float | None) -> float:
+    """Loads scale with size: 60 s plus 15 s per GiB (a 20 GB model on a slow disk: ~6 min)."""
+    if configured:
+        return configured
+    return 60.0 + 15.0 * model_bytes / (1 << 30)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    plan: Plan
+    binaries: dict[str, str]
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    on_peer_loss: PeerLoss = PeerLoss.RESTART
+    timeouts: Timeouts = field(default_factory=lambda: Timeouts(load=60.0))
+    model_label: str = "-"
+    solo_head: EngineSpec | None = None  # the head as SOLO, for on_peer_loss: degrade
+    pick_port: PortPicker | None = None
+    layout: Any = None  # the layout.Layout it was built from (None in policy tests)
+
+    @property
+    def profile(self) -> str:
+        return self.plan.profile
+
+
+def prepare(profile_ref: str, *, node_file: str | None = None,
+            profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
+            keep: Plan | None = None, external: int | None = None) -> Deployment:
+    """Read, resolve and check a profile into a Deployment; raises HydraError on bad input.
+
+    For a running engine, `keep` is its current plan (whose ports are reused) and `external`
+    its own external port (held by its router, so not checked)."""
+    lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
+                       overrides=overrides, keep=keep)
+    bins = layout.find_binaries(lay)
+    ours: set[int] = {external} if external is not None else set()
+    if keep is not None:
+        ours |= {e.port for e in keep.engines if e.managed}
+    layout.check_ports(lay.plan, ours)
+    layout.check_remote_peers(lay.plan)
+    prof = lay.profile
+    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
+                                              prof.load_timeout),
+                        health=prof.health)
+    return Deployment(plan=lay.plan, binaries=bins, policy=prof.restart,
+                      on_peer_loss=prof.on_peer_loss, timeouts=timeouts,
+                      model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
+                      pick_port=layout.port_picker(lay.node), layout=lay)

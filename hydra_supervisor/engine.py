@@ -1,0 +1,435 @@
+"""One external port and what serves it: the Router, the running Deployment, the last good one.
+
+The Engine is the long-lived owner of an engine's external port. Its Router stays up for the
+whole life of hydra; Deployments come and go under it:
+
+  start(dep)        run a Deployment (or none: a model-less engine answers 503 naming the
+                    profiles and `hydra switch NAME`)
+  switch(dep)       hold new requests, drain in-flight ones, stop the old layout, wait until its
+                    GPU memory is free, start the new one (peers first), health-gate, release;
+                    on any failure stop what was started, bring the last good layout back and
+                    release to it. One switch at a time (a second gets EngineBusy).
+  restart(name)     a planned restart of one process (a peer restarts its pair)
+
+While the head of the running layout is not READY (loading, restarting after a crash or a
+peer loss, UNHEALTHY) the router holds new HTTP requests instead of sending them into it, and
+releases them when the head is READY again.
+
+Everything here runs on the event-loop thread: control handlers (threads) hand their calls
+over with asyncio.run_coroutine_threadsafe, so every child is forked by the loop's thread
+(PR_SET_PDEATHSIG follows the forking thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra_supervisor import gpumem
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.ports import url_for
+from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import ManagedProcess, State, Supervisor
+
+log = logging.getLogger("hydra")
+
+DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
+
+
+class EngineBusy(HydraError):
+    """A switch (or restart) is already running on this engine."""
+
+
+@dataclass(frozen=True)
+class SwitchTimeouts:
+    drain: float = 30.0  # in-flight requests may finish this long, then they are cut
+    gpu_free: float = 30.0  # the old processes' GPU memory must be released within this
+    gate_extra: float = 0.0  # added to the new layout's own load timeout
+
+
+@dataclass
+class SwitchReport:
+    """What a switch did, phase by phase; the API reply and hydra.log carry it."""
+
+    to: str
+    frm: str | None
+    result: str = "running"  # ok | rolled_back | failed | noop
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    failed_phase: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    cut: int = 0
+    total_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"to": self.to, "from": self.frm, "result": self.result,
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "total_s": round(self.total_s, 3), "error": self.error,
+                "failed_phase": self.failed_phase, "log_tail": self.log_tail,
+                "notes": self.notes, "cut": self.cut}
+
+
+class _Phases:
+    """Times each phase of a switch (monotonic) into a report."""
+
+    def __init__(self, report: SwitchReport) -> None:
+        self.report = report
+        self.t0 = time.monotonic()
+        self.current: str | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Any:
+        self.current = name
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.report.phases[name] = self.report.phases.get(name, 0.0) + \
+                time.monotonic() - start
+
+    def done(self) -> None:
+        self.report.total_s = time.monotonic() - self.t0
+
+
+class LayoutFailed(Exception):
+    """A layout did not become ready; the message says which process and why."""
+
+    def __init__(self, message: str, tail: list[str]) -> None:
+        super().__init__(message)
+        self.tail = tail
+
+
+class Engine:
+    """Owns one external port: its Router, the running Supervisor, the last good Deployment."""
+
+    def __init__(self, state: StateDir, host: str, port: int, *,
+                 allow: tuple[str, ...] = DEFAULT_ALLOW, use_router: bool = True,
+                 profiles: Callable[[], list[str]] | None = None,
+                 switch_timeouts: SwitchTimeouts | None = None,
+                 router_kwargs: dict[str, Any] | None = None,
+                 make_supervisor: Callable[[Deployment, StateDir], Supervisor] = Supervisor,
+                 make_router: Callable[..., Router] = Router) -> None:
+        self.state = state
+        self.make_supervisor = make_supervisor  # seams: policy tests use fakes
+        self.make_router = make_router
+        self.host = host
+        self.port = port
+        self.allow = allow
+        self.use_router = use_router
+        self.profiles = profiles or (lambda: [])
+        self.switch_timeouts = switch_timeouts or SwitchTimeouts()
+        self.router_kwargs = router_kwargs or {}
+        self.router: Router | None = None
+        self.dep: Deployment | None = None
+        self.last_good: Deployment | None = None
+        self.sup: Supervisor | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.lock = asyncio.Lock()
+        self.switching: str | None = None
+        self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
+        self.listeners: list[Callable[[], None]] = []  # told on every change (status, notify)
+        self.hydra_upstream: tuple[str, int] | None = None  # the wire server, when it runs
+
+    # -- the port -----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Bind the external port (the router). Without a router the head binds it itself."""
+        if not self.use_router:
+            return
+        self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
+                                       name=f"port {self.port}", **self.router_kwargs)
+        self.router.start()
+        self.port = self.router.port  # --port 0: the port the kernel gave us
+        self._idle_message()
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+
+    @property
+    def url(self) -> str:
+        return url_for(self.host, self.port)
+
+    def _idle_message(self) -> None:
+        if self.router is None:
+            return
+        names = ", ".join(self.profiles()) or "(none found)"
+        self.router.set_unavailable(
+            f"no profile is loaded on this hydra: run `hydra switch NAME` (profiles: {names})",
+            retry_after=10)
+
+    def _upstreams(self, dep: Deployment) -> Upstreams:
+        spec = dep.plan.router
+        if spec is None:
+            return Upstreams(hydra=self.hydra_upstream)
+        return Upstreams(http=spec.http, rpc=spec.rpc, hydra=self.hydra_upstream)
+
+    # -- following the head --------------------------------------------------------------------
+
+    def _on_transition(self, mp: ManagedProcess) -> None:
+        sup = self.sup
+        if sup is None or mp not in sup.procs:
+            return
+        self._sync_gate()
+        for fn in self.listeners:
+            fn()
+
+    def _sync_gate(self) -> None:
+        """Hold new requests while the running head is not READY; release when it is."""
+        r, sup = self.router, self.sup
+        if r is None or sup is None or self.switching:
+            return  # a switch holds and releases itself
+        if sup.fatal:
+            r.set_unavailable(f"profile {sup.plan.profile} failed: {sup.fatal}", retry_after=30)
+            r.release()
+            return
+        head = sup.head
+        if head is None:
+            return
+        if head.state is State.READY:
+            r.set_unavailable(None)
+            r.release()
+        else:
+            r.hold(self._hold_reason(head))
+
+    @staticmethod
+    def _hold_reason(head: ManagedProcess) -> str:
+        if head.state is State.STARTING:
+            return f"loading model ({head.reason})" if head.reason else "loading model"
+        return f"head {head.state.value.lower()}: {head.reason}"
+
+    # -- running one deployment ----------------------------------------------------------------
+
+    def _launch(self, dep: Deployment) -> Supervisor:
+        sup = self.make_supervisor(dep, self.state)
+        sup.router = self.router
+        add = getattr(sup, "listeners", None)
+        if isinstance(add, list):
+            add.append(self._on_transition)
+        self.sup = sup
+        self.dep = dep
+        if self.router is not None:
+            self.router.set_upstreams(self._upstreams(dep))
+        self.task = asyncio.create_task(self._run(sup))
+        return sup
+
+    async def _run(self, sup: Supervisor) -> None:
+        await sup.run()
+        if sup is self.sup:
+            self._sync_gate()
+            for fn in self.listeners:
+                fn()
+
+    async def _ready(self, sup: Supervisor, timeout: float) -> None:
+        """Wait until every process of `sup` is READY; a failure before that raises at once
+        (a switch does not sit through a crash loop: it rolls back)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if sup.first_ready.is_set() and all(p.state is State.READY for p in sup.procs):
+                return
+            bad = next((p for p in sup.procs
+                        if p.state in (State.BACKOFF, State.FATAL)), None)
+            if bad is not None or sup.fatal or (self.task is not None and self.task.done()):
+                who = bad or next((p for p in sup.procs if p.state is not State.READY),
+                                  sup.procs[-1])
+                reason = sup.fatal or who.reason or "stopped"
+                raise LayoutFailed(f"{who.name}: {reason}", who.log_tail())
+            if time.monotonic() >= deadline:
+                who = next((p for p in sup.procs if p.state is not State.READY), sup.procs[-1])
+                raise LayoutFailed(f"{who.name} not ready within {timeout:.0f}s "
+                                   f"({who.state.value}: {who.reason})", who.log_tail())
+            await asyncio.sleep(0.05)
+
+    async def _stop_current(self, reason: str) -> list[int]:
+        """Stop the running layout; returns the pids it had (to wait for their GPU memory)."""
+        sup, task = self.sup, self.task
+        if sup is None:
+            return []
+        pids = [p.pid for p in sup.procs if p.pid is not None]
+        sup.stopping.set()
+        if task is not None:
+            await task
+        self.sup = None
+        self.task = None
+        log.info("stopped %s (%s)", sup.plan.profile, reason)
+        return pids
+
+    async def start(self, dep: Deployment | None) -> None:
+        """Initial start: the router is open; requests are held until the head is ready."""
+        if dep is None:
+            self._idle_message()
+            return
+        if self.router is not None:
+            self.router.set_unavailable(None)
+            self.router.hold(f"loading model for profile {dep.profile}")
+        self._launch(dep)
+
+    # -- switch ---------------------------------------------------------------------------------
+
+    async def switch(self, dep: Deployment) -> SwitchReport:
+        if self.lock.locked():
+            raise EngineBusy(f"a switch is already running on port {self.port} "
+                             f"(to {self.switching}); try again when it is done")
+        async with self.lock:
+            return await self._switch(dep)
+
+    async def _switch(self, dep: Deployment) -> SwitchReport:
+        old = self.dep
+        report = SwitchReport(to=dep.profile, frm=old.profile if old else None)
+        phase = _Phases(report)
+        self.switching = dep.profile
+        r = self.router
+        started_new = False
+        try:
+            with phase("hold"):
+                if r is not None:
+                    r.hold(f"switching to profile {dep.profile}")
+            with phase("drain"):
+                if r is not None:
+                    left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
+                    if left:
+                        report.cut = r.cut_inflight(
+                            f"cut by the switch to {dep.profile} after "
+                            f"{self.switch_timeouts.drain:.0f}s of draining")
+                        report.notes.append(f"{report.cut} in-flight requests cut after "
+                                            f"the {self.switch_timeouts.drain:.0f}s drain")
+            with phase("stop"):
+                pids = await self._stop_current(f"switch to {dep.profile}")
+            with phase("gpu_free"):
+                left_pids = await gpumem.wait_released(pids, self.switch_timeouts.gpu_free)
+                if left_pids:
+                    report.notes.append(f"GPU memory of pids {left_pids} not released within "
+                                        f"{self.switch_timeouts.gpu_free:.0f}s")
+            with phase("start"):
+                sup = self._launch(dep)
+                started_new = True
+                await self._ready(sup, dep.timeouts.load + dep.timeouts.peer
+                                  + self.switch_timeouts.gate_extra)
+            with phase("release"):
+                self.last_good = dep
+                self.switching = None
+                self._sync_gate()
+            report.result = "ok"
+        except (LayoutFailed, HydraError, OSError) as exc:
+            report.failed_phase = phase.current
+            report.error = str(exc)
+            report.log_tail = getattr(exc, "tail", [])
+            log.error("switch to %s failed in phase %s: %s", dep.profile, phase.current, exc)
+            await self._rollback(old if old is not None else None, report, phase, started_new)
+        except asyncio.CancelledError:
+            # hydra is stopping mid-switch: whatever runs is stopped by the caller's shutdown.
+            report.result = "failed"
+            report.error = "hydra stopped during the switch"
+            raise
+        finally:
+            self.switching = None
+            phase.done()
+            self.switches.append(report)
+            self._log_report(report)
+            for fn in self.listeners:
+                fn()
+        return report
+
+    async def _rollback(self, old: Deployment | None, report: SwitchReport, phase: _Phases,
+                        started_new: bool) -> None:
+        with phase("rollback"):
+            if started_new:
+                await self._stop_current(f"switch to {report.to} failed")
+            back = self.last_good or old
+            if back is None:
+                self.dep = None
+                report.result = "failed"
+                self.switching = None
+                self._idle_message()
+                if self.router is not None:
+                    self.router.release()
+                return
+            try:
+                sup = self._launch(back)
+                await self._ready(sup, back.timeouts.load + back.timeouts.peer)
+                report.result = "rolled_back"
+            except LayoutFailed as exc:
+                report.result = "failed"
+                report.error = f"{report.error}; the rollback to {back.profile} failed too: {exc}"
+            self.switching = None
+            self._sync_gate()
+
+    def _log_report(self, rep: SwitchReport) -> None:
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in rep.phases.items())
+        log.info("switch %s -> %s: %s in %.2fs (%s)%s", rep.frm, rep.to, rep.result,
+                 rep.total_s, phases, f"; {rep.error}" if rep.error else "")
+
+    # -- restart one process ------------------------------------------------------------------
+
+    async def restart(self, name: str) -> dict[str, Any]:
+        sup = self.sup
+        if sup is None:
+            raise HydraError("no profile is running on this hydra: nothing to restart")
+        names = [p.name for p in sup.procs]
+        if name not in names:
+            raise HydraError(f"no engine '{name}' in profile {sup.plan.profile}; "
+                             f"engines: {', '.join(names)}")
+        if self.lock.locked():
+            raise EngineBusy(f"a switch is running on port {self.port}; try again after it")
+        async with self.lock:
+            t0 = time.monotonic()
+            await sup.restart(name)
+            await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
+            return {"engine": name, "profile": sup.plan.profile,
+                    "seconds": round(time.monotonic() - t0, 3)}
+
+    async def shutdown(self, reason: str) -> None:
+        if self.sup is not None:
+            self.sup.stopping.set()
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        self.sup = None
+        self.task = None
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def state_word(self) -> str:
+        sup = self.sup
+        if self.switching:
+            return "switching"
+        if sup is None:
+            return "idle"
+        if sup.fatal:
+            return "fatal"
+        if sup.degraded:
+            return "degraded"
+        if sup.head is not None and sup.head.state is State.READY and \
+                all(p.state is State.READY for p in sup.procs):
+            return "serving"
+        if not sup.first_ready.is_set():
+            return "starting"
+        return "recovering"
+
+    def snapshot(self) -> dict[str, Any]:
+        sup = self.sup
+        dep = self.dep
+        return {
+            "name": dep.profile if dep else f"port {self.port}",
+            "profile": dep.profile if dep else None,
+            "source": dep.plan.source if dep else None,
+            "mode": dep.plan.mode if dep else None,
+            "model": dep.model_label if dep else None,
+            "host": self.host, "port": self.port, "url": self.url,
+            "state": self.state_word(),
+            "switching": self.switching,
+            "fatal": sup.fatal if sup else None,
+            "degraded": sup.degraded if sup else None,
+            "processes": [p.row() for p in sup.procs] if sup else [],
+            "router": self.router.stats() if self.router is not None else None,
+            "switches": [s.to_json() for s in self.switches],
+        }

@@ -1,0 +1,306 @@
+"""The Engine's switch policy with fake supervisors and a fake router (fast, no processes).
+
+Hold, drain, stop, start, gate, release; rollback when the new layout fails; one switch at a
+time; cancellation mid-switch; requests held while the head is not READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hydra_supervisor.deployment import Deployment, Timeouts
+from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
+from hydra_supervisor.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import State
+
+
+class FakeRouter:
+    def __init__(self, host: str, port: int, upstreams: Any, **kw: Any) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.port = port
+        self.inflight_left = 0
+        self.upstreams = upstreams
+        self.unavailable: str | None = None
+        self.held: str | None = None
+
+    def start(self) -> None:
+        self.calls.append(("start", None))
+
+    def stop(self) -> None:
+        self.calls.append(("stop", None))
+
+    def hold(self, reason: str) -> None:
+        self.held = reason
+        self.calls.append(("hold", reason))
+
+    def release(self) -> None:
+        self.held = None
+        self.calls.append(("release", None))
+
+    def set_unavailable(self, reason: str | None, retry_after: int = 5) -> None:
+        self.unavailable = reason
+        self.calls.append(("unavailable", reason))
+
+    def set_upstreams(self, u: Any) -> None:
+        self.upstreams = u
+        self.calls.append(("upstreams", u))
+
+    def wait_idle(self, timeout: float) -> int:
+        return self.inflight_left
+
+    def cut_inflight(self, reason: str) -> int:
+        n, self.inflight_left = self.inflight_left, 0
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class FakeProc:
+    def __init__(self, name: str, role: Role, owner: FakeSupervisor) -> None:
+        self.name = name
+        self.spec = type("S", (), {"role": role})()
+        self.state = State.STOPPED
+        self.reason = ""
+        self.pid: int | None = None
+        self.owner = owner
+
+    def to(self, st: State, reason: str = "") -> None:
+        self.state, self.reason = st, reason
+        for fn in self.owner.listeners:
+            fn(self)
+
+    def log_tail(self) -> list[str]:
+        return [f"{self.name} log line"]
+
+    def row(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state.value}
+
+
+# How each fake profile behaves when started.
+BEHAVIOUR: dict[str, str] = {}
+STARTED: list[FakeSupervisor] = []
+
+
+class FakeSupervisor:
+    def __init__(self, dep: Deployment, state: StateDir) -> None:
+        self.plan = dep.plan
+        self.timeouts = dep.timeouts
+        self.model_label = "m"
+        self.first_ready = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.fatal: str | None = None
+        self.degraded: str | None = None
+        self.listeners: list[Any] = []
+        self.router: Any = None
+        self.head = FakeProc("head", Role.HEAD, self)
+        self.procs = [FakeProc(e.name, e.role, self) for e in dep.plan.peers] + [self.head]
+        self.restarted: list[str] = []
+        STARTED.append(self)
+
+    async def run(self) -> None:
+        how = BEHAVIOUR.get(self.plan.profile, "ok")
+        for p in self.procs:
+            p.to(State.STARTING, "spawning")
+            p.pid = 1000 + len(STARTED)
+        await asyncio.sleep(0.01)
+        if how == "crash":
+            self.head.to(State.BACKOFF, "exit 1; restart in 1s")
+        elif how == "ok":
+            for p in self.procs:
+                p.to(State.READY, "ok")
+            self.first_ready.set()
+        await self.stopping.wait()
+        for p in self.procs:
+            p.to(State.STOPPED, "stopped")
+            p.pid = None
+
+    async def restart(self, name: str) -> None:
+        self.restarted.append(name)
+
+
+def dep(name: str, peers: int = 0, load: float = 5.0) -> Deployment:
+    head = EngineSpec(name="head", role=Role.HEAD, program="llama-server", args=("-m", name),
+                      env=(), host="127.0.0.1", port=30200, device="cpu", start_order=peers)
+    ps = tuple(EngineSpec(name=f"peer-{i}", role=Role.PEER, program="ggml-rpc-server", args=(),
+                          env=(), host="127.0.0.1", port=30052 + i, device="cpu",
+                          start_order=i) for i in range(peers))
+    plan = Plan(profile=name, source=f"{name}.yaml", model_path="m.gguf", model_kind="dense",
+                mode="combine" if peers else "solo", transport="rpc", host="127.0.0.1",
+                port=8080, engines=(*ps, head),
+                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", 30200), None, ()))
+    return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=load, peer=1.0))
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Engine:
+    BEHAVIOUR.clear()
+    STARTED.clear()
+    eng = Engine(StateDir(tmp_path), "127.0.0.1", 8080, profiles=lambda: ["a", "b"],
+                 make_supervisor=FakeSupervisor,  # type: ignore[arg-type]
+                 make_router=FakeRouter,  # type: ignore[arg-type]
+                 switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+    eng.open()
+    return eng
+
+
+def router(eng: Engine) -> FakeRouter:
+    assert isinstance(eng.router, FakeRouter)
+    return eng.router
+
+
+async def started(eng: Engine, d: Deployment) -> None:
+    await eng.start(d)
+    assert eng.sup is not None
+    await asyncio.wait_for(eng.sup.first_ready.wait(), 5)
+
+
+def test_model_less_start_names_the_profiles(engine: Engine) -> None:
+    async def go() -> None:
+        await engine.start(None)
+        assert engine.state_word() == "idle"
+        msg = router(engine).unavailable or ""
+        assert "hydra switch NAME" in msg and "a, b" in msg
+        rep = await engine.switch(dep("a"))
+        assert rep.result == "ok" and engine.state_word() == "serving"
+        assert router(engine).unavailable is None and router(engine).held is None
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_switch_phases_in_order_and_requests_released(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        old = engine.sup
+        rep = await engine.switch(dep("b", peers=1))
+        assert rep.result == "ok", rep
+        assert list(rep.phases) == ["hold", "drain", "stop", "gpu_free", "start", "release"]
+        assert old is not None and all(p.state is State.STOPPED for p in old.procs)
+        assert engine.dep is not None and engine.dep.profile == "b"
+        assert engine.last_good is engine.dep
+        calls = [c for c, _ in router(engine).calls]
+        # held before anything stopped; released only after the new head was READY
+        assert calls.index("hold") < calls.index("release", calls.index("hold"))
+        assert router(engine).held is None
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_failed_switch_rolls_back_and_names_the_phase(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        engine.last_good = engine.dep
+        BEHAVIOUR["broken"] = "crash"
+        rep = await engine.switch(dep("broken"))
+        assert rep.result == "rolled_back"
+        assert rep.failed_phase == "start" and "head" in (rep.error or "")
+        assert rep.log_tail == ["head log line"]
+        assert engine.dep is not None and engine.dep.profile == "a"
+        assert engine.state_word() == "serving"
+        assert router(engine).held is None
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_failed_rollback_leaves_an_idle_engine_that_says_so(engine: Engine) -> None:
+    async def go() -> None:
+        BEHAVIOUR["broken"] = "crash"
+        await engine.start(None)
+        rep = await engine.switch(dep("broken"))
+        assert rep.result == "failed"
+        assert engine.state_word() == "idle"
+        assert "hydra switch NAME" in (router(engine).unavailable or "")
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_a_layout_that_never_gets_ready_times_out_and_rolls_back(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        BEHAVIOUR["slow"] = "hang"
+        rep = await engine.switch(dep("slow", load=0.2))
+        assert rep.result == "rolled_back" and "not ready within" in (rep.error or "")
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_second_switch_is_refused_while_one_runs(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        BEHAVIOUR["slow"] = "hang"
+        first = asyncio.create_task(engine.switch(dep("slow", load=0.5)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineBusy, match="already running"):
+            await engine.switch(dep("b"))
+        await first
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_drain_timeout_cuts_and_counts(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        router(engine).inflight_left = 3
+        rep = await engine.switch(dep("b"))
+        assert rep.result == "ok" and rep.cut == 3
+        assert any("3 in-flight requests cut" in n for n in rep.notes)
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_cancel_mid_switch_leaves_nothing_running(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        BEHAVIOUR["slow"] = "hang"
+        task = asyncio.create_task(engine.switch(dep("slow", load=30)))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.shutdown("SIGTERM")
+        assert engine.sup is None
+        assert all(p.state is State.STOPPED for s in STARTED for p in s.procs)
+
+    asyncio.run(go())
+
+
+def test_requests_held_while_the_head_is_not_ready(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        sup = engine.sup
+        assert sup is not None
+        assert router(engine).held is None
+        sup.head.to(State.BACKOFF, "exit 134 (SIGABRT); restart in 1s")
+        assert "backoff" in (router(engine).held or "")
+        sup.head.to(State.STARTING, "spawning")
+        assert "loading model" in (router(engine).held or "")
+        sup.head.to(State.READY, "health check passed")
+        assert router(engine).held is None
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_restart_names_the_engines_it_knows(engine: Engine) -> None:
+    async def go() -> None:
+        await started(engine, dep("a", peers=1))
+        with pytest.raises(Exception, match="engines: peer-0, head"):
+            await engine.restart("nope")
+        res = await engine.restart("peer-0")
+        assert res["engine"] == "peer-0"
+        assert engine.sup is not None and engine.sup.restarted == ["peer-0"]  # type: ignore
+        await engine.shutdown("test")
+
+    asyncio.run(go())

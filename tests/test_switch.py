@@ -1,0 +1,191 @@
+"""`hydra switch` and requests held across restarts, on real llama.cpp processes.
+
+A keep-alive OpenAI client (the openai package, its connection pool) sends streaming and
+non-streaming requests the whole time; no request that had not started may fail.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.harness import REPO, run_hydra, status_json, wait_dead, wait_until
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+
+class Load:
+    """Background clients: one streaming, one not, each on a pooled keep-alive connection."""
+
+    def __init__(self, port: int, model: str = "x") -> None:
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                    max_retries=0, timeout=300)
+        self.ok = 0
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(s,), daemon=True)
+                        for s in (False, True)]
+
+    def _one(self, stream: bool) -> None:
+        msgs: Any = [{"role": "user", "content": "Say hi"}]
+        if stream:
+            text = ""
+            for chunk in self.client.chat.completions.create(
+                    model="x", messages=msgs, max_tokens=8, stream=True):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+        else:
+            r = self.client.chat.completions.create(model="x", messages=msgs, max_tokens=8)
+            assert r.choices
+        self.ok += 1
+
+    def _loop(self, stream: bool) -> None:
+        while not self.stop.is_set():
+            try:
+                self._one(stream)
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                self.failures.append(f"{'stream' if stream else 'plain'}: {exc!r}")
+            time.sleep(0.05)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def _switch(env: dict[str, str], profile: str, timeout: float = 240) -> dict[str, Any]:
+    res = run_hydra(env, "switch", profile, "--json", timeout=timeout)
+    reply = json.loads(res.stdout)
+    reply["_rc"] = res.returncode
+    return dict(reply)
+
+
+def _profile(st: dict[str, Any]) -> str:
+    return str(st["status"]["profile"])
+
+
+def test_switch_under_load_loses_nothing(hydra_up, hydra_env):
+    up = hydra_up("--profile", "demo", "--port", "0")
+    up.wait_ready()
+    port = int(status_json(hydra_env)["daemon"]["engines"][0]["port"])
+    with Load(port) as load:
+        wait_until(lambda: load.ok >= 2, 60, "first requests served")
+        for target in ("demo-combine", "demo-moe-combine", "demo"):
+            before = load.ok
+            rep = _switch(hydra_env, target)
+            assert rep["_rc"] == 0 and rep["result"] == "ok", rep
+            assert {"hold", "drain", "stop", "start", "release"} <= set(rep["phases"])
+            assert _profile(status_json(hydra_env)) == target
+            wait_until(lambda b=before: load.ok > b + 1, 120, f"requests served by {target}")
+    assert load.failures == [], load.failures
+    assert load.ok > 6
+
+
+def test_switch_to_a_broken_profile_rolls_back(hydra_up, hydra_env, tmp_path):
+    bad_model = tmp_path / "truncated.gguf"
+    bad_model.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 64)
+    crash = tmp_path / "crash.yaml"
+    crash.write_text("profile: crash\nmodel: gemma3-270m\nmode: solo\nhead: cpu\n"
+                     "server_args:\n  ctx-size: 999999999999\n")
+    truncated = tmp_path / "truncated.yaml"
+    truncated.write_text(f"profile: truncated\nmodel: {bad_model}\nmode: solo\nhead: cpu\n")
+    up = hydra_up("--profile", "demo", "--port", "0")
+    up.wait_ready()
+    port = int(status_json(hydra_env)["daemon"]["engines"][0]["port"])
+    head_pid = up.engine("head")["pid"]
+    # A profile that cannot be planned (a truncated GGUF) changes nothing at all.
+    res = run_hydra(hydra_env, "switch", str(truncated))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "truncated" in res.stderr.lower() or "gguf" in res.stderr.lower()
+    assert up.engine("head")["pid"] == head_pid
+    # A head that dies while loading: rolled back, the old layout serves, the phase is named.
+    with Load(port) as load:
+        wait_until(lambda: load.ok >= 1, 60, "first request")
+        rep = _switch(hydra_env, str(crash))
+        assert rep["_rc"] == 1 and rep["result"] == "rolled_back", rep
+        assert rep["failed_phase"] == "start" and "head" in rep["error"]
+        assert _profile(status_json(hydra_env)) == "demo"
+        n = load.ok
+        wait_until(lambda: load.ok > n, 60, "the rolled-back layout serving")
+    assert load.failures == [], load.failures
+    text = run_hydra(hydra_env, "switch", str(crash)).stderr
+    assert "failed in phase start" in text and "rolled back" in text
+
+
+def test_two_switches_at_once_and_sigterm_mid_switch(hydra_up, hydra_env):
+    up = hydra_up("--profile", "demo", "--port", "0")
+    up.wait_ready()
+    import subprocess
+
+    from tests.harness import HYDRA
+    first = subprocess.Popen([*HYDRA, "switch", "demo-combine"], env=hydra_env, cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: status_json(hydra_env)["daemon"]["engines"][0]["switching"], 30,
+               "the first switch running")
+    second = run_hydra(hydra_env, "switch", "demo")
+    assert second.returncode != 0 and "already running" in second.stderr
+    # SIGTERM while the switch loads the new layout: everything stops, nothing is orphaned.
+    kids = psutil.Process(up.proc.pid).children(recursive=True)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    first.communicate(timeout=60)
+    assert wait_dead(kids, 20) == []
+
+
+def test_model_less_start_then_switch(hydra_env):
+    import subprocess
+
+    from tests.harness import HYDRA
+    port = _free()
+    t0 = time.monotonic()
+    proc = subprocess.Popen([*HYDRA, "up", "--no-profile", "--port", str(port)], env=hydra_env,
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        import requests
+
+        def answers() -> Any:
+            try:
+                return requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+            except requests.RequestException:
+                return None
+
+        r = wait_until(answers, 30, "the model-less hydra answering")
+        # ready within a second of the process being up (python start-up excluded)
+        assert r.status_code == 503
+        assert "hydra switch" in r.json()["error"]["message"]
+        assert "demo" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 30
+        rep = _switch(hydra_env, "demo")
+        assert rep["result"] == "ok", rep
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "Hi"}],
+                                "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def _free() -> int:
+    from hydra_supervisor.ports import free_port
+    return free_port()
+
+
+def test_not_running_is_exit_3(hydra_env):
+    for args in (["status"], ["switch", "demo"], ["restart", "head"], ["reload"]):
+        res = run_hydra(hydra_env, *args)
+        assert res.returncode == 3, (args, res.stdout, res.stderr)
+        assert "hydra is not running here" in res.stdout + res.stderr
