@@ -491,8 +491,9 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
             out.print(f"   {env} {e.program} {argv}", soft_wrap=True)
     if p.router:
         r = p.router
-        rpc = f", ggml-RPC -> {r.rpc[0]}:{r.rpc[1]} (from {', '.join(r.allow)})" if r.rpc else ""
-        http = f"HTTP -> {r.http[0]}:{r.http[1]}" if r.http else "HTTP -> 503 (no head)"
+        rpc = (f", ggml-RPC -> {host_port(*r.rpc)} (from {', '.join(r.allow)})"
+               if r.rpc else "")
+        http = f"HTTP -> {host_port(*r.http)}" if r.http else "HTTP -> 503 (no head)"
         out.print(styled(("router", "bold"), f" listens {host_port(r.host, r.port)}: {http}{rpc}"))
     for note in p.notes:
         out.print(f"  note: {note}")
