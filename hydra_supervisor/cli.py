@@ -608,8 +608,9 @@ def _synth_write(write: Callable[..., Path], out_path: Path, **kwargs: Any) -> N
 
     def progress(done: int, total: int) -> None:
         if not bar.live.is_started:
-            bar.start()
             bar.start_task(task)
+            bar.update(task, completed=done, total=total)
+            bar.start()
         bar.update(task, completed=done, total=total)
 
     try:
