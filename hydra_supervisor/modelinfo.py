@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.paths import cache_dir
@@ -204,12 +205,48 @@ def _int(reader: gguf.GGUFReader, key: str) -> int:
     return int(v)
 
 
+class _ExtentReader(gguf.GGUFReader):
+    """Reads the header and tensor infos only and records where the tensor data should end,
+    without viewing the data (which is what fails on a truncated file)."""
+
+    data_end = 0
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        for fld in fields:
+            _name_len, _name, _n_dims, dims, raw_dtype, offset = fld.parts
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+            n_bytes = int(np.prod(dims)) * type_size // block
+            self.data_end = max(self.data_end, start_offs + int(offset[0]) + n_bytes)
+        self.tensors = []
+
+
+def _damaged(path: str, err: Exception) -> HydraError:
+    """A GGUF that gguf-py cannot read: say truncated or corrupt, with the sizes that show it."""
+    size = os.path.getsize(path)
+    try:
+        need = _ExtentReader(path).data_end
+    except (ValueError, IndexError, KeyError, TypeError, OSError):
+        need = 0  # the header itself is cut short or damaged
+    if need > size:
+        why = (f"the file is {size:,} bytes but its header says the tensor data runs to "
+               f"{need:,} bytes ({need - size:,} missing)")
+    elif need:
+        why = (f"the file is {size:,} bytes, as its header says, but a tensor is malformed "
+               f"(gguf: {err})")
+    else:
+        why = f"the file is {size:,} bytes and its header is cut short or damaged (gguf: {err})"
+    return HydraError(f"truncated or corrupt GGUF: {path}: {why}",
+                      hint="download or copy the model again (an interrupted copy is the usual "
+                           "cause); compare its size and checksum with the source")
+
+
 def _open(path: str) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError) as err:
-        # gguf-py raises ValueError/IndexError on truncated or malformed headers.
-        raise HydraError(f"cannot read GGUF model {path}: {err}") from err
+        # gguf-py raises ValueError/IndexError ("index 0 is out of bounds", "cannot reshape")
+        # on a truncated or malformed file; that message alone says nothing to an operator.
+        raise _damaged(path, err) from err
 
 
 def _read_gguf(files: list[str], file_size: int) -> ModelInfo:
@@ -267,8 +304,11 @@ def inspect(path: str | os.PathLike[str], *, use_cache: bool = True) -> ModelInf
     real = os.path.realpath(path)
     if not os.path.exists(real):
         raise HydraError(f"model file not found: {path}")
+    if os.path.isdir(real):
+        raise HydraError(f"model path is a directory, not a GGUF file: {path}",
+                         hint="name the .gguf file inside it")
     if not os.path.isfile(real):
-        raise HydraError(f"model path is not a file: {path}")
+        raise HydraError(f"model path is not a regular file: {path}")
     try:
         with open(real, "rb") as f:
             magic = f.read(4)

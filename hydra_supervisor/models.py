@@ -67,6 +67,8 @@ def resolve_model(ref: str, node: Node, profile_dir: Path | None = None) -> Path
         return _synth_path(ref)
     if ref in node.models:
         path = Path(node.models[ref]).expanduser()
+        if path.is_dir():
+            raise _is_directory(ref, path, f" (from {node.source})")
         if not path.is_file():
             raise HydraError(
                 f"model '{ref}' maps to {path} in {node.source}, but that file does not exist"
@@ -83,8 +85,22 @@ def resolve_model(ref: str, node: Node, profile_dir: Path | None = None) -> Path
         tried.append(path)
         if path.is_file():
             return path
+    for path in candidates:  # a miss that is a directory says so, not "not found"
+        if path.is_dir():
+            raise _is_directory(ref, path, "")
     aliases = sorted([*BUILTIN_ALIASES, *node.models])
     raise HydraError(
         f"model file not found: '{ref}' (tried {', '.join(str(p) for p in tried)})",
         hint=f"give an existing .gguf path or one of the aliases: {', '.join(aliases)}",
+    )
+
+
+def _is_directory(ref: str, path: Path, origin: str) -> HydraError:
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    first = [n for n in ggufs if "-of-" not in n or "-00001-of-" in n]
+    inside = (f"; .gguf files in it: {', '.join(first[:5])}{', ...' if len(first) > 5 else ''}"
+              if first else "; it holds no .gguf file")
+    return HydraError(
+        f"model '{ref}' is a directory, not a GGUF file: {path}{origin}{inside}",
+        hint=f"name the .gguf file itself, e.g. model: {path / (first or ['MODEL.gguf'])[0]}",
     )

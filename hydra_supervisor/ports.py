@@ -71,9 +71,13 @@ def client_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "", "*") else bind_host
 
 
-def url_for(host: str, port: int, scheme: str = "http") -> str:
-    """The URL a local client uses for a server bound to host:port (IPv6 in brackets)."""
-    h = client_host(host)
-    if ":" in h:
-        h = f"[{h}]"
-    return f"{scheme}://{h}:{port}"
+def host_port(host: str, port: int) -> str:
+    """`host:port` as URLs and `--rpc` write it: an IPv6 address goes in brackets ([::1]:8080)."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def url_for(bind_host: str, port: int, scheme: str = "http") -> str:
+    """The URL a local client uses for a server bound to `bind_host`:`port` (the one place
+    hydra builds one: wildcards become loopback, IPv6 gets brackets)."""
+    return f"{scheme}://{host_port(client_host(bind_host), port)}"

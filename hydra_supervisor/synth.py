@@ -15,17 +15,16 @@ the tensor data would be, so a 20 GB-shaped model costs tens of KB of disk and
 ``modelinfo.inspect`` reads its real sizes. It has no tokenizer and all-zero weights: it is for
 ``hydra plan`` tests, not for serving.
 
-CLI: ``python -m hydra_supervisor.synth dense|moe OUT.gguf [--layers N ...]``.
+CLI: ``hydra synth dense|moe OUT.gguf [--layers N ...]`` (cli.py; it shows a progress bar fed
+by the ``progress`` callback: an 8B-shaped file takes minutes).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -38,6 +37,8 @@ from hydra_supervisor.install import source_dir
 
 ARCH = "llama"
 WEIGHT_STD = 0.02
+# progress(bytes of tensor data written so far, bytes in all): called after every chunk.
+Progress = Callable[[int, int], None]
 # Elements generated per chunk: bounds peak RAM (float32 source + quantized copy) to ~100 MB.
 _CHUNK_ELEMS = 8 * 1024 * 1024
 
@@ -263,7 +264,8 @@ def _write_header(writer: gguf.GGUFWriter, plan: Sequence[_TensorPlan]) -> Binar
     return fout
 
 
-def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator) -> None:
+def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator,
+                  advance: Callable[[int], None]) -> None:
     cols = t.shape[-1]
     rows = math.prod(t.shape[:-1])
     chunk_rows = max(1, _CHUNK_ELEMS // cols)
@@ -279,6 +281,7 @@ def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator) -> N
         out = gguf.quants.quantize(data, t.qtype)
         fout.write(out.tobytes())
         written += out.nbytes
+        advance(out.nbytes)
     if written != t.n_bytes:  # a bug here would make every later tensor offset wrong
         raise AssertionError(f"{t.name}: wrote {written} bytes, planned {t.n_bytes}")
 
@@ -298,6 +301,7 @@ def _write(
     ftype: str,
     n_expert: int = 0,
     n_expert_used: int = 0,
+    progress: Progress | None = None,
 ) -> Path:
     _check_shape(n_layers, n_embd, n_head, n_head_kv, ctx)
     if n_ff <= 0:
@@ -344,8 +348,17 @@ def _write(
         # Tensor data is streamed here rather than through write_tensor_data, which needs each
         # whole tensor in memory (a stacked expert tensor of a big MoE is several GB).
         fout = _write_header(writer, plan)
+        total = sum(t.n_bytes for t in plan)
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
         for index, t in enumerate(plan):
-            _write_tensor(fout, t, np.random.default_rng([seed, index]))
+            _write_tensor(fout, t, np.random.default_rng([seed, index]), advance)
             writer.write_padding(fout, t.n_bytes)
         writer.close()
         os.replace(tmp, out)
@@ -368,10 +381,12 @@ def write_dense(
     seed: int = 0,
     ftype: str = "f16",
     name: str = "hydra-synth-dense",
+    progress: Progress | None = None,
 ) -> Path:
     """Write a dense llama model with random weights to `path`; returns the path."""
     return _write(
         path,
+        progress=progress,
         name=name,
         n_layers=n_layers,
         n_embd=n_embd,
@@ -400,6 +415,7 @@ def write_moe(
     seed: int = 0,
     ftype: str = "f16",
     name: str = "hydra-synth-moe",
+    progress: Progress | None = None,
 ) -> Path:
     """Write a Mixtral-style llama MoE (experts stacked in blk.N.ffn_*_exps) to `path`."""
     if n_expert < 1 or not 1 <= n_expert_used <= n_expert:
@@ -409,6 +425,7 @@ def write_moe(
     # Mixtral convention: llama.feed_forward_length is the per-expert FFN width.
     return _write(
         path,
+        progress=progress,
         name=name,
         n_layers=n_layers,
         n_embd=n_embd,
@@ -525,58 +542,3 @@ def write_shape_only(
         writer.close()
         tmp.unlink(missing_ok=True)
     return out
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m hydra_supervisor.synth",
-        description="Write a random-weight llama GGUF (dense or MoE) with a real tokenizer.",
-    )
-    p.add_argument("kind", choices=["dense", "moe"])
-    p.add_argument("out", type=Path)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embd", type=int, default=256)
-    p.add_argument("--ff", type=int, default=None, help="FFN width (per expert for moe)")
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--experts-used", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--heads-kv", type=int, default=2)
-    p.add_argument("--ctx", type=int, default=2048)
-    p.add_argument("--vocab", default="llama-spm")
-    p.add_argument("--ftype", choices=list(FTYPES), default="f16")
-    p.add_argument("--seed", type=int, default=0)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    common: dict[str, Any] = dict(
-        n_layers=args.layers,
-        n_embd=args.embd,
-        n_head=args.heads,
-        n_head_kv=args.heads_kv,
-        ctx=args.ctx,
-        vocab=args.vocab,
-        seed=args.seed,
-        ftype=args.ftype,
-    )
-    try:
-        if args.kind == "dense":
-            out = write_dense(args.out, n_ff=args.ff or 512, **common)
-        else:
-            out = write_moe(
-                args.out,
-                n_ff_exp=args.ff or 128,
-                n_expert=args.experts,
-                n_expert_used=args.experts_used,
-                **common,
-            )
-    except HydraError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"{out} ({out.stat().st_size / 1e6:.1f} MB)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

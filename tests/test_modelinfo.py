@@ -184,7 +184,7 @@ def test_not_gguf(tmp_path: Path) -> None:
     with pytest.raises(HydraError, match="not a GGUF file") as ei:
         modelinfo.inspect(p)
     assert str(p) in str(ei.value)
-    with pytest.raises(HydraError, match="not a file"):
+    with pytest.raises(HydraError, match="is a directory, not a GGUF file"):
         modelinfo.inspect(tmp_path)
 
 
@@ -196,3 +196,4 @@ def test_truncated_gguf(tmp_path: Path) -> None:
     with pytest.raises(HydraError) as ei:
         modelinfo.inspect(bad)
     assert str(bad) in str(ei.value)
+    assert "truncated or corrupt GGUF" in str(ei.value)

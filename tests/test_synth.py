@@ -96,18 +96,22 @@ def test_bad_parameters_raise() -> None:
         synth.write_dense("/nonexistent/x.gguf", vocab="nope")
 
 
-def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hydra_supervisor.cli import main
+
     out = tmp_path / "cli.gguf"
-    rc = synth.main(
-        ["moe", str(out), "--layers", "1", "--embd", "64", "--ff", "32", "--experts", "2",
-         "--experts-used", "1", "--heads", "2", "--heads-kv", "2", "--ftype", "q8_0", "--seed", "3"]
-    )  # fmt: skip
-    assert rc == 0
-    assert str(out) in capsys.readouterr().out
+    res = CliRunner().invoke(main, [
+        "synth", "moe", str(out), "--layers", "1", "--embd", "64", "--ff", "32", "--experts", "2",
+        "--experts-used", "1", "--heads", "2", "--heads-kv", "2", "--ftype", "q8_0", "--seed", "3"])
+    assert res.exit_code == 0, res.output
+    assert str(out) in res.stdout
     r = gguf.GGUFReader(out)
     assert r.fields["llama.expert_count"].contents() == 2
-    assert synth.main(["dense", str(tmp_path / "bad.gguf"), "--embd", "65"]) == 2
-    assert "multiple of heads" in capsys.readouterr().err
+    bad = CliRunner().invoke(main, ["synth", "dense", str(tmp_path / "bad.gguf"), "--embd", "65"])
+    assert bad.exit_code == 2
+    assert "multiple of heads" in bad.stderr
 
 
 # --- real llama-server -------------------------------------------------------------------------
