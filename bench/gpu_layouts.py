@@ -258,7 +258,9 @@ def main() -> int:
     env = dict(os.environ, HYDRA_NODE=str(node), HYDRA_STATE_DIR=str(tmp / "state"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                         os.environ.get("PYTHONPATH")])))
-    common = "server_args: {ctx-size: 4096, parallel: 1, flash-attn: \"on\"%s}\n"
+    # log-verbosity 4: llama.cpp then logs each device's model / KV / compute buffer sizes
+    common = ("server_args: {ctx-size: 4096, parallel: 1, flash-attn: \"on\", "
+              "log-verbosity: 4%s}\n")
     results = []
     for i, name in enumerate(wanted):
         model, body = LAYOUTS[name]

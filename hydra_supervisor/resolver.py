@@ -455,8 +455,10 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
     extra = server_flags(profile.server_args, combine=combine, source=profile.source)
     if profile.n_cpu_moe is not None and not model.is_moe:
         raise HydraError(f"{profile.source}: n_cpu_moe is for MoE models; {model_path} is dense")
-    if profile.moe_split is not MoeSplit.AUTO and not (combine and model.is_moe):
-        raise HydraError(f"{profile.source}: moe_split is for mode: combine of an MoE model")
+    if profile.moe_split is not MoeSplit.AUTO and combine and not model.is_moe:
+        # (SOLO ignores it: on_peer_loss: degrade re-plans a COMBINE profile as SOLO)
+        raise HydraError(f"{profile.source}: moe_split is for mode: combine of an MoE model; "
+                         f"{model_path} is dense")
     cpu_sharers = sum(1 for d in [head_dev, *peer_devs] if d.kind is Kind.CPU)
     head_host, head_port = ((PEER_BIND, internal_port) if internal_port
                             else (profile.host, profile.port))
