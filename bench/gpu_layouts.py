@@ -225,7 +225,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--split", default="[0.5, 0.5]", help="COMBINE split, peer first")
     ap.add_argument("--n-predict", type=int, default=128)
-    ap.add_argument("--cap-mib", default="3000,2400",
+    ap.add_argument("--cap-mib", default="3200,2400",
                     help="memory_mib of small0,small1 for the capped layout")
     ap.add_argument("--layouts", default="", help="comma-separated subset of the layouts")
     ap.add_argument("--out", default="")

@@ -33,7 +33,7 @@ PEER_BIND = "127.0.0.1"
 # What a GPU holds besides weights and KV (not in the GGUF): the process's CUDA context (CUDA
 # runtime, cuBLAS, the kernels loaded) and llama.cpp's compute buffers, estimated in
 # gpu_overhead(). Constants from NVML per-process memory on H200s (docs/benchmarks.md).
-CUDA_CONTEXT = 640 * MIB
+CUDA_CONTEXT = 704 * MIB  # seen: 592-699 MiB per process and GPU
 GPU_OVERHEAD = 768 * MIB  # the estimate for a model whose shape is unknown (test stand-ins)
 CPU_OVERHEAD = 256 * MIB
 SAFETY = 0.05  # keep 5% of each device's free memory unplanned
@@ -96,20 +96,27 @@ def _ubatch(profile: Profile) -> int:
     return DEFAULT_UBATCH
 
 
-# Compute-buffer activations per token of a ubatch, in f32 elements: COMPUTE_EMBD x n_embd +
-# COMPUTE_FF x (FFN width, x experts used for MoE); the device with the output layer also holds
-# the logits (n_vocab per token). Fitted to llama.cpp's logged compute buffers (benchmarks.md).
-COMPUTE_EMBD = 4
-COMPUTE_FF = 3
+# llama.cpp's compute buffer per GPU, in units of one ubatch of activations (ubatch x 4 bytes x
+# (n_embd + FFN width; x experts used for MoE)): the device with the output layer also holds the
+# logits (ubatch x n_vocab f32); a non-output device of a multi-GPU layer split holds pipeline
+# copies of its inputs (llama.cpp keeps 4); a device of expert tensors only, the expert
+# activations. Where weights stay in host RAM, llama.cpp copies the one a large batch needs to
+# the GPU: the largest block tensor more. Fitted to NVML on H200s (docs/benchmarks.md: measured
+# 24-228 MiB of compute buffers, planned 0.4-7% above what the GPUs held).
+COMPUTE_OUTPUT = 3
+COMPUTE_SPLIT = 10
+COMPUTE_EXPERTS = 4
 
 
-def model_shape(model: Model) -> tuple[int, int, int]:
-    """(n_embd, n_vocab, FFN activations per token) read off the tensor shapes (ggml order); zeros
-    for a stand-in that carries no tensors, which then gets the flat GPU_OVERHEAD."""
+def model_shape(model: Model) -> tuple[int, int, int, int]:
+    """(n_embd, n_vocab, FFN activations per token, largest block tensor's bytes), read off the
+    tensor shapes (ggml order); zeros for a stand-in without tensors (flat GPU_OVERHEAD)."""
     n_embd = int(getattr(model, "n_embd", 0) or 0)
     used = max(int(getattr(model, "expert_used_count", 0) or 0), 1)
-    n_vocab = ffn = 0
+    n_vocab = ffn = largest = 0
     for t in getattr(model, "tensors", ()):
+        if t.layer is not None:
+            largest = max(largest, t.n_bytes)
         if len(t.shape) < 2:
             continue
         if t.name in ("output.weight", "token_embd.weight"):
@@ -118,23 +125,33 @@ def model_shape(model: Model) -> tuple[int, int, int]:
             ffn = max(ffn, t.shape[1])
         elif t.name.endswith((".ffn_up_exps.weight", ".ffn_gate_up_exps.weight")):
             ffn = max(ffn, t.shape[1] * used)
-    return n_embd, n_vocab, ffn
+    return n_embd, n_vocab, ffn, largest
 
 
-def gpu_overhead(model: Model, profile: Profile, *, output: bool) -> int:
-    """Bytes a GPU needs beyond weights and KV: the CUDA context of the process on it and
-    llama.cpp's compute buffer (activations of one ubatch; the logits where the output is)."""
-    n_embd, n_vocab, ffn = model_shape(model)
+def gpu_overhead(model: Model, profile: Profile, *, output: bool, split: bool = False,
+                 host_weights: bool = False) -> int:
+    """Bytes a GPU needs beyond weights and KV: the CUDA context of the process on it (with
+    the memory pool llama.cpp grows while serving) and llama.cpp's compute buffer.
+
+    output: the device holds the output layer; split: a non-output device of a multi-GPU
+    layer split (else: expert tensors only); host_weights: some weights stay in host RAM.
+    """
+    n_embd, n_vocab, ffn, largest = model_shape(model)
     if not n_embd:
         return GPU_OVERHEAD
-    per_token = COMPUTE_EMBD * n_embd + COMPUTE_FF * ffn + (n_vocab if output else 0)
-    return CUDA_CONTEXT + _ubatch(profile) * 4 * per_token
+    act = _ubatch(profile) * 4 * (n_embd + ffn)
+    if output:
+        compute = COMPUTE_OUTPUT * act + _ubatch(profile) * 4 * n_vocab
+    else:
+        compute = (COMPUTE_SPLIT if split else COMPUTE_EXPERTS) * act
+    return CUDA_CONTEXT + compute + (largest if host_weights else 0)
 
 
-def _overhead(dev: Device, model: Model, profile: Profile, *, output: bool) -> int:
+def _overhead(dev: Device, model: Model, profile: Profile, *, output: bool,
+              split: bool = False, host_weights: bool = False) -> int:
     if dev.kind is Kind.CPU:
         return CPU_OVERHEAD
-    return gpu_overhead(model, profile, output=output)
+    return gpu_overhead(model, profile, output=output, split=split, host_weights=host_weights)
 
 
 def _device(devices: Mapping[str, Device], name: str, profile: Profile, key: str) -> Device:
@@ -232,7 +249,8 @@ def _solo_placements(profile: Profile, model: Model, head: Device, host: Device 
     kv_layer = model.kv_bytes_per_token(kv_type) * ctx // max(n, 1)
     what = f"layers {first_gpu}-{n - 1} + output" if gpu_blocks else "output only"
     out = [Placement(head.name, gpu_blocks, gpu_w, kv_layer * gpu_blocks,
-                     gpu_overhead(model, profile, output=gpu_layers > 0),
+                     gpu_overhead(model, profile, output=gpu_layers > 0,
+                                  host_weights=bool(first_gpu or cpu_moe)),
                      _available(head, 1), what=what if gpu_layers else "nothing")]
     cpu_w = model.non_layer_bytes() + sum(layer_bytes) - gpu_w
     if first_gpu or cpu_moe:  # (the input embedding alone on the CPU is not worth a row)
@@ -264,7 +282,8 @@ def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
 
 def _layer_placements(profile: Profile, model: Model, order: Sequence[Device],
                       counts: Sequence[int], ctx: int, kv_type: float, cpu_sharers: int,
-                      layer_bytes: Sequence[int] | None = None) -> list[Placement]:
+                      layer_bytes: Sequence[int] | None = None,
+                      host_weights: bool = False) -> list[Placement]:
     """Placements in layer order (`order` lists devices by the blocks they hold, first first).
 
     The output layer goes with the last device in layer order, as llama.cpp places it.
@@ -281,7 +300,8 @@ def _layer_placements(profile: Profile, model: Model, order: Sequence[Device],
             weights += model.output_bytes()
         out.append(Placement(
             device=dev.name, layers=count, weight_bytes=weights, kv_bytes=kv_per_layer * count,
-            overhead_bytes=_overhead(dev, model, profile, output=last),
+            overhead_bytes=_overhead(dev, model, profile, output=last, split=len(order) > 1,
+                                     host_weights=host_weights),
             free_bytes=_available(dev, cpu_sharers),
             what=f"layers {start}-{start + count - 1}" + (" + output" if last else "")
             if count else ("output" if last else "layers")))
@@ -418,12 +438,14 @@ def choose_transport(profile: Profile, head: Device, peers: Sequence[Device]
 
 
 def choose_moe_split(profile: Profile, transport: Transport) -> MoeSplit:
-    """moe_split: auto -> whole layers on one host (llama.cpp's layer split crosses GPUs once
-    per token; experts on the other GPU cross twice per layer), experts over RPC (the RPC
-    peer's role so far: it keeps the head's GPU for attention and context)."""
+    """moe_split: auto -> whole layers, over either transport: measured on two H200s, a layer
+    split crosses between devices once per token (0.98-1.05 of SOLO decode locally, 0.71 over
+    RPC) while experts on the other device cross there and back in every layer (0.39-0.42
+    locally, 0.15-0.18 over RPC). The experts form is for capacity: attention and the whole KV
+    cache stay on the head's GPU."""
     if profile.moe_split is not MoeSplit.AUTO:
         return profile.moe_split
-    return MoeSplit.LAYERS if transport is Transport.LOCAL else MoeSplit.EXPERTS
+    return MoeSplit.LAYERS
 
 
 def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[str, Device],
@@ -580,7 +602,8 @@ def _local_layer_split(profile: Profile, model: Model, gpus: Sequence[Device], c
 
     def attempt(n_cpu: int) -> list[Placement]:
         on_gpu = [b - (expert[i] if i < n_cpu else 0) for i, b in enumerate(layer_bytes)]
-        pls = _layer_placements(profile, model, gpus, counts, ctx, kv_type, 1, on_gpu)
+        pls = _layer_placements(profile, model, gpus, counts, ctx, kv_type, 1, on_gpu,
+                                host_weights=n_cpu > 0)
         return pls + ([_cpu_experts_row(model, n_cpu, host)] if n_cpu else [])
 
     n_cpu = profile.n_cpu_moe or 0
@@ -654,7 +677,7 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buf
             Placement(peer.name, len(chosen), peer_bytes, 0, peer_over, peer_avail,
                       what=f"experts of {len(chosen)} layers ({_ranges(chosen)})"),
             Placement(head.name, model.block_count, head_bytes, kv,
-                      _overhead(head, model, profile, output=True),
+                      _overhead(head, model, profile, output=True, host_weights=n_cpu > 0),
                       _available(head, cpu_sharers),
                       what=f"all {model.block_count} layers but those experts"),
         ]

@@ -188,7 +188,8 @@ def test_moe_solo_with_n_cpu_moe():
 def test_moe_combine_experts_on_peer():
     model = FakeModel(expert_count=8, per_layer_experts=200 * MIB)
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
-                                 transport=Transport.RPC), model, M, DEVICES, [50052])
+                                 transport=Transport.RPC, moe_split=MoeSplit.EXPERTS), model, M,
+                            DEVICES, [50052])
     peer, head = plan.in_start_order()
     i = head.args.index("--rpc")
     assert head.args[i:] == (
@@ -204,7 +205,8 @@ def test_moe_combine_partial_when_peer_is_small():
     small = dict(DEVICES, rtx3060=replace(DEVICES["rtx3060"], free=10 * GIB))
     big_head = dict(small, rtx=replace(DEVICES["rtx"], free=100 * GIB, total=100 * GIB))
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
-                                 transport=Transport.RPC), model, M, big_head, [50052])
+                                 transport=Transport.RPC, moe_split=MoeSplit.EXPERTS), model, M,
+                            big_head, [50052])
     ot = plan.head.args[plan.head.args.index("-ot") + 1]
     assert ot.startswith(r"blk\.(?:2|3)\.ffn_(?:down|gate|up)_exps\.weight=RPC0[")
     assert plan.placements[0].layers == 2
@@ -411,3 +413,13 @@ def test_fit_left_to_the_profile_when_it_says():
     plan = resolver.resolve(prof(head="rtx", server_args={"fit": "on"}), FakeModel(), M,
                             DEVICES, [])
     assert plan.head.args[6:] == ("-ngl", "99", "-sm", "none", "--fit", "on")
+
+
+def test_moe_over_rpc_is_a_layer_split_unless_experts_asked():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 transport=Transport.RPC, split=(2, 2)), MOE, M, DEVICES,
+                            [50052])
+    assert plan.meta["moe_split"] == "layers"
+    i = plan.head.args.index("--rpc")
+    assert plan.head.args[i:] == ("--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer",
+                                  "-ts", "2,3", "--fit", "off")

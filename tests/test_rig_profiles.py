@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hydra_supervisor import synth
+from hydra_supervisor import resolver, synth
 from hydra_supervisor.config import load_node
 from hydra_supervisor.modelinfo import ModelInfo, inspect
 
@@ -268,8 +268,11 @@ def test_dense_combine_placements_bytes(rig: Rig, dense: ModelInfo, transport: s
     assert dense.output_bytes() < dense.non_layer_bytes()
     assert peer["kv_bytes"] / MIB == pytest.approx(kv_mib(dense, 60000, 25), abs=1)
     assert head["kv_bytes"] / MIB == pytest.approx(kv_mib(dense, 60000, 39), abs=1)
-    # buffers: CUDA context + compute (ubatch 512); the head's also holds 512 x 248,320 logits
-    assert head["overhead_bytes"] - peer["overhead_bytes"] == 512 * 4 * VOCAB
+    # buffers: CUDA context + compute (ubatch 512): the head's holds 512 x 248,320 logits, the
+    # peer's the pipeline copies of a split's first device (resolver.gpu_overhead)
+    act = 512 * 4 * (5120 + 22784)
+    assert head["overhead_bytes"] == resolver.CUDA_CONTEXT + 3 * act + 512 * 4 * VOCAB
+    assert peer["overhead_bytes"] == resolver.CUDA_CONTEXT + 10 * act
     for p in (peer, head):
         need = p["weight_bytes"] + p["kv_bytes"] + p["overhead_bytes"]
         assert need <= p["free_bytes"]
@@ -360,7 +363,7 @@ def test_moe_combine_is_a_local_layer_split(rig: Rig, mini: ModelInfo) -> None:
 
 @pytest.mark.parametrize("extra,buft", [
     ("moe_split: experts", "CUDA1"),
-    ("transport: rpc", "RPC0[127.0.0.1:30052]"),  # bare RPC0 is "unknown buffer type"
+    ("transport: rpc\nmoe_split: experts", "RPC0[127.0.0.1:30052]"),  # bare RPC0: unknown
 ])
 def test_moe_combine_experts_ot_matches_exactly_the_planned_expert_tensors(
         rig: Rig, mini: ModelInfo, extra: str, buft: str) -> None:
@@ -421,11 +424,35 @@ def test_moe_combine_text_form(rig: Rig) -> None:
     assert "mode combine (moe), transport local" in res.stdout
     assert re.search(r"rtx3060: layers 0-16, weights [\d,]+ MiB", res.stdout), res.stdout
     assert "CUDA_VISIBLE_DEVICES=1,0 llama-server" in res.stdout
-    res = rig.hydra("plan", "--profile", str(rig.variant("moe35b-combine", "transport: rpc")))
+    res = rig.hydra("plan", "--profile",
+                    str(rig.variant("moe35b-combine", "transport: rpc\nmoe_split: experts")))
     assert res.returncode == 0, res.stderr
     assert re.search(r"rtx3060: experts of \d+ layers \(\d+-39\), weights [\d,]+ MiB",
                      res.stdout)
     assert "=RPC0[127.0.0.1:30052]'" in res.stdout  # shell-quoted, copy-pastable
+
+
+# ---------------------------------------------------------------------------------------------
+# The original rig emulated: a 16 GB and a 12 GB card (the device file above)
+
+
+@pytest.mark.parametrize("profile,extra", [
+    ("dense27b-combine", ""), ("dense27b-combine", "transport: rpc"),
+    ("moe35b-combine", ""), ("moe35b-combine", "moe_split: experts"),
+    ("moe35b-combine", "transport: rpc\nmoe_split: experts"),
+])
+def test_rig_combine_plans_fit_the_16gb_and_12gb_cards(rig: Rig, profile: str,
+                                                       extra: str) -> None:
+    """Every GPU's planned bytes (weights + KV + CUDA context and compute buffers, which
+    tests/test_plan_vs_nvml.py checks to be at or above NVML's per-process memory on H200s)
+    within the card's free memory less 5%: the plan fits the rig's cards by measured usage."""
+    plan = rig.plan(profile, extra)
+    gpus = [p for p in plan["placements"] if p["device"] in USABLE_MIB]
+    assert {p["device"] for p in gpus} == {"rtx", "rtx3060"}
+    for p in gpus:
+        need = p["weight_bytes"] + p["kv_bytes"] + p["overhead_bytes"]
+        assert need <= USABLE_MIB[p["device"]] * MIB, (p["device"], need / MIB)
+        assert p["overhead_bytes"] >= resolver.CUDA_CONTEXT
 
 
 # ---------------------------------------------------------------------------------------------
