@@ -28,8 +28,22 @@ class Mode(Enum):
 
 
 class Transport(Enum):
+    """How a COMBINE head reaches its other devices. AUTO (the default) is LOCAL when every
+    device is a GPU of this host, else RPC; the plan says which one and why."""
+
+    AUTO = "auto"
     RPC = "rpc"
     LOCAL = "local"
+
+
+class MoeSplit(Enum):
+    """How an MoE COMBINE spreads over its devices: whole layers (as a dense split), or only the
+    routed-expert tensors on the peer (-ot '<experts regex>=CUDA1' / RPC0[..]); AUTO picks the
+    measured-faster one for the transport."""
+
+    AUTO = "auto"
+    LAYERS = "layers"
+    EXPERTS = "experts"
 
 
 class PeerLoss(Enum):
@@ -67,7 +81,8 @@ class Profile:
     # llama.cpp device order (peers first, head last); ints = layer counts, decimals = proportions;
     # or a mapping device name -> count/proportion.
     split: tuple[int | float, ...] | Mapping[str, int | float] | None = None
-    transport: Transport = Transport.RPC
+    transport: Transport = Transport.AUTO
+    moe_split: MoeSplit = MoeSplit.AUTO
     n_cpu_moe: int | None = None
     server_args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
@@ -278,6 +293,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "peers": _str_list,
     "split": _split,
     "transport": _enum(Transport),
+    "moe_split": _enum(MoeSplit),
     "n_cpu_moe": _type(int, "an integer"),
     "server_args": _scalar_map,
     "env": _str_map,

@@ -5,30 +5,39 @@ It implements the four-cell table of design.md with stock flags only:
   dense/combine  ggml-rpc-server per peer device, then the head with --rpc and -ts / -ngl
   moe/solo       one llama-server, --n-cpu-moe when the profile asks
   moe/combine    one ggml-rpc-server, head with --rpc and -ot '<experts regex>=RPC0[host:port]'
-plus transport `local` (one llama-server over all the profile's GPUs, no RPC).
+plus transport `local`: one llama-server over all the profile's GPUs, no RPC -- a layer split
+(`CUDA_VISIBLE_DEVICES=<peers>,<head> -sm layer -ts`) or, for MoE, the experts on the second GPU
+(`CUDA_VISIBLE_DEVICES=<head>,<peer> -ts 1,0 -ot '<experts regex>=CUDA1'`). `transport: auto`
+(the default) is `local` when every device is a GPU of this host, else `rpc`.
 
 Device order in llama-server: RPC devices first, in --rpc order, then local GPUs; so `-ts` lists
-the peers first and the head last. With a CPU head the CPU is not an offload device: `-ngl N`
-puts the *last* N blocks on the RPC devices and the rest stays on the head's CPU.
+the peers first and the head last. A local layer split keeps that order (peers' GPUs first in
+CUDA_VISIBLE_DEVICES), so a profile's `split` puts the same layers on the same cards under either
+transport. With a CPU head the CPU is not an offload device: `-ngl N` puts the *last* N blocks on
+the RPC devices and the rest stays on the head's CPU.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from hydra_supervisor.argv import server_flags
-from hydra_supervisor.config import Mode, Profile, Transport
+from hydra_supervisor.config import Mode, MoeSplit, Profile, Transport
 from hydra_supervisor.devices import MIB, Device, Kind
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
 
 PEER_BIND = "127.0.0.1"
-# Compute buffers and CUDA context are not in the GGUF; these estimates are deliberately high.
-GPU_OVERHEAD = 768 * MIB
+# What a GPU holds besides weights and KV (not in the GGUF): the process's CUDA context (CUDA
+# runtime, cuBLAS, the kernels loaded) and llama.cpp's compute buffers, estimated in
+# gpu_overhead(). Constants from NVML per-process memory on H200s (docs/benchmarks.md).
+CUDA_CONTEXT = 704 * MIB  # seen: 592-699 MiB per process and GPU
+GPU_OVERHEAD = 768 * MIB  # the estimate for a model whose shape is unknown (test stand-ins)
 CPU_OVERHEAD = 256 * MIB
 SAFETY = 0.05  # keep 5% of each device's free memory unplanned
+DEFAULT_UBATCH = 512
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_([a-z_]+?)_exps\.weight$")
 
 
@@ -77,6 +86,72 @@ def _kv_type_bytes(profile: Profile) -> float:
              "q4_1": 0.625, "q5_0": 0.6875, "q5_1": 0.75, "iq4_nl": 0.5625}
     types = [str(profile.server_args.get(k, "f16")) for k in ("cache-type-k", "cache-type-v")]
     return sum(sizes.get(t, 2.0) for t in types) / 2
+
+
+def _ubatch(profile: Profile) -> int:
+    for key in ("ubatch-size", "ub"):
+        val = profile.server_args.get(key)
+        if isinstance(val, int) and val > 0:
+            return val
+    return DEFAULT_UBATCH
+
+
+# llama.cpp's compute buffer per GPU, in units of one ubatch of activations (ubatch x 4 bytes x
+# (n_embd + FFN width; x experts used for MoE)): the device with the output layer also holds the
+# logits (ubatch x n_vocab f32); a non-output device of a multi-GPU layer split holds pipeline
+# copies of its inputs (llama.cpp keeps 4); a device of expert tensors only, the expert
+# activations. Where weights stay in host RAM, llama.cpp copies the one a large batch needs to
+# the GPU: the largest block tensor more. Fitted to NVML on H200s (docs/benchmarks.md: measured
+# 24-228 MiB of compute buffers, planned 0.4-7% above what the GPUs held).
+COMPUTE_OUTPUT = 3
+COMPUTE_SPLIT = 10
+COMPUTE_EXPERTS = 4
+
+
+def model_shape(model: Model) -> tuple[int, int, int, int]:
+    """(n_embd, n_vocab, FFN activations per token, largest block tensor's bytes), read off the
+    tensor shapes (ggml order); zeros for a stand-in without tensors (flat GPU_OVERHEAD)."""
+    n_embd = int(getattr(model, "n_embd", 0) or 0)
+    used = max(int(getattr(model, "expert_used_count", 0) or 0), 1)
+    n_vocab = ffn = largest = 0
+    for t in getattr(model, "tensors", ()):
+        if t.layer is not None:
+            largest = max(largest, t.n_bytes)
+        if len(t.shape) < 2:
+            continue
+        if t.name in ("output.weight", "token_embd.weight"):
+            n_vocab = max(n_vocab, t.shape[1])
+        elif t.name.endswith((".ffn_up.weight", ".ffn_up_shexp.weight")):
+            ffn = max(ffn, t.shape[1])
+        elif t.name.endswith((".ffn_up_exps.weight", ".ffn_gate_up_exps.weight")):
+            ffn = max(ffn, t.shape[1] * used)
+    return n_embd, n_vocab, ffn, largest
+
+
+def gpu_overhead(model: Model, profile: Profile, *, output: bool, split: bool = False,
+                 host_weights: bool = False) -> int:
+    """Bytes a GPU needs beyond weights and KV: the CUDA context of the process on it (with
+    the memory pool llama.cpp grows while serving) and llama.cpp's compute buffer.
+
+    output: the device holds the output layer; split: a non-output device of a multi-GPU
+    layer split (else: expert tensors only); host_weights: some weights stay in host RAM.
+    """
+    n_embd, n_vocab, ffn, largest = model_shape(model)
+    if not n_embd:
+        return GPU_OVERHEAD
+    act = _ubatch(profile) * 4 * (n_embd + ffn)
+    if output:
+        compute = COMPUTE_OUTPUT * act + _ubatch(profile) * 4 * n_vocab
+    else:
+        compute = (COMPUTE_SPLIT if split else COMPUTE_EXPERTS) * act
+    return CUDA_CONTEXT + compute + (largest if host_weights else 0)
+
+
+def _overhead(dev: Device, model: Model, profile: Profile, *, output: bool,
+              split: bool = False, host_weights: bool = False) -> int:
+    if dev.kind is Kind.CPU:
+        return CPU_OVERHEAD
+    return gpu_overhead(model, profile, output=output, split=split, host_weights=host_weights)
 
 
 def _device(devices: Mapping[str, Device], name: str, profile: Profile, key: str) -> Device:
@@ -161,7 +236,7 @@ def _solo_placements(profile: Profile, model: Model, head: Device, host: Device 
     """SOLO: all on the head's device, minus what n-gpu-layers / n_cpu_moe leave on the CPU."""
     n = model.block_count
     if head.kind is Kind.CPU:
-        return _layer_placements(model, [head], [n], ctx, kv_type, 1)
+        return _layer_placements(profile, model, [head], [n], ctx, kv_type, 1)
     ngl = _user_ngl(profile)
     gpu_layers = n + 1 if ngl is None else max(0, min(ngl, n + 1))
     gpu_blocks = max(gpu_layers - 1, 0)  # the output layer is offloaded first
@@ -173,7 +248,9 @@ def _solo_placements(profile: Profile, model: Model, head: Device, host: Device 
     gpu_w = sum(on_gpu[first_gpu:]) + (model.output_bytes() if gpu_layers else 0)
     kv_layer = model.kv_bytes_per_token(kv_type) * ctx // max(n, 1)
     what = f"layers {first_gpu}-{n - 1} + output" if gpu_blocks else "output only"
-    out = [Placement(head.name, gpu_blocks, gpu_w, kv_layer * gpu_blocks, GPU_OVERHEAD,
+    out = [Placement(head.name, gpu_blocks, gpu_w, kv_layer * gpu_blocks,
+                     gpu_overhead(model, profile, output=gpu_layers > 0,
+                                  host_weights=bool(first_gpu or cpu_moe)),
                      _available(head, 1), what=what if gpu_layers else "nothing")]
     cpu_w = model.non_layer_bytes() + sum(layer_bytes) - gpu_w
     if first_gpu or cpu_moe:  # (the input embedding alone on the CPU is not worth a row)
@@ -185,9 +262,12 @@ def _solo_placements(profile: Profile, model: Model, head: Device, host: Device 
     return out
 
 
+def _fits(placements: Sequence[Placement]) -> bool:
+    return not any(p.free_bytes and p.need_bytes > p.free_bytes for p in placements)
+
+
 def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
-    short = [p for p in placements if p.free_bytes and p.need_bytes > p.free_bytes]
-    if not short:
+    if _fits(placements):
         return
     rows = "\n".join(
         f"  {p.device}: needs {p.need_bytes / MIB:,.0f} MiB ({p.what}: weights "
@@ -200,14 +280,16 @@ def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
              "or pick a smaller quant")
 
 
-def _layer_placements(model: Model, order: Sequence[Device], counts: Sequence[int],
-                      ctx: int, kv_type: float, cpu_sharers: int) -> list[Placement]:
+def _layer_placements(profile: Profile, model: Model, order: Sequence[Device],
+                      counts: Sequence[int], ctx: int, kv_type: float, cpu_sharers: int,
+                      layer_bytes: Sequence[int] | None = None,
+                      host_weights: bool = False) -> list[Placement]:
     """Placements in layer order (`order` lists devices by the blocks they hold, first first).
 
-    The output layer (and with it the non-block tensors, for the estimate) goes with the last
-    device in layer order, as llama.cpp places it.
+    The output layer goes with the last device in layer order, as llama.cpp places it.
+    `layer_bytes` overrides the model's bytes per block (experts kept on the CPU left out).
     """
-    layer_bytes = model.layer_bytes()
+    layer_bytes = list(model.layer_bytes() if layer_bytes is None else layer_bytes)
     kv_per_layer = model.kv_bytes_per_token(kv_type) * ctx // max(model.block_count, 1)
     out = []
     start = 0
@@ -218,7 +300,8 @@ def _layer_placements(model: Model, order: Sequence[Device], counts: Sequence[in
             weights += model.output_bytes()
         out.append(Placement(
             device=dev.name, layers=count, weight_bytes=weights, kv_bytes=kv_per_layer * count,
-            overhead_bytes=CPU_OVERHEAD if dev.kind is Kind.CPU else GPU_OVERHEAD,
+            overhead_bytes=_overhead(dev, model, profile, output=last, split=len(order) > 1,
+                                     host_weights=host_weights),
             free_bytes=_available(dev, cpu_sharers),
             what=f"layers {start}-{start + count - 1}" + (" + output" if last else "")
             if count else ("output" if last else "layers")))
@@ -226,7 +309,7 @@ def _layer_placements(model: Model, order: Sequence[Device], counts: Sequence[in
     return out
 
 
-def _ranges(nums: Sequence[int]) -> str:
+def _ranges(nums: Iterable[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
     out: list[str] = []
     for n in sorted(nums):
@@ -318,6 +401,53 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
                 engines=(peer,), router=router)
 
 
+# Measured on two H200s with hydra itself (docs/benchmarks.md); quoted in plan notes.
+LOCAL_VS_RPC = "one llama-server over both GPUs decoded at 0.96-1.03 of one GPU, a ggml-RPC " \
+    "layer split at 0.78-0.87, MoE experts over RPC at 0.15-0.17 (two H200s)"
+
+
+def choose_transport(profile: Profile, head: Device, peers: Sequence[Device]
+                     ) -> tuple[Transport, str]:
+    """The transport a COMBINE runs over, and the plan note that says why."""
+    devs = [head, *peers]
+    names = ", ".join(f"{d.name} (CUDA{d.cuda_index})" if d.kind is Kind.CUDA else d.name
+                      for d in devs)
+    others = [d for d in devs if d.kind is not Kind.CUDA]
+    if profile.transport is Transport.AUTO:
+        if not others:
+            return Transport.LOCAL, (
+                f"transport auto -> local: {names} are all GPUs of this host, so one "
+                "llama-server runs over them, no ggml-RPC (" + LOCAL_VS_RPC + "); set "
+                "transport: rpc to keep a GPU as an independent peer engine")
+        why = "; ".join(f"{d.name} is " + (f"a remote host ({d.endpoint})"
+                                           if d.kind is Kind.REMOTE else "the CPU")
+                        for d in others)
+        return Transport.RPC, f"transport auto -> rpc: {why}, which only ggml-RPC reaches"
+    if profile.transport is Transport.LOCAL:
+        if others:
+            raise HydraError(f"{profile.source}: transport: local runs one llama-server over "
+                             "local GPUs only; CPU and remote peers need transport: rpc "
+                             f"(or auto); not local GPUs: {', '.join(d.name for d in others)}")
+        return Transport.LOCAL, "transport local (set in the profile)"
+    note = "transport rpc (set in the profile)"
+    if not others:
+        note += ("; all devices are local GPUs, where transport: auto or local would run one "
+                 "llama-server over them (" + LOCAL_VS_RPC + "); keep rpc only if a peer GPU "
+                 "must stay an independent engine")
+    return Transport.RPC, note
+
+
+def choose_moe_split(profile: Profile, transport: Transport) -> MoeSplit:
+    """moe_split: auto -> whole layers, over either transport: measured on two H200s, a layer
+    split crosses between devices once per token (0.98-1.05 of SOLO decode locally, 0.71 over
+    RPC) while experts on the other device cross there and back in every layer (0.39-0.42
+    locally, 0.15-0.18 over RPC). The experts form is for capacity: attention and the whole KV
+    cache stay on the head's GPU."""
+    if profile.moe_split is not MoeSplit.AUTO:
+        return profile.moe_split
+    return MoeSplit.LAYERS
+
+
 def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[str, Device],
             rpc_ports: Sequence[int], internal_port: int | None = None) -> Plan:
     """With `internal_port`, the head binds 127.0.0.1:internal_port and the Plan carries a
@@ -347,14 +477,23 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
     extra = server_flags(profile.server_args, combine=combine, source=profile.source)
     if profile.n_cpu_moe is not None and not model.is_moe:
         raise HydraError(f"{profile.source}: n_cpu_moe is for MoE models; {model_path} is dense")
+    if profile.moe_split is not MoeSplit.AUTO and combine and not model.is_moe:
+        # (SOLO ignores it: on_peer_loss: degrade re-plans a COMBINE profile as SOLO)
+        raise HydraError(f"{profile.source}: moe_split is for mode: combine of an MoE model; "
+                         f"{model_path} is dense")
     cpu_sharers = sum(1 for d in [head_dev, *peer_devs] if d.kind is Kind.CPU)
     head_host, head_port = ((PEER_BIND, internal_port) if internal_port
                             else (profile.host, profile.port))
     base = ["-m", model_path, "--host", head_host, "--port", str(head_port)]
+    if head_dev.kind is Kind.CUDA and not any(k.lstrip("-") in ("fit", "fitt", "fit-target")
+                                              for k in profile.server_args):
+        # hydra places the layers itself; llama.cpp's own fitting would only dry-run a load.
+        extra = ["--fit", "off", *extra]
     notes: list[str] = []
     engines: list[EngineSpec] = []
     placements: list[Placement] = []
-    transport = profile.transport if combine else Transport.RPC
+    transport = Transport.RPC
+    meta: dict[str, object] = {"ctx": ctx, "block_count": model.block_count}
 
     if not combine:
         dev_flags = (["-ngl", "99", "-sm", "none"] if head_dev.kind is Kind.CUDA else ["-ngl", "0"])
@@ -369,54 +508,46 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
             name="head", role=Role.HEAD, program="llama-server",
             args=tuple(base + dev_flags + extra), env=_base_env(profile) + _pin_env(head_dev),
             host=head_host, port=head_port, device=head_dev.name, start_order=0))
-    elif transport is Transport.LOCAL:
-        gpus = [head_dev, *peer_devs]
-        if any(d.kind is not Kind.CUDA for d in gpus):
-            raise HydraError(f"{profile.source}: transport: local runs one llama-server over "
-                             "local GPUs only; CPU and remote peers need transport: rpc")
-        if model.is_moe:
-            raise HydraError(f"{profile.source}: transport: local is a layer split; for MoE "
-                             "experts on a peer use transport: rpc")
-        counts = plan_layer_split(profile, model, [*peer_devs, head_dev], 1)
-        # profile split is in llama.cpp RPC order (peers first); locally the head is CUDA0.
-        local_counts = [counts[-1], *counts[:-1]]
-        placements = _layer_placements(model, gpus, local_counts, ctx, kv_type, 1)
-        _check_fit(placements, profile)
-        args = base + ["-ngl", "99", "-sm", "layer", "-ts", _ts(local_counts)] + extra
-        engines.append(EngineSpec(
-            name="head", role=Role.HEAD, program="llama-server", args=tuple(args),
-            env=_base_env(profile) + _pin_env(gpus), host=head_host, port=head_port,
-            device="+".join(d.name for d in gpus), start_order=0))
     else:
-        managed = [d for d in peer_devs if d.kind is not Kind.REMOTE]
-        if len(rpc_ports) < len(managed):
-            raise HydraError(f"no free ggml-rpc-server port left for {len(managed)} peer(s) "
-                             "in the node's rpc_ports range")
-        ports = iter(rpc_ports)
-        peers = [_peer_spec(f"peer-{d.name}", d, None if d.kind is Kind.REMOTE else next(ports),
-                            i, profile) for i, d in enumerate(peer_devs)]
-        engines += peers
-        rpc = ",".join(p.endpoint for p in peers)
-        if model.is_moe:
-            if len(peers) != 1:
-                raise HydraError(f"{profile.source}: MoE combine puts the experts on one peer; "
-                                 f"got {len(peers)} peers")
-            args, placements = _moe_combine(profile, model, head_dev, peer_devs[0], peers[0],
-                                            ctx, kv_type, cpu_sharers)
+        transport, why = choose_transport(profile, head_dev, peer_devs)
+        notes.append(why)
+        meta["transport_requested"] = profile.transport.value
+        split = choose_moe_split(profile, transport) if model.is_moe else None
+        if split is not None:
+            meta["moe_split"] = split.value
+        if transport is Transport.LOCAL:
+            engines.append(_local_head(profile, model, head_dev, peer_devs, split, base, extra,
+                                       ctx, kv_type, devices.get("cpu"), placements, notes,
+                                       head_host, head_port))
         else:
-            args, placements = _dense_combine(profile, model, head_dev, peer_devs, ctx, kv_type,
-                                              cpu_sharers)
-            if all(d.kind is Kind.CUDA for d in [head_dev, *peer_devs]):
-                notes.append(
-                    "all devices are local GPUs: transport: local (one llama-server over "
-                    "them, -sm layer, no RPC) decoded at 0.99-1.00 of one GPU vs 0.78-0.86 for "
-                    "this RPC split on two H200s; keep rpc only if the peer GPU must stay an "
-                    "independent engine")
-        engines.append(EngineSpec(
-            name="head", role=Role.HEAD, program="llama-server",
-            args=tuple(base + ["--rpc", rpc] + args + extra),
-            env=_base_env(profile) + _pin_env(head_dev), host=head_host,
-            port=head_port, device=head_dev.name, start_order=len(peers)))
+            if profile.n_cpu_moe is not None:
+                raise HydraError(f"{profile.source}: n_cpu_moe over transport rpc is not "
+                                 "planned; use transport: local (same host) or mode: solo")
+            managed = [d for d in peer_devs if d.kind is not Kind.REMOTE]
+            if len(rpc_ports) < len(managed):
+                raise HydraError(f"no free ggml-rpc-server port left for {len(managed)} "
+                                 "peer(s) in the node's rpc_ports range")
+            ports = iter(rpc_ports)
+            peers = [_peer_spec(f"peer-{d.name}", d,
+                                None if d.kind is Kind.REMOTE else next(ports), i, profile)
+                     for i, d in enumerate(peer_devs)]
+            engines += peers
+            rpc = ",".join(p.endpoint for p in peers)
+            if split is MoeSplit.EXPERTS:
+                if len(peers) != 1:
+                    raise HydraError(f"{profile.source}: MoE combine puts the experts on one "
+                                     f"peer; got {len(peers)} peers (or set moe_split: layers)")
+                args, placements = _moe_combine(profile, model, head_dev, peer_devs[0],
+                                                f"RPC0[{peers[0].endpoint}]", ctx, kv_type,
+                                                cpu_sharers)
+            else:
+                args, placements = _dense_combine(profile, model, head_dev, peer_devs, ctx,
+                                                  kv_type, cpu_sharers)
+            engines.append(EngineSpec(
+                name="head", role=Role.HEAD, program="llama-server",
+                args=tuple(base + ["--rpc", rpc] + args + extra),
+                env=_base_env(profile) + _pin_env(head_dev), host=head_host,
+                port=head_port, device=head_dev.name, start_order=len(peers)))
     router = None
     if internal_port:
         # ggml-RPC through the external port would reach a local peer, but every local peer
@@ -428,7 +559,66 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         profile=profile.name, source=profile.source, model_path=model_path, model_kind=kind,
         mode=profile.mode.value, transport=transport.value, host=profile.host, port=profile.port,
         engines=tuple(engines), placements=tuple(placements), notes=tuple(notes),
-        meta={"ctx": ctx, "block_count": model.block_count}, router=router)
+        meta=meta, router=router)
+
+
+def _local_head(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
+                split: MoeSplit | None, base: list[str], extra: list[str], ctx: int,
+                kv_type: float, host: Device | None, placements: list[Placement],
+                notes: list[str], bind: str, port: int) -> EngineSpec:
+    """transport local: one llama-server over the profile's GPUs (fills `placements`)."""
+    if split is MoeSplit.EXPERTS:
+        if len(peers) != 1:
+            raise HydraError(f"{profile.source}: moe_split: experts puts the experts on one "
+                             f"peer GPU; got {len(peers)} peers (or set moe_split: layers)")
+        gpus = [head, peers[0]]  # the head is CUDA0, the experts' GPU CUDA1
+        args, pls = _moe_combine(profile, model, head, peers[0], "CUDA1", ctx, kv_type, 1,
+                                 host=host, notes=notes)
+    else:
+        gpus = [*peers, head]  # llama.cpp order as over RPC: the head's GPU last, with output
+        args, pls = _local_layer_split(profile, model, gpus, ctx, kv_type, host, notes)
+    placements += pls
+    return EngineSpec(
+        name="head", role=Role.HEAD, program="llama-server", args=tuple(base + args + extra),
+        env=_base_env(profile) + _pin_env(gpus), host=bind, port=port,
+        device="+".join(d.name for d in gpus), start_order=0)
+
+
+def _cpu_experts_row(model: Model, n_cpu: int, host: Device | None) -> Placement:
+    expert = model.expert_bytes_per_layer()
+    return Placement("cpu (host RAM)", 0, sum(expert[:n_cpu]), 0, CPU_OVERHEAD,
+                     _available(host, 1) if host else 0,
+                     what=f"experts of layers {_ranges(range(n_cpu))} (--n-cpu-moe {n_cpu})")
+
+
+def _local_layer_split(profile: Profile, model: Model, gpus: Sequence[Device], ctx: int,
+                       kv_type: float, host: Device | None, notes: list[str]
+                       ) -> tuple[list[str], list[Placement]]:
+    """Whole layers per GPU (-sm layer -ts); for an MoE that does not fit, the experts of the
+    first layers stay in host RAM (--n-cpu-moe N, the smallest N that fits)."""
+    counts = plan_layer_split(profile, model, gpus, 1)
+    layer_bytes = model.layer_bytes()
+    expert = model.expert_bytes_per_layer()
+
+    def attempt(n_cpu: int) -> list[Placement]:
+        on_gpu = [b - (expert[i] if i < n_cpu else 0) for i, b in enumerate(layer_bytes)]
+        pls = _layer_placements(profile, model, gpus, counts, ctx, kv_type, 1, on_gpu,
+                                host_weights=n_cpu > 0)
+        return pls + ([_cpu_experts_row(model, n_cpu, host)] if n_cpu else [])
+
+    n_cpu = profile.n_cpu_moe or 0
+    pls = attempt(n_cpu)
+    if model.is_moe and profile.n_cpu_moe is None and not _fits(pls):
+        for n in range(1, model.block_count + 1):
+            if _fits(attempt(n)):
+                n_cpu, pls = n, attempt(n)
+                notes.append(f"not all experts fit the GPUs: the experts of layers "
+                             f"{_ranges(range(n))} stay in host RAM (--n-cpu-moe {n}); set "
+                             "n_cpu_moe to choose")
+                break
+    _check_fit(pls, profile)
+    args = ["-ngl", "99", "-sm", "layer", "-ts", _ts(counts)]
+    return args + (["--n-cpu-moe", str(n_cpu)] if n_cpu else []), pls
 
 
 def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
@@ -439,30 +629,34 @@ def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence
     if head.kind is Kind.CPU:
         # The CPU is not an offload device: -ngl N offloads the last N blocks to the RPC
         # devices (split among them by -ts); the first blocks stay on the head.
-        placements = _layer_placements(model, [head, *peers], [counts[-1], *counts[:-1]], ctx,
-                                       kv_type, cpu_sharers)
+        placements = _layer_placements(profile, model, [head, *peers],
+                                       [counts[-1], *counts[:-1]], ctx, kv_type, cpu_sharers)
         _check_fit(placements, profile)
         # -ngl counts the output layer too (offloaded first, to the last RPC device).
         args = ["-ngl", str(sum(counts[:-1]) + 1), "-sm", "layer"]
         if len(peers) > 1:
             args += ["-ts", _ts(counts[:-1])]
         return args, placements
-    placements = _layer_placements(model, order, counts, ctx, kv_type, cpu_sharers)
+    placements = _layer_placements(profile, model, order, counts, ctx, kv_type, cpu_sharers)
     _check_fit(placements, profile)
     return ["-ngl", "99", "-sm", "layer", "-ts", _ts(counts)], placements
 
 
-def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device,
-                 peer_spec: EngineSpec, ctx: int, kv_type: float, cpu_sharers: int
-                 ) -> tuple[list[str], list[Placement]]:
+def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buft: str,
+                 ctx: int, kv_type: float, cpu_sharers: int, *, host: Device | None = None,
+                 notes: list[str] | None = None) -> tuple[list[str], list[Placement]]:
+    """Experts of the trailing layers on `peer` (buffer type `buft`: RPC0[host:port] or CUDA1),
+    as many as fit; the rest of the model on the head. With `host` (one process over local
+    GPUs), experts that fit neither GPU stay in host RAM: those of the first layers
+    (--n-cpu-moe N, the smallest N that fits), unless the profile sets n_cpu_moe."""
     expert_bytes = model.expert_bytes_per_layer()
     layers = [i for i, b in enumerate(expert_bytes) if b > 0]
     peer_avail = _available(peer, cpu_sharers)
-    overhead = CPU_OVERHEAD if peer.kind is Kind.CPU else GPU_OVERHEAD
+    peer_over = _overhead(peer, model, profile, output=False)
     chosen = list(layers)
     if peer_avail:
         # Experts of the last layers first, so whole trailing layers' experts sit on the peer.
-        while chosen and sum(expert_bytes[i] for i in chosen) + overhead > peer_avail:
+        while chosen and sum(expert_bytes[i] for i in chosen) + peer_over > peer_avail:
             chosen.pop(0)
         if not chosen:
             raise HydraError(
@@ -472,23 +666,48 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device,
     pattern = expert_pattern(model.tensor_names(), chosen)
     peer_bytes = sum(expert_bytes[i] for i in chosen)
     total = sum(model.layer_bytes()) + model.non_layer_bytes()
-    head_bytes = total - peer_bytes
     kv = model.kv_bytes_per_token(kv_type) * ctx
-    placements = [
-        Placement(peer.name, len(chosen), peer_bytes, 0, overhead, peer_avail,
-                  what=f"experts of {len(chosen)} layers ({_ranges(chosen)})"),
-        Placement(head.name, model.block_count, head_bytes, kv,
-                  CPU_OVERHEAD if head.kind is Kind.CPU else GPU_OVERHEAD,
-                  _available(head, cpu_sharers),
-                  what=f"all {model.block_count} layers but those experts"),
-    ]
+
+    def attempt(n_cpu: int) -> list[Placement]:
+        cpu_bytes = sum(expert_bytes[:n_cpu])
+        head_bytes = total - peer_bytes - cpu_bytes
+        if head.kind is Kind.CUDA:  # the input embedding stays in host RAM
+            head_bytes -= total - sum(model.layer_bytes()) - model.output_bytes()
+        pls = [
+            Placement(peer.name, len(chosen), peer_bytes, 0, peer_over, peer_avail,
+                      what=f"experts of {len(chosen)} layers ({_ranges(chosen)})"),
+            Placement(head.name, model.block_count, head_bytes, kv,
+                      _overhead(head, model, profile, output=True, host_weights=n_cpu > 0),
+                      _available(head, cpu_sharers),
+                      what=f"all {model.block_count} layers but those experts"),
+        ]
+        return pls + ([_cpu_experts_row(model, n_cpu, host)] if n_cpu else [])
+
+    n_cpu = profile.n_cpu_moe or 0 if host is not None else 0
+    if n_cpu and set(range(n_cpu)) & set(chosen):
+        raise HydraError(f"{profile.source}: n_cpu_moe {n_cpu} keeps experts on the CPU that "
+                         f"the plan puts on '{peer.name}' (layers {_ranges(chosen)})")
+    placements = attempt(n_cpu)
+    if host is not None and profile.n_cpu_moe is None and not _fits(placements):
+        free_layers = min(chosen) if chosen else model.block_count
+        for n in range(1, free_layers + 1):
+            if _fits(attempt(n)):
+                n_cpu, placements = n, attempt(n)
+                if notes is not None:
+                    notes.append(f"not all experts fit the GPUs: the experts of layers "
+                                 f"{_ranges(range(n))} stay in host RAM (--n-cpu-moe {n})")
+                break
     _check_fit(placements, profile)
-    # The buffer type name is RPC0[host:port]; bare RPC0 is "unknown buffer type".
     if head.kind is Kind.CUDA:
-        # -ts 0,1: every layer on the head's GPU; without it llama.cpp also spreads whole
-        # layers over the RPC device by free memory, not just the overridden experts.
-        args = ["-ngl", "99", "-ts", "0,1"]
+        # -ts 1,0 (local; 0,1 over RPC, where the RPC device comes first): every layer on the
+        # head's GPU; without it llama.cpp also spreads whole layers over the other device by
+        # free memory, not just the overridden experts.
+        args = ["-ngl", "99"] + (["-sm", "layer", "-ts", "1,0"] if host is not None
+                                 else ["-ts", "0,1"])
     else:
         args = ["-ngl", "0"]  # the CPU is no offload device: only the -ot tensors move
-    args += ["-ot", f"{pattern}=RPC0[{peer_spec.endpoint}]"]
+    # Over RPC the buffer type name is RPC0[host:port]; bare RPC0 is "unknown buffer type".
+    args += ["-ot", f"{pattern}={buft}"]
+    if n_cpu:
+        args += ["--n-cpu-moe", str(n_cpu)]
     return args, placements

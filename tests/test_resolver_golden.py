@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hydra_supervisor import resolver
-from hydra_supervisor.config import Mode, Profile, Transport
+from hydra_supervisor.config import Mode, MoeSplit, Profile, Transport
 from hydra_supervisor.devices import MIB, Device, Kind
 from hydra_supervisor.errors import HydraError
 
@@ -85,7 +85,8 @@ def test_dense_solo_gpu():
     (head,) = plan.engines
     assert head.program == "llama-server"
     assert head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080",
-                         "-ngl", "99", "-sm", "none", "--ctx-size", "8192", "--jinja")
+                         "-ngl", "99", "-sm", "none", "--fit", "off", "--ctx-size", "8192",
+                         "--jinja")
     assert head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", "0"))
 
 
@@ -99,23 +100,27 @@ def test_dense_solo_cpu_is_the_demo_shape():
 
 def test_dense_combine_gpu_head_rpc_first():
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
-                                 split=(1, 3)), FakeModel(), M, DEVICES, [50052])
+                                 split=(1, 3), transport=Transport.RPC), FakeModel(), M, DEVICES,
+                            [50052])
     peer, head = plan.in_start_order()
     assert peer.args == ("-H", "127.0.0.1", "-p", "50052", "-c")
     assert peer.env_dict()["CUDA_VISIBLE_DEVICES"] == "1"
     assert head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080",
-                         "--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer", "-ts", "1,4")
+                         "--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer", "-ts", "1,4",
+                         "--fit", "off")
     assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0"
     assert [p.layers for p in plan.placements] == [1, 3]
-    assert any("transport: local" in n for n in plan.notes)
+    assert plan.transport == "rpc"
+    (note,) = plan.notes
+    assert note.startswith("transport rpc (set in the profile); all devices are local GPUs")
 
 
 def test_dense_combine_split_by_name_and_output_layer_count():
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
-                                 split={"rtx": 4, "rtx3060": 1}),
+                                 split={"rtx": 4, "rtx3060": 1}, transport=Transport.RPC),
                             FakeModel(), M, DEVICES, [50052])
     # 5 = 4 blocks + output, as llama.cpp counts -ts: 1 block on the peer, 3 + output on the head
-    assert plan.head.args[-2:] == ("-ts", "1,4")
+    assert plan.head.args[-4:-2] == ("-ts", "1,4")
     assert [p.layers for p in plan.placements] == [1, 3]
 
 
@@ -127,7 +132,9 @@ def test_dense_combine_cpu_head_offloads_last_layers():
     # -ngl counts the output layer: 2 blocks + output go to the peer.
     assert head.args[6:] == ("--rpc", "127.0.0.1:50060", "-ngl", "3", "-sm", "layer")
     assert [(p.device, p.layers) for p in plan.placements] == [("cpu", 2), ("cpu-peer", 2)]
-    assert not plan.notes
+    assert plan.transport == "rpc"
+    assert plan.notes == ("transport auto -> rpc: cpu is the CPU; cpu-peer is the CPU, which "
+                          "only ggml-RPC reaches",)
 
 
 def test_dense_combine_with_remote_peer_is_not_spawned():
@@ -138,34 +145,58 @@ def test_dense_combine_with_remote_peer_is_not_spawned():
     assert remote.endpoint == "192.168.122.21:50052"
     assert "--rpc" in head.args
     assert head.args[head.args.index("--rpc") + 1] == "127.0.0.1:50052,192.168.122.21:50052"
-    assert head.args[-2:] == ("-ts", "1,1,3")
+    assert head.args[-4:] == ("-ts", "1,1,3", "--fit", "off")
+    assert plan.transport == "rpc"
+    assert plan.notes == ("transport auto -> rpc: p100 is a remote host (192.168.122.21:50052), "
+                          "which only ggml-RPC reaches",)
 
 
-def test_transport_local_one_process_over_both_gpus():
+@pytest.mark.parametrize("transport", [Transport.LOCAL, Transport.AUTO])
+def test_transport_local_one_process_over_both_gpus(transport):
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
-                                 split=(1, 3), transport=Transport.LOCAL),
-                            FakeModel(), M, DEVICES, [])
+                                 split=(1, 3), transport=transport),
+                            FakeModel(), M, DEVICES, [50052])
     (head,) = plan.engines
-    assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "3,2")
+    # peers first, head last, as over RPC: the profile's split puts the same layers on the
+    # same cards under either transport (1 block on the 3060, 3 + output on the 5060 Ti)
+    assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "1,4", "--fit", "off")
+    assert "--rpc" not in head.args
+    assert head.device == "rtx3060+rtx"
     assert plan.transport == "local"
+    assert [(p.device, p.layers, p.what) for p in plan.placements] == [
+        ("rtx3060", 1, "layers 0-0"), ("rtx", 3, "layers 1-3 + output")]
+    (note,) = plan.notes
+    if transport is Transport.AUTO:
+        assert note.startswith("transport auto -> local: rtx (CUDA0), rtx3060 (CUDA1) are all "
+                               "GPUs of this host, so one llama-server runs over them")
+    else:
+        assert note == "transport local (set in the profile)"
+    rpc = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                split=(1, 3), transport=Transport.RPC),
+                           FakeModel(), M, DEVICES, [50052])
+    assert rpc.placements == plan.placements
 
 
 def test_moe_solo_with_n_cpu_moe():
     plan = resolver.resolve(prof(head="rtx", n_cpu_moe=8),
                             FakeModel(expert_count=8, per_layer_experts=200 * MIB), M, DEVICES, [])
-    assert plan.head.args[6:] == ("-ngl", "99", "-sm", "none", "--n-cpu-moe", "8")
+    assert plan.head.args[6:] == ("-ngl", "99", "-sm", "none", "--n-cpu-moe", "8", "--fit",
+                                  "off")
 
 
 def test_moe_combine_experts_on_peer():
     model = FakeModel(expert_count=8, per_layer_experts=200 * MIB)
-    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)), model, M,
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 transport=Transport.RPC, moe_split=MoeSplit.EXPERTS), model, M,
                             DEVICES, [50052])
     peer, head = plan.in_start_order()
     i = head.args.index("--rpc")
     assert head.args[i:] == (
         "--rpc", "127.0.0.1:50052", "-ngl", "99", "-ts", "0,1",
-        "-ot", r"blk\.[0-9]+\.ffn_(?:down|gate|up)_exps\.weight=RPC0[127.0.0.1:50052]")
+        "-ot", r"blk\.[0-9]+\.ffn_(?:down|gate|up)_exps\.weight=RPC0[127.0.0.1:50052]",
+        "--fit", "off")
+    assert plan.meta["moe_split"] == "experts"
     assert head.args.index("--rpc") < head.args.index("-ot")
 
 
@@ -173,7 +204,8 @@ def test_moe_combine_partial_when_peer_is_small():
     model = FakeModel(expert_count=8, per_layer_experts=4 * GIB)
     small = dict(DEVICES, rtx3060=replace(DEVICES["rtx3060"], free=10 * GIB))
     big_head = dict(small, rtx=replace(DEVICES["rtx"], free=100 * GIB, total=100 * GIB))
-    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)), model, M,
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 transport=Transport.RPC, moe_split=MoeSplit.EXPERTS), model, M,
                             big_head, [50052])
     ot = plan.head.args[plan.head.args.index("-ot") + 1]
     assert ot.startswith(r"blk\.(?:2|3)\.ffn_(?:down|gate|up)_exps\.weight=RPC0[")
@@ -213,7 +245,7 @@ def test_split_planned_from_free_memory():
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",)),
                             FakeModel(block_count=26), M, DEVICES, [50052])
     # 11 GiB vs 15 GiB free → 11/26 and 15/26 of 26 layers.
-    assert plan.head.args[-2:] == ("-ts", "11,16")
+    assert plan.head.args[-4:-2] == ("-ts", "11,16")
 
 
 def test_expert_pattern_never_matches_nothing():
@@ -283,3 +315,113 @@ def test_solo_n_cpu_moe_keeps_those_experts_off_the_gpu():
     part = resolver.resolve(prof(head="rtx", n_cpu_moe=3), model, M, DEVICES, []).placements
     assert full.weight_bytes - part[0].weight_bytes == 3 * GIB
     assert part[1].device == "cpu (host RAM)" and "experts of layers 0-2" in part[1].what
+
+
+# ---------------------------------------------------------------------------------------------
+# transport auto and MoE over two local GPUs (one llama-server, no RPC)
+
+MOE = FakeModel(expert_count=8, per_layer_experts=200 * MIB)
+
+
+def test_moe_auto_is_a_local_layer_split():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 split=(1, 3)), MOE, M, DEVICES, [50052])
+    (head,) = plan.engines
+    assert (plan.transport, plan.meta["moe_split"], plan.meta["transport_requested"]) == (
+        "local", "layers", "auto")
+    assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "1,4", "--fit", "off")
+    assert [(p.device, p.layers, p.weight_bytes) for p in plan.placements] == [
+        ("rtx3060", 1, 300 * MIB), ("rtx", 3, 900 * MIB + 25 * MIB)]
+
+
+def test_moe_local_experts_on_the_second_gpu():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 moe_split=MoeSplit.EXPERTS), MOE, M, DEVICES, [50052])
+    (head,) = plan.engines
+    assert plan.transport == "local" and plan.meta["moe_split"] == "experts"
+    # the head's GPU is CUDA0 (every layer, -ts 1,0), the experts' GPU CUDA1
+    assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert head.device == "rtx+rtx3060"
+    assert head.args[6:] == (
+        "-ngl", "99", "-sm", "layer", "-ts", "1,0",
+        "-ot", r"blk\.[0-9]+\.ffn_(?:down|gate|up)_exps\.weight=CUDA1", "--fit", "off")
+    peer, main = plan.placements
+    assert (peer.device, peer.weight_bytes, peer.what) == (
+        "rtx3060", 4 * 200 * MIB, "experts of 4 layers (0-3)")
+    # everything else but the input embedding (half of `extra` in the stand-in)
+    assert (main.device, main.weight_bytes) == ("rtx", 4 * 100 * MIB + 25 * MIB)
+
+
+def test_moe_local_experts_partial_then_host_ram():
+    """Experts of the trailing layers that fit CUDA1; the head's GPU keeps some; the first
+    layers' experts stay in host RAM (--n-cpu-moe N, the smallest N that fits)."""
+    model = FakeModel(block_count=10, expert_count=8, per_layer=50 * MIB,
+                      per_layer_experts=1 * GIB)
+    small = dict(DEVICES, rtx=replace(DEVICES["rtx"], free=4 * GIB),
+                 rtx3060=replace(DEVICES["rtx3060"], free=3 * GIB))
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 moe_split=MoeSplit.EXPERTS), model, M, small, [])
+    args = plan.head.args
+    ot = args[args.index("-ot") + 1]
+    # 3 GiB * 0.95 less 768 MiB of buffers: two layers' experts on CUDA1
+    assert ot == r"blk\.(?:8|9)\.ffn_(?:down|gate|up)_exps\.weight=CUDA1"
+    n_cpu = int(args[args.index("--n-cpu-moe") + 1])
+    peer, head, host = plan.placements
+    assert host.device == "cpu (host RAM)" and host.weight_bytes == n_cpu * GIB
+    assert head.weight_bytes == 10 * 50 * MIB + (8 - n_cpu) * GIB + 25 * MIB
+    assert head.need_bytes <= head.free_bytes
+    # one layer fewer on the CPU would not fit the head's GPU
+    assert head.need_bytes + GIB > head.free_bytes
+    assert any(f"--n-cpu-moe {n_cpu}" in n for n in plan.notes)
+
+
+def test_moe_local_layers_keep_first_experts_in_host_ram_when_short():
+    model = FakeModel(block_count=8, expert_count=8, per_layer=50 * MIB,
+                      per_layer_experts=3 * GIB)
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 split=(4, 4)), model, M, DEVICES, [])
+    args = plan.head.args
+    assert args[6:12] == ("-ngl", "99", "-sm", "layer", "-ts", "4,5")
+    n_cpu = int(args[args.index("--n-cpu-moe") + 1])
+    assert n_cpu == 1  # 4 x 3 GiB + buffers > 11 GiB x 0.95 on the 3060: one layer's experts move
+    assert plan.placements[-1].what == "experts of layers 0 (--n-cpu-moe 1)"
+    assert all(p.need_bytes <= p.free_bytes for p in plan.placements)
+
+
+def test_n_cpu_moe_given_is_kept_in_a_local_combine():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 n_cpu_moe=1), MOE, M, DEVICES, [])
+    assert plan.head.args[-4:] == ("--n-cpu-moe", "1", "--fit", "off")
+    assert not any("not all experts fit" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("kw,model,needle", [
+    (dict(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",), moe_split=MoeSplit.EXPERTS),
+     FakeModel(), "moe_split is for mode: combine of an MoE model"),
+    (dict(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",), transport=Transport.RPC,
+          n_cpu_moe=2), MOE, "n_cpu_moe over transport rpc is not planned"),
+    (dict(mode=Mode.COMBINE, head="rtx", peers=("p100",), transport=Transport.LOCAL), MOE,
+     "not local GPUs: p100"),
+    (dict(mode=Mode.COMBINE, head="rtx", peers=("rtx3060", "p100"),
+          moe_split=MoeSplit.EXPERTS), MOE, "puts the experts on one peer; got 2 peers"),
+])
+def test_bad_moe_and_transport_choices(kw, model, needle):
+    with pytest.raises(HydraError, match=needle):
+        resolver.resolve(prof(**kw), model, M, DEVICES, [50052])
+
+
+def test_fit_left_to_the_profile_when_it_says():
+    plan = resolver.resolve(prof(head="rtx", server_args={"fit": "on"}), FakeModel(), M,
+                            DEVICES, [])
+    assert plan.head.args[6:] == ("-ngl", "99", "-sm", "none", "--fit", "on")
+
+
+def test_moe_over_rpc_is_a_layer_split_unless_experts_asked():
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
+                                 transport=Transport.RPC, split=(2, 2)), MOE, M, DEVICES,
+                            [50052])
+    assert plan.meta["moe_split"] == "layers"
+    i = plan.head.args.index("--rpc")
+    assert plan.head.args[i:] == ("--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer",
+                                  "-ts", "2,3", "--fit", "off")
