@@ -86,10 +86,10 @@ class StateDir:
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
                 raise HydraError(
-                    f"another hydra (pid {holder}) holds the state dir {self.root} "
-                    f"(lock {path})",
-                    hint="`hydra status` / `hydra down`, or set HYDRA_STATE_DIR for a "
-                         "second hydra") from None
+                    f"hydra is already running here: another hydra (pid {holder}) holds the "
+                    f"state dir {self.root} (lock {path})",
+                    hint="`hydra down` first, `hydra switch PROFILE` to change its layout, or "
+                         "set HYDRA_STATE_DIR for a second hydra") from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             try:
