@@ -183,6 +183,18 @@ class Engine:
             return
         self._sync_gate()
 
+    async def _before_head_swap(self, to: str) -> None:
+        """The supervisor returns a degraded head to COMBINE: a planned swap, so hold new
+        requests and let the SOLO head finish what it serves (bounded) before it stops."""
+        if self.router is None:
+            return
+        self.router.hold(f"returning to {to.upper()} now that the peer is back")
+        left = await asyncio.to_thread(self.router.wait_idle, self.switch_timeouts.drain)
+        if left:
+            n = self.router.cut_inflight(f"cut by the return to {to} after "
+                                         f"{self.switch_timeouts.drain:.0f}s of draining")
+            log.warning("return to %s: %d in-flight requests cut after the drain", to, n)
+
     def _published(self) -> None:
         for fn in self.listeners:
             fn()
@@ -218,6 +230,7 @@ class Engine:
         sup.router = self.router
         sup.listeners.append(self._on_transition)
         sup.on_publish = self._published
+        sup.before_head_swap = self._before_head_swap
         self.sup = sup
         self.dep = dep
         if self.router is not None:
