@@ -98,6 +98,9 @@ class Profile:
     description: str = ""
     # `hydra bench` thresholds (decode_tps, prefill_tps: at least; ttft_ms: at most).
     expect: Mapping[str, float] = field(default_factory=dict)
+    # Save every KV slot before the head stops (switch, reload, planned restart) and restore
+    # them into the next head of the same model (the head gets --swa-full for that).
+    keep_slots: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "router": _type(bool, "true or false"),
     "rpc_allow": _cidrs,
     "expect": _section(EXPECT_SCHEMA, "expect"),
+    "keep_slots": _type(bool, "true or false"),
 }
 
 DEVICE_SCHEMA: dict[str, Checker] = {

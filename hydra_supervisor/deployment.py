@@ -48,6 +48,7 @@ class Deployment:
     pick_port: PortPicker | None = None  # a free rpc_ports port, for a peer whose port was taken
     pick_internal_port: PortPicker | None = None  # a free internal_ports port, for the head
     layout: Any = None  # the layout.Layout it was built from (None in policy tests)
+    keep_slots: bool = False  # save the head's KV slots before it stops, restore after
 
     @property
     def profile(self) -> str:
@@ -71,7 +72,8 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     layout.check_ports(lay.plan, ours)
     layout.check_remote_peers(lay.plan)
     prof = lay.profile
-    plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir)
+    plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir,
+                                                           swa_full=prof.keep_slots)
     timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
                                               prof.load_timeout),
                         stop_grace=prof.stop_grace, health=prof.health)
@@ -80,15 +82,20 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
                       model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
                       pick_port=layout.port_picker(lay.node),
                       pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports),
-                      layout=lay)
+                      layout=lay, keep_slots=prof.keep_slots)
 
 
-def with_slot_dir(plan: Plan, slot_dir: Path) -> Plan:
+def with_slot_dir(plan: Plan, slot_dir: Path, swa_full: bool = False) -> Plan:
     """The head saves and restores KV slots under `slot_dir` (the wire protocol's STATE_* ops
-    and keep_slots use llama-server's /slots save/restore, which needs --slot-save-path)."""
+    and keep_slots use llama-server's /slots save/restore, which needs --slot-save-path).
+    `swa_full`: a sliding-window model (Gemma 3) serves a restored slot from cache only with a
+    full-size SWA cache; llama.cpp ignores the flag for other models."""
     engines = []
     for e in plan.engines:
-        if e.role is Role.HEAD and e.managed and "--slot-save-path" not in e.args:
-            e = replace(e, args=(*e.args, "--slot-save-path", str(slot_dir)))
+        if e.role is Role.HEAD and e.managed:
+            if "--slot-save-path" not in e.args:
+                e = replace(e, args=(*e.args, "--slot-save-path", str(slot_dir)))
+            if swa_full and "--swa-full" not in e.args:
+                e = replace(e, args=(*e.args, "--swa-full"))
         engines.append(e)
     return replace(plan, engines=tuple(engines))

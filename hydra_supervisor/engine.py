@@ -34,14 +34,16 @@ from typing import Any
 from hydra_supervisor import gpumem, plandiff
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.ports import url_for
+from hydra_supervisor.ports import client_host, url_for
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import ManagedProcess, State, Supervisor
+from hydra_supervisor.wire import slots
 
 log = logging.getLogger("hydra")
 
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
+SLOT_TIMEOUT = 120.0  # one slot's save or restore (a long context on a slow disk)
 
 
 class EngineBusy(HydraError):
@@ -314,6 +316,10 @@ class Engine:
                     r.hold(f"switching to profile {dep.profile}")
             with phase("drain"):
                 await self._drain(report, dep.profile)
+            saved: dict[int, str] = {}
+            if old is not None and old.keep_slots:
+                with phase("save_slots"):
+                    saved = await self._save_slots(old)
             with phase("stop"):
                 pids = await self._stop_current(f"switch to {dep.profile}")
             with phase("gpu_free"):
@@ -327,6 +333,9 @@ class Engine:
                 started_new = True
                 await self._ready(sup, dep.timeouts.load + dep.timeouts.peer
                                   + self.switch_timeouts.gate_extra)
+            if saved:
+                with phase("restore_slots"):
+                    await self._restore_slots(old, dep, saved, report)
             with phase("release"):
                 self.last_good = dep
                 self.switching = None
@@ -389,11 +398,13 @@ class Engine:
                     r.hold(f"restarting the head of {dep.profile} with new settings")
             with phase("drain"):
                 await self._drain(report, dep.profile)
+            saved = await self._save_slots(old)
             with phase("restart_head"):
                 sup.adopt_head(dep)
                 self.dep = dep
                 await sup.restart(names[0])
                 await self._ready(sup, dep.timeouts.load)
+            await self._restore_slots(old, dep, saved, report)
             self.last_good = dep
             report.result = "ok"
         except (LayoutFailed, HydraError, OSError) as exc:
@@ -419,6 +430,50 @@ class Engine:
             for fn in self.listeners:
                 fn()
         return report
+
+    def _head_addr(self) -> tuple[str, int] | None:
+        sup = self.sup
+        if sup is None or sup.head is None or sup.head.state is not State.READY:
+            return None
+        spec = sup.head.spec
+        return (client_host(spec.host), spec.port)
+
+    async def _save_slots(self, dep: Deployment | None) -> dict[int, str]:
+        """keep_slots: save every slot of the running head before it stops."""
+        if dep is None or not dep.keep_slots:
+            return {}
+        addr = self._head_addr()
+        if addr is None:
+            return {}
+        try:
+            return await asyncio.to_thread(slots.save_all, addr, f"keep-{dep.profile}",
+                                           SLOT_TIMEOUT)
+        except (slots.SlotError, OSError) as exc:
+            log.warning("keep_slots: could not save the slots of %s: %s", dep.profile, exc)
+            return {}
+
+    async def _restore_slots(self, old: Deployment | None, new: Deployment,
+                             saved: dict[int, str], report: SwitchReport) -> None:
+        """keep_slots: restore the saved slots into the new head when it runs the same model."""
+        if not saved:
+            return
+        try:
+            addr = self._head_addr()
+            if old is None or addr is None or old.plan.model_path != new.plan.model_path \
+                    or not new.keep_slots:
+                report.notes.append("saved slots not restored: the new layout runs another "
+                                    "model or does not keep slots")
+                return
+            res = await asyncio.to_thread(slots.restore_all, addr, saved, SLOT_TIMEOUT)
+            ok = {k: v for k, v in res.items() if isinstance(v, int)}
+            report.notes.append(f"keep_slots: restored {len(ok)} of {len(saved)} slots "
+                                f"({sum(ok.values())} tokens)")
+        except (slots.SlotError, OSError) as exc:
+            report.notes.append(f"keep_slots: restore failed: {exc}")
+        finally:
+            for name in saved.values():
+                with contextlib.suppress(OSError):
+                    (self.state.root / "slots" / name).unlink()
 
     async def _drain(self, report: SwitchReport, target: str) -> None:
         r = self.router
@@ -474,10 +529,15 @@ class Engine:
             raise EngineBusy(f"a switch is running on port {self.port}; try again after it")
         async with self.lock:
             t0 = time.monotonic()
+            dep = self.dep
+            saved = await self._save_slots(dep)
             await sup.restart(name)
             await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
+            rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile)
+            if dep is not None:
+                await self._restore_slots(dep, dep, saved, rep)
             return {"engine": name, "profile": sup.plan.profile,
-                    "seconds": round(time.monotonic() - t0, 3)}
+                    "seconds": round(time.monotonic() - t0, 3), "notes": rep.notes}
 
     async def shutdown(self, reason: str) -> None:
         if self.sup is not None:
