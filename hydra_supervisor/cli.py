@@ -185,14 +185,17 @@ async def _present(d: daemon.Daemon) -> None:
                   f"`hydra switch NAME` (profiles: {', '.join(eng.profiles())})", markup=False)
         return
     plan = sup.plan
+    lay = eng.dep.layout if eng.dep is not None else None
+    model_bytes = lay.model.file_size if lay is not None and lay.model is not None else 0
     what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
     # A status string is always read as markup; a reason such as "RPC0[127.0.0.1:30052]" is not.
     with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as spin:
         while eng.state_word() == "starting":
             cur = next((p for p in sup.procs if p.state.value != "READY"), None)
             if cur is not None:
+                bar = _load_bar(cur.pid, model_bytes) if cur.spec.role.value == "head" else ""
                 spin.update(Text(f"{plan.profile}: {cur.name} {cur.state.value} — "
-                                 f"{cur.reason or 'starting'} "
+                                 f"{cur.reason or 'starting'} {bar}"
                                  f"({time.monotonic() - cur.since:.0f}s)"))
             await asyncio.sleep(0.2)
     if eng.state_word() not in ("serving", "degraded"):
@@ -211,6 +214,23 @@ async def _present(d: daemon.Daemon) -> None:
               "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'", markup=False)
     out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "
               "another terminal)", markup=False)
+
+
+def _load_bar(pid: int | None, model_bytes: int, width: int = 20) -> str:
+    """How much of the model file the loading head has mapped in (its resident memory against
+    the file's size; llama.cpp mmaps the GGUF, so pages it read count there), as a text bar."""
+    if not pid or model_bytes <= 0:
+        return ""
+    import psutil
+
+    try:
+        rss = psutil.Process(pid).memory_info().rss
+    except psutil.Error:  # a process that just exited shows no bar
+        return ""
+    frac = min(rss / model_bytes, 1.0)
+    done = int(frac * width)
+    return (f"[{'#' * done}{'.' * (width - done)}] {frac:4.0%} of "
+            f"{model_bytes / 2**20:,.0f} MiB ")
 
 
 def _control(route: str, body: dict[str, Any] | None = None, method: str = "POST",
