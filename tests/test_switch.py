@@ -7,6 +7,7 @@ non-streaming requests the whole time; no request that had not started may fail.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -29,19 +30,21 @@ class Load:
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                     max_retries=0, timeout=300)
         self.ok = 0
-        self.failures: list[str] = []
+        self.failures: list[str] = []  # requests that failed before any response byte
+        self.cut: list[str] = []  # streams cut after their first chunk (allowed to fail)
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(s,), daemon=True)
                         for s in (False, True)]
 
+    _started = False  # per thread in practice: one streaming thread
+
     def _one(self, stream: bool) -> None:
         msgs: Any = [{"role": "user", "content": "Say hi"}]
         if stream:
-            text = ""
-            for chunk in self.client.chat.completions.create(
+            self._started = False
+            for _chunk in self.client.chat.completions.create(
                     model="x", messages=msgs, max_tokens=8, stream=True):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    text += chunk.choices[0].delta.content
+                self._started = True
         else:
             r = self.client.chat.completions.create(model="x", messages=msgs, max_tokens=8)
             assert r.choices
@@ -49,10 +52,12 @@ class Load:
 
     def _loop(self, stream: bool) -> None:
         while not self.stop.is_set():
+            self._started = False
             try:
                 self._one(stream)
             except Exception as exc:  # noqa: BLE001 - every failure is a finding
-                self.failures.append(f"{'stream' if stream else 'plain'}: {exc!r}")
+                what = f"{'stream' if stream else 'plain'}: {exc!r}"
+                (self.cut if stream and self._started else self.failures).append(what)
             time.sleep(0.05)
 
     def __enter__(self) -> Load:
@@ -190,3 +195,25 @@ def test_not_running_is_exit_3(hydra_env):
         res = run_hydra(hydra_env, *args)
         assert res.returncode == 3, (args, res.stdout, res.stderr)
         assert "hydra is not running here" in res.stdout + res.stderr
+
+
+def test_kill_head_and_peer_under_load_loses_no_unstarted_request(hydra_up, hydra_env):
+    up = hydra_up("--profile", "demo-combine", "--port", "0")
+    up.wait_ready()
+    port = int(status_json(hydra_env)["daemon"]["engines"][0]["port"])
+
+    def all_ready() -> bool:
+        st = status_json(hydra_env)
+        return all(e["state"] == "READY" for e in st["status"]["engines"])
+
+    with Load(port) as load:
+        wait_until(lambda: load.ok >= 2, 60, "first requests served")
+        for victim in ("head", "peer-cpu-peer"):
+            pid = up.engine(victim)["pid"]
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda p=pid, v=victim: up.engine(v)["pid"] not in (None, p), 120,
+                       f"{victim} restarted")
+            wait_until(all_ready, 180, "the pair ready again")
+            n = load.ok
+            wait_until(lambda n=n: load.ok > n + 1, 120, "requests served after the kill")
+    assert load.failures == [], load.failures
