@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -323,7 +324,7 @@ def stream_request(tokens: int = 5, delay: float = 0.0, **extra: object) -> byte
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
-def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> dict[str, object]:
+def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> dict[str, Any]:
     """Open ``n`` connections, send ``request`` on each, and read every streamed response to
     its last chunk, all at once from one thread (a selector). Returns counts and per-stream
     times to the first byte and to the end (seconds)."""
