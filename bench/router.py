@@ -849,6 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=256, help="part l bytes per write")
     ap.add_argument("--reply", type=int, default=1024, help="part l reply bytes")
     ap.add_argument("--bulk-gb", type=float, default=None, help="GiB per bulk run (default 2)")
+    ap.add_argument("--bins", default=None, help="llama.cpp bin dir (default: hydra's build)")
     ap.add_argument("--h-tokens", type=int, default=64, help="part h tokens per stream")
     ap.add_argument("--h-delay", type=float, default=0.005,
                     help="part h seconds between tokens (0.005: 200 t/s per stream)")
@@ -874,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         args.bulk_gb = 0.5 if args.quick else 2.0
     parts = set(args.parts.split(","))
 
-    bins = bin_dir(BuildOptions())
+    bins = Path(args.bins) if args.bins else bin_dir(BuildOptions())
     random.seed(0)
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="hydra-bench-router-") as tmpd:

@@ -244,9 +244,11 @@ def fake_hydra_handler(conn: socket.socket) -> None:
 
 
 def llama_bins() -> Path:
+    """The llama.cpp build to test against: $HYDRA_TEST_LLAMA_BINS, else hydra's own build."""
     from hydra_supervisor.install import BuildOptions, bin_dir
 
-    bins = bin_dir(BuildOptions())
+    override = os.environ.get("HYDRA_TEST_LLAMA_BINS")
+    bins = Path(override) if override else bin_dir(BuildOptions())
     for name in ("llama-server", "ggml-rpc-server"):
         if not (bins / name).is_file():
             pytest.skip(f"{name} not built in {bins}")

@@ -430,3 +430,24 @@ def test_restart_after_stop(upstream: StandIn) -> None:
         wait_until(lambda: r.stats()["http"]["requests"] == 2, what="both requests counted")
     finally:
         r.stop()
+
+
+def test_framing_variants(make_router: RouterFactory, upstream: StandIn) -> None:
+    """A chunked request body, HEAD, HTTP/1.0 without Host, pipelined requests."""
+    r = make_router(Upstreams(http=upstream.addr))
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
+    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    status, _, reply = raw_exchange(r.port, chunked)
+    assert status.startswith(b"HTTP/1.1 200 ") and b"t0 t1" in reply
+    assert upstream.bodies[-1]["max_tokens"] == 2
+    status, headers, reply = raw_exchange(
+        r.port, b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 ") and reply == b""
+    status, _, reply = raw_exchange(r.port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200 ") and b'"ok"' in reply
+    with connect(r.port) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 2
+                  + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        replies = recv_to_eof(c)
+    assert replies.count(b"HTTP/1.1 200 ") == 3 and replies.endswith(b"}]}")
