@@ -851,8 +851,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bulk-gb", type=float, default=None, help="GiB per bulk run (default 2)")
     ap.add_argument("--bins", default=None, help="llama.cpp bin dir (default: hydra's build)")
     ap.add_argument("--h-tokens", type=int, default=64, help="part h tokens per stream")
-    ap.add_argument("--h-delay", type=float, default=0.005,
-                    help="part h seconds between tokens (0.005: 200 t/s per stream)")
+    ap.add_argument("--h-delay", type=float, default=0.02,
+                    help="part h seconds between tokens (0.02: 50 t/s per stream)")
     ap.add_argument("--m-streams", type=int, default=1000)
     ap.add_argument("--m-tokens", type=int, default=8)
     ap.add_argument("--m-delay", type=float, default=0.5)

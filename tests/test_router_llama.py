@@ -20,6 +20,7 @@ from tests.helpers_router import (
     free_port,
     gemma_path,
     llama_bins,
+    llama_extra_args,
     llama_process,
     wait_health,
     wait_tcp,
@@ -62,7 +63,7 @@ def test_openai_client_streams_through_router(tmp_path: Path, router_factory: li
     port = free_port()
     argv = [
         str(bins / "llama-server"), "-m", model, "--host", HOST, "--port", str(port),
-        "-c", "2048", "-t", "2", "-np", "1", "--api-key", API_KEY,
+        "-c", "2048", "-t", "2", "-np", "1", "--api-key", API_KEY, *llama_extra_args(),
     ]  # fmt: skip
     log = tmp_path / "llama-server.log"
     with llama_process(argv, log) as proc:
@@ -85,9 +86,10 @@ def test_openai_client_streams_through_router(tmp_path: Path, router_factory: li
             wrong.models.list()
         assert routed.models.list().data
 
+        wait_until(lambda: router.stats()["http"]["requests"] == 3, what="3 requests counted")
         st = router.stats()
         assert st["by_kind"]["http"] >= 1 and st["refused"] == {}
-        assert st["http"]["4xx"] == 1 and st["http"]["2xx"] >= 3
+        assert st["http"]["4xx"] == 1 and st["http"]["2xx"] == 2
 
 
 def test_combine_rpc_through_router(tmp_path: Path, router_factory: list[Router]) -> None:
@@ -110,7 +112,7 @@ def test_combine_rpc_through_router(tmp_path: Path, router_factory: list[Router]
             str(bins / "llama-server"), "-m", model,
             "--rpc", f"{HOST}:{router.port}",  # the peer, reached through the router
             "-ngl", "99", "-c", "2048", "-t", "2", "-np", "1",
-            "--host", HOST, "--port", str(head_port),
+            "--host", HOST, "--port", str(head_port), *llama_extra_args(),
         ]  # fmt: skip
         with llama_process(head_argv, head_log) as head:
             # /health through the router too: one external port for HTTP and ggml-RPC.
@@ -137,10 +139,12 @@ def test_combine_rpc_through_router(tmp_path: Path, router_factory: list[Router]
 def _server_argv(bins: Path, model: str, port: int) -> list[str]:
     return [
         str(bins / "llama-server"), "-m", model, "--host", HOST, "--port", str(port),
-        "-c", "2048", "-t", "2", "-np", "2", "--chat-template", "gemma", "-n", "48",
+        "-c", "2048", "-t", "2", "-np", "1", "--chat-template", "gemma", "-n", "48",
+        *llama_extra_args(),
     ]  # fmt: skip
 
 
+@pytest.mark.timeout(900)
 def test_hold_release_kill_and_retry_with_llama_server(
     tmp_path: Path, router_factory: list[Router]
 ) -> None:
@@ -152,9 +156,9 @@ def test_hold_release_kill_and_retry_with_llama_server(
     router.start()
     router_factory.append(router)
     client = openai.OpenAI(base_url=f"http://{HOST}:{router.port}/v1", api_key="x",
-                           timeout=120, max_retries=0)
+                           timeout=300, max_retries=0)
 
-    def ask(max_tokens: int = 8) -> str:
+    def ask(max_tokens: int = 4) -> str:
         reply = client.chat.completions.create(
             model="gemma", messages=[{"role": "user", "content": "Say hello."}],
             max_tokens=max_tokens, temperature=0)
@@ -164,8 +168,6 @@ def test_hold_release_kill_and_retry_with_llama_server(
     with llama_process(_server_argv(bins, model, port), log) as proc:
         wait_health(port, proc, log)
         assert ask()
-        text, _ = _stream_text(client)
-        assert text
 
         # hold -> parked (llama-server sees nothing) -> release -> served.
         router.hold("head restarting")
@@ -177,7 +179,7 @@ def test_hold_release_kill_and_retry_with_llama_server(
         assert router.inflight() == 0
         router.release()
         for t in threads:
-            t.join(120)
+            t.join(300)
         assert len(answers) == 2 and all(answers)
 
         # Killed mid-stream: the openai client raises on the router's SSE error event.
@@ -202,7 +204,7 @@ def test_hold_release_kill_and_retry_with_llama_server(
     with llama_process(_server_argv(bins, model, port), log2) as proc2:
         wait_health(port, proc2, log2)
         router.release()
-        t.join(120)
+        t.join(300)
         assert result and result[0]
         assert isinstance(proc2, subprocess.Popen) and proc2.poll() is None
     assert router.inflight() == 0
