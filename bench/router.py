@@ -30,7 +30,7 @@ request-aware), ``asyncio`` (Protocol-based, large buffers), ``uvloop`` (the sam
 installed).
 
 Usage:
-  .venv/bin/python bench/router.py                 # a, l, b, c with the production router
+  .venv/bin/python bench/router.py                 # every part with the production router
   .venv/bin/python bench/router.py --quick         # fewer rounds, smaller transfers (~1 min)
   .venv/bin/python bench/router.py --parts a --designs router,router-copy,asyncio,uvloop --rounds 8
   .venv/bin/python bench/router.py --parts h,m,s   # no llama.cpp needed
@@ -834,7 +834,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller transfers")
-    ap.add_argument("--parts", default="a,l,b,c", help="which parts to run (default a,l,b,c)")
+    ap.add_argument("--parts", default="a,l,b,c,h,m,s",
+                    help="which parts to run (default all: a,l,b,c,h,m,s)")
     ap.add_argument("--designs", default="router", help=f"relays for part a, from {DESIGNS}")
     ap.add_argument("--rounds", type=int, default=None, help="part a rounds (default 6, quick 2)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench -r per run")
