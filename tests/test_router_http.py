@@ -451,3 +451,36 @@ def test_framing_variants(make_router: RouterFactory, upstream: StandIn) -> None
                   + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         replies = recv_to_eof(c)
     assert replies.count(b"HTTP/1.1 200 ") == 3 and replies.endswith(b"}]}")
+
+
+def test_idle_keepalive_closed_to_admit_a_waiting_client(make_router: RouterFactory,
+                                                        upstream: StandIn) -> None:
+    r = make_router(Upstreams(http=upstream.addr), max_active=1)
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with connect(r.port) as a:
+        a.sendall(get)
+        a.settimeout(5)
+        assert a.recv(65536).startswith(b"HTTP/1.1 200 ")  # A now idles on keep-alive
+        status, _, _ = raw_exchange(r.port, b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                                    b"Connection: close\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 200 ")  # B was admitted in A's place
+        assert recv_to_eof(a, timeout=5) == b""  # A was closed between requests, as allowed
+    assert r.stats()["events"]["idle_closed_for_room"] == 1
+
+
+def test_stop_answers_parked_requests(upstream: StandIn) -> None:
+    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r.start()
+    try:
+        r.hold("switching")
+        with connect(r.port) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            wait_until(lambda: r.stats()["held"] == 1, what="parked")
+            t0 = time.monotonic()
+            r.stop()
+            assert time.monotonic() - t0 < 3
+            reply = recv_to_eof(c, timeout=5)
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 503 ")
+        assert upstream.requests == 0
+    finally:
+        r.stop()
