@@ -484,3 +484,13 @@ def test_stop_answers_parked_requests(upstream: StandIn) -> None:
         assert upstream.requests == 0
     finally:
         r.stop()
+
+
+def test_slow_request_head_times_out(make_router: RouterFactory, upstream: StandIn) -> None:
+    r = make_router(Upstreams(http=upstream.addr), request_timeout=0.5)
+    with connect(r.port) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")  # 2nd never finishes
+        t0 = time.monotonic()
+        reply = recv_to_eof(c, timeout=5)
+        assert reply.startswith(b"HTTP/1.1 200 ") and 0.4 < time.monotonic() - t0 < 4
+    wait_until(lambda: r.stats()["refused"] == {"request_timeout": 1}, what="counted")

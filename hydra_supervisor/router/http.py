@@ -244,6 +244,11 @@ class HttpSession:
             ev = self.h.next_event()
             if ev is not h11.NEED_DATA:
                 return ev
+            if idle and self.h.trailing_data[0]:
+                # Part of the next request is here: it is no longer idle, and the rest must come
+                # within request_timeout (a head sent a byte at a time holds no thread forever).
+                idle = False
+                deadline = time.monotonic() + self.r.request_timeout
             if idle:
                 # Marked idle while blocked here: the acceptor may close this connection to
                 # admit a waiting one when descriptors run short (router/relay.py).
@@ -274,8 +279,12 @@ class HttpSession:
         try:
             ev = self._next_client_event(None, idle=True)
         except TimeoutError:
-            self.conn.note(f"idle > {self.r.idle_timeout:g}s")
-            self.r.count_event("idle_timeout")
+            if self.h.trailing_data[0]:
+                self.conn.note("request head not received in time")
+                self.r.count_refused("request_timeout")
+            else:
+                self.conn.note(f"idle > {self.r.idle_timeout:g}s")
+                self.r.count_event("idle_timeout")
             return False
         except _ClientGone as e:
             self.conn.note(str(e))
