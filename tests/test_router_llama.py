@@ -207,5 +207,5 @@ def test_hold_release_kill_and_retry_with_llama_server(
         t.join(300)
         assert result and result[0]
         assert isinstance(proc2, subprocess.Popen) and proc2.poll() is None
-    assert router.inflight() == 0
+    assert router.wait_idle(10) == 0
     assert {r["outcome"] for r in records} >= {"ok", "cut"}
