@@ -10,19 +10,30 @@ Parts (each alternates direct and routed rounds so drift on a shared machine hit
   l  token-like exchanges without llama.cpp's compute noise (35 small writes, then a 1 KiB
      answer, as the head and ggml-rpc-server do per decoded token): added latency and the
      relay's CPU per exchange; precise enough to rank relay designs on a noisy machine;
-  c  bulk relay throughput (a few GB over loopback) vs a direct socket (and socat, if on PATH).
+  c  bulk relay throughput (a few GB over loopback) vs a direct socket (and socat, if on PATH);
+     sent as ggml-RPC (the splice path);
+  h  the request-aware HTTP leg vs direct vs the byte relay (``router-raw``), with a stand-in
+     llama-server (tests/sse_upstream.py, in its own process) streaming SSE: 32 concurrent
+     streams, aggregate tokens/s ratio and added p50 per request (time to first byte and to
+     the end), and a keep-alive GET per request; no compute noise, so it isolates the router;
+  m  1,000 concurrent streams through a router whose process starts at the default soft fd
+     limit (1024; the router lifts it to the hard limit), and with the hard limit 1024 too;
+  s  silent clients vs prompt ones: 500 connections that never send a byte, then prompt
+     requests on new connections (latency and failures, vs the same without the silent ones).
 
 Every relay runs in its own child process, started as ``bench/router.py _relay DESIGN
 UPSTREAM_PORT``, so that the load generator's Python threads never compete for the relay's GIL.
 ``--designs`` adds other relay designs to parts a and l, the experiment the router's design was
-picked by: ``router`` (production: threads + os.splice), ``router-copy`` (threads +
-recv_into/sendall), ``asyncio`` (Protocol-based, large buffers), ``uvloop`` (the same on uvloop,
-if installed).
+picked by: ``router`` (production: threads + os.splice; HTTP request-aware), ``router-copy``
+(threads + recv_into/sendall), ``router-raw`` (HTTP relayed as bytes, the leg before it became
+request-aware), ``asyncio`` (Protocol-based, large buffers), ``uvloop`` (the same on uvloop, if
+installed).
 
 Usage:
-  .venv/bin/python bench/router.py                 # a, l, b, c with the production router
+  .venv/bin/python bench/router.py                 # every part with the production router
   .venv/bin/python bench/router.py --quick         # fewer rounds, smaller transfers (~1 min)
   .venv/bin/python bench/router.py --parts a --designs router,router-copy,asyncio,uvloop --rounds 8
+  .venv/bin/python bench/router.py --parts h,m,s   # no llama.cpp needed
 """
 
 from __future__ import annotations
@@ -57,9 +68,10 @@ if str(ROOT) not in sys.path:
 from hydra_supervisor.install import BuildOptions, bin_dir  # noqa: E402
 from hydra_supervisor.ports import free_port  # noqa: E402
 from hydra_supervisor.router import Router, Upstreams  # noqa: E402
+from tests.helpers_router import ROUTER_CHILD, drive_streams, stream_request  # noqa: E402
 
 HOST = "127.0.0.1"
-DESIGNS = ("router", "router-copy", "asyncio", "uvloop")
+DESIGNS = ("router", "router-copy", "router-raw", "asyncio", "uvloop")
 
 
 # --------------------------------------------------------------------------- child: relays
@@ -141,14 +153,14 @@ def child_relay(design: str, upstream_port: int) -> None:
     def ready(port: int) -> None:
         print(port, flush=True)
 
-    if design in ("router", "router-copy"):
+    if design in ("router", "router-copy", "router-raw"):
         up = (HOST, upstream_port)
         router = Router(
             HOST,
             0,
             Upstreams(http=up, rpc=up, hydra=None),
             pump="copy" if design == "router-copy" else "splice",
-            max_active=1024,
+            http="raw" if design == "router-raw" else "aware",
             max_pending=1024,
             name="bench",
         )
@@ -584,9 +596,10 @@ def part_b(args: argparse.Namespace, bins: Path, model: str, tmp: Path) -> dict[
 
 
 def _bulk_once(port: int, nbytes: int) -> float:
-    # The router classifies by the first bytes, so the stream opens like an HTTP request.
+    # The router classifies by the first bytes: this stream opens like ggml-RPC (the splice
+    # path; HTTP is parsed, and a byte stream is not HTTP).
     buf = bytearray(1 << 20)
-    buf[:5] = b"POST "
+    buf[0] = 0x0E
     chunk = memoryview(buf)
     t0 = time.perf_counter()
     with socket.create_connection((HOST, port)) as s:
@@ -643,6 +656,168 @@ def part_c(args: argparse.Namespace) -> dict[str, list[float]]:
     return res
 
 
+# --------------------------------------------------------------------------- parts h, m, s
+
+
+@contextmanager
+def standin() -> Iterator[Child]:
+    """The stand-in llama-server (tests/sse_upstream.py) in its own process."""
+    with spawn_argv([sys.executable, "-m", "tests.sse_upstream"]) as c:
+        yield c
+
+
+@contextmanager
+def spawn_argv(argv: list[str]) -> Iterator[Child]:
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        line = _readline_deadline(proc, 30.0)
+        port = json.loads(line)["port"] if line.startswith("{") else int(line)
+        yield Child(proc, port)
+    finally:
+        _stop_proc(proc)
+
+
+def _child_stats(c: Child) -> dict[str, Any]:
+    assert c.proc.stdin is not None
+    c.proc.stdin.write("stats\n")
+    c.proc.stdin.flush()
+    return dict(json.loads(_readline_deadline(c.proc, 10.0)))
+
+
+def _p(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def part_h(args: argparse.Namespace) -> dict[str, Any]:
+    names = ["direct", "router", "router-raw"]
+    tps: dict[str, list[float]] = {n: [] for n in names}
+    first: dict[str, list[float]] = {n: [] for n in names}
+    total: dict[str, list[float]] = {n: [] for n in names}
+    keep: dict[str, list[float]] = {n: [] for n in names}
+    fresh: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, float] = {n: 0.0 for n in names}
+    req = stream_request(tokens=args.h_tokens, delay=args.h_delay)
+    with standin() as up, ExitStack() as stack:
+        relays = {n: stack.enter_context(spawn("_relay", n, str(up.port))) for n in names[1:]}
+        ports = {"direct": up.port, **{n: c.port for n, c in relays.items()}}
+        drive_streams(ports["router"], args.streams, req)  # warm-up (threads, pools)
+        for rnd in range(args.rounds_h):
+            order = names[rnd % 3:] + names[: rnd % 3]
+            for n in order:
+                pid = relays[n].proc.pid if n in relays else None
+                c0 = _proc_cpu_s(pid) if pid else 0.0
+                t0 = time.perf_counter()
+                res = drive_streams(ports[n], args.streams, req, timeout=300)
+                wall = time.perf_counter() - t0
+                if res["failed"]:
+                    raise RuntimeError(f"{n}: {res['failed'][:2]}")
+                cpu[n] += (_proc_cpu_s(pid) - c0) if pid else 0.0
+                tps[n].append(args.streams * args.h_tokens / wall)
+                first[n].extend(res["first"])
+                total[n].extend(res["total"])
+            print(f"  h round {rnd + 1}/{args.rounds_h}: "
+                  + "  ".join(f"{n}={tps[n][-1]:.0f} t/s" for n in names), flush=True)
+        for _ in range(args.health_rounds):
+            for n in names:
+                keep[n].extend(_health_keepalive(ports[n], 100))
+                fresh[n].extend(_health_latency(ports[n], 50))
+    tokens = args.rounds_h * args.streams * args.h_tokens
+    return {"tps": tps, "first": first, "total": total, "keep": keep, "fresh": fresh,
+            "cpu_us_per_token": {n: cpu[n] / tokens * 1e6 for n in names}}
+
+
+def _watch_proc(pid: int, stop: threading.Event, peak: dict[str, int]) -> None:
+    while not stop.wait(0.2):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return
+        for line in status.splitlines():
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "Threads"):
+                peak[key] = max(peak.get(key, 0), int(val.split()[0]))
+
+
+def part_m(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 16384:  # the load generator's own sockets
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(16384, hard), hard))
+    hard_n = 1 << 20 if hard == resource.RLIM_INFINITY else int(hard)
+    out = []
+    with standin() as up:
+        for lim in ((1024, hard_n), (1024, 1024)):
+            argv = [sys.executable, "-c", ROUTER_CHILD, str(lim[0]), str(lim[1]), str(up.port)]
+            with spawn_argv(argv) as rc:
+                stop = threading.Event()
+                peak: dict[str, int] = {}
+                w = threading.Thread(target=_watch_proc, args=(rc.proc.pid, stop, peak))
+                w.start()
+                req = stream_request(tokens=args.m_tokens, delay=args.m_delay)
+                t0 = time.perf_counter()
+                try:
+                    res = drive_streams(rc.port, args.m_streams, req, timeout=300)
+                finally:
+                    stop.set()
+                    w.join()
+                wall = time.perf_counter() - t0
+                st = _child_stats(rc)
+            out.append({"limit": lim, "wall": wall, "res": res, "stats": st, "peak": peak})
+            print(f"  m limit {lim}: {res['done']}/{args.m_streams} in {wall:.1f}s", flush=True)
+    return out
+
+
+def _prompt_gets(port: int, n: int) -> tuple[list[float], int]:
+    lat, failed = [], 0
+    req = f"GET /health HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        try:
+            with socket.create_connection((HOST, port), timeout=10) as s:
+                s.sendall(req)
+                reply = b""
+                while chunk := s.recv(65536):
+                    reply += chunk
+            if not reply.startswith(b"HTTP/1.1 200"):
+                failed += 1
+                continue
+        except OSError:
+            failed += 1
+            continue
+        lat.append(time.perf_counter() - t0)
+    return lat, failed
+
+
+def part_s(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with standin() as up, spawn("_relay", "router", str(up.port)) as rc:
+        _prompt_gets(rc.port, 20)  # warm-up
+        out["baseline"] = _prompt_gets(rc.port, args.s_prompt)
+        silent = []
+        try:
+            for _ in range(args.s_silent):
+                silent.append(socket.create_connection((HOST, rc.port), timeout=10))
+            time.sleep(0.5)
+            out["with_silent"] = _prompt_gets(rc.port, args.s_prompt)
+            closed = 0
+            for sk in silent:
+                sk.setblocking(False)
+                try:
+                    closed += sk.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed += 1
+            out["silent_closed"] = closed
+        finally:
+            for sk in silent:
+                sk.close()
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -659,7 +834,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller transfers")
-    ap.add_argument("--parts", default="a,l,b,c", help="which parts to run (default a,l,b,c)")
+    ap.add_argument("--parts", default="a,l,b,c,h,m,s",
+                    help="which parts to run (default all: a,l,b,c,h,m,s)")
     ap.add_argument("--designs", default="router", help=f"relays for part a, from {DESIGNS}")
     ap.add_argument("--rounds", type=int, default=None, help="part a rounds (default 6, quick 2)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench -r per run")
@@ -674,6 +850,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=256, help="part l bytes per write")
     ap.add_argument("--reply", type=int, default=1024, help="part l reply bytes")
     ap.add_argument("--bulk-gb", type=float, default=None, help="GiB per bulk run (default 2)")
+    ap.add_argument("--bins", default=None, help="llama.cpp bin dir (default: hydra's build)")
+    ap.add_argument("--h-tokens", type=int, default=64, help="part h tokens per stream")
+    ap.add_argument("--h-delay", type=float, default=0.02,
+                    help="part h seconds between tokens (0.02: 50 t/s per stream)")
+    ap.add_argument("--m-streams", type=int, default=1000)
+    ap.add_argument("--m-tokens", type=int, default=8)
+    ap.add_argument("--m-delay", type=float, default=0.5)
+    ap.add_argument("--s-silent", type=int, default=500)
+    ap.add_argument("--s-prompt", type=int, default=200)
     args = ap.parse_args(argv)
     args.designs = [d for d in args.designs.split(",") if d]
     for d in args.designs:
@@ -685,12 +870,13 @@ def main(argv: list[str] | None = None) -> int:
         args.blocks = 4 if args.quick else 10
     args.rounds_b = 1 if args.quick else 2
     args.rounds_c = 1 if args.quick else 3
+    args.rounds_h = 2 if args.quick else 6
     args.health_rounds = 2 if args.quick else 6
     if args.bulk_gb is None:
         args.bulk_gb = 0.5 if args.quick else 2.0
     parts = set(args.parts.split(","))
 
-    bins = bin_dir(BuildOptions())
+    bins = Path(args.bins) if args.bins else bin_dir(BuildOptions())
     random.seed(0)
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="hydra-bench-router-") as tmpd:
@@ -762,8 +948,68 @@ def main(argv: list[str] | None = None) -> int:
                     f"GB/s, {name} {statistics.mean(bulk[name]) / 1e9:.2f} GB/s, ratio {mean:.3f} "
                     f"({lo:.3f}..{hi:.3f})" + ("; target >= 0.8" if name == "router" else "")
                 )
+        if "h" in parts:
+            print(f"part h: {args.streams} concurrent SSE streams x {args.h_tokens} tokens, "
+                  f"{args.h_delay * 1e3:g} ms apart, stand-in upstream", flush=True)
+            lines += report_h(args, part_h(args))
+        if "m" in parts:
+            print(f"part m: {args.m_streams} concurrent streams, router at soft fd limit 1024",
+                  flush=True)
+            for m in part_m(args):
+                res, st, peak = m["res"], m["stats"], m["peak"]
+                lines.append(
+                    f"(m) nofile {m['limit'][0]}/{m['limit'][1]} at start: {res['done']}/"
+                    f"{args.m_streams} streams done in {m['wall']:.1f} s, failed "
+                    f"{len(res['failed'])}; router lifted it to {st['fds']['nofile']}, open peak "
+                    f"{st['open_peak']}, refused {st['refused'] or 0}; first byte p50 "
+                    f"{_p(res['first'], 0.5) * 1e3:.0f} ms p99 {_p(res['first'], 0.99) * 1e3:.0f}"
+                    f" ms; router peak RSS {peak.get('VmRSS', 0) / 1024:.0f} MiB, "
+                    f"{peak.get('Threads', 0)} threads"
+                )
+        if "s" in parts:
+            print(f"part s: {args.s_silent} silent connections vs {args.s_prompt} prompt "
+                  "requests", flush=True)
+            sres = part_s(args)
+            for key, label in (("baseline", "no silent clients"),
+                               ("with_silent", f"{args.s_silent} silent clients open")):
+                lat, failed = sres[key]
+                lines.append(
+                    f"(s) {label}: {len(lat)}/{args.s_prompt} prompt requests served, "
+                    f"{failed} failed; p50 {_p(lat, 0.5) * 1e3:.2f} ms, p99 "
+                    f"{_p(lat, 0.99) * 1e3:.2f} ms, max {max(lat) * 1e3:.2f} ms"
+                )
+            lines.append(f"(s) silent connections closed by eviction: "
+                         f"{sres['silent_closed']}/{args.s_silent}")
     print("\n".join(["", "=== router bench ===", *lines]))
     return 0
+
+
+def report_h(args: argparse.Namespace, h: dict[str, Any]) -> list[str]:
+    lines = []
+    d = h["tps"]["direct"]
+    base_first = statistics.median(h["first"]["direct"])
+    base_total = statistics.median(h["total"]["direct"])
+    lines.append(f"(h) direct: {statistics.mean(d):.0f} t/s aggregate; per request p50 first "
+                 f"byte {base_first * 1e3:.2f} ms, whole stream {base_total * 1e3:.1f} ms")
+    for n in ("router", "router-raw"):
+        mean, lo, hi = ratio_summary(d, h["tps"][n])
+        lines.append(
+            f"(h) {n}: {statistics.mean(h['tps'][n]):.0f} t/s, ratio {mean:.3f} ({lo:.3f}.."
+            f"{hi:.3f}); added p50 first byte "
+            f"{(statistics.median(h['first'][n]) - base_first) * 1e3:+.2f} ms, whole stream "
+            f"{(statistics.median(h['total'][n]) - base_total) * 1e3:+.2f} ms; relay CPU "
+            f"{h['cpu_us_per_token'][n]:.1f} us/token"
+        )
+    kd, fd = statistics.median(h["keep"]["direct"]), statistics.median(h["fresh"]["direct"])
+    for n in ("router", "router-raw"):
+        lines.append(
+            f"(h) GET /health p50 via {n}: keep-alive {statistics.median(h['keep'][n]) * 1e3:.3f}"
+            f" ms (added {(statistics.median(h['keep'][n]) - kd) * 1e3:+.3f}), new connection "
+            f"{statistics.median(h['fresh'][n]) * 1e3:.3f} ms (added "
+            f"{(statistics.median(h['fresh'][n]) - fd) * 1e3:+.3f}); direct {kd * 1e3:.3f} / "
+            f"{fd * 1e3:.3f} ms"
+        )
+    return lines
 
 
 if __name__ == "__main__":

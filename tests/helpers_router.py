@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -243,13 +244,21 @@ def fake_hydra_handler(conn: socket.socket) -> None:
 
 
 def llama_bins() -> Path:
+    """The llama.cpp build to test against: $HYDRA_TEST_LLAMA_BINS, else hydra's own build."""
     from hydra_supervisor.install import BuildOptions, bin_dir
 
-    bins = bin_dir(BuildOptions())
+    override = os.environ.get("HYDRA_TEST_LLAMA_BINS")
+    bins = Path(override) if override else bin_dir(BuildOptions())
     for name in ("llama-server", "ggml-rpc-server"):
         if not (bins / name).is_file():
             pytest.skip(f"{name} not built in {bins}")
     return bins
+
+
+def llama_extra_args() -> list[str]:
+    """Extra llama-server arguments for this machine, from $HYDRA_TEST_LLAMA_ARGS (e.g.
+    ``-ub 1 -b 1`` where the CPU build's AMX kernels fault: they run only for batches > 1)."""
+    return os.environ.get("HYDRA_TEST_LLAMA_ARGS", "").split()
 
 
 def gemma_path() -> str:
@@ -323,7 +332,7 @@ def stream_request(tokens: int = 5, delay: float = 0.0, **extra: object) -> byte
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
-def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> dict[str, object]:
+def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> dict[str, Any]:
     """Open ``n`` connections, send ``request`` on each, and read every streamed response to
     its last chunk, all at once from one thread (a selector). Returns counts and per-stream
     times to the first byte and to the end (seconds)."""

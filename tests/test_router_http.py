@@ -114,7 +114,8 @@ def test_openai_client_keepalive_stream_and_not(make_router: RouterFactory,
         assert stream(c, tokens=4) == "t0 t1 t2 t3 "
     st = r.stats()
     assert st["accepted"] <= 4
-    assert st["inflight"] == 0 and st["refused"] == {}
+    assert st["refused"] == {}
+    wait_until(lambda: r.inflight() == 0, what="the last request's flight ended")
     rec = nth_record(records, 7)
     assert rec["method"] == "POST" and rec["path"] == "/v1/chat/completions"
     assert rec["status"] == 200 and rec["outcome"] == "ok" and rec["model"] == "standin"
@@ -430,3 +431,70 @@ def test_restart_after_stop(upstream: StandIn) -> None:
         wait_until(lambda: r.stats()["http"]["requests"] == 2, what="both requests counted")
     finally:
         r.stop()
+
+
+def test_framing_variants(make_router: RouterFactory, upstream: StandIn) -> None:
+    """A chunked request body, HEAD, HTTP/1.0 without Host, pipelined requests."""
+    r = make_router(Upstreams(http=upstream.addr))
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
+    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    status, _, reply = raw_exchange(r.port, chunked)
+    assert status.startswith(b"HTTP/1.1 200 ") and b"t0 t1" in reply
+    assert upstream.bodies[-1]["max_tokens"] == 2
+    status, headers, reply = raw_exchange(
+        r.port, b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 ") and reply == b""
+    status, _, reply = raw_exchange(r.port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200 ") and b'"ok"' in reply
+    with connect(r.port) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 2
+                  + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        replies = recv_to_eof(c)
+    assert replies.count(b"HTTP/1.1 200 ") == 3 and replies.endswith(b"}]}")
+
+
+def test_idle_keepalive_closed_to_admit_a_waiting_client(make_router: RouterFactory,
+                                                        upstream: StandIn) -> None:
+    r = make_router(Upstreams(http=upstream.addr), max_active=1)
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with connect(r.port) as a:
+        a.sendall(get)
+        a.settimeout(5)
+        first = b""
+        while not first.endswith(b'{"status": "ok"}'):
+            first += a.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ")  # A now idles on keep-alive
+        status, _, _ = raw_exchange(r.port, b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                                    b"Connection: close\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 200 ")  # B was admitted in A's place
+        assert recv_to_eof(a, timeout=5) == b""  # A was closed between requests, as allowed
+    assert r.stats()["events"]["idle_closed_for_room"] == 1
+
+
+def test_stop_answers_parked_requests(upstream: StandIn) -> None:
+    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r.start()
+    try:
+        r.hold("switching")
+        with connect(r.port) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            wait_until(lambda: r.stats()["held"] == 1, what="parked")
+            t0 = time.monotonic()
+            r.stop()
+            assert time.monotonic() - t0 < 3
+            reply = recv_to_eof(c, timeout=5)
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 503 ")
+        assert upstream.requests == 0
+    finally:
+        r.stop()
+
+
+def test_slow_request_head_times_out(make_router: RouterFactory, upstream: StandIn) -> None:
+    r = make_router(Upstreams(http=upstream.addr), request_timeout=0.5)
+    with connect(r.port) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")  # 2nd never finishes
+        t0 = time.monotonic()
+        reply = recv_to_eof(c, timeout=5)
+        assert reply.startswith(b"HTTP/1.1 200 ") and 0.4 < time.monotonic() - t0 < 4
+    wait_until(lambda: r.stats()["refused"] == {"request_timeout": 1}, what="counted")

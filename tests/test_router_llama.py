@@ -1,9 +1,13 @@
 """The router in front of real stock llama.cpp processes (Gemma 3 270M on the CPU build):
-the official openai client streaming through it, --api-key passing through, and a real COMBINE
-whose ggml-RPC link runs through the router to a ggml-rpc-server."""
+the official openai client streaming through it, --api-key passing through, hold/release, a
+llama-server killed mid-stream and before answering, and a real COMBINE whose ggml-RPC link runs
+through the router to a ggml-rpc-server."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +20,11 @@ from tests.helpers_router import (
     free_port,
     gemma_path,
     llama_bins,
+    llama_extra_args,
     llama_process,
     wait_health,
     wait_tcp,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -57,7 +63,7 @@ def test_openai_client_streams_through_router(tmp_path: Path, router_factory: li
     port = free_port()
     argv = [
         str(bins / "llama-server"), "-m", model, "--host", HOST, "--port", str(port),
-        "-c", "2048", "-t", "2", "-np", "1", "--api-key", API_KEY,
+        "-c", "2048", "-t", "2", "-np", "1", "--api-key", API_KEY, *llama_extra_args(),
     ]  # fmt: skip
     log = tmp_path / "llama-server.log"
     with llama_process(argv, log) as proc:
@@ -80,8 +86,10 @@ def test_openai_client_streams_through_router(tmp_path: Path, router_factory: li
             wrong.models.list()
         assert routed.models.list().data
 
+        wait_until(lambda: router.stats()["http"]["requests"] == 3, what="3 requests counted")
         st = router.stats()
-        assert st["by_kind"]["http"] >= 3 and st["upstream_errors"] == 0
+        assert st["by_kind"]["http"] >= 1 and st["refused"] == {}
+        assert st["http"]["4xx"] == 1 and st["http"]["2xx"] == 2
 
 
 def test_combine_rpc_through_router(tmp_path: Path, router_factory: list[Router]) -> None:
@@ -104,13 +112,13 @@ def test_combine_rpc_through_router(tmp_path: Path, router_factory: list[Router]
             str(bins / "llama-server"), "-m", model,
             "--rpc", f"{HOST}:{router.port}",  # the peer, reached through the router
             "-ngl", "99", "-c", "2048", "-t", "2", "-np", "1",
-            "--host", HOST, "--port", str(head_port),
+            "--host", HOST, "--port", str(head_port), *llama_extra_args(),
         ]  # fmt: skip
         with llama_process(head_argv, head_log) as head:
             # /health through the router too: one external port for HTTP and ggml-RPC.
             # (Until the head listens, the router answers 503: counted as upstream errors.)
             wait_health(router.port, head, head_log)
-            errors_when_ready = router.stats()["upstream_errors"]
+            errors_when_ready = router.stats()["refused"].get("upstream_down", 0)
             client = openai.OpenAI(base_url=f"http://{HOST}:{router.port}/v1", api_key="x")
             reply = client.chat.completions.create(
                 model="gemma",
@@ -123,5 +131,81 @@ def test_combine_rpc_through_router(tmp_path: Path, router_factory: list[Router]
             st = router.stats()
             assert st["by_kind"]["rpc"] >= 1 and st["open"] >= 1  # the head holds its link
             assert st["bytes_up"] > 100_000_000  # the model's weights went through the router
-            assert st["denied"] == 0 and st["upstream_errors"] == errors_when_ready
+            assert "denied" not in st["refused"]
+            assert st["refused"].get("upstream_down", 0) == errors_when_ready
             assert head.poll() is None and rpc_proc.poll() is None
+
+
+def _server_argv(bins: Path, model: str, port: int) -> list[str]:
+    return [
+        str(bins / "llama-server"), "-m", model, "--host", HOST, "--port", str(port),
+        "-c", "2048", "-t", "2", "-np", "1", "--chat-template", "gemma", "-n", "48",
+        *llama_extra_args(),
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_hold_release_kill_and_retry_with_llama_server(
+    tmp_path: Path, router_factory: list[Router]
+) -> None:
+    bins, model = llama_bins(), gemma_path()
+    port = free_port()
+    records: list[dict[str, object]] = []
+    router = Router(HOST, 0, Upstreams(http=(HOST, port)), name="solo", retry_wait=0.5,
+                    on_request=records.append)
+    router.start()
+    router_factory.append(router)
+    client = openai.OpenAI(base_url=f"http://{HOST}:{router.port}/v1", api_key="x",
+                           timeout=300, max_retries=0)
+
+    def ask(max_tokens: int = 4) -> str:
+        reply = client.chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=max_tokens, temperature=0)
+        return reply.choices[0].message.content or ""
+
+    log = tmp_path / "llama-server.log"
+    with llama_process(_server_argv(bins, model, port), log) as proc:
+        wait_health(port, proc, log)
+        assert ask()
+
+        # hold -> parked (llama-server sees nothing) -> release -> served.
+        router.hold("head restarting")
+        answers: list[str] = []
+        threads = [threading.Thread(target=lambda: answers.append(ask())) for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: router.stats()["held"] == 2, timeout=30, what="2 parked")
+        assert router.inflight() == 0
+        router.release()
+        for t in threads:
+            t.join(300)
+        assert len(answers) == 2 and all(answers)
+
+        # Killed mid-stream: the openai client raises on the router's SSE error event.
+        stream = client.chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": "Count to one hundred."}],
+            max_tokens=48, temperature=0, stream=True)
+        with pytest.raises(openai.APIError, match="hydra router"):
+            for i, _chunk in enumerate(stream):
+                if i == 2:
+                    proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert router.stats()["http"]["cut"] == 1
+
+    # Dead before answering: the request is retried after the next release, and succeeds.
+    result: list[str] = []
+    t = threading.Thread(target=lambda: result.append(ask()))
+    t.start()
+    wait_until(lambda: router.stats()["http"]["retried"] == 1, timeout=30, what="refused once")
+    router.hold("head restarting after a crash")
+    wait_until(lambda: router.stats()["held"] == 1, timeout=10, what="parked for its retry")
+    log2 = tmp_path / "llama-server-2.log"
+    with llama_process(_server_argv(bins, model, port), log2) as proc2:
+        wait_health(port, proc2, log2)
+        router.release()
+        t.join(300)
+        assert result and result[0]
+        assert isinstance(proc2, subprocess.Popen) and proc2.poll() is None
+    assert router.wait_idle(10) == 0
+    assert {r["outcome"] for r in records} >= {"ok", "cut"}

@@ -1,6 +1,7 @@
 """The first-byte router: one external port per engine carrying ggml-RPC, Hydra control and HTTP.
 
-``classify`` owns the sans-IO decision on a connection's first bytes; ``relay`` owns the sockets:
+``classify`` owns the sans-IO decision on a connection's first bytes; ``conn`` one connection's
+state and where it goes; ``relay`` owns the sockets:
 the listener, admission (allow list, bounded queues, timeouts) and the byte relay to the engine's
 local ggml-rpc-server or hydra's control handler; ``http`` is the request-aware HTTP leg to the
 internal llama-server (h11); ``gate`` decides when a request may go upstream (hold/release,

@@ -39,7 +39,8 @@ from hydra_supervisor.router import defaults as request_defaults
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Refusal
 
 if TYPE_CHECKING:
-    from hydra_supervisor.router.relay import Router, _Conn
+    from hydra_supervisor.router.conn import Conn
+    from hydra_supervisor.router.relay import Router
 
 Addr = tuple[str, int]
 
@@ -69,6 +70,24 @@ _EMFILE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 def error_body(status: int, message: str, kind: str = "unavailable_error") -> bytes:
     return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
+
+
+def http_error_response(
+    status: int, reason: str, message: str, retry_after: int | None = None
+) -> bytes:
+    """A complete HTTP/1.1 error response whose body matches llama-server's error JSON."""
+    body = json.dumps(
+        {"error": {"code": status, "message": message, "type": "unavailable_error"}}
+    ).encode()
+    retry = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        "Content-Type: application/json; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        f"{retry}"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    return head + body
 
 
 def sse_error_event(message: str) -> bytes:
@@ -183,7 +202,7 @@ class _NotStarted(Exception):
 class HttpSession:
     """Serves one client connection until it closes, idles out, or the router stops."""
 
-    def __init__(self, router: Router, conn: _Conn) -> None:
+    def __init__(self, router: Router, conn: Conn) -> None:
         self.r = router
         self.conn = conn
         self.sock = conn.client
@@ -225,6 +244,11 @@ class HttpSession:
             ev = self.h.next_event()
             if ev is not h11.NEED_DATA:
                 return ev
+            if idle and self.h.trailing_data[0]:
+                # Part of the next request is here: it is no longer idle, and the rest must come
+                # within request_timeout (a head sent a byte at a time holds no thread forever).
+                idle = False
+                deadline = time.monotonic() + self.r.request_timeout
             if idle:
                 # Marked idle while blocked here: the acceptor may close this connection to
                 # admit a waiting one when descriptors run short (router/relay.py).
@@ -255,8 +279,12 @@ class HttpSession:
         try:
             ev = self._next_client_event(None, idle=True)
         except TimeoutError:
-            self.conn.note(f"idle > {self.r.idle_timeout:g}s")
-            self.r.count_event("idle_timeout")
+            if self.h.trailing_data[0]:
+                self.conn.note("request head not received in time")
+                self.r.count_refused("request_timeout")
+            else:
+                self.conn.note(f"idle > {self.r.idle_timeout:g}s")
+                self.r.count_event("idle_timeout")
             return False
         except _ClientGone as e:
             self.conn.note(str(e))

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import collections
 import errno
-import ipaddress
 import itertools
-import json
 import logging
 import os
 import queue
@@ -38,18 +36,27 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from hydra_supervisor.ports import self_connected
 from hydra_supervisor.router import limits
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
+from hydra_supervisor.router.conn import (
+    Addr,
+    Conn,
+    Pending,
+    Upstreams,
+    fmt_addr,
+    parse_allow,
+    set_keepalive,
+    set_nodelay,
+    source_ip,
+)
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate
-from hydra_supervisor.router.http import HttpSession, Record, UpstreamPool
+from hydra_supervisor.router.http import HttpSession, Record, UpstreamPool, http_error_response
 
 log = logging.getLogger("hydra.router")
 
-Addr = tuple[str, int]
 
 # Relay copy buffer (copy pump) and kernel pipe size (splice pump). Large enough that a bulk
 # transfer is not syscall-bound; small messages (ggml-RPC commands) are unaffected by either.
@@ -74,9 +81,6 @@ _WORKER_IDLE_S = 30.0
 # Descriptors per admitted relay: client + upstream; a spliced relay adds two pipes (4 fds).
 _FDS_HTTP = 2
 _FDS_SPLICE = 6
-# TCP keepalive on client sockets: a peer host that vanished (power, network) is found in
-# about IDLE + INTVL * CNT = 2 minutes, without timing out a live but quiet ggml-RPC link.
-_KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 60, 10, 6
 _LOG_EVERY_S = 10.0
 # An idle keep-alive connection is closed for room only after this long idle: a client that is
 # about to send its next request has usually sent it by then.
@@ -85,206 +89,6 @@ _EMFILE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PUMPS = ("splice", "copy")
 HTTP_MODES = ("aware", "raw")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass(frozen=True)
-class Upstreams:
-    """Where each protocol goes. ``None`` means "not available now": the client is closed
-    (HTTP: 503). All targets are local by design: llama-server and ggml-rpc-server bind to
-    127.0.0.1 only, and the router is the sole way in from outside."""
-
-    http: Addr | None = None
-    rpc: Addr | None = None
-    hydra: Addr | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("http", "rpc", "hydra"):
-            addr = getattr(self, name)
-            if addr is not None and not _is_loopback(addr[0]):
-                raise ValueError(
-                    f"router upstream {name}={addr[0]}:{addr[1]} is not a loopback address; "
-                    "internal llama-server / ggml-rpc-server / control ports bind to 127.0.0.1"
-                )
-
-    def for_kind(self, kind: Kind) -> Addr | None:
-        if kind is Kind.HTTP:
-            return self.http
-        if kind is Kind.RPC:
-            return self.rpc
-        if kind is Kind.HYDRA:
-            return self.hydra
-        return None
-
-
-def _parse_allow(allow: Sequence[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-    if isinstance(allow, str):
-        raise TypeError("allow must be a sequence of CIDR strings, not one string")
-    return tuple(ipaddress.ip_network(cidr, strict=False) for cidr in allow)
-
-
-def _source_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        ip = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
-    except (ValueError, IndexError, TypeError):
-        return None
-    # A dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d; judge them as IPv4.
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def _fmt_addr(peer: Any) -> str:
-    try:
-        host, port = peer[0], peer[1]
-    except (IndexError, TypeError):
-        return str(peer)
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-
-
-def _set_nodelay(sock: socket.socket) -> None:
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass  # not TCP (tests may hand us a socketpair); nothing to tune
-
-
-def _set_keepalive(sock: socket.socket) -> None:
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if hasattr(socket, "TCP_KEEPIDLE"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPIDLE_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPINTVL_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPCNT)
-    except OSError:
-        pass
-
-
-def http_error_response(
-    status: int, reason: str, message: str, retry_after: int | None = None
-) -> bytes:
-    """A complete HTTP/1.1 error response whose body matches llama-server's error JSON."""
-    body = json.dumps(
-        {"error": {"code": status, "message": message, "type": "unavailable_error"}}
-    ).encode()
-    retry = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
-        "Content-Type: application/json; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        f"{retry}"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    return head + body
-
-
-class _Conn:
-    """One client connection from accept to close. Mutated by the acceptor until admitted,
-    then by its relay threads; ``abort`` may come from any thread (stop, idle reaper)."""
-
-    __slots__ = (
-        "id",
-        "client",
-        "peer",
-        "src",
-        "accepted",
-        "deadline",
-        "prefix",
-        "kind",
-        "target",
-        "upstream",
-        "up",
-        "down",
-        "last",
-        "reason",
-        "halves",
-        "cost",
-        "session",
-        "idle_since",
-    )
-
-    def __init__(self, cid: int, client: socket.socket, peer: Any, now: float):
-        self.id = cid
-        self.client = client
-        self.peer = peer
-        ip = _source_ip(peer)
-        self.src = str(ip) if ip is not None else str(peer)
-        self.accepted = now
-        self.deadline = now
-        self.prefix = b""
-        self.kind: Kind | None = None
-        self.target: Addr | None = None
-        self.upstream: socket.socket | None = None
-        self.up = 0  # bytes client → upstream
-        self.down = 0  # bytes upstream → client
-        self.last = now
-        self.reason = ""
-        self.halves = 2  # relay directions still running; the last one to end closes
-        self.cost = 0  # descriptors reserved for it at admission
-        self.session = False  # an HTTP session (times its own idleness), not a byte relay
-        self.idle_since: float | None = None  # session between requests, waiting for the next
-
-    def note(self, reason: str) -> None:
-        if not self.reason:
-            self.reason = reason
-
-    def shutdown_all(self) -> None:
-        # shutdown (not close) wakes threads blocked in recv/splice on these sockets without
-        # freeing the fd under them; the relay thread closes once both directions are done.
-        for s in (self.client, self.upstream):
-            if s is None:
-                continue
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
-class _Pending:
-    """Accepted connections that have not sent their first bytes yet ("silent"), in accept
-    order overall and per source address, so the oldest silent one can be evicted."""
-
-    def __init__(self) -> None:
-        self.all: dict[int, _Conn] = {}
-        self.by_src: dict[str, collections.deque[_Conn]] = {}
-
-    def __len__(self) -> int:
-        return len(self.all)
-
-    def add(self, conn: _Conn) -> None:
-        self.all[conn.id] = conn
-        self.by_src.setdefault(conn.src, collections.deque()).append(conn)
-
-    def remove(self, conn: _Conn) -> None:
-        del self.all[conn.id]
-        q = self.by_src[conn.src]
-        q.remove(conn)  # short: bounded by the per-source limit
-        if not q:
-            del self.by_src[conn.src]
-
-    def first(self) -> _Conn | None:
-        return next(iter(self.all.values()), None)
-
-    def from_source(self, src: str) -> int:
-        q = self.by_src.get(src)
-        return len(q) if q else 0
-
-    def oldest_of(self, src: str) -> _Conn:
-        return self.by_src[src][0]
-
-    def oldest_of_largest(self) -> _Conn:
-        """The oldest silent connection of the source with the most of them: a flood from one
-        address evicts its own connections, not a prompt client's from elsewhere."""
-        q = max(self.by_src.values(), key=len)
-        return q[0]
 
 
 class Router:
@@ -341,7 +145,7 @@ class Router:
         self.name = name
         self._req_port = port
         self._upstreams = upstreams
-        self._allow = _parse_allow(allow)
+        self._allow = parse_allow(allow)
         self._first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
         self._rpc_idle_timeout = rpc_idle_timeout
@@ -370,7 +174,7 @@ class Router:
         self._wake_w: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._stopping = False
-        self._active: dict[int, _Conn] = {}
+        self._active: dict[int, Conn] = {}
         self._threads: set[threading.Thread] = set()
         self._tasks: queue.SimpleQueue[tuple[Any, tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._idle_workers = 0
@@ -435,7 +239,7 @@ class Router:
         per = _FDS_HTTP
         log.info(
             "router %s listening on %s (nofile %d/%d: room for ~%d HTTP connections)",
-            self.name, _fmt_addr(listener.getsockname()), self._nofile[0], self._nofile[1],
+            self.name, fmt_addr(listener.getsockname()), self._nofile[0], self._nofile[1],
             self._fd_budget // per,
         )
         if self._fd_budget // per < 64:
@@ -621,7 +425,7 @@ class Router:
             pass  # a wake is already queued, or we are shutting down
 
     def _is_allowed(self, peer: Any) -> bool:
-        ip = _source_ip(peer)
+        ip = source_ip(peer)
         if ip is None:
             return False
         return any(ip.version == net.version and ip in net for net in self._allow)
@@ -633,8 +437,8 @@ class Router:
         sel.register(wake_r, selectors.EVENT_READ, "wake")
         listening = False
         # Both are in deadline order because each has one fixed timeout.
-        pending = _Pending()
-        waiting: collections.deque[_Conn] = collections.deque()
+        pending = Pending()
+        waiting: collections.deque[Conn] = collections.deque()
         paused_until = 0.0
         next_tick = time.monotonic() + _TICK_S
         try:
@@ -668,7 +472,7 @@ class Router:
                             pass
                     else:
                         conn = key.data
-                        assert isinstance(conn, _Conn)
+                        assert isinstance(conn, Conn)
                         self._read_prefix(sel, conn, pending, waiting)
                 now = time.monotonic()
                 if paused_until and now >= paused_until:
@@ -701,7 +505,7 @@ class Router:
         self.pool.reap(keep=self._upstreams.http)
         self._reap_idle(now)
 
-    def _unpend(self, sel: selectors.BaseSelector, pending: _Pending, conn: _Conn) -> None:
+    def _unpend(self, sel: selectors.BaseSelector, pending: Pending, conn: Conn) -> None:
         pending.remove(conn)
         try:
             sel.unregister(conn.client)
@@ -711,8 +515,8 @@ class Router:
     def _accept_batch(
         self,
         sel: selectors.BaseSelector,
-        pending: _Pending,
-        waiting: collections.deque[_Conn],
+        pending: Pending,
+        waiting: collections.deque[Conn],
     ) -> bool:
         """Accept what the kernel has queued. False when out of descriptors (caller backs off)."""
         listener = self._listener
@@ -729,7 +533,7 @@ class Router:
                 self.count_event("accept_failed", f"{e.strerror or e}")
                 return False
             now = time.monotonic()
-            conn = _Conn(next(self._ids), client, peer, now)
+            conn = Conn(next(self._ids), client, peer, now)
             with self._lock:
                 self._c["accepted"] += 1
             # Make room by evicting a *silent* connection (no first bytes yet): a client that
@@ -744,8 +548,8 @@ class Router:
                 self._unpend(sel, pending, victim)
                 self._drop(victim, "evicted: silent while the queue was full", "silent_evicted")
             client.setblocking(False)
-            _set_nodelay(client)
-            _set_keepalive(client)
+            set_nodelay(client)
+            set_keepalive(client)
             conn.deadline = now + self._first_byte_timeout
             pending.add(conn)
             sel.register(client, selectors.EVENT_READ, conn)
@@ -757,9 +561,9 @@ class Router:
     def _read_prefix(
         self,
         sel: selectors.BaseSelector,
-        conn: _Conn,
-        pending: _Pending,
-        waiting: collections.deque[_Conn],
+        conn: Conn,
+        pending: Pending,
+        waiting: collections.deque[Conn],
     ) -> None:
         try:
             # Classification needs MAX_PREFIX bytes at most, but taking whatever has arrived
@@ -797,7 +601,7 @@ class Router:
             return _FDS_HTTP
         return _FDS_SPLICE if self._pump_kind == "splice" else _FDS_HTTP
 
-    def _admit(self, waiting: collections.deque[_Conn]) -> None:
+    def _admit(self, waiting: collections.deque[Conn]) -> None:
         while waiting:
             conn = waiting[0]
             assert conn.kind is not None
@@ -844,7 +648,7 @@ class Router:
             except OSError:
                 pass
 
-    def _no_thread(self, conn: _Conn, e: BaseException) -> None:
+    def _no_thread(self, conn: Conn, e: BaseException) -> None:
         """A connection we could not give a thread: 503 (HTTP) and close; the router goes on."""
         with self._lock:
             self._active.pop(conn.id, None)
@@ -905,7 +709,7 @@ class Router:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _busy(self, conn: _Conn) -> None:
+    def _busy(self, conn: Conn) -> None:
         """A classified connection waited longer than queue_timeout for a relay slot."""
         if conn.kind is Kind.HTTP:
             try:
@@ -929,7 +733,7 @@ class Router:
                     conn.note(f"idle > {idle:g}s")
                     conn.shutdown_all()
 
-    def _drop(self, conn: _Conn, reason: str, counter: str | None) -> None:
+    def _drop(self, conn: Conn, reason: str, counter: str | None) -> None:
         """Close a connection that never reached the relay; one debug line, like a relay."""
         conn.note(reason)
         if counter is not None:  # count before the close is visible to the client
@@ -940,16 +744,16 @@ class Router:
             pass
         self._log_close(conn)
 
-    def _log_close(self, conn: _Conn) -> None:
+    def _log_close(self, conn: Conn) -> None:
         if not log.isEnabledFor(logging.DEBUG):
             return
         kind = conn.kind.value if conn.kind is not None else "-"
-        target = _fmt_addr(conn.target) if conn.target else "-"
+        target = fmt_addr(conn.target) if conn.target else "-"
         log.debug(
             "router %s #%d %s %s->%s open %.3fs up=%dB down=%dB closed: %s",
             self.name,
             conn.id,
-            _fmt_addr(conn.peer),
+            fmt_addr(conn.peer),
             kind,
             target,
             time.monotonic() - conn.accepted,
@@ -960,7 +764,7 @@ class Router:
 
     # ---------------------------------------------------------------- HTTP sessions
 
-    def _http_session(self, conn: _Conn, ups: Upstreams) -> None:
+    def _http_session(self, conn: Conn, ups: Upstreams) -> None:
         conn.target = ups.http
         try:
             HttpSession(self, conn).run()
@@ -992,7 +796,7 @@ class Router:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            _set_nodelay(sock)
+            set_nodelay(sock)
             sock.settimeout(self._connect_timeout)
             sock.connect((host, target[1]))
             sock.settimeout(None)
@@ -1003,7 +807,7 @@ class Router:
             raise
         return sock
 
-    def _relay(self, conn: _Conn, ups: Upstreams) -> None:
+    def _relay(self, conn: Conn, ups: Upstreams) -> None:
         """Connect upstream, then pump upstream → client here and client → upstream on a
         second worker. This way round because the first read usually carried the whole
         request already, so the answer is on the critical path, not the rest of the upload."""
@@ -1025,7 +829,7 @@ class Router:
                 conn.halves -= 1
         self._pump(conn, upstream, conn.client, False)
 
-    def _open_upstream(self, conn: _Conn, ups: Upstreams) -> socket.socket | None:
+    def _open_upstream(self, conn: Conn, ups: Upstreams) -> socket.socket | None:
         """Connect to the connection's upstream and forward the classified prefix.
         None when that failed; the client has then been answered (HTTP 503) or closed."""
         assert conn.kind is not None
@@ -1038,7 +842,7 @@ class Router:
             upstream = self._connect(target)
         except OSError as e:
             self._upstream_down(
-                conn, f"{conn.kind.value} upstream {_fmt_addr(target)}: {e.strerror or e}"
+                conn, f"{conn.kind.value} upstream {fmt_addr(target)}: {e.strerror or e}"
             )
             return None
         with self._lock:
@@ -1057,7 +861,7 @@ class Router:
         conn.up += len(conn.prefix)
         return upstream
 
-    def _pump(self, conn: _Conn, src: socket.socket, dst: socket.socket, upward: bool) -> None:
+    def _pump(self, conn: Conn, src: socket.socket, dst: socket.socket, upward: bool) -> None:
         """One direction until EOF or error; the last direction to end closes the connection,
         so a half-closed stream stays open for as long as its other direction flows."""
         try:
@@ -1108,7 +912,7 @@ class Router:
         return r, w, cap
 
     @staticmethod
-    def _pump_copy(conn: _Conn, src: socket.socket, dst: socket.socket, upward: bool) -> bool:
+    def _pump_copy(conn: Conn, src: socket.socket, dst: socket.socket, upward: bool) -> bool:
         buf = bytearray(COPY_BUFFER)
         view = memoryview(buf)
         recv_into, sendall, clock = src.recv_into, dst.sendall, time.monotonic
@@ -1125,7 +929,7 @@ class Router:
 
     @staticmethod
     def _pump_splice(
-        conn: _Conn, src: socket.socket, dst: socket.socket, upward: bool,
+        conn: Conn, src: socket.socket, dst: socket.socket, upward: bool,
         pipe: tuple[int, int, int],
     ) -> bool:
         # socket → pipe → socket inside the kernel: no copy through Python and the GIL is
@@ -1146,7 +950,7 @@ class Router:
                 conn.down += n
             conn.last = clock()
 
-    def _upstream_down(self, conn: _Conn, reason: str) -> None:
+    def _upstream_down(self, conn: Conn, reason: str) -> None:
         """Upstream missing or refusing: close the client now; HTTP gets a 503 with the reason."""
         conn.note(reason)
         self.count_refused("upstream_down", reason)
@@ -1171,7 +975,7 @@ class Router:
         except OSError:
             pass  # the client went away first; nothing left to tell it
 
-    def _finish(self, conn: _Conn) -> None:
+    def _finish(self, conn: Conn) -> None:
         with self._lock:
             for s in (conn.client, conn.upstream):
                 if s is not None:

@@ -1,0 +1,205 @@
+"""One client connection and where it goes: the upstream addresses, the allow list's view of a
+source address, the per-connection state the acceptor and relay threads share, and the queue of
+connections that have not spoken yet ("silent"), from which the oldest is evicted first.
+
+No threads and no I/O policy here; router/relay.py owns those.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hydra_supervisor.router.classify import Kind
+
+Addr = tuple[str, int]
+
+# TCP keepalive on client sockets: a peer host that vanished (power, network) is found in
+# about IDLE + INTVL * CNT = 2 minutes, without timing out a live but quiet ggml-RPC link.
+_KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 60, 10, 6
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Upstreams:
+    """Where each protocol goes. ``None`` means "not available now": the client is closed
+    (HTTP: 503). All targets are local by design: llama-server and ggml-rpc-server bind to
+    127.0.0.1 only, and the router is the sole way in from outside."""
+
+    http: Addr | None = None
+    rpc: Addr | None = None
+    hydra: Addr | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("http", "rpc", "hydra"):
+            addr = getattr(self, name)
+            if addr is not None and not is_loopback(addr[0]):
+                raise ValueError(
+                    f"router upstream {name}={addr[0]}:{addr[1]} is not a loopback address; "
+                    "internal llama-server / ggml-rpc-server / control ports bind to 127.0.0.1"
+                )
+
+    def for_kind(self, kind: Kind) -> Addr | None:
+        if kind is Kind.HTTP:
+            return self.http
+        if kind is Kind.RPC:
+            return self.rpc
+        if kind is Kind.HYDRA:
+            return self.hydra
+        return None
+
+
+def parse_allow(allow: Sequence[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    if isinstance(allow, str):
+        raise TypeError("allow must be a sequence of CIDR strings, not one string")
+    return tuple(ipaddress.ip_network(cidr, strict=False) for cidr in allow)
+
+
+def source_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
+    except (ValueError, IndexError, TypeError):
+        return None
+    # A dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d; judge them as IPv4.
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def fmt_addr(peer: Any) -> str:
+    try:
+        host, port = peer[0], peer[1]
+    except (IndexError, TypeError):
+        return str(peer)
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def set_nodelay(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # not TCP (tests may hand us a socketpair); nothing to tune
+
+
+def set_keepalive(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPIDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPINTVL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPCNT)
+    except OSError:
+        pass
+
+
+class Conn:
+    """One client connection from accept to close. Mutated by the acceptor until admitted,
+    then by its relay threads; ``abort`` may come from any thread (stop, idle reaper)."""
+
+    __slots__ = (
+        "id",
+        "client",
+        "peer",
+        "src",
+        "accepted",
+        "deadline",
+        "prefix",
+        "kind",
+        "target",
+        "upstream",
+        "up",
+        "down",
+        "last",
+        "reason",
+        "halves",
+        "cost",
+        "session",
+        "idle_since",
+    )
+
+    def __init__(self, cid: int, client: socket.socket, peer: Any, now: float):
+        self.id = cid
+        self.client = client
+        self.peer = peer
+        ip = source_ip(peer)
+        self.src = str(ip) if ip is not None else str(peer)
+        self.accepted = now
+        self.deadline = now
+        self.prefix = b""
+        self.kind: Kind | None = None
+        self.target: Addr | None = None
+        self.upstream: socket.socket | None = None
+        self.up = 0  # bytes client → upstream
+        self.down = 0  # bytes upstream → client
+        self.last = now
+        self.reason = ""
+        self.halves = 2  # relay directions still running; the last one to end closes
+        self.cost = 0  # descriptors reserved for it at admission
+        self.session = False  # an HTTP session (times its own idleness), not a byte relay
+        self.idle_since: float | None = None  # session between requests, waiting for the next
+
+    def note(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+
+    def shutdown_all(self) -> None:
+        # shutdown (not close) wakes threads blocked in recv/splice on these sockets without
+        # freeing the fd under them; the relay thread closes once both directions are done.
+        for s in (self.client, self.upstream):
+            if s is None:
+                continue
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class Pending:
+    """Accepted connections that have not sent their first bytes yet ("silent"), in accept
+    order overall and per source address, so the oldest silent one can be evicted."""
+
+    def __init__(self) -> None:
+        self.all: dict[int, Conn] = {}
+        self.by_src: dict[str, collections.deque[Conn]] = {}
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def add(self, conn: Conn) -> None:
+        self.all[conn.id] = conn
+        self.by_src.setdefault(conn.src, collections.deque()).append(conn)
+
+    def remove(self, conn: Conn) -> None:
+        del self.all[conn.id]
+        q = self.by_src[conn.src]
+        q.remove(conn)  # short: bounded by the per-source limit
+        if not q:
+            del self.by_src[conn.src]
+
+    def first(self) -> Conn | None:
+        return next(iter(self.all.values()), None)
+
+    def from_source(self, src: str) -> int:
+        q = self.by_src.get(src)
+        return len(q) if q else 0
+
+    def oldest_of(self, src: str) -> Conn:
+        return self.by_src[src][0]
+
+    def oldest_of_largest(self) -> Conn:
+        """The oldest silent connection of the source with the most of them: a flood from one
+        address evicts its own connections, not a prompt client's from elsewhere."""
+        q = max(self.by_src.values(), key=len)
+        return q[0]
