@@ -86,6 +86,15 @@ def run(out: Console, node_file: str | None) -> bool:
         _say(out, "  ", mark, f" {alias}: {target}")
     for d in node.model_dirs:
         _say(out, f"  dir {d}: {len(list(models.Path(d).expanduser().glob('*.gguf')))} .gguf")
+    import resource
+
+    from hydra_supervisor.router.limits import raise_nofile
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft, hard = raise_nofile()
+    _say(out, ("file descriptors", "bold"),
+         f": soft limit {before}, hard {hard}; `hydra up` raises the soft limit to {soft} "
+         f"(about {soft // 6:,} concurrent relayed connections at 6 fds each)")
     inv = devices.inventory()
     _say(out, ("devices", "bold"), f" ({inv.source}):")
     if not inv.gpus:
