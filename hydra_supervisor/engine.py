@@ -161,6 +161,10 @@ class Engine:
 
     @property
     def url(self) -> str:
+        """http://, or ggml-rpc:// for a peer-only engine (mode: peer: no HTTP at all)."""
+        plan = self.dep.plan if self.dep is not None else None
+        if plan is not None and plan.router is not None and not plan.router.http:
+            return url_for(self.host, self.port, scheme="ggml-rpc")
         return url_for(self.host, self.port)
 
     def _idle_message(self) -> None:
@@ -211,7 +215,10 @@ class Engine:
             r.release()
             return
         head = sup.head
-        if head is None:
+        if head is None:  # a peer-only engine (mode: peer): ggml-RPC only, never HTTP
+            r.set_unavailable(f"port {self.port} lends {sup.plan.engines[0].device} over "
+                              "ggml-RPC (mode: peer); it serves no HTTP", retry_after=3600)
+            r.release()
             return
         if head.state is State.READY:
             r.set_unavailable(None)
@@ -293,6 +300,7 @@ class Engine:
             self.router.set_unavailable(None)
             self.router.hold(f"loading model for profile {dep.profile}")
         self._launch(dep)
+        self._sync_gate()
 
     # -- switch ---------------------------------------------------------------------------------
 
@@ -540,13 +548,13 @@ class Engine:
                     "seconds": round(time.monotonic() - t0, 3), "notes": rep.notes}
 
     async def shutdown(self, reason: str) -> None:
+        """Stop the running layout. The Supervisor stays as the record of the last run (its
+        FATAL reason, the processes' last states) for the final status.json."""
         if self.sup is not None:
             self.sup.request_stop(reason)
         if self.task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
-        self.sup = None
-        self.task = None
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -560,9 +568,8 @@ class Engine:
             return "fatal"
         if sup.degraded:
             return "degraded"
-        if sup.head is not None and sup.head.state is State.READY and \
-                all(p.state is State.READY for p in sup.procs):
-            return "serving"
+        if all(p.state is State.READY for p in sup.procs):
+            return "serving"  # a peer-only engine (mode: peer) has no head
         if not sup.first_ready.is_set():
             return "starting"
         return "recovering"

@@ -36,15 +36,14 @@ class Load:
         self.threads = [threading.Thread(target=self._loop, args=(s,), daemon=True)
                         for s in (False, True)]
 
-    _started = False  # per thread in practice: one streaming thread
-
-    def _one(self, stream: bool) -> None:
+    def _one(self, stream: bool, started: list[bool]) -> None:
         msgs: Any = [{"role": "user", "content": "Say hi"}]
         if stream:
-            self._started = False
-            for _chunk in self.client.chat.completions.create(
-                    model="x", messages=msgs, max_tokens=8, stream=True):
-                self._started = True
+            stream_ = self.client.chat.completions.create(
+                model="x", messages=msgs, max_tokens=8, stream=True)
+            started[0] = True  # the response began (status line and headers arrived)
+            for _chunk in stream_:
+                pass
         else:
             r = self.client.chat.completions.create(model="x", messages=msgs, max_tokens=8)
             assert r.choices
@@ -52,12 +51,12 @@ class Load:
 
     def _loop(self, stream: bool) -> None:
         while not self.stop.is_set():
-            self._started = False
+            started = [False]
             try:
-                self._one(stream)
+                self._one(stream, started)
             except Exception as exc:  # noqa: BLE001 - every failure is a finding
                 what = f"{'stream' if stream else 'plain'}: {exc!r}"
-                (self.cut if stream and self._started else self.failures).append(what)
+                (self.cut if started[0] else self.failures).append(what)
             time.sleep(0.05)
 
     def __enter__(self) -> Load:
@@ -103,8 +102,9 @@ def test_switch_to_a_broken_profile_rolls_back(hydra_up, hydra_env, tmp_path):
     bad_model = tmp_path / "truncated.gguf"
     bad_model.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 64)
     crash = tmp_path / "crash.yaml"
+    # plans fine; llama-server refuses the KV type at start-up and exits
     crash.write_text("profile: crash\nmodel: gemma3-270m\nmode: solo\nhead: cpu\n"
-                     "server_args:\n  ctx-size: 999999999999\n")
+                     "server_args:\n  cache-type-k: nonsense\n")
     truncated = tmp_path / "truncated.yaml"
     truncated.write_text(f"profile: truncated\nmodel: {bad_model}\nmode: solo\nhead: cpu\n")
     up = hydra_up("--profile", "demo", "--port", "0")
