@@ -276,6 +276,7 @@ class Supervisor:
         self.before_head_swap: Callable[[str], Awaitable[None]] | None = None
         self._requests: asyncio.Queue[tuple[str, asyncio.Future[None]]] = asyncio.Queue()
         self._shutdown: asyncio.Task[None] | None = None
+        self._spawned: set[int] = set()
         self.procs = [
             ManagedProcess(spec=spec, binary=deployment.binaries.get(spec.program, spec.program),
                            log_path=state.log_path(spec.name), policy=deployment.policy,
@@ -338,7 +339,8 @@ class Supervisor:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _managed_pids(self) -> set[int]:
-        return {mp.child.pid for mp in self.procs if mp.child is not None}
+        """Every child this supervisor started (each leads its own process group)."""
+        return self._spawned
 
     # -- ports ------------------------------------------------------------------------------
 
@@ -412,6 +414,7 @@ class Supervisor:
         except OSError as exc:
             raise StartFailed(f"cannot start {mp.binary}: {exc.strerror}") from exc
         mp.started_wall = time.time()
+        self._spawned.add(mp.child.pid)
         try:
             self.state.record_child(mp.name, mp.child.pid)
         except OSError as exc:
