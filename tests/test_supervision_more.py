@@ -198,3 +198,20 @@ def test_wrapper_script_orphan_is_adopted_and_stopped(hydra_env, tmp_path):
         assert not wait_dead(children, 15)
     finally:
         up.kill_everything()
+
+
+def test_sighup_is_ignored_and_a_second_ctrl_c_kills_at_once(hydra_up, hydra_env):
+    up = hydra_up("--profile", "demo", "--port", str(free_port()))
+    st = up.wait_ready(120)
+    head_pid = st["status"]["engines"][0]["pid"]
+    up.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "SIGHUP received" in up.output(), 10, "the SIGHUP to be logged")
+    assert up.proc.poll() is None and up.engine("head")["pid"] == head_pid
+    up.proc.send_signal(signal.SIGINT)
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(30) == 130
+    assert not wait_dead(up.children, 10)
+    log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+    assert "second SIGINT" in log and "stopped: SIGINT" in log
+    res = run_hydra(hydra_env, "status")
+    assert "its last run ended: SIGINT" in res.stdout, res.stdout
