@@ -783,9 +783,8 @@ class Supervisor:
         elif event == "hang":
             assert head is not None
             kind, reason = first.result()
-            if kind == "stall":
-                lost = [p for p in self.peers] or []
-                raise PeerLost(lost, reason)
+            if kind == "stall":  # which peer froze cannot be told apart: all of them
+                raise PeerLost(list(self.peers), reason)
             # A hung process will not act on SIGTERM (a SIGSTOPped one cannot): KILL it.
             await self._kill(head, now=True)
             await self._fail_and_wait(head, f"{reason}; killed")

@@ -215,3 +215,29 @@ def test_sighup_is_ignored_and_a_second_ctrl_c_kills_at_once(hydra_up, hydra_env
     assert "second SIGINT" in log and "stopped: SIGINT" in log
     res = run_hydra(hydra_env, "status")
     assert "its last run ended: SIGINT" in res.stdout, res.stdout
+
+
+def test_two_state_dirs_racing_for_one_internal_port_both_serve_their_own(hydra_env,
+                                                                          tmp_path):
+    """Two profiles in two state dirs, one node file: both plan the same first free internal
+    port. The loser must not take the winner's /health for its own: it moves to a free port
+    and each router reaches its own llama-server."""
+    env_b = dict(hydra_env, HYDRA_STATE_DIR=str(tmp_path / "state-b"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ports = (free_port(), free_port())
+    a = Up(hydra_env, ["--profile", "demo", "--port", str(ports[0])], tmp_path / "a")
+    b = Up(env_b, ["--profile", "demo", "--port", str(ports[1])], tmp_path / "b")
+    try:
+        sa, sb = a.wait_ready(180), b.wait_ready(180)
+        ha, hb = sa["status"]["engines"][0], sb["status"]["engines"][0]
+        assert ha["port"] != hb["port"]
+        for head in (ha, hb):
+            owner = next(c.pid for c in psutil.net_connections("tcp")
+                         if c.laddr and c.laddr.port == head["port"]
+                         and c.status == psutil.CONN_LISTEN)
+            assert owner == head["pid"]
+        assert a.stop() == 0 and b.stop() == 0
+    finally:
+        a.kill_everything()
+        b.kill_everything()
