@@ -456,11 +456,11 @@ def kill_two_peers(tmp: Path) -> FaultResult:
 def remote_peer_restarted(tmp: Path) -> FaultResult:
     """A remote peer (`endpoint:`) killed and started again 3 s later: not a crash loop to
     FATAL: the head is stopped once, the peer re-probed on a timer, the head back after it."""
-    from hydra_supervisor.install import BuildOptions, bin_dir
+    from hydra_supervisor import binaries
 
     rpc_port = free_port_range(1)[0]
     env = make_env(tmp, f"devices:\n  far: {{endpoint: '127.0.0.1:{rpc_port}'}}\n")
-    rpc_bin = str(bin_dir(BuildOptions()) / "ggml-rpc-server")
+    rpc_bin = str(binaries.find("ggml-rpc-server").path)
 
     def start_peer() -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([rpc_bin, "-H", "127.0.0.1", "-p", str(rpc_port), "-c"],

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hydra_supervisor.install import BuildOptions, bin_dir
+from hydra_supervisor import binaries
 from hydra_supervisor.state import StateDir
 from tests.harness import (
     REPO,
@@ -80,7 +80,7 @@ def _listening(port: int) -> bool:
 def test_stale_children_of_a_dead_hydra_are_stopped(hydra_env):
     """A child that outlived its hydra (say hydra ran without PDEATHSIG support) is found by
     its pidfile (pid + start time + cmdline) and stopped by the next hydra command."""
-    rpc = bin_dir(BuildOptions()) / "ggml-rpc-server"
+    rpc = binaries.find("ggml-rpc-server").path
     # A port below the ephemeral range (free_port() is in it: another connect may take it),
     # and wait until the server listens: it must be running when `hydra down` looks.
     port = free_port_range(1)[0]
@@ -138,7 +138,7 @@ def test_two_hydra_up_at_once_one_wins_the_other_names_it(hydra_env, tmp_path):
 def test_wrapper_script_grandchild_dies_with_hydra(hydra_env, tmp_path):
     """A node `binaries:` entry that is a shell script running llama-server WITHOUT exec:
     kill -9 of hydra must leave nothing (the guard stops the recorded process group)."""
-    real = bin_dir(BuildOptions()) / "llama-server"
+    real = binaries.find("llama-server").path
     wrapper = tmp_path / "llama-server-wrapper.sh"
     wrapper.write_text(f'#!/bin/sh\n# no exec: llama-server is a grandchild of hydra\n'
                        f'"{real}" "$@"\necho "wrapper: llama-server exited $?"\n')
@@ -173,7 +173,7 @@ def test_wrapper_script_orphan_is_adopted_and_stopped(hydra_env, tmp_path):
     """The wrapper itself dies and its llama-server lives on, re-parented to hydra (a child
     subreaper): hydra stops the whole group with the exited child, reaps the orphan (no
     zombie left), restarts the head on its own port, and a clean stop leaves nothing."""
-    real = bin_dir(BuildOptions()) / "llama-server"
+    real = binaries.find("llama-server").path
     wrapper = tmp_path / "llama-server-wrapper.sh"
     wrapper.write_text(f'#!/bin/sh\n"{real}" "$@"\n')
     wrapper.chmod(0o755)
