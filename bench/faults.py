@@ -2,6 +2,11 @@
 """Fault-injection summary: runs every scenario of tests/fault_scenarios.py on real processes
 and prints fault, detected after, recovered after, requests lost, orphans.
 
+Rows: head killed / SIGSTOPped, hydra killed -9, crash loop, peer port taken, log dir gone,
+degrade, and (issue 8) peer killed while the head loads, frozen peer (SIGSTOP), two peers killed
+at once, a remote peer killed and started again, and a burst of 200 requests straight to the
+head's internal port (must read "not killed", lost 0).
+
     .venv/bin/python bench/faults.py [--only kill_head,sigstop_head]
 """
 
@@ -15,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fault_scenarios import SCENARIOS  # noqa: E402
+from tests.fault_scenarios import SCENARIOS, FaultResult  # noqa: E402
 
 
 def main() -> int:
@@ -27,7 +32,11 @@ def main() -> int:
     for name in names:
         with tempfile.TemporaryDirectory(prefix=f"hydra-fault-{name}-") as d:
             print(f"running {name} ...", file=sys.stderr, flush=True)
-            rows.append(SCENARIOS[name](Path(d)))
+            try:
+                rows.append(SCENARIOS[name](Path(d)))
+            except AssertionError as exc:  # one failed scenario still leaves the others' rows
+                rows.append(FaultResult(name, 0.0, None, None, 0, 0,
+                                        notes=f"FAILED: {str(exc)[:200]}"))
 
     def s(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}s"
@@ -38,8 +47,9 @@ def main() -> int:
         print(f"{r.fault:38} {s(r.load_s):>6} {s(r.detected_s):>9} {s(r.recovered_s):>10} "
               f"{r.requests_lost:>4}/{r.requests_sent:<5} {len(r.orphans):>8}  {r.notes}")
     print("\nrecovered = all engines READY again and a completion answered; lost = client "
-          "requests (one every 0.25 s, plus the stream in flight) that failed meanwhile")
-    return 0 if all(not r.orphans for r in rows) else 1
+          "requests (one every 0.25 s, plus the stream in flight) that failed meanwhile "
+          "(the router does not hold requests yet); burst: lost = of the 200 sent")
+    return 0 if all(not r.orphans and not r.notes.startswith("FAILED") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -30,12 +30,12 @@ def start(state_root: Path) -> subprocess.Popen[bytes]:
 
 
 def main(argv: list[str]) -> int:
-    root, hydra_pid = Path(argv[0]), int(argv[1])
+    from hydra_supervisor.state import StateDir  # imported now: act fast at the EOF
+
+    state, hydra_pid = StateDir(Path(argv[0])), int(argv[1])
     while sys.stdin.buffer.read(4096):  # hydra never writes: this returns at EOF only
         pass
-    from hydra_supervisor.state import StateDir
-
-    StateDir(root).kill_stale(grace=2.0, hydra_pid=hydra_pid)
+    state.kill_stale(grace=2.0, hydra_pid=hydra_pid)
     return 0
 
 

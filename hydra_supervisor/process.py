@@ -258,31 +258,31 @@ def become_subreaper() -> bool:
     return bool(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
-def adopted(managed: Collection[int], keep: Collection[int] = ()) -> list[psutil.Process]:
-    """Our children that we did not start: orphans re-parented to us (subreaper). Told apart from
-    hydra's own helper processes by their process group: an adopted grandchild stays in its
-    managed child's group, never in hydra's."""
-    mine = os.getpgrp()
+def adopted(groups: Collection[int]) -> list[psutil.Process]:
+    """Our children that we did not start: orphans re-parented to us (subreaper) from the
+    process groups of our managed children (`groups`: their pids, each a group leader). A
+    grandchild stays in its child's group; hydra's own helpers (the guard, a tool it runs) are
+    in other groups and are never touched; the leaders themselves are asyncio's to reap."""
     out = []
     try:
         kids = psutil.Process().children()
     except psutil.Error:
         return []
     for p in kids:
-        if p.pid in managed or p.pid in keep:
+        if p.pid in groups:
             continue
         try:
-            if os.getpgid(p.pid) != mine:
+            if os.getpgid(p.pid) in groups:
                 out.append(p)
         except OSError:
             continue
     return out
 
 
-def reap_adopted(managed: Collection[int], keep: Collection[int] = ()) -> list[int]:
+def reap_adopted(groups: Collection[int]) -> list[int]:
     """waitpid (non-blocking) each adopted orphan that has exited; returns the reaped pids."""
     reaped = []
-    for p in adopted(managed, keep):
+    for p in adopted(groups):
         with contextlib.suppress(ChildProcessError, OSError):
             done, _ = os.waitpid(p.pid, os.WNOHANG)
             if done:

@@ -85,11 +85,14 @@ class StateDir:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                running = self.running_supervisor()
+                what = f", profile '{running['profile']}'" if running and \
+                    str(running.get("pid")) == holder else ""
                 raise HydraError(
-                    f"hydra is already running here: another hydra (pid {holder}) holds the "
-                    f"state dir {self.root} (lock {path})",
-                    hint="`hydra down` first, `hydra switch PROFILE` to change its layout, or "
-                         "set HYDRA_STATE_DIR for a second hydra") from None
+                    f"hydra is already running here: pid {holder}{what} holds the state dir "
+                    f"{self.root} (lock {path})",
+                    hint="`hydra down` first (`hydra status` shows it), `hydra switch PROFILE` to "
+                         "change its layout, or set HYDRA_STATE_DIR for a second hydra") from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             try:

@@ -278,6 +278,7 @@ class Supervisor:
         self.before_head_swap: Callable[[str], Awaitable[None]] | None = None
         self._requests: asyncio.Queue[tuple[str, asyncio.Future[None]]] = asyncio.Queue()
         self._shutdown: asyncio.Task[None] | None = None
+        self._spawned: set[int] = set()
         self.procs = [
             ManagedProcess(spec=spec, binary=deployment.binaries.get(spec.program, spec.program),
                            log_path=state.log_path(spec.name), policy=deployment.policy,
@@ -343,7 +344,8 @@ class Supervisor:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _managed_pids(self) -> set[int]:
-        return {mp.child.pid for mp in self.procs if mp.child is not None}
+        """Every child this supervisor started (each leads its own process group)."""
+        return self._spawned
 
     # -- ports ------------------------------------------------------------------------------
 
@@ -417,6 +419,7 @@ class Supervisor:
         except OSError as exc:
             raise StartFailed(f"cannot start {mp.binary}: {exc.strerror}") from exc
         mp.started_wall = time.time()
+        self._spawned.add(mp.child.pid)
         try:
             self.state.record_child(mp.name, mp.child.pid)
         except OSError as exc:
@@ -785,9 +788,8 @@ class Supervisor:
         elif event == "hang":
             assert head is not None
             kind, reason = first.result()
-            if kind == "stall":
-                lost = [p for p in self.peers] or []
-                raise PeerLost(lost, reason)
+            if kind == "stall":  # which peer froze cannot be told apart: all of them
+                raise PeerLost(list(self.peers), reason)
             # A hung process will not act on SIGTERM (a SIGSTOPped one cannot): KILL it.
             await self._kill(head, now=True)
             await self._fail_and_wait(head, f"{reason}; killed")

@@ -65,10 +65,6 @@ def make_env(tmp_path: Path, node_extra: str = "") -> dict[str, str]:
         "HYDRA_NODE": str(node),
         "PYTHONUNBUFFERED": "1",
     })
-    # A CPU build with GGML_NATIVE on an AMX-capable CPU uses AMX tiles in its repacked
-    # weights; in a VM that does not enable AMX state that is SIGILL at the first compute.
-    # Repacking off keeps the real-binary tests about hydra (set it to 1 to undo).
-    env.setdefault("LLAMA_ARG_REPACK", "0")
     return env
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hydra_supervisor.install import BuildOptions, bin_dir
+from hydra_supervisor import binaries
 from hydra_supervisor.state import StateDir
 from tests.harness import (
     REPO,
@@ -80,7 +80,7 @@ def _listening(port: int) -> bool:
 def test_stale_children_of_a_dead_hydra_are_stopped(hydra_env):
     """A child that outlived its hydra (say hydra ran without PDEATHSIG support) is found by
     its pidfile (pid + start time + cmdline) and stopped by the next hydra command."""
-    rpc = bin_dir(BuildOptions()) / "ggml-rpc-server"
+    rpc = binaries.find("ggml-rpc-server").path
     # A port below the ephemeral range (free_port() is in it: another connect may take it),
     # and wait until the server listens: it must be running when `hydra down` looks.
     port = free_port_range(1)[0]
@@ -122,7 +122,7 @@ def test_two_hydra_up_at_once_one_wins_the_other_names_it(hydra_env, tmp_path):
         winner = b if loser is a else a
         assert loser.proc.returncode == 2, loser.output()
         text = loser.output()
-        assert f"another hydra (pid {winner.proc.pid}) holds the state dir" in text, text
+        assert f"pid {winner.proc.pid}" in text and "holds the state dir" in text, text
         assert "ready:" not in text
         winner.wait_ready(120)
         st = status_json(hydra_env)
@@ -138,7 +138,7 @@ def test_two_hydra_up_at_once_one_wins_the_other_names_it(hydra_env, tmp_path):
 def test_wrapper_script_grandchild_dies_with_hydra(hydra_env, tmp_path):
     """A node `binaries:` entry that is a shell script running llama-server WITHOUT exec:
     kill -9 of hydra must leave nothing (the guard stops the recorded process group)."""
-    real = bin_dir(BuildOptions()) / "llama-server"
+    real = binaries.find("llama-server").path
     wrapper = tmp_path / "llama-server-wrapper.sh"
     wrapper.write_text(f'#!/bin/sh\n# no exec: llama-server is a grandchild of hydra\n'
                        f'"{real}" "$@"\necho "wrapper: llama-server exited $?"\n')
@@ -173,7 +173,7 @@ def test_wrapper_script_orphan_is_adopted_and_stopped(hydra_env, tmp_path):
     """The wrapper itself dies and its llama-server lives on, re-parented to hydra (a child
     subreaper): hydra stops the whole group with the exited child, reaps the orphan (no
     zombie left), restarts the head on its own port, and a clean stop leaves nothing."""
-    real = bin_dir(BuildOptions()) / "llama-server"
+    real = binaries.find("llama-server").path
     wrapper = tmp_path / "llama-server-wrapper.sh"
     wrapper.write_text(f'#!/bin/sh\n"{real}" "$@"\n')
     wrapper.chmod(0o755)
@@ -198,3 +198,46 @@ def test_wrapper_script_orphan_is_adopted_and_stopped(hydra_env, tmp_path):
         assert not wait_dead(children, 15)
     finally:
         up.kill_everything()
+
+
+def test_sighup_is_ignored_and_a_second_ctrl_c_kills_at_once(hydra_up, hydra_env):
+    up = hydra_up("--profile", "demo", "--port", str(free_port()))
+    st = up.wait_ready(120)
+    head_pid = st["status"]["engines"][0]["pid"]
+    up.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "SIGHUP received" in up.output(), 10, "the SIGHUP to be logged")
+    assert up.proc.poll() is None and up.engine("head")["pid"] == head_pid
+    up.proc.send_signal(signal.SIGINT)
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(30) == 130
+    assert not wait_dead(up.children, 10)
+    log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+    assert "second SIGINT" in log and "stopped: SIGINT" in log
+    res = run_hydra(hydra_env, "status")
+    assert "its last run ended: SIGINT" in res.stdout, res.stdout
+
+
+def test_two_state_dirs_racing_for_one_internal_port_both_serve_their_own(hydra_env,
+                                                                          tmp_path):
+    """Two profiles in two state dirs, one node file: both plan the same first free internal
+    port. The loser must not take the winner's /health for its own: it moves to a free port
+    and each router reaches its own llama-server."""
+    env_b = dict(hydra_env, HYDRA_STATE_DIR=str(tmp_path / "state-b"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ports = (free_port(), free_port())
+    a = Up(hydra_env, ["--profile", "demo", "--port", str(ports[0])], tmp_path / "a")
+    b = Up(env_b, ["--profile", "demo", "--port", str(ports[1])], tmp_path / "b")
+    try:
+        sa, sb = a.wait_ready(180), b.wait_ready(180)
+        ha, hb = sa["status"]["engines"][0], sb["status"]["engines"][0]
+        assert ha["port"] != hb["port"]
+        for head in (ha, hb):
+            owner = next(c.pid for c in psutil.net_connections("tcp")
+                         if c.laddr and c.laddr.port == head["port"]
+                         and c.status == psutil.CONN_LISTEN)
+            assert owner == head["pid"]
+        assert a.stop() == 0 and b.stop() == 0
+    finally:
+        a.kill_everything()
+        b.kill_everything()
