@@ -442,7 +442,8 @@ class Supervisor:
     async def _wait_ready(self, mp: ManagedProcess) -> None:
         spec = mp.spec
         budget = self.timeouts.load if spec.role is Role.HEAD else self.timeouts.peer
-        deadline = self._now() + budget
+        started = self._now()
+        deadline = started + budget
         while self._now() < deadline:
             if mp.child is not None and mp.child.returncode is not None:
                 mp.last_exit = mp.child.returncode
@@ -469,7 +470,9 @@ class Supervisor:
                                     f"speaks {PROTO_MAJOR}.{PROTO_MINOR}.x")
                     return
                 mp.note(f"waiting for ggml-RPC HELLO on {spec.endpoint}")
-            await self._sleep(0.25)
+            # Probe often while a fast load may finish any moment (a switch waits on this),
+            # then settle down: a loopback /health or HELLO costs microseconds either way.
+            await self._sleep(0.05 if self._now() - started < 5.0 else 0.25)
         what = "/health 200" if spec.role is Role.HEAD else "HELLO"
         raise StartFailed(f"no {what} within {budget:.0f}s (load timeout)")
 
