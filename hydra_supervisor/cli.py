@@ -371,6 +371,8 @@ def status(as_json: bool, watch: bool) -> None:
             return
         out.print(f"hydra is not running here (state dir {state.root})", markup=False)
         data = state.read_status()
+        if data and data.get("stopped"):
+            out.print(f"its last run ended: {data['stopped']}", markup=False)
         if data and data.get("fatal"):
             out.print("its last run:", markup=False)
             _print_engine(_legacy_to_engine(data))

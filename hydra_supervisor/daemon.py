@@ -89,6 +89,7 @@ class Daemon:
                              router_kwargs=router_kwargs)
         self.stop_event = asyncio.Event()
         self.stop_reason = "stop requested"
+        self.ended: str | None = None  # why the run ended, once it has (the crash record)
         self.started = time.time()
         self.ctl: control.ControlServer | None = None
         self.wire: EngineWire | None = None
@@ -111,7 +112,7 @@ class Daemon:
         return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
                 "mode": e["mode"], "model": e["model"], "url": e["url"], "state": e["state"],
                 "fatal": e["fatal"], "degraded": e["degraded"], "updated": time.time(),
-                "stopped": self.stop_reason if self.stop_event.is_set() else None,
+                "stopped": self.ended,
                 "unkillable": list(self.unkillable), "engines": e["processes"]}
 
     def _changed(self) -> None:
@@ -272,7 +273,6 @@ class Daemon:
             if on_start is not None:
                 presenter = asyncio.create_task(on_start(self))
             code = await self._wait()
-            return EXIT_INTERRUPTED if self._ints > 1 else code
         finally:
             self.notifier.stopping(f"stopping: {self.stop_reason}")
             for task in (presenter, readiness, watchdog):
@@ -283,12 +283,16 @@ class Daemon:
             if self.metrics is not None:
                 self.metrics.stop()
             await self.engine.shutdown(self.stop_reason)
+            self.ended = self.stop_reason
             self._changed()
             self.ctl.stop()
             self.wire.stop()
             self.engine.close()
+            log.warning("stopped: %s", self.stop_reason)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+        # Decided after the stop: a second Ctrl-C may arrive while the first one's stop runs.
+        return EXIT_INTERRUPTED if self._ints > 1 else code
 
     async def _wait(self) -> int:
         """Until a stop is asked for, or the running layout goes FATAL (exit 1)."""
