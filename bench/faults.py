@@ -48,7 +48,7 @@ def main() -> int:
               f"{r.requests_lost:>4}/{r.requests_sent:<5} {len(r.orphans):>8}  {r.notes}")
     print("\nrecovered = all engines READY again and a completion answered; lost = client "
           "requests (one every 0.25 s, plus the stream in flight) that failed meanwhile "
-          "(the router does not hold requests yet); burst: lost = of the 200 sent")
+          "(new requests are held while a head restarts); burst: lost = of the 200 sent")
     return 0 if all(not r.orphans and not r.notes.startswith("FAILED") for r in rows) else 1
 
 

@@ -8,12 +8,15 @@ replaces the live inventory, for tests and for planning on a machine without the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -80,15 +83,34 @@ def _meminfo() -> tuple[int, int]:
     return total, free
 
 
-def _nvml() -> tuple[GpuInfo, ...] | None:
+@contextlib.contextmanager
+def nvml_session() -> Iterator[Any]:
+    """pynvml, initialised for the block (shut down after it), or None where there is no
+    NVML (no package, no driver). NVMLError inside the block is the caller's to handle."""
     try:
         import pynvml
     except ImportError:
-        return None
+        yield None
+        return
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return None
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml() -> tuple[GpuInfo, ...] | None:
+    with nvml_session() as pynvml:
+        if pynvml is None:
+            return None
+        return _nvml_gpus(pynvml)
+
+
+def _nvml_gpus(pynvml: Any) -> tuple[GpuInfo, ...] | None:
     try:
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
@@ -100,8 +122,6 @@ def _nvml() -> tuple[GpuInfo, ...] | None:
         return tuple(gpus)
     except pynvml.NVMLError:
         return None
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _nvidia_smi() -> tuple[GpuInfo, ...] | None:

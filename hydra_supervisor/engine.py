@@ -361,12 +361,7 @@ class Engine:
             report.error = "hydra stopped during the switch"
             raise
         finally:
-            self.switching = None
-            phase.done()
-            self.switches.append(report)
-            self._log_report(report)
-            for fn in self.listeners:
-                fn()
+            self._finish(report, phase)
         return report
 
     async def apply(self, dep: Deployment) -> SwitchReport:
@@ -430,13 +425,8 @@ class Engine:
                     report.result = "failed"
                     report.error = f"{report.error}; the rollback failed too: {exc2}"
         finally:
-            self.switching = None
+            self._finish(report, phase)
             self._sync_gate()
-            phase.done()
-            self.switches.append(report)
-            self._log_report(report)
-            for fn in self.listeners:
-                fn()
         return report
 
     def _head_addr(self) -> tuple[str, int] | None:
@@ -517,6 +507,15 @@ class Engine:
                 report.error = f"{report.error}; the rollback to {back.profile} failed too: {exc}"
             self.switching = None
             self._sync_gate()
+
+    def _finish(self, report: SwitchReport, phase: _Phases) -> None:
+        """A switch or head restart is over (whatever its result): record and announce it."""
+        self.switching = None
+        phase.done()
+        self.switches.append(report)
+        self._log_report(report)
+        for fn in self.listeners:
+            fn()
 
     def _log_report(self, rep: SwitchReport) -> None:
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in rep.phases.items())

@@ -11,29 +11,24 @@ from __future__ import annotations
 import asyncio
 import time
 
+from hydra_supervisor import devices
+
 
 def holders(pids: set[int]) -> set[int] | None:
     """Which of `pids` still hold memory on a GPU; None when NVML is not available."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        held: set[int] = set()
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                if p.pid in pids:
-                    held.add(p.pid)
-        return held
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    with devices.nvml_session() as pynvml:
+        if pynvml is None:
+            return None
+        try:
+            held: set[int] = set()
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    if p.pid in pids:
+                        held.add(p.pid)
+            return held
+        except pynvml.NVMLError:
+            return None
 
 
 async def wait_released(pids: list[int], timeout: float, interval: float = 0.1) -> list[int]:
