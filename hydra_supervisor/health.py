@@ -19,9 +19,9 @@ def _self_connected(writer: asyncio.StreamWriter) -> bool:
     return bool(writer.get_extra_info("sockname") == writer.get_extra_info("peername"))
 
 
-async def http_status(host: str, port: int, path: str = "/health", timeout: float = 2.0
-                      ) -> int | None:
-    """The HTTP status code of GET path, or None when nothing answers in time."""
+async def _get(host: str, port: int, path: str, timeout: float, whole: bool) -> bytes | None:
+    """GET path over HTTP/1.0: the status line only, or (`whole`) the whole response; None
+    when nothing answers in time (or a connect landed on itself)."""
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
@@ -30,36 +30,33 @@ async def http_status(host: str, port: int, path: str = "/health", timeout: floa
                     return None
                 writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
                 await writer.drain()
-                line = await reader.readline()
+                return await (reader.read() if whole else reader.readline())
             finally:
                 writer.close()
     except (OSError, TimeoutError):
         return None
-    parts = line.split()
-    if len(parts) >= 2 and parts[1].isdigit():
-        return int(parts[1])
-    return None
+
+
+def _status(line: bytes) -> int | None:
+    parts = line.split(b"\r\n", 1)[0].split()
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+async def http_status(host: str, port: int, path: str = "/health", timeout: float = 2.0
+                      ) -> int | None:
+    """The HTTP status code of GET path, or None when nothing answers in time."""
+    line = await _get(host, port, path, timeout, whole=False)
+    return None if line is None else _status(line)
 
 
 async def slots_busy(host: str, port: int, timeout: float = 2.0) -> bool | None:
     """Is any slot of the head processing a request (`GET /slots`, is_processing)? None when
     it does not answer in time: /slots waits in the same HTTP worker pool as /health."""
-    try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                if _self_connected(writer):
-                    return None
-                writer.write(f"GET /slots HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-                await writer.drain()
-                raw = await reader.read()
-            finally:
-                writer.close()
-    except (OSError, TimeoutError):
+    raw = await _get(host, port, "/slots", timeout, whole=True)
+    if raw is None:
         return None
     head, _, body = raw.partition(b"\r\n\r\n")
-    parts = head.split(b"\r\n", 1)[0].split()
-    if len(parts) < 2 or parts[1] != b"200":
+    if _status(head) != 200:
         return None
     try:
         slots = json.loads(body)
