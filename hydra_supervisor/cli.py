@@ -427,22 +427,26 @@ def _engine_renderables(eng: dict[str, Any]) -> list[Any]:
                                    f" ({eng['mode']}) at {eng['url']} — {eng['state']}"))
     table = Table(show_edge=False, pad_edge=False)
     for col in ("engine", "role", "device", "pid", "port", "state", "uptime", "restarts",
-                "reason"):
+                "memory", "reason"):
         table.add_column(col)
     now = time.time()
     for e in eng.get("processes", []):
         uptime = _fmt_age(now - e["started"]) if e.get("started") else "-"
         reason = e.get("reason", "") + (f" [{e['warning']}]" if e.get("warning") else "")
         table.add_row(e["name"], e["role"], str(e.get("device", "-")), str(e["pid"] or "-"),
-                      str(e["port"]), e["state"], uptime, str(e["restarts"]), Text(reason))
+                      str(e["port"]), e["state"], uptime, str(e["restarts"]), _fmt_mem(e),
+                      Text(reason))
     if eng.get("processes"):
         parts.append(table)
     r = eng.get("router")
     if r:
         http = r.get("http") or {}
+        last = eng.get("requests_last_min")
         parts.append(Text(f"router: {r.get('open', 0)} open, {r.get('held', 0)} held, "
-                          f"{r.get('inflight', 0)} in flight; {r.get('total', 0)} accepted, "
-                          f"{http.get('cut', 0)} cut, {http.get('retried', 0)} retried"))
+                          f"{r.get('inflight', 0)} in flight; {r.get('accepted', 0)} accepted, "
+                          f"{http.get('requests', 0)} HTTP requests"
+                          + (f" ({last} in the last minute)" if last is not None else "")
+                          + f", {http.get('cut', 0)} cut, {http.get('retried', 0)} retried"))
     if eng.get("degraded"):
         parts.append(Text(str(eng["degraded"]), style="bold yellow"))
     if eng.get("fatal"):
@@ -458,6 +462,16 @@ def _engine_renderables(eng: dict[str, Any]) -> list[Any]:
             parts.append(Text(f"last lines of {e['name']}'s log ({e['log']}):"))
             parts.extend(Text(f"  {line}") for line in e["log_tail"])
     return parts
+
+
+def _fmt_mem(row: dict[str, Any]) -> str:
+    """Host resident memory, plus GPU memory where NVML reports the process."""
+    parts = []
+    if row.get("rss_bytes"):
+        parts.append(f"{row['rss_bytes'] / 2**20:,.0f} MiB")
+    if row.get("gpu_bytes"):
+        parts.append(f"GPU {row['gpu_bytes'] / 2**20:,.0f} MiB")
+    return " + ".join(parts) or "-"
 
 
 def _fmt_age(seconds: float) -> str:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from hydra_supervisor import gpumem, plandiff
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
@@ -142,6 +144,7 @@ class Engine:
         self.listeners: list[Callable[[], None]] = []  # told on every change (status, notify)
         self.hydra_upstream: tuple[str, int] | None = None  # the wire server, when it runs
         self.unkillable: list[str] = []  # children that survived SIGKILL (D state), reported
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
 
     # -- the port -----------------------------------------------------------------------------
 
@@ -573,6 +576,39 @@ class Engine:
             return "starting"
         return "recovering"
 
+    def _process_rows(self) -> list[dict[str, Any]]:
+        """The supervisor's rows plus memory: resident (host) and GPU (NVML) per process."""
+        sup = self.sup
+        if sup is None:
+            return []
+        gpu = gpumem.used_by_pid()
+        rows = []
+        for p in sup.procs:
+            row = p.row()
+            pid = row.get("pid")
+            row["rss_bytes"] = None
+            if pid:
+                with contextlib.suppress(psutil.Error):
+                    row["rss_bytes"] = psutil.Process(pid).memory_info().rss
+            row["gpu_bytes"] = gpu.get(pid) if pid else None
+            rows.append(row)
+        return rows
+
+    def _requests_last_min(self) -> int | None:
+        """HTTP requests finished in about the last minute, from the router's counter sampled
+        at each snapshot (status --watch asks every second; None until two samples exist)."""
+        if self.router is None:
+            return None
+        now = time.monotonic()
+        total = int((self.router.stats().get("http") or {}).get("requests", 0))
+        if not self._samples or now - self._samples[-1][0] >= 1.0:
+            self._samples.append((now, total))
+        while self._samples and now - self._samples[0][0] > 60.0:
+            self._samples.popleft()
+        if not self._samples or now - self._samples[0][0] < 1.0:
+            return None
+        return total - self._samples[0][1]
+
     def snapshot(self) -> dict[str, Any]:
         sup = self.sup
         dep = self.dep
@@ -587,7 +623,8 @@ class Engine:
             "switching": self.switching,
             "fatal": sup.fatal if sup else None,
             "degraded": sup.degraded if sup else None,
-            "processes": [p.row() for p in sup.procs] if sup else [],
+            "processes": self._process_rows(),
+            "requests_last_min": self._requests_last_min(),
             "router": self.router.stats() if self.router is not None else None,
             "switches": [s.to_json() for s in self.switches],
         }

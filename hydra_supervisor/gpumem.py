@@ -31,6 +31,22 @@ def holders(pids: set[int]) -> set[int] | None:
             return None
 
 
+def used_by_pid() -> dict[int, int]:
+    """GPU memory (bytes, all GPUs together) held by each process; empty without NVML."""
+    with devices.nvml_session() as pynvml:
+        if pynvml is None:
+            return {}
+        out: dict[int, int] = {}
+        try:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    out[p.pid] = out.get(p.pid, 0) + int(p.usedGpuMemory or 0)
+        except pynvml.NVMLError:
+            return {}
+        return out
+
+
 async def wait_released(pids: list[int], timeout: float, interval: float = 0.1) -> list[int]:
     """Wait until no pid of `pids` holds GPU memory; returns those that still do at the end."""
     if not pids:

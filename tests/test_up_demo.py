@@ -142,3 +142,23 @@ def test_router_off_binds_llama_server_directly(hydra_up, hydra_env, tmp_path):
     st = up.wait_ready()
     assert st["status"]["engines"][0]["port"] == port
     assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+
+
+def test_status_shows_memory_and_recent_requests(hydra_up, hydra_env):
+    port = free_port()
+    up = hydra_up("--profile", "demo", "--port", str(port))
+    up.wait_ready()
+    status_json(hydra_env)  # a first sample of the request counter
+    for _ in range(2):
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "Hi"}],
+                                "max_tokens": 2})
+        assert r.status_code == 200
+    time.sleep(1.1)
+    eng = status_json(hydra_env)["daemon"]["engines"][0]
+    head = eng["processes"][0]
+    assert head["rss_bytes"] > 10 * 2**20  # the model is mapped in
+    assert eng["router"]["http"]["requests"] >= 2
+    assert eng["requests_last_min"] >= 2
+    text = run_hydra(hydra_env, "status").stdout
+    assert " MiB" in text and "in the last minute" in text, text
