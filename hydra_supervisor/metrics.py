@@ -14,7 +14,6 @@ The exposition is prometheus_client's; nothing here formats the text protocol by
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import re
 import socket
@@ -42,6 +41,7 @@ from prometheus_client.registry import Collector
 
 from hydra_supervisor import __version__
 from hydra_supervisor.ports import client_host
+from hydra_supervisor.router.conn import is_loopback
 
 log = logging.getLogger("hydra.metrics")
 
@@ -531,15 +531,6 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class MetricsServer:
     """`GET /metrics` on a loopback port: hydra's state, per-request records and the heads'
     llama-server metrics. Threads of its own; `stop()` is bounded.
@@ -557,7 +548,7 @@ class MetricsServer:
                  external_ports: Sequence[int] | None = None) -> None:
         if snapshot is None:
             raise TypeError("MetricsServer needs snapshot=")
-        if not _is_loopback(host):
+        if not is_loopback(host):
             raise ValueError(f"metrics are served on a loopback address only, not {host!r}: "
                              "put a scraper on this host, or a reverse proxy with auth")
         self.host = host

@@ -257,7 +257,7 @@ def llama_bins() -> Path:
 
 def llama_extra_args() -> list[str]:
     """Extra llama-server arguments for this machine, from $HYDRA_TEST_LLAMA_ARGS (e.g.
-    ``-ub 1 -b 1`` where the CPU build's AMX kernels fault: they run only for batches > 1)."""
+    ``-t 1`` on a machine whose build needs it)."""
     return os.environ.get("HYDRA_TEST_LLAMA_ARGS", "").split()
 
 

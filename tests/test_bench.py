@@ -118,10 +118,6 @@ def _bench(*args: str) -> tuple[int, dict[str, Any]]:
 @pytest.mark.slow
 def test_bench_against_hydra_up_demo(hydra_up: Any, hydra_env: dict[str, str],
                                      tmp_path: Path) -> None:
-    # A native CPU build with AMX repack kernels hits SIGILL on VMs whose cpuid says AMX but
-    # whose hypervisor traps it; llama-server children inherit the environment, so turn
-    # repacking off here (harmless for a build without AMX).
-    hydra_env["LLAMA_ARG_REPACK"] = "0"
     port = free_port()
     up = hydra_up("--profile", "demo", "--port", str(port))
     up.wait_ready(timeout=300)

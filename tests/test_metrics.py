@@ -362,10 +362,7 @@ def test_real_llama_server_metrics_relabelled(tmp_path: Path) -> None:
     port = free_port()
     argv = [str(bins / "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(port),
             "-c", "1024", "-t", "2", "-np", "1", "--metrics", "--api-key", "sk-m",
-            "--chat-template", "gemma",
-            # A native CPU build with AMX repack kernels hits SIGILL on VMs whose cpuid says
-            # AMX but whose hypervisor traps it; without repacking any build runs here.
-            "--no-repack"]
+            "--chat-template", "gemma"]
     log = tmp_path / "llama-server.log"
     with llama_process(argv, log) as proc:
         wait_health(port, proc, log)

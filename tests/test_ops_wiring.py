@@ -55,8 +55,8 @@ def test_notify_and_metrics_on_a_real_hydra_up(hydra_up: Any, hydra_env: dict[st
     profiles.mkdir()
     demo = (REPO / "profiles" / "demo.yaml").read_text().replace("profile: demo",
                                                                 "profile: demo-ops")
-    # --metrics for the head's own series; --no-repack: see tests/test_metrics.py
-    (profiles / "demo-ops.yaml").write_text(demo + "  metrics: true\n  no-repack: true\n")
+    # --metrics for the head's own series
+    (profiles / "demo-ops.yaml").write_text(demo + "  metrics: true\n")
     mport, port = free_port(), free_port()
     hydra_env.update(NOTIFY_SOCKET=note.sock.getsockname(), WATCHDOG_USEC="2000000",
                      HYDRA_METRICS_PORT=str(mport))

@@ -4,9 +4,9 @@ there (`timings.cache_n > 0`); PREFILL fills a slot and returns its state inline
 
 Gemma 3 is a sliding-window model: its slots restore with cache hits only when the server runs
 with `--swa-full` (design.md), so both heads get it, and `--slot-save-path` for the files.
-`--no-repack`: this machine's native build compiles ggml's AMX kernels (the CPU flags say
-amx_tile) but the VM traps on them (SIGILL at `tilezero` in tinygemm_kernel_amx); without weight
-repacking the AMX buffer type is not used.
+`--no-repack`: with CPU weight repacking on, the greedy continuation after a restore differed
+from the original one (seen: " The fox is a" vs " The quick brown fox"; repacked kernels serve
+batches and single tokens by different code paths); without it the tokens match exactly.
 """
 
 from __future__ import annotations
