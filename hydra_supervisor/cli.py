@@ -27,8 +27,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hydra_supervisor import __version__, control, daemon, deployment, guard, install, layout
-from hydra_supervisor.config import known_profiles
+from hydra_supervisor import (
+    __version__,
+    control,
+    daemon,
+    deployment,
+    fleet_setup,
+    guard,
+    install,
+    layout,
+)
+from hydra_supervisor.config import find_node_file, known_profiles, load_node
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import client_host, host_port
 from hydra_supervisor.state import StateDir
@@ -86,8 +95,10 @@ def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 @main.command()
-@click.option("--profile", "-p", default=None,
-              help="profile name (see `hydra profiles`) or path to a .yaml [default: demo]")
+@click.option("--profile", "-p", "profiles", multiple=True,
+              help="profile name (see `hydra profiles`) or path to a .yaml [default: demo, or "
+                   "the node file's profiles:]; give several to serve them together, routed "
+                   "by the request's model")
 @click.option("--no-profile", "idle", is_flag=True,
               help="start with no layout loaded (ready at once; `hydra switch NAME` loads one)")
 @node_opt
@@ -98,7 +109,7 @@ def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
 @click.option("--metrics-port", type=int, default=None, envvar="HYDRA_METRICS_PORT",
               help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)")
 @friendly
-def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str | None,
+def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_dir: str | None,
        port: int | None, host: str | None, verbose: bool, metrics_port: int | None) -> None:
     """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM.
 
@@ -106,15 +117,22 @@ def up(profile: str | None, idle: bool, node_file: str | None, profiles_dir: str
     hydra holds the state dir, 3 stopped but a child could not be killed, 130 interrupted
     before serving or by a second Ctrl-C.
     """
-    if idle and profile:
+    if idle and profiles:
         raise HydraError("--no-profile and --profile exclude each other")
+    if not profiles and not idle:
+        profiles = load_node(find_node_file(node_file)).profiles
+    profile = profiles[0] if len(profiles) == 1 else None
     state = StateDir.default()
     state.ensure_writable()
     _setup_logging(state, verbose)
     try:
         with state.lock():
-            code = _up_locked(state, None if idle else (profile or "demo"), node_file,
-                              profiles_dir, port, host, metrics_port)
+            if len(profiles) > 1:
+                code = _up_fleet(state, list(profiles), node_file, profiles_dir, port, host,
+                                 metrics_port)
+            else:
+                code = _up_locked(state, None if idle else (profile or "demo"), node_file,
+                                  profiles_dir, port, host, metrics_port)
     except KeyboardInterrupt:
         logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
         err.print("interrupted before serving; nothing left running", markup=False)
@@ -157,6 +175,61 @@ def _up_locked(state: StateDir, name: str | None, node_file: str | None,
             keeper.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             keeper.wait(5)
+
+
+def _up_fleet(state: StateDir, names: list[str], node_file: str | None,
+              profiles_dir: str | None, port: int | None, host: str | None,
+              metrics_port: int | None) -> int:
+    """Several profiles: each port a Fleet routed by model (fleet.py, docs/routing.md)."""
+    running = state.running_supervisor()
+    if running:
+        raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
+                         f"'{running['profile']}', state dir {state.root})",
+                         hint="`hydra down` first")
+    stale = state.kill_stale()
+    if stale:
+        err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
+                  markup=False)
+    fleets = fleet_setup.build(state, names, node_file=node_file, profiles_dir=profiles_dir,
+                               overrides=_overrides(port, host), slot_dir=daemon.slot_dir(state))
+    opts = daemon.Options(profile=None, node_file=node_file, profiles_dir=profiles_dir,
+                          overrides=_overrides(port, host), metrics_port=metrics_port,
+                          profiles=names)
+    state.write_supervisor(",".join(names), "-")
+    keeper = guard.start(state.root)
+    try:
+        return asyncio.run(_run_fleets(state, opts, fleets))
+    finally:
+        state.clear_supervisor()
+        if keeper.stdin is not None:
+            keeper.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            keeper.wait(5)
+
+
+async def _run_fleets(state: StateDir, opts: daemon.Options, fleets: Any) -> int:
+    d = daemon.Daemon(state, opts, None, fleets=fleets)
+    code = await d.run(on_start=_present_fleets)
+    if d.unkillable:
+        err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
+        return 3
+    return code
+
+
+async def _present_fleets(d: daemon.Daemon) -> None:
+    """`hydra up` with several profiles: one line per port once the start-up loads are over."""
+    while not all(f.ready() for f in d.fleets):
+        await asyncio.sleep(0.2)
+    for f in d.fleets:
+        rows = [f"{m.name}{'*' if m.name == f.default else ''} ({f._state(m)})"
+                for m in f.members.values()]
+        out.print(f"ready: {f.url} serves {', '.join(rows)}; the request's model picks the "
+                  "profile (* = the default)", markup=False)
+        m = f.members[f.default]
+        out.print(f"  curl {f.url}/v1/chat/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
+                  "\"content\":\"Hello\"}]}'", markup=False)
+        out.print(f"  curl {f.url}/v1/models", markup=False)
 
 
 async def _run_daemon(state: StateDir, opts: daemon.Options, dep: Any) -> int:

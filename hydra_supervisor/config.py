@@ -101,6 +101,17 @@ class Profile:
     # Save every KV slot before the head stops (switch, reload, planned restart) and restore
     # them into the next head of the same model (the head gets --swa-full for that).
     keep_slots: bool = False
+    # Several profiles behind one port (docs/routing.md): the OpenAI `model` names that pick this
+    # profile besides its own name; whether a request loads it when it is stopped; unload after
+    # `ttl` s without requests (None: never); stay at least `min_resident` s after an on-demand
+    # load before another profile may evict it; at most `concurrency` requests upstream at once
+    # (None: no limit), `queue` more waiting, and a 429 past that.
+    aliases: tuple[str, ...] = ()
+    on_demand: bool = True
+    ttl: float | None = None
+    min_resident: float = 30.0
+    concurrency: int | None = None
+    queue: int = 32
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,8 @@ class Node:
     rpc_ports: tuple[int, int] = (30052, 30151)
     internal_ports: tuple[int, int] = (30200, 30299)
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    profiles: tuple[str, ...] = ()  # what `hydra up` serves when no -p is given
+    default_profile: str | None = None  # for requests without `model` (else the first listed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +180,24 @@ def _positive(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
     if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
         return None, [(p, f"expected a positive number, got {v!r}")]
     return float(v), []
+
+
+def _seconds(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+        return None, [(p, f"expected a number of seconds (0 or more), got {v!r}")]
+    return float(v), []
+
+
+def _count(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        return None, [(p, f"expected a whole number of at least 1, got {v!r}")]
+    return v, []
+
+
+def _whole(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        return None, [(p, f"expected a whole number (0 or more), got {v!r}")]
+    return v, []
 
 
 def _str_list(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
@@ -311,6 +342,12 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "rpc_allow": _cidrs,
     "expect": _section(EXPECT_SCHEMA, "expect"),
     "keep_slots": _type(bool, "true or false"),
+    "aliases": _str_list,
+    "on_demand": _type(bool, "true or false"),
+    "ttl": _seconds,
+    "min_resident": _seconds,
+    "concurrency": _count,
+    "queue": _whole,
 }
 
 DEVICE_SCHEMA: dict[str, Checker] = {
@@ -329,6 +366,11 @@ NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
     "on_peer_loss": _enum(PeerLoss),
     "restart": _section(RESTART_SCHEMA, "restart"),
     "health": _section(HEALTH_SCHEMA, "health"),
+    "on_demand": _type(bool, "true or false"),
+    "ttl": _seconds,
+    "min_resident": _seconds,
+    "concurrency": _count,
+    "queue": _whole,
 }
 
 # Always defined (a node file may redefine them): the host CPU as a head device, and the host CPU
@@ -348,6 +390,8 @@ NODE_SCHEMA: dict[str, Checker] = {
     "rpc_ports": _range,
     "internal_ports": _range,
     "defaults": _section(NODE_DEFAULTS_SCHEMA, "defaults"),
+    "profiles": _str_list,
+    "default_profile": _type(str, "a profile name"),
 }
 
 
@@ -420,6 +464,8 @@ def load_node(path: Path | None) -> Node:
         rpc_ports=checked.get("rpc_ports", Node.rpc_ports),
         internal_ports=checked.get("internal_ports", Node.internal_ports),
         defaults=checked.get("defaults", {}),
+        profiles=checked.get("profiles", ()),
+        default_profile=checked.get("default_profile"),
     )
 
 

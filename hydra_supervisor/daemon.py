@@ -29,6 +29,7 @@ from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
 from hydra_supervisor.engine_wire import EngineWire
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.fleet import Fleet
 from hydra_supervisor.state import StateDir
 
 log = logging.getLogger("hydra")
@@ -65,13 +66,18 @@ class Options:
     port: int = 8080
     switch_timeouts: SwitchTimeouts = field(default_factory=SwitchTimeouts)
     metrics_port: int | None = None  # Prometheus on 127.0.0.1:PORT (None or 0: off)
+    profiles: list[str] = field(default_factory=list)  # several: served by model (fleet.py)
 
 
 class Daemon:
-    def __init__(self, state: StateDir, opts: Options, initial: Deployment | None) -> None:
+    def __init__(self, state: StateDir, opts: Options, initial: Deployment | None,
+                 fleets: list[Fleet] | None = None) -> None:
+        """`fleets`: a node serving several profiles (each port a Fleet routed by model);
+        otherwise the one Engine runs `initial` (or nothing: a model-less start)."""
         self.state = state
         self.opts = opts
         self.initial = initial
+        self.fleets = fleets or []
         plan = initial.plan if initial else None
         host = plan.host if plan else opts.host
         port = plan.port if plan else opts.port
@@ -81,7 +87,10 @@ class Daemon:
                                               snapshot=self.snapshot)
                         if opts.metrics_port else None)
         router_kwargs = {"on_request": self._on_request} if self.metrics else {}
-        self.engine = Engine(state, host, port, use_router=use_router,
+        for f in self.fleets:
+            f.router_kwargs.update(router_kwargs)
+            f.listeners.append(self._changed)
+        self.engine = Engine(state, host, port, use_router=use_router and not self.fleets,
                              allow=tuple(plan.router.allow) if plan and plan.router
                              else ("127.0.0.0/8", "::1/128"),
                              profiles=lambda: list(known_profiles(opts.profiles_dir)),
@@ -99,21 +108,50 @@ class Daemon:
     # -- status ---------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
+        if self.fleets:
+            return {"pid": os.getpid(), "started": self.started,
+                    "state_dir": str(self.state.root),
+                    "engines": [row for f in self.fleets for row in f.snapshot()],
+                    "fleets": [{"port": f.port, "url": f.url, "default": f.default,
+                                "profiles": list(f.members)} for f in self.fleets]}
         return {"pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
                 "engines": [self.engine.snapshot()]}
 
     @property
     def unkillable(self) -> list[str]:
-        return self.engine.unkillable
+        return [*self.engine.unkillable, *(u for f in self.fleets for u in f.unkillable)]
 
     def legacy_status(self) -> dict[str, Any]:
         """The single-engine view (`status` in `hydra status --json`, and status.json)."""
+        if self.fleets:
+            return self._fleet_status()
         e = self.engine.snapshot()
         return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
                 "mode": e["mode"], "model": e["model"], "url": e["url"], "state": e["state"],
                 "fatal": e["fatal"], "degraded": e["degraded"], "updated": time.time(),
                 "stopped": self.ended,
                 "unkillable": list(self.unkillable), "engines": e["processes"]}
+
+    def _fleet_status(self) -> dict[str, Any]:
+        """status.json of a node serving several profiles: every profile's processes."""
+        rows = self.snapshot()["engines"]
+        states = {r["profile"]: r["state"] for r in rows}
+        running = [n for n, st in states.items() if st == "running"]
+        return {"pid": os.getpid(), "profile": ",".join(states), "source": "-",
+                "mode": "profiles", "model": None,
+                "url": ", ".join(f.url for f in self.fleets),
+                "state": "serving" if running else "idle", "fatal": None, "degraded": None,
+                "updated": time.time(), "stopped": self.ended, "profiles": states,
+                "unkillable": list(self.unkillable),
+                "engines": [p for r in rows for p in r["processes"]]}
+
+    def _fleet_of(self, profile: str) -> Fleet:
+        for f in self.fleets:
+            if profile in f.members:
+                return f
+        served = ", ".join(n for f in self.fleets for n in f.members)
+        raise HydraError(f"profile {profile} is not served by this hydra (it serves {served}); "
+                         "the set of profiles is fixed at `hydra up -p A -p B ...`")
 
     def _changed(self) -> None:
         with contextlib.suppress(OSError):
@@ -122,15 +160,23 @@ class Daemon:
 
     def _on_request(self, rec: dict[str, Any]) -> None:
         """The router's per-request record (a router thread): counted in the metrics."""
-        if self.metrics is not None:
-            dep = self.engine.dep
-            self.metrics.observe_request(rec, dep.profile if dep else f"port {self.engine.port}")
+        if self.metrics is None:
+            return
+        if self.fleets:
+            self.metrics.observe_request(rec, self.fleets[0].name_for(rec.get("model")))
+            return
+        dep = self.engine.dep
+        self.metrics.observe_request(rec, dep.profile if dep else f"port {self.engine.port}")
 
     def _router_alive(self) -> bool:
+        if self.fleets:
+            return all(f.alive() for f in self.fleets)
         r = self.engine.router
         return r is None or r.alive()
 
     def _ready(self) -> bool:
+        if self.fleets:
+            return all(f.ready() for f in self.fleets)
         return self.engine.state_word() in ("serving", "idle", "degraded")
 
     # -- control routes -------------------------------------------------------------------------
@@ -159,7 +205,19 @@ class Daemon:
         return await self._guard(self.switch(name, body.get("profiles_dir")))
 
     async def _r_restart(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        return await self._guard(self.engine.restart(str(body.get("engine", ""))))
+        name = str(body.get("engine", ""))
+        if self.fleets:
+            return await self._guard(self._restart_in_fleet(name))
+        return await self._guard(self.engine.restart(name))
+
+    async def _restart_in_fleet(self, name: str) -> dict[str, Any]:
+        for f in self.fleets:
+            for m in f.members.values():
+                if m.engine.sup is not None and any(p.name == name for p in m.engine.sup.procs):
+                    return await m.engine.restart(name)
+        running = [p.name for f in self.fleets for m in f.members.values()
+                   if m.engine.sup is not None for p in m.engine.sup.procs]
+        raise HydraError(f"no running process '{name}'; running: {', '.join(running) or 'none'}")
 
     async def _r_reload(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return await self._guard(self.reload())
@@ -181,6 +239,8 @@ class Daemon:
             slot_dir=slot_dir(self.state))
 
     async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
+        if self.fleets:
+            return await self._fleet_of(profile).activate(profile)
         if self.engine.lock.locked():
             raise EngineBusy(f"a switch is already running (to {self.engine.switching}); "
                              "try again when it is done")
@@ -200,6 +260,8 @@ class Daemon:
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the running profile and apply the difference as a switch (none: no-op)."""
+        if self.fleets:
+            return await self._reload_fleets()
         eng = self.engine
         if eng.dep is None:
             return {"result": "noop", "reason": "no profile is loaded"}
@@ -211,11 +273,44 @@ class Daemon:
             return {"to": new.profile, "result": "noop", "reason": "profile unchanged"}
         return report.to_json()
 
+    async def _reload_fleets(self) -> dict[str, Any]:
+        """Re-read every profile; a running one whose plan changed restarts what changed
+        (plandiff), a stopped one uses the new plan at its next load."""
+        changed: list[str] = []
+        for f in self.fleets:
+            for m in f.members.values():
+                new = await asyncio.to_thread(self._prepare_member, f, m)
+                if new is None:
+                    continue
+                changed.append(m.name)
+                await f.replace(m, new)
+        if not changed:
+            return {"result": "noop", "reason": "profiles unchanged"}
+        return {"to": ", ".join(changed), "from": None, "result": "ok", "phases": {},
+                "total_s": 0.0, "notes": [f"reloaded {', '.join(changed)}"]}
+
+    def _prepare_member(self, f: Fleet, m: Any) -> tuple[Any, Deployment] | None:
+        ports = frozenset(e.port for o in f.pool.members.values() if o is not m
+                          for e in o.dep.plan.engines)
+        dep = deployment.prepare(m.dep.plan.source, node_file=self.opts.node_file,
+                                 profiles_dir=self.opts.profiles_dir,
+                                 overrides={"host": f.host, "port": f.port},
+                                 keep=m.dep.plan, external=f.port,
+                                 slot_dir=slot_dir(self.state), reserved=ports)
+        prof = dep.layout.profile if dep.layout is not None else m.profile
+        return (prof, dep) if f.differs(m, prof, dep) else None
+
     def request_stop(self, reason: str) -> None:
         if not self.stop_event.is_set():
             self.stop_reason = reason
             log.info("stopping: %s", reason)
         self.stop_event.set()
+
+    @staticmethod
+    def initial_names(f: Fleet) -> list[str]:
+        """Loaded at start: the port's default profile, then every `on_demand: false` one."""
+        rest = [n for n, m in f.members.items() if not m.profile.on_demand and n != f.default]
+        return [f.default, *rest]
 
     # -- signals ------------------------------------------------------------------------------
 
@@ -225,6 +320,10 @@ class Daemon:
             log.warning("second SIGINT: killing every child at once")
             if self.engine.sup is not None:
                 self.engine.sup.kill_all_now()
+            for f in self.fleets:
+                for m in f.members.values():
+                    if m.engine.sup is not None:
+                        m.engine.sup.kill_all_now()
             self.request_stop("SIGINT twice: killed at once")
             return
         self.request_stop("SIGINT (Ctrl-C)")
@@ -252,8 +351,16 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self._on_int)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         self.engine.open()
-        self.wire = EngineWire(self.engine, loop, self.opts.node_file)
-        if self.engine.router is not None:
+        for f in self.fleets:
+            f.open()
+        # The wire protocol speaks to one engine: with several profiles, the first port's
+        # default profile (docs/routing.md).
+        wired = self.fleets[0].members[self.fleets[0].default].engine if self.fleets \
+            else self.engine
+        self.wire = EngineWire(wired, loop, self.opts.node_file)
+        if self.fleets:
+            self.fleets[0].set_hydra_upstream(self.wire.start())
+        elif self.engine.router is not None:
             self.engine.hydra_upstream = self.wire.start()
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
@@ -265,7 +372,11 @@ class Daemon:
         readiness: asyncio.Task[bool] | None = None
         presenter: asyncio.Task[None] | None = None
         try:
-            await self.engine.start(self.initial)
+            if self.fleets:
+                for f in self.fleets:
+                    await f.start(self.initial_names(f))
+            else:
+                await self.engine.start(self.initial)
             self._changed()
             readiness = asyncio.create_task(notify.ready_when(
                 self.notifier, self._ready, lambda: notify.status_text(self.snapshot()),
@@ -283,11 +394,14 @@ class Daemon:
             if self.metrics is not None:
                 self.metrics.stop()
             await self.engine.shutdown(self.stop_reason)
+            await asyncio.gather(*(f.shutdown(self.stop_reason) for f in self.fleets))
             self.ended = self.stop_reason
             self._changed()
             self.ctl.stop()
             self.wire.stop()
             self.engine.close()
+            for f in self.fleets:
+                f.close()
             log.warning("stopped: %s", self.stop_reason)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -296,6 +410,9 @@ class Daemon:
 
     async def _wait(self) -> int:
         """Until a stop is asked for, or the running layout goes FATAL (exit 1)."""
+        if self.fleets:  # a profile that fails is marked failed; the others keep serving
+            await self.stop_event.wait()
+            return EXIT_OK
         while not self.stop_event.is_set():
             task = self.engine.task
             waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.stop_event.wait())]

@@ -58,13 +58,14 @@ class Deployment:
 def prepare(profile_ref: str, *, node_file: str | None = None,
             profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
             keep: Plan | None = None, external: int | None = None,
-            profile: Profile | None = None, slot_dir: Path | None = None) -> Deployment:
+            profile: Profile | None = None, slot_dir: Path | None = None,
+            reserved: frozenset[int] = frozenset()) -> Deployment:
     """Read, resolve and check a profile into a Deployment; raises HydraError on bad input.
 
     For a running engine, `keep` is its current plan (whose ports are reused) and `external`
     its own external port (held by its router, so not checked)."""
     lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=overrides, keep=keep, profile=profile)
+                       overrides=overrides, keep=keep, profile=profile, reserved=reserved)
     bins = layout.find_binaries(lay)
     ours: set[int] = {external} if external is not None else set()
     if keep is not None:

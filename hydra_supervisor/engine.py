@@ -229,6 +229,10 @@ class Engine:
         else:
             r.hold(self._hold_reason(head))
 
+    def sync_gate(self) -> None:
+        """Set the router from the head's state now (after someone else changed it)."""
+        self._sync_gate()
+
     @staticmethod
     def _hold_reason(head: ManagedProcess) -> str:
         if head.state is State.STARTING:
@@ -293,6 +297,20 @@ class Engine:
         self.task = None
         log.info("stopped %s (%s)", sup.plan.profile, reason)
         return pids
+
+    async def stop_layout(self, reason: str) -> list[int]:
+        """Stop the running layout (the caller drained it) and wait until its GPU memory is
+        released; the engine is idle afterwards. Returns pids whose memory was not released."""
+        pids = await self._stop_current(reason)
+        left = await gpumem.wait_released(pids, self.switch_timeouts.gpu_free)
+        self.dep = None
+        return left
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until every process of the running layout is READY; LayoutFailed on a failure."""
+        if self.sup is None:
+            raise LayoutFailed("nothing is running", [])
+        await self._ready(self.sup, timeout)
 
     async def start(self, dep: Deployment | None) -> None:
         """Initial start: the router is open; requests are held until the head is ready."""

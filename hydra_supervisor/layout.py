@@ -57,11 +57,13 @@ def free_rpc_ports(node: Node, count: int, exclude: set[int],
 
 def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
           overrides: dict[str, Any] | None = None, check_ports: bool = True,
-          keep: Plan | None = None, profile: Profile | None = None) -> Layout:
+          keep: Plan | None = None, profile: Profile | None = None,
+          reserved: frozenset[int] = frozenset()) -> Layout:
     """`keep`: the plan of the layout running on this engine now; its internal and peer ports
     are reused (they are ours: the old processes free them before the new ones start), so an
     engine's ports stay put across switches and reloads. `profile`: an already loaded (and
-    possibly reconfigured) profile to plan instead of reading `profile_ref`."""
+    possibly reconfigured) profile to plan instead of reading `profile_ref`. `reserved`: ports
+    other profiles of this hydra have planned (not to be handed out again, running or not)."""
     node = load_node(find_node_file(node_file))
     if profile is None:
         path = find_profile(profile_ref, profiles_dir)
@@ -75,6 +77,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
              prefer: tuple[int, ...] = ()) -> list[int]:
         if not check_ports:  # `hydra plan`: a stable answer, whatever runs right now
             return [p for p in range(span[0], span[1] + 1) if p not in exclude][:n]
+        exclude = exclude | reserved
         mine = [p for p in prefer if p not in exclude][:n]
         return mine + free_rpc_ports(node, n - len(mine), exclude | set(mine), span)
 

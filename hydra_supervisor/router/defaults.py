@@ -62,3 +62,15 @@ def merge(path: str, body: bytes, defaults: dict[str, Any]) -> tuple[bytes | Non
     if not added:
         return None, model
     return json.dumps(obj, separators=(",", ":")).encode(), model
+
+
+def model_of(body: bytes) -> str | None:
+    """The ``model`` of any JSON object body (embeddings, rerank, infill...), or None."""
+    if not body or len(body) > MAX_INSPECT or body.lstrip()[:1] != b"{":
+        return None
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return model if isinstance(model, str) else None

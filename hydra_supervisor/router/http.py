@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import h11
 
 from hydra_supervisor.router import defaults as request_defaults
-from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Refusal
+from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Gate, Refusal
+from hydra_supervisor.router.routes import LocalReply, Route
 
 if TYPE_CHECKING:
     from hydra_supervisor.router.conn import Conn
@@ -153,14 +154,14 @@ class UpstreamPool:
         for s in drop:
             s.close()
 
-    def reap(self, keep: Addr | None = None) -> None:
-        """Close connections past their age, and every one not to ``keep`` (a moved upstream)."""
+    def reap(self, keep: set[Addr] | frozenset[Addr] = frozenset()) -> None:
+        """Close connections past their age, and every one not to ``keep`` (moved upstreams)."""
         now = time.monotonic()
         drop: list[socket.socket] = []
         with self._lock:
             for target in list(self._idle):
                 q = self._idle[target]
-                if target != keep:
+                if target not in keep:
                     drop.extend(s for s, _ in q)
                     del self._idle[target]
                     continue
@@ -340,11 +341,62 @@ class HttpSession:
             merged, rec.model = request_defaults.merge(rec.path, body, self.r.request_defaults)
             if merged is not None:
                 body = merged
-        refusal = self.r.gate.wait_turn()
-        if refusal is not None:
-            self._refuse(rec, refusal)
+        table = self.r.table
+        if table is None:
+            refusal = self.r.gate.wait_turn()
+            if refusal is not None:
+                self._refuse(rec, refusal)
+                return True
+            return self._forward(req, body, rec, self.r.gate, None)
+        if rec.model is None and req.method == b"POST":
+            rec.model = request_defaults.model_of(body)  # embeddings, rerank, infill...
+        sel = table(rec.model, rec.method, rec.path)
+        if isinstance(sel, LocalReply):
+            self._local_reply(rec, sel)
             return True
-        return self._forward(req, body, rec)
+        return self._routed(req, body, rec, sel)
+
+    def _routed(self, req: h11.Request, body: bytes, rec: Record, route: Route) -> bool:
+        """A request the table sent to `route`: its limiter, then its gate, then upstream."""
+        route.started()
+        lim = route.limiter
+        try:
+            if lim is not None:
+                refusal = lim.acquire(self.r.hold_timeout)
+                if refusal is not None:
+                    self._refuse(rec, refusal, kind="rate_limit_error")
+                    return True
+            try:
+                refusal = route.gate.wait_turn()
+                if refusal is not None:
+                    self._refuse(rec, refusal)
+                    return True
+                return self._forward(req, body, rec, route.gate, route)
+            finally:
+                if lim is not None:
+                    lim.release()
+        finally:
+            route.touch()
+
+    def _local_reply(self, rec: Record, reply: LocalReply) -> None:
+        if reply.status >= 400:
+            err = reply.body.get("error") if isinstance(reply.body, dict) else None
+            msg = err.get("message", "") if isinstance(err, dict) else ""
+            self.r.count_refused(reply.counter, detail=msg)
+        body = json.dumps(reply.body).encode()
+        headers = [(b"Content-Type", b"application/json; charset=utf-8"),
+                   (b"Content-Length", str(len(body)).encode())]
+        rec.status = reply.status
+        rec.outcome = "ok" if reply.status < 400 else "error"
+        try:
+            if self.h.our_state is h11.SEND_RESPONSE:
+                out = self.h.send(h11.Response(status_code=reply.status, headers=headers))
+                out = (out or b"") + (self.h.send(h11.Data(data=body)) or b"")
+                out += self.h.send(h11.EndOfMessage()) or b""
+                self._send_client(out)
+                rec.bytes_out += len(out)
+        finally:
+            self.r.finish_request(rec)
 
     def _read_body(self, deadline: float, limit: int) -> tuple[bytes, bool]:
         parts: list[bytes] = []
@@ -398,15 +450,17 @@ class HttpSession:
         finally:
             self.r.finish_request(rec)
 
-    def _refuse(self, rec: Record, refusal: Refusal, close: bool = False) -> None:
+    def _refuse(self, rec: Record, refusal: Refusal, close: bool = False,
+                kind: str = "unavailable_error") -> None:
         self.r.count_refused(refusal.counter, detail=refusal.message)
         self._reply_error(rec, refusal.status, f"hydra router: {refusal.message}",
-                          "unavailable_error", retry_after=refusal.retry_after, close=close,
+                          kind, retry_after=refusal.retry_after, close=close,
                           outcome=refusal.outcome)
 
     # ------------------------------------------------------------ upstream side
 
-    def _forward(self, req: h11.Request, body: bytes, rec: Record) -> bool:
+    def _forward(self, req: h11.Request, body: bytes, rec: Record, gate: Gate,
+                 route: Route | None) -> bool:
         headers = [(k, v) for k, v in req.headers if k not in _HOP_REQ]
         if not any(k == b"host" for k, _ in headers):
             headers.append((b"host", b"localhost"))
@@ -414,18 +468,18 @@ class HttpSession:
             headers.append((b"content-length", str(len(body)).encode()))
         retried = False
         while True:
-            target = self.r.upstreams.http
+            target = self.r.upstreams.http if route is None else route.http
             if target is None:
                 self._refuse(rec, Refusal(503, "no http upstream configured",
                                           DEFAULT_RETRY_AFTER, "error", "upstream_down"))
                 return True
-            flight = self.r.gate.begin()
+            flight = gate.begin()
             try:
-                return self._exchange(flight, target, req, headers, body, rec)
+                return self._exchange(gate, flight, target, req, headers, body, rec)
             except _NotStarted as e:
                 why = str(e)
             finally:
-                self.r.gate.end(flight)
+                gate.end(flight)
             if flight.cut is not None:
                 self.r.count_cut()
                 self._reply_error(rec, 503, f"hydra router: request cut: {flight.cut}",
@@ -438,12 +492,12 @@ class HttpSession:
                 return True
             retried = True
             self.r.count_retried()
-            refusal = self.r.gate.wait_turn(delay=self.r.retry_wait)
+            refusal = gate.wait_turn(delay=self.r.retry_wait)
             if refusal is not None:
                 self._refuse(rec, refusal)
                 return True
 
-    def _exchange(self, flight: Flight, target: Addr, req: h11.Request,
+    def _exchange(self, gate: Gate, flight: Flight, target: Addr, req: h11.Request,
                   headers: list[tuple[bytes, bytes]], body: bytes, rec: Record) -> bool:
         """One attempt. Raises _NotStarted when nothing came back (the caller may retry)."""
         for _ in range(2):  # a stale pooled connection is replaced once, at once
@@ -452,7 +506,7 @@ class HttpSession:
             except OSError as e:
                 raise _NotStarted(f"http upstream {target[0]}:{target[1]}: "
                                   f"{e.strerror or e}") from e
-            if not self.r.gate.attach(flight, sock):
+            if not gate.attach(flight, sock):
                 sock.close()
                 raise _NotStarted("cut")
             up = h11.Connection(h11.CLIENT)

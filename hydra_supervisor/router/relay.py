@@ -54,6 +54,7 @@ from hydra_supervisor.router.conn import (
 )
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate
 from hydra_supervisor.router.http import HttpSession, Record, UpstreamPool, http_error_response
+from hydra_supervisor.router.routes import Limiter, Route, RouteTable
 
 log = logging.getLogger("hydra.router")
 
@@ -164,6 +165,12 @@ class Router:
         self._thread_factory = thread_factory
         self.request_defaults: dict[str, Any] = {}
         self.gate = Gate(hold_timeout, max_held)
+        self.hold_timeout = hold_timeout
+        self._max_held = max_held
+        # Routing by model (router/routes.py): None sends every HTTP request to `upstreams.http`
+        # through `gate`; a table picks a Route (its own gate and upstream) per request.
+        self.table: RouteTable | None = None
+        self._routes: list[Route] = []
         self.pool = UpstreamPool(self._connect)
 
         self._lock = threading.Lock()
@@ -222,6 +229,8 @@ class Router:
             self._idle_workers = 0
             self._fd_budget = limits.fd_budget(reserved)
         self.gate.restart()
+        for route in self._routes:
+            route.gate.restart()
         self._listener, self._wake_r, self._wake_w = listener, wake_r, wake_w
         self._bound_port = int(listener.getsockname()[1])
         self._req_port = self._bound_port  # port 0: a restart keeps the port it got
@@ -295,6 +304,17 @@ class Router:
             log.info("router %s: cut %d in-flight requests (%s)", self.name, n, reason)
         return n
 
+    def new_route(self, name: str, limit: int | None = None, queue: int = 0) -> Route:
+        """A lane of its own (gate, upstream, limiter) for a table to hand out; stopped and
+        started with the router."""
+        route = Route(name, Gate(self.hold_timeout, self._max_held),
+                      limiter=Limiter(name, limit, queue) if limit else None)
+        with self._lock:
+            self._routes.append(route)
+            if self._stopping:
+                route.gate.stop()
+        return route
+
     def set_request_defaults(self, d: dict[str, Any]) -> None:
         """T1 defaults added to completion request bodies that lack them (router/defaults.py)."""
         self.request_defaults = dict(d)
@@ -315,6 +335,8 @@ class Router:
                 conn.note("router stopped")
                 conn.shutdown_all()
         self.gate.stop()
+        for route in self._routes:
+            route.gate.stop()
         self._wake()
         deadline = time.monotonic() + timeout
         if self._acceptor is not None:
@@ -502,7 +524,8 @@ class Router:
             listener.close()
 
     def _tick(self, now: float) -> None:
-        self.pool.reap(keep=self._upstreams.http)
+        keep = {self._upstreams.http, *(r.http for r in self._routes)}
+        self.pool.reap(keep={k for k in keep if k is not None})
         self._reap_idle(now)
 
     def _unpend(self, sel: selectors.BaseSelector, pending: Pending, conn: Conn) -> None:

@@ -1,0 +1,587 @@
+"""Several profiles behind one external port, routed by the request's `model` (docs/routing.md).
+
+A Fleet owns one port's Router and one Engine per profile served there. Each profile has a
+Route of its own in the router (gate, upstream, optional concurrency limit), so one profile can
+load, drain or stop while the others serve. The router asks `select` where each request goes:
+the OpenAI `model` field (the profile's name or one of its aliases; none: the default profile)
+picks the profile; `GET /v1/models` is answered here; an unknown model gets 404 naming the
+known ones.
+
+Lifecycle of a profile (its Phase): STOPPED -> LOADING -> RUNNING -> UNLOADING -> STOPPED, and
+FAILED when a load fails or the running layout goes FATAL. A request for a STOPPED profile
+loads it (unless `on_demand: false`) and waits, held in its route, until it serves. Before a
+load the profile needs room on its devices (fleetplan.make_room): it fits beside what runs, or
+the least recently used profiles that share its devices stop first, each after its in-flight
+requests drain (bounded; an eviction whose requests do not drain is given up, never cut), and
+never one inside its `min_resident` window. A profile unloads after `ttl` seconds without
+requests. `activate` (hydra switch) is the explicit form: it stops every profile that shares
+the target's devices (drained, then cut) and loads the target; if that fails, they come back.
+
+Everything here runs on the event loop, except `select` (router threads), which only reads
+and hands work to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any
+
+from hydra_supervisor import fleetplan, plandiff
+from hydra_supervisor.config import Profile
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.engine import Engine, EngineBusy, LayoutFailed, SwitchTimeouts
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.ports import url_for
+from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.router.routes import Limiter, LocalReply, Route
+from hydra_supervisor.router.view import RouteView
+from hydra_supervisor.state import StateDir
+
+log = logging.getLogger("hydra")
+
+FAIL_COOLDOWN = 10.0  # a profile whose load failed answers 503 this long before a retry
+TICK = 0.25  # ttl checks, held requests of stopped profiles, waiting for room
+MODEL_PATHS = ("/v1/models", "/models")
+
+
+class Phase(Enum):
+    STOPPED = "stopped"
+    LOADING = "loading"
+    RUNNING = "running"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+def namespaced(dep: Deployment) -> Deployment:
+    """Process names prefixed with the profile (`demo.head`), so the profiles of one hydra
+    keep apart in the state dir's pids/ and logs/ and in `hydra restart` / `hydra logs`."""
+    name = dep.profile
+
+    def ren(e: Any) -> Any:
+        return e if e.name.startswith(f"{name}.") else replace(e, name=f"{name}.{e.name}")
+
+    plan = replace(dep.plan, engines=tuple(ren(e) for e in dep.plan.engines))
+    return replace(dep, plan=plan,
+                   solo_head=ren(dep.solo_head) if dep.solo_head is not None else None)
+
+
+@dataclass
+class Member:
+    profile: Profile
+    dep: Deployment
+    route: Route
+    view: RouteView
+    engine: Engine
+    needs: dict[str, int]
+    devices: tuple[str, ...]
+    phase: Phase = Phase.STOPPED
+    loaded_at: float | None = None
+    error: str | None = None
+    failed_at: float = float("-inf")
+    loads: int = 0
+    unloads: int = 0
+    why: str = "not loaded yet"
+    task: asyncio.Task[Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    @property
+    def ttl(self) -> float | None:
+        return self.profile.ttl or None
+
+
+def _clear_task(m: Member, _task: asyncio.Task[Any]) -> None:
+    m.task = None
+
+
+class Pool:
+    """What every Fleet of one hydra shares: the devices' capacity and every profile on every
+    port (two ports may use one GPU: room is made node-wide)."""
+
+    def __init__(self, capacity: dict[str, int]) -> None:
+        self.capacity = capacity
+        self.members: dict[str, Member] = {}
+        self.owners: dict[str, Fleet] = {}
+        self.room_changed = asyncio.Event()
+
+    def add(self, m: Member, owner: Fleet) -> None:
+        if m.name in self.members:
+            first = self.members[m.name].dep.plan.source
+            raise HydraError(f"two profiles are named {m.name} ({first} and "
+                             f"{m.dep.plan.source}): profile names must differ")
+        self.members[m.name] = m
+        self.owners[m.name] = owner
+
+
+class Fleet:
+    def __init__(self, state: StateDir, host: str, port: int,
+                 members: list[tuple[Profile, Deployment]], *, default: str,
+                 pool: Pool, allow: tuple[str, ...],
+                 switch_timeouts: SwitchTimeouts | None = None,
+                 router_kwargs: dict[str, Any] | None = None, load_wait: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 make_router: Callable[..., Router] = Router) -> None:
+        self.state = state
+        self.host = host
+        self.port = port
+        self.allow = allow
+        self.default = default
+        self.pool = pool
+        self.switch_timeouts = switch_timeouts or SwitchTimeouts()
+        self.router_kwargs = dict(router_kwargs or {})
+        self.load_wait = load_wait
+        self.clock = clock
+        self.make_router = make_router
+        self._specs = members
+        self.members: dict[str, Member] = {}
+        self.lookup: dict[str, str] = {}  # model name or alias -> profile
+        self.router: Router | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.started = asyncio.Event()  # the start-up loads are over (served or not)
+        self.listeners: list[Callable[[], None]] = []
+        self._tick_task: asyncio.Task[None] | None = None
+        self._boot: asyncio.Task[None] | None = None
+        self._created = int(time.time())
+        self.unkillable: list[str] = []
+        self.switches: list[dict[str, Any]] = []
+        self._check_names()
+
+    def _check_names(self) -> None:
+        seen: dict[str, str] = {}
+        for prof, _ in self._specs:
+            for label in (prof.name, *prof.aliases):
+                other = seen.get(label)
+                if other is not None and other != prof.name:
+                    raise HydraError(f"model name '{label}' is claimed by profiles {other} and "
+                                     f"{prof.name} on port {self.port}: give each a name of "
+                                     "its own (aliases:)")
+                seen[label] = prof.name
+        if self.default not in {p.name for p, _ in self._specs}:
+            raise HydraError(f"default profile '{self.default}' is not served on port "
+                             f"{self.port}")
+        self.lookup = seen
+
+    # -- the port -----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
+                                       name=f"port {self.port}", **self.router_kwargs)
+        self.router.start()
+        self.port = self.router.port
+        r = self.router
+        for prof, dep in self._specs:
+            dep = namespaced(dep)
+            route = r.new_route(prof.name, prof.concurrency, prof.queue)
+            view = RouteView(r, route)
+            eng = Engine(self.state, self.host, self.port, allow=self.allow,
+                         switch_timeouts=self.switch_timeouts,
+                         make_router=lambda *a, _v=view, **k: _v)
+            eng.open()
+            eng.listeners.append(self._engine_changed)
+            lay = dep.layout
+            needs = fleetplan.needs_of(
+                [(p.device, p.need_bytes) for p in dep.plan.placements],
+                lay.devices if lay is not None else {})
+            devs = tuple(dict.fromkeys(e.device for e in dep.plan.engines))
+            m = Member(prof, dep, route, view, eng, needs, devs)
+            self.members[prof.name] = m
+            self.pool.add(m, self)
+            self._stopped_gate(m)
+        r.table = self.select
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+
+    @property
+    def url(self) -> str:
+        return url_for(self.host, self.port)
+
+    def alive(self) -> bool:
+        return self.router is not None and self.router.alive()
+
+    def set_hydra_upstream(self, addr: tuple[str, int] | None) -> None:
+        """The wire protocol's server (YH frames on this port)."""
+        if self.router is not None:
+            self.router.set_upstreams(Upstreams(hydra=addr))
+
+    # -- routing (router threads) ----------------------------------------------------------------
+
+    def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
+        if method == "GET" and path in MODEL_PATHS:
+            return LocalReply(200, self.models_json())
+        name = self.default if not model else self.lookup.get(model)
+        if name is None:
+            known = ", ".join(sorted(self.lookup))
+            return LocalReply(404, {"error": {
+                "code": 404, "type": "not_found_error",
+                "message": f"model '{model}' is not served here; known models: {known}"}},
+                counter="unknown_model")
+        m = self.members[name]
+        if m.profile.on_demand and m.phase in (Phase.STOPPED, Phase.FAILED):
+            self._demand(m)
+        return m.route
+
+    def name_for(self, model: str | None) -> str:
+        """The profile a request's `model` went to (metrics label); the model itself if none."""
+        if not model:
+            return self.default
+        return self.lookup.get(model, model)
+
+    def _demand(self, m: Member) -> None:
+        """A request for a stopped or failed profile (a router thread): load it."""
+        if m.phase is Phase.FAILED:
+            if self.clock() - m.failed_at < FAIL_COOLDOWN:
+                return  # its route answers 503 with the failure until the cooldown is over
+            # Before the request reaches the gate: it must wait for the load, not get the 503.
+            m.route.gate.set_unavailable(None)
+            m.route.gate.hold(f"loading profile {m.name} (on request, after a failure)")
+        loop = self.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._want, m.name)
+
+    # -- loading and unloading -------------------------------------------------------------------
+
+    def _want(self, name: str) -> None:
+        m = self.members[name]
+        if m.task is None and m.phase in (Phase.STOPPED, Phase.FAILED):
+            m.task = asyncio.create_task(self._load(m, "on request"))
+
+    def _stopped_gate(self, m: Member) -> None:
+        """What a request for a profile that is not loaded meets."""
+        if m.profile.on_demand:
+            m.route.gate.set_unavailable(None)
+            m.route.gate.hold(f"profile {m.name} is not loaded; loading it on request")
+        else:
+            m.route.gate.set_unavailable(
+                f"profile {m.name} is not loaded ({m.why}) and loads only with "
+                f"`hydra switch {m.name}` (on_demand: false)", retry_after=30)
+
+    def _occupants(self, but: Member) -> list[fleetplan.Occupant]:
+        out = []
+        for o in self.pool.members.values():
+            if o is but or o.phase in (Phase.STOPPED, Phase.FAILED):
+                continue
+            loaded = o.loaded_at if o.loaded_at is not None else self.clock()
+            out.append(fleetplan.Occupant(
+                o.name, o.needs, o.route.last_used, loaded + o.profile.min_resident,
+                movable=o.phase is Phase.RUNNING))
+        return out
+
+    async def _room_for(self, m: Member, evict: bool = True) -> None:
+        deadline = self.clock() + self.load_wait
+        while True:
+            room = fleetplan.make_room(self.pool.capacity, self._occupants(m), m.needs,
+                                       self.clock(), m.name)
+            if room.verdict is fleetplan.Verdict.FITS:
+                return
+            if room.verdict is fleetplan.Verdict.NEVER:
+                raise HydraError(room.reason)
+            if not evict:
+                raise HydraError(f"does not fit beside what runs ({room.reason})")
+            if room.verdict is fleetplan.Verdict.EVICT:
+                for name in room.victims:
+                    owner = self.pool.owners[name]
+                    if not await owner._unload(self.pool.members[name],
+                                               f"making room for {m.name}"):
+                        break  # still busy after the drain: decide again
+                else:
+                    continue
+            if self.clock() >= deadline:
+                raise HydraError(f"no room within {self.load_wait:.0f}s: {room.reason}")
+            m.view.hold(f"loading profile {m.name}: {room.reason}")
+            self.pool.room_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.pool.room_changed.wait(), TICK)
+
+    async def _load(self, m: Member, why: str, evict: bool = True) -> bool:
+        """Make room, start the profile's layout, wait until it serves. False: it failed (its
+        held requests got the reason; the others keep serving)."""
+        try:
+            m.phase = Phase.LOADING
+            m.error = None
+            m.route.gate.set_unavailable(None)
+            m.view.hold(f"loading profile {m.name} ({why})")
+            self._announce()
+            t0 = self.clock()
+            try:
+                await self._room_for(m, evict)
+                m.loads += 1
+                log.info("loading profile %s (%s)", m.name, why)
+                await m.engine.start(m.dep)
+                await m.engine.wait_ready(m.dep.timeouts.load + m.dep.timeouts.peer)
+            except (LayoutFailed, HydraError, OSError) as exc:
+                await self._fail(m, str(exc), getattr(exc, "tail", []))
+                return False
+            m.phase = Phase.RUNNING
+            m.loaded_at = self.clock()
+            m.route.touch()  # a fresh load counts as a use (LRU)
+            log.info("profile %s serving after %.2fs (%s)", m.name, self.clock() - t0, why)
+            m.engine.sync_gate()
+            return True
+        finally:
+            m.task = None
+            self._announce()
+
+    async def _fail(self, m: Member, error: str, tail: list[str]) -> None:
+        log.error("profile %s failed to load: %s", m.name, error)
+        for line in tail[-5:]:
+            log.error("  %s", line)
+        with contextlib.suppress(LayoutFailed, HydraError, OSError):
+            await m.engine.stop_layout(f"load of {m.name} failed")
+        m.phase = Phase.FAILED
+        m.error = error
+        m.failed_at = self.clock()
+        m.route.gate.set_unavailable(f"profile {m.name} failed to load: {error}",
+                                     retry_after=int(FAIL_COOLDOWN))
+        m.route.gate.release()
+        self.pool.room_changed.set()
+
+    async def _unload(self, m: Member, why: str, cut: bool = False) -> bool:
+        """Drain (bounded) and stop a running profile. Without `cut`, requests still in flight
+        after the drain keep it running (False); with it, they are cut."""
+        if m.phase is not Phase.RUNNING:
+            return False
+        m.phase = Phase.UNLOADING
+        self._announce()
+        m.view.hold(f"profile {m.name} is stopping ({why})")
+        drain = self.switch_timeouts.drain
+        left = await asyncio.to_thread(m.route.gate.wait_idle, drain)
+        if left and not cut:
+            log.warning("profile %s not stopped (%s): %d requests still running after %.0fs",
+                        m.name, why, left, drain)
+            m.phase = Phase.RUNNING
+            m.engine.sync_gate()
+            self._announce()
+            return False
+        if left:
+            m.view.cut_inflight(f"cut: profile {m.name} stopped ({why}) after {drain:.0f}s "
+                                "of draining")
+        await m.engine.stop_layout(why)
+        m.phase = Phase.STOPPED
+        m.loaded_at = None
+        m.unloads += 1
+        m.why = why
+        self._stopped_gate(m)
+        log.info("profile %s stopped (%s)", m.name, why)
+        self.pool.room_changed.set()
+        self._announce()
+        return True
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def start(self, initial: list[str]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._tick_task = asyncio.create_task(self._ticks())
+        self._boot = asyncio.create_task(self._start_loads(initial))
+
+    async def _start_loads(self, names: list[str]) -> None:
+        """The default profile, and every `on_demand: false` one, as far as they fit together
+        (none is stopped for another at start)."""
+        try:
+            for name in names:
+                m = self.members[name]
+                if m.phase is not Phase.STOPPED:
+                    continue
+                fits = fleetplan.make_room(self.pool.capacity, self._occupants(m), m.needs,
+                                           self.clock(), name)
+                if fits.verdict is not fleetplan.Verdict.FITS and name != self.default:
+                    m.why = f"did not fit at start ({fits.reason})"
+                    log.info("profile %s not loaded at start: %s", name, fits.reason)
+                    self._stopped_gate(m)
+                    continue
+                m.task = asyncio.current_task()
+                await self._load(m, "at start")
+        finally:
+            self.started.set()
+            self._announce()
+
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            now = self.clock()
+            for m in self.members.values():
+                if m.task is not None:
+                    continue
+                if m.phase is Phase.STOPPED and m.profile.on_demand and m.route.gate.held():
+                    self._want(m.name)  # requests parked while it was being stopped
+                elif m.phase is Phase.RUNNING and m.ttl is not None:
+                    st = m.route.stats()
+                    idle = now - m.route.last_used
+                    if idle >= m.ttl and not st["inflight"] and not st["held"] \
+                            and not st["waiting"]:
+                        task = asyncio.create_task(
+                            self._unload(m, f"idle {idle:.0f}s (ttl {m.ttl:g}s)"))
+                        m.task = task
+                        task.add_done_callback(functools.partial(_clear_task, m))
+                elif m.phase is Phase.RUNNING and m.engine.sup is not None \
+                        and m.engine.sup.fatal:
+                    m.phase = Phase.FAILED
+                    m.error = m.engine.sup.fatal
+                    m.failed_at = now
+                    self.pool.room_changed.set()
+                    self._announce()
+
+    def _engine_changed(self) -> None:
+        for m in self.members.values():
+            sup = m.engine.sup
+            if m.phase is Phase.RUNNING and sup is not None and sup.fatal:
+                m.phase = Phase.FAILED
+                m.error = sup.fatal
+                m.failed_at = self.clock()
+                self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
+                log.error("profile %s failed: %s", m.name, sup.fatal)
+                self.pool.room_changed.set()
+        self._announce()
+
+    def _announce(self) -> None:
+        for fn in self.listeners:
+            fn()
+
+    # -- explicit control -------------------------------------------------------------------------
+
+    async def activate(self, name: str) -> dict[str, Any]:
+        """`hydra switch NAME`: stop the profiles that share its devices (drained, then cut),
+        load it; if it fails, bring the stopped ones back."""
+        m = self.members.get(name)
+        if m is None:
+            raise HydraError(f"profile {name} is not served on port {self.port}; it serves "
+                             f"{', '.join(self.members)}")
+        if m.phase is Phase.RUNNING:
+            return {"to": name, "from": None, "result": "noop",
+                    "reason": f"{name} is already serving"}
+        if m.task is not None or any(o.phase is Phase.UNLOADING
+                                     for o in self.pool.members.values()):
+            raise EngineBusy(f"profile {name} is loading or another profile is stopping on "
+                             f"port {self.port}; try again when it is done")
+        t0 = self.clock()
+        report: dict[str, Any] = {"to": name, "result": "ok", "phases": {}, "notes": [],
+                                  "error": None, "failed_phase": None, "log_tail": [],
+                                  "cut": 0}
+        sharing = [o for o in self.pool.members.values() if o is not m
+                   and o.phase is Phase.RUNNING and set(o.needs) & set(m.needs)]
+        report["from"] = ", ".join(o.name for o in sharing) or None
+        stopped = []
+        for o in sharing:
+            cut_before = o.route.gate.inflight()
+            if await self.pool.owners[o.name]._unload(o, f"hydra switch {name}", cut=True):
+                stopped.append(o)
+                report["cut"] += 0 if not cut_before else o.route.gate.inflight()
+        report["phases"]["stop"] = self.clock() - t0
+        t1 = self.clock()
+        m.task = asyncio.current_task()
+        ok = await self._load(m, "hydra switch")
+        report["phases"]["start"] = self.clock() - t1
+        if not ok:
+            report["result"] = "rolled_back" if stopped else "failed"
+            report["failed_phase"] = "start"
+            report["error"] = m.error
+            report["log_tail"] = next(
+                (p.log_tail() for p in (m.engine.sup.procs if m.engine.sup else [])
+                 if p.log_tail()), [])
+            for o in stopped:
+                o.task = asyncio.current_task()
+                if not await self.pool.owners[o.name]._load(o, f"rollback of the switch to {name}"):
+                    report["result"] = "failed"
+        report["total_s"] = round(self.clock() - t0, 3)
+        report["phases"] = {k: round(v, 3) for k, v in report["phases"].items()}
+        self.switches.append(report)
+        del self.switches[:-20]
+        return report
+
+    def differs(self, m: Member, prof: Profile, dep: Deployment) -> bool:
+        """Whether a re-read profile changes anything of `m` (its plan, policies or knobs)."""
+        new = namespaced(dep)
+        d = plandiff.diff(m.dep.plan, new.plan)
+        return (d.change is not plandiff.Change.NONE or prof != m.profile
+                or new.policy != m.dep.policy or new.timeouts != m.dep.timeouts)
+
+    async def replace(self, m: Member, new: tuple[Profile, Deployment]) -> None:
+        """A reload: a running profile restarts what changed (plandiff: the head alone, or
+        everything); a stopped one uses the new plan at its next load."""
+        prof, dep = new[0], namespaced(new[1])
+        if m.phase is Phase.RUNNING:
+            rep = await m.engine.apply(dep)
+            if rep.result not in ("ok", "noop"):
+                raise HydraError(f"reload of {m.name}: {rep.result}: {rep.error}")
+        m.dep, m.profile = dep, prof
+        lay = dep.layout
+        m.needs = fleetplan.needs_of([(p.device, p.need_bytes) for p in dep.plan.placements],
+                                     lay.devices if lay is not None else {})
+        m.route.limiter = (Limiter(m.name, prof.concurrency, prof.queue)
+                           if prof.concurrency else None)
+        if m.phase is Phase.STOPPED:
+            self._stopped_gate(m)
+        self._announce()
+
+    async def shutdown(self, reason: str) -> None:
+        for t in (self._tick_task, self._boot):
+            if t is not None:
+                t.cancel()
+        tasks = [m.task for m in self.members.values() if m.task is not None
+                 and m.task is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*(t for t in (self._tick_task, self._boot, *tasks)
+                               if t is not None), return_exceptions=True)
+        await asyncio.gather(*(m.engine.shutdown(reason) for m in self.members.values()),
+                             return_exceptions=True)
+        for m in self.members.values():
+            self.unkillable.extend(u for u in m.engine.unkillable if u not in self.unkillable)
+
+    def ready(self) -> bool:
+        return self.started.is_set()
+
+    # -- status -----------------------------------------------------------------------------------
+
+    def _state(self, m: Member) -> str:
+        if m.phase is Phase.RUNNING:
+            word = m.engine.state_word()
+            return "running" if word == "serving" else word
+        return m.phase.value
+
+    def models_json(self) -> dict[str, Any]:
+        data = []
+        for m in self.members.values():
+            data.append({
+                "id": m.name, "object": "model", "created": self._created, "owned_by": "hydra",
+                "state": self._state(m), "aliases": list(m.profile.aliases),
+                "default": m.name == self.default, "devices": list(m.devices),
+                "mode": m.dep.plan.mode, "model": m.dep.model_label,
+                "on_demand": m.profile.on_demand, "error": m.error})
+        return {"object": "list", "data": data}
+
+    def member_snapshot(self, m: Member) -> dict[str, Any]:
+        snap = m.engine.snapshot()
+        now = self.clock()
+        st = m.route.stats()
+        snap.update({
+            "name": f"port-{self.port}/{m.name}", "profile": m.name,
+            "source": m.dep.plan.source, "mode": m.dep.plan.mode, "model": m.dep.model_label,
+            "url": self.url, "state": self._state(m),
+            "fleet": {
+                "port": self.port, "default": m.name == self.default,
+                "aliases": list(m.profile.aliases), "on_demand": m.profile.on_demand,
+                "ttl": m.ttl, "min_resident": m.profile.min_resident,
+                "concurrency": m.profile.concurrency, "queue": m.profile.queue,
+                "devices": list(m.devices),
+                "needs_mib": {k: round(v / fleetplan.MIB) for k, v in m.needs.items()},
+                "loads": m.loads, "unloads": m.unloads, "error": m.error, "why": m.why,
+                "resident_s": round(now - m.loaded_at, 1) if m.loaded_at is not None else None,
+                "idle_s": st["idle_s"], "requests": st["requests"], "held": st["held"],
+                "inflight": st["inflight"], "running": st["running"],
+                "waiting": st["waiting"]},
+        })
+        return snap
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [self.member_snapshot(m) for m in self.members.values()]

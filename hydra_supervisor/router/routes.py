@@ -1,0 +1,116 @@
+"""Routes: several upstreams behind one router port, picked per HTTP request (by its `model`).
+
+A Route is what one profile on a shared port has in the router: its own Gate (hold, release,
+unavailable, in-flight flights, so one profile can load or drain while the others serve), its
+own HTTP upstream, and an optional Limiter (at most N requests upstream, M more waiting, 429
+past that). The router asks a *table* (a callable the engine side provides) for the route of
+each request once it has read the request's method, path and `model`; the table may also answer
+the request itself (a LocalReply: `/v1/models`, or 404 for an unknown model).
+
+No sockets here; every method is thread-safe (session threads call them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra_supervisor.router.gate import Gate, Refusal
+
+Addr = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class LocalReply:
+    """The router answers the request itself with this JSON (no upstream is involved)."""
+
+    status: int
+    body: dict[str, Any]
+    counter: str = "local"  # the stats "refused" reason (statuses >= 400) it is counted under
+
+
+class Limiter:
+    """At most `limit` requests upstream at once; `queue` more wait (bounded by their timeout);
+    past that a request is refused with 429 at once."""
+
+    def __init__(self, name: str, limit: int, queue: int) -> None:
+        if limit < 1 or queue < 0:
+            raise ValueError("limit must be at least 1 and queue at least 0")
+        self.name = name
+        self.limit = limit
+        self.queue = queue
+        self._cond = threading.Condition()
+        self._running = 0
+        self._waiting = 0
+
+    def acquire(self, timeout: float) -> Refusal | None:
+        with self._cond:
+            if self._running < self.limit and self._waiting == 0:
+                self._running += 1
+                return None
+            if self._waiting >= self.queue:
+                return self._too_many()
+            self._waiting += 1
+            deadline = time.monotonic() + timeout
+            try:
+                while self._running >= self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return Refusal(
+                            429, f"profile {self.name}: waited {timeout:g}s for one of its "
+                            f"{self.limit} request slots", 1, "held_timeout", "queue_timeout")
+                    self._cond.wait(left)
+                self._running += 1
+                return None
+            finally:
+                self._waiting -= 1
+
+    def _too_many(self) -> Refusal:
+        return Refusal(429, f"profile {self.name} is busy: {self._running} requests running "
+                       f"and {self._waiting} waiting (concurrency {self.limit}, queue "
+                       f"{self.queue})", 1, "error", "queue_full")
+
+    def release(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._cond.notify()
+
+    def counts(self) -> tuple[int, int]:
+        with self._cond:
+            return self._running, self._waiting
+
+
+@dataclass
+class Route:
+    """One profile's lane through a shared router."""
+
+    name: str
+    gate: Gate
+    http: Addr | None = None
+    limiter: Limiter | None = None
+    last_used: float = field(default_factory=time.monotonic)  # monotonic: request start/end
+    requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def touch(self) -> None:
+        with self._lock:
+            self.last_used = time.monotonic()
+
+    def started(self) -> None:
+        with self._lock:
+            self.last_used = time.monotonic()
+            self.requests += 1
+
+    def stats(self) -> dict[str, Any]:
+        running, waiting = self.limiter.counts() if self.limiter else (None, None)
+        return {"requests": self.requests, "held": self.gate.held(),
+                "inflight": self.gate.inflight(), "held_reason": self.gate.held_reason,
+                "idle_s": round(time.monotonic() - self.last_used, 3),
+                "running": running, "waiting": waiting}
+
+
+# The router's question per request: (model or None, method, path) -> a route, or an answer.
+RouteTable = Callable[[str | None, str, str], "Route | LocalReply"]
