@@ -43,6 +43,7 @@ from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
 from hydra_supervisor.router.view import RouteView
 from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import Supervisor
 
 log = logging.getLogger("hydra")
 
@@ -129,7 +130,8 @@ class Fleet:
                  switch_timeouts: SwitchTimeouts | None = None,
                  router_kwargs: dict[str, Any] | None = None, load_wait: float = 120.0,
                  clock: Callable[[], float] = time.monotonic,
-                 make_router: Callable[..., Router] = Router) -> None:
+                 make_router: Callable[..., Router] = Router,
+                 make_supervisor: Callable[..., Any] | None = None) -> None:
         self.state = state
         self.host = host
         self.port = port
@@ -141,6 +143,7 @@ class Fleet:
         self.load_wait = load_wait
         self.clock = clock
         self.make_router = make_router
+        self.make_supervisor = make_supervisor  # seam: policy tests run fake supervisors
         self._specs = members
         self.members: dict[str, Member] = {}
         self.lookup: dict[str, str] = {}  # model name or alias -> profile
@@ -184,7 +187,8 @@ class Fleet:
             view = RouteView(r, route)
             eng = Engine(self.state, self.host, self.port, allow=self.allow,
                          switch_timeouts=self.switch_timeouts,
-                         make_router=lambda *a, _v=view, **k: _v)
+                         make_router=lambda *a, _v=view, **k: _v,
+                         make_supervisor=self.make_supervisor or Supervisor)
             eng.open()
             eng.listeners.append(self._engine_changed)
             lay = dep.layout

@@ -1,0 +1,345 @@
+"""The Fleet's policy with fake supervisors (fast, no processes): routing by model, on-demand
+load, room made by evicting the least recently used profile after a drain (never cut),
+min_resident, ttl, failed loads, `hydra switch` (activate) with rollback.
+
+The router is real (port 0) so the gates are real; requests are simulated by calling
+`select` (what a router thread does) and by flights on a route's gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hydra_supervisor import fleet as fleet_mod
+from hydra_supervisor.config import Profile
+from hydra_supervisor.deployment import Deployment, Timeouts
+from hydra_supervisor.devices import Device, Kind
+from hydra_supervisor.engine import EngineBusy, SwitchTimeouts
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.fleet import Fleet, Phase, Pool
+from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.router.routes import LocalReply, Route
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import State
+from tests.test_engine_policy import BEHAVIOUR, STARTED, FakeSupervisor
+
+GIB = 1 << 30
+DEVICES = {"gpu0": Device("gpu0", Kind.CUDA, 24 * GIB, 24 * GIB, cuda_index=0),
+           "gpu1": Device("gpu1", Kind.CUDA, 16 * GIB, 16 * GIB, cuda_index=1)}
+
+
+def fdep(name: str, port: int, **gib: float) -> Deployment:
+    head = EngineSpec(name="head", role=Role.HEAD, program="llama-server", args=("-m", name),
+                      env=(), host="127.0.0.1", port=port, device=next(iter(gib)),
+                      start_order=0)
+    places = tuple(Placement(dev, 1, int(n * GIB), 0, 0, 0) for dev, n in gib.items())
+    plan = Plan(profile=name, source=f"{name}.yaml", model_path=f"{name}.gguf",
+                model_kind="dense", mode="solo", transport="rpc", host="127.0.0.1", port=0,
+                engines=(head,), placements=places,
+                router=RouterSpec("127.0.0.1", 0, ("127.0.0.1", port), None, ()))
+    return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=5.0, peer=1.0),
+                      layout=SimpleNamespace(devices=DEVICES))
+
+
+def prof(name: str, **kw: Any) -> Profile:
+    return Profile(name=name, source=f"{name}.yaml", model=name, **kw)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def make(tmp_path: Path, *members: tuple[Profile, Deployment], default: str = "a",
+         drain: float = 0.2) -> Fleet:
+    BEHAVIOUR.clear()
+    STARTED.clear()
+    f = Fleet(StateDir(tmp_path), "127.0.0.1", 0, list(members), default=default,
+              pool=Pool({"cuda0": 24 * GIB, "cuda1": 16 * GIB}), allow=("127.0.0.0/8",),
+              switch_timeouts=SwitchTimeouts(drain=drain, gpu_free=0.1), load_wait=5.0,
+              make_supervisor=FakeSupervisor)
+    f.open()
+    return f
+
+
+def run(f: Fleet, body: Callable[[], Any], initial: list[str] | None = None) -> None:
+    async def go() -> None:
+        await f.start(["a"] if initial is None else initial)
+        await asyncio.wait_for(f.started.wait(), 5)
+        try:
+            await body()
+        finally:
+            await f.shutdown("test")
+            f.close()
+
+    asyncio.run(go())
+
+
+def route(f: Fleet, model: str | None) -> Route:
+    sel = f.select(model, "POST", "/v1/chat/completions")
+    assert isinstance(sel, Route), sel
+    return sel
+
+
+def test_routing_by_name_alias_and_default(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", aliases=("alpha",)), fdep("a", 30200, gpu0=4)),
+             (prof("b"), fdep("b", 30201, gpu1=4)))
+
+    async def body() -> None:
+        assert route(f, "a") is f.members["a"].route
+        assert route(f, "alpha") is f.members["a"].route
+        assert route(f, None) is f.members["a"].route  # no model: the default
+        assert route(f, "b") is f.members["b"].route
+        missing = f.select("gpt-4", "POST", "/v1/chat/completions")
+        assert isinstance(missing, LocalReply) and missing.status == 404
+        assert "known models: a, alpha, b" in missing.body["error"]["message"]
+        models = f.select(None, "GET", "/v1/models")
+        assert isinstance(models, LocalReply) and models.status == 200
+        ids = {d["id"]: d for d in models.body["data"]}
+        assert ids["a"]["state"] == "running" and ids["a"]["aliases"] == ["alpha"]
+        assert ids["a"]["default"] is True and ids["a"]["devices"] == ["gpu0"]
+
+    run(f, body)
+
+
+def test_stopped_profile_loads_on_request_and_holds_it_meanwhile(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
+
+    async def body() -> None:
+        b = f.members["b"]
+        assert b.phase is Phase.STOPPED
+        assert "not loaded; loading it on request" in (b.route.gate.held_reason or "")
+        route(f, "b")
+        await until(lambda: b.phase is Phase.RUNNING)
+        assert b.route.gate.held_reason is None and b.route.gate.refusal_now() is None
+        assert b.loads == 1
+        # a kept running: they fit side by side (different GPUs)
+        assert f.members["a"].phase is Phase.RUNNING
+        states = {d["id"]: d["state"] for d in f.models_json()["data"]}
+        assert states == {"a": "running", "b": "running"}
+
+    run(f, body)
+
+
+def test_on_demand_false_answers_503_naming_hydra_switch(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)),
+             (prof("b", on_demand=False), fdep("b", 30201, gpu0=30)))
+
+    async def body() -> None:
+        b = f.members["b"]
+        route(f, "b")
+        await asyncio.sleep(0.3)
+        assert b.phase is Phase.STOPPED and b.loads == 0
+        refusal = b.route.gate.refusal_now()
+        assert refusal is not None and refusal.status == 503
+        assert "hydra switch b" in refusal.message
+
+    run(f, body)
+
+
+def test_eviction_of_the_lru_after_drain_then_min_resident_bounds_ping_pong(
+        tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
+             (prof("b", min_resident=0.6), fdep("b", 30201, gpu0=20)))
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        route(f, "b")
+        await until(lambda: b.phase is Phase.RUNNING)
+        assert a.phase is Phase.STOPPED and a.unloads == 1
+        assert "making room for b" in a.why
+        # a at once: b must stay min_resident (0.6 s) first; a waits, held, with the reason
+        t0 = time.monotonic()
+        route(f, "a")
+        await until(lambda: "min_resident" in (a.route.gate.held_reason or ""))
+        assert b.phase is Phase.RUNNING
+        await until(lambda: a.phase is Phase.RUNNING)
+        assert time.monotonic() - t0 >= 0.5
+        assert b.phase is Phase.STOPPED
+        assert a.loads == 2 and b.loads == 1
+
+    run(f, body)
+
+
+def test_eviction_never_cuts_in_flight_requests(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
+             (prof("b"), fdep("b", 30201, gpu0=20)), drain=0.1)
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        flight = a.route.gate.begin()  # a request a is answering
+        route(f, "b")
+        await asyncio.sleep(0.6)  # several drains of 0.1 s gave up
+        assert a.phase in (Phase.RUNNING, Phase.UNLOADING) and b.phase is Phase.LOADING
+        assert flight.cut is None
+        a.route.gate.end(flight)
+        await until(lambda: b.phase is Phase.RUNNING)
+        assert a.phase is Phase.STOPPED and flight.cut is None
+
+    run(f, body)
+
+
+def test_ttl_unloads_an_idle_profile_and_the_next_request_loads_it(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)),
+             (prof("b", ttl=0.3), fdep("b", 30201, gpu1=4)))
+
+    async def body() -> None:
+        b = f.members["b"]
+        route(f, "b")
+        await until(lambda: b.phase is Phase.RUNNING)
+        await until(lambda: b.phase is Phase.STOPPED)
+        assert b.unloads == 1 and "ttl 0.3s" in b.why
+        assert f.members["a"].phase is Phase.RUNNING  # no ttl: stays
+        route(f, "b")
+        await until(lambda: b.phase is Phase.RUNNING)
+        assert b.loads == 2
+
+    run(f, body)
+
+
+def test_ttl_waits_for_in_flight_requests(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", ttl=0.2), fdep("a", 30200, gpu0=4)))
+
+    async def body() -> None:
+        a = f.members["a"]
+        flight = a.route.gate.begin()
+        await asyncio.sleep(0.6)
+        assert a.phase is Phase.RUNNING
+        a.route.gate.end(flight)
+        a.route.touch()
+        await until(lambda: a.phase is Phase.STOPPED)
+
+    run(f, body)
+
+
+def test_failed_load_answers_held_requests_and_leaves_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_mod, "FAIL_COOLDOWN", 0.3)
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        BEHAVIOUR["b"] = "crash"
+        route(f, "b")
+        await until(lambda: b.phase is Phase.FAILED)
+        refusal = b.route.gate.refusal_now()
+        assert refusal is not None and "profile b failed to load" in refusal.message
+        assert "exit 1" in (b.error or "")
+        assert a.phase is Phase.RUNNING and a.route.gate.refusal_now() is None
+        route(f, "b")  # within the cooldown: no new attempt
+        await asyncio.sleep(0.05)
+        assert b.phase is Phase.FAILED and b.loads == 1
+        await asyncio.sleep(0.3)
+        BEHAVIOUR["b"] = "ok"
+        route(f, "b")  # after it: tried again, and the request is held, not refused
+        assert b.route.gate.refusal_now() is None
+        await until(lambda: b.phase is Phase.RUNNING)
+        assert b.loads == 2 and b.error is None
+
+    run(f, body)
+
+
+def test_never_fits_fails_with_the_sizes(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)),
+             (prof("huge"), fdep("huge", 30201, gpu1=40)))
+
+    async def body() -> None:
+        h = f.members["huge"]
+        route(f, "huge")
+        await until(lambda: h.phase is Phase.FAILED)
+        assert "does not fit this node even alone" in (h.error or "")
+        assert not [s for s in STARTED if s.plan.profile == "huge"]
+
+    run(f, body)
+
+
+def test_activate_stops_sharers_and_rolls_back_on_failure(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=20)),
+             (prof("b"), fdep("b", 30201, gpu0=20)), (prof("c"), fdep("c", 30202, gpu1=4)))
+
+    async def body() -> None:
+        a, b, c = (f.members[n] for n in "abc")
+        route(f, "c")
+        await until(lambda: c.phase is Phase.RUNNING)
+        rep = await f.activate("b")
+        assert rep["result"] == "ok" and rep["from"] == "a"
+        assert a.phase is Phase.STOPPED and b.phase is Phase.RUNNING
+        assert c.phase is Phase.RUNNING  # on another GPU: untouched
+        assert (await f.activate("b"))["result"] == "noop"
+        BEHAVIOUR["a"] = "crash"
+        BEHAVIOUR["c"] = "crash"
+        rep = await f.activate("a")
+        assert rep["result"] == "rolled_back" and rep["failed_phase"] == "start"
+        assert b.phase is Phase.RUNNING and a.phase is Phase.FAILED
+        with pytest.raises(HydraError, match="not served on port"):
+            await f.activate("zzz")
+
+    run(f, body)
+
+
+def test_activate_refused_while_a_load_runs(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
+
+    async def body() -> None:
+        BEHAVIOUR["b"] = "slow"  # never READY: the load waits
+        route(f, "b")
+        await until(lambda: f.members["b"].task is not None)
+        with pytest.raises(EngineBusy):
+            await f.activate("b")
+
+    run(f, body)
+
+
+def test_requests_parked_while_a_profile_stopped_bring_it_back(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
+             (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        route(f, "b")
+        await until(lambda: a.phase is Phase.UNLOADING or b.phase is Phase.RUNNING)
+        # a request for a parked in a's gate (it skipped select's trigger): the tick finds it
+        result: list[Any] = []
+        waiter = asyncio.get_running_loop().run_in_executor(
+            None, lambda: result.append(a.route.gate.wait_turn()))
+        await until(lambda: b.phase is Phase.RUNNING)
+        await until(lambda: a.phase is Phase.RUNNING, timeout=5)
+        await asyncio.wait_for(waiter, 5)
+        assert result == [None]  # released to go upstream, not refused
+
+    run(f, body)
+
+
+def test_a_profile_going_fatal_at_runtime_is_marked_failed(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
+
+    async def body() -> None:
+        a = f.members["a"]
+        sup = a.engine.sup
+        assert sup is not None
+        sup.fatal = "head: crashed 5 times"
+        sup.head.to(State.FATAL, "crashed 5 times")
+        await until(lambda: a.phase is Phase.FAILED)
+        assert a.error == "head: crashed 5 times"
+        route(f, "b")
+        await until(lambda: f.members["b"].phase is Phase.RUNNING)
+
+    run(f, body)
+
+
+def test_names_must_be_unique_and_default_served(tmp_path: Path) -> None:
+    with pytest.raises(HydraError, match="claimed by profiles a and b"):
+        make(tmp_path, (prof("a", aliases=("x",)), fdep("a", 30200, gpu0=4)),
+             (prof("b", aliases=("x",)), fdep("b", 30201, gpu1=4)))
+    with pytest.raises(HydraError, match="default profile 'z'"):
+        make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), default="z")
