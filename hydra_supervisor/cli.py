@@ -340,7 +340,8 @@ def switch(profile: str, profiles_dir: str | None, as_json: bool) -> None:
     code, reply = _control("/switch", body)
     if as_json:
         click.echo(json.dumps(reply, indent=2))
-        sys.exit(0 if code == 200 and reply.get("result") == "ok" else 1 if code == 200 else 2)
+        sys.exit(0 if code == 200 and reply.get("result") in ("ok", "noop")
+                 else 1 if code == 200 else 2)
     _fail_reply(code, reply)
     _print_report(reply)
     sys.exit(0 if reply.get("result") in ("ok", "noop") else 1)
