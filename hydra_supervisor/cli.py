@@ -452,8 +452,8 @@ def status(as_json: bool, watch: bool) -> None:
             _print_engine(_legacy_to_engine(data))
         sys.exit(daemon.EXIT_NOT_RUNNING)
     if not watch:
-        for eng in live["daemon"]["engines"]:
-            _print_engine(eng)
+        for part in _daemon_renderables(live["daemon"]):
+            out.print(part)
         return
     from rich.live import Live
 
@@ -464,7 +464,7 @@ def status(as_json: bool, watch: bool) -> None:
             except (control.NotRunning, OSError):
                 view.update(f"hydra is not running here (state dir {state.root})")
                 sys.exit(daemon.EXIT_NOT_RUNNING)
-            view.update(_status_view(live["daemon"]["engines"]))
+            view.update(_status_view(live["daemon"]))
             time.sleep(1.0)
 
 
@@ -475,13 +475,72 @@ def _legacy_to_engine(data: dict[str, Any]) -> dict[str, Any]:
             "processes": data.get("engines", []), "router": None, "switches": []}
 
 
-def _status_view(engines: list[dict[str, Any]]) -> Any:
+def _status_view(snap: dict[str, Any]) -> Any:
     from rich.console import Group
 
+    return Group(*_daemon_renderables(snap))
+
+
+def _daemon_renderables(snap: dict[str, Any]) -> list[Any]:
+    if snap.get("fleets"):
+        return _fleet_renderables(snap)
+    return [part for eng in snap["engines"] for part in _engine_renderables(eng)]
+
+
+def _fleet_renderables(snap: dict[str, Any]) -> list[Any]:
+    """Several profiles per port: a row per profile, then every running process, then the
+    port's router counters."""
     parts: list[Any] = []
-    for eng in engines:
-        parts.extend(_engine_renderables(eng))
-    return Group(*parts)
+    rows = snap["engines"]
+    for f in snap["fleets"]:
+        mine = [e for e in rows if e["profile"] in f["profiles"]]
+        parts.append(styled(("port ", ""), (f["url"], "bold"),
+                            f" serves {len(mine)} profiles, routed by the request's model "
+                            f"(default: {f['default']})"))
+        table = Table(show_edge=False, pad_edge=False)
+        for col in ("profile", "state", "mode", "devices", "needs", "loaded", "idle",
+                    "requests", "held", "in flight", "loads", "ttl", "note"):
+            table.add_column(col)
+        for e in mine:
+            fl = e["fleet"]
+            needs = ", ".join(f"{k} {v:,} MiB" for k, v in fl["needs_mib"].items())
+            loaded = _fmt_age(fl["resident_s"]) if fl["resident_s"] is not None else "-"
+            note = fl["error"] or ("" if e["state"] != "stopped" else fl["why"])
+            if fl.get("running") is not None:
+                note = f"{fl['running']}/{fl['concurrency']} running, {fl['waiting']} " \
+                       f"queued" + (f"; {note}" if note else "")
+            name = e["profile"] + (" *" if fl["default"] else "") + \
+                (f" ({', '.join(fl['aliases'])})" if fl["aliases"] else "")
+            table.add_row(name, e["state"], str(e["mode"]), ", ".join(fl["devices"]), needs,
+                          loaded, _fmt_age(fl["idle_s"]), str(fl["requests"]), str(fl["held"]),
+                          str(fl["inflight"]), f"{fl['loads']}/{fl['unloads']}",
+                          f"{fl['ttl']:g}s" if fl["ttl"] else "-", Text(note))
+        parts.append(table)
+        procs = Table(show_edge=False, pad_edge=False)
+        for col in ("engine", "role", "device", "pid", "port", "state", "uptime", "restarts",
+                    "memory", "reason"):
+            procs.add_column(col)
+        now = time.time()
+        for e in mine:
+            for p in e.get("processes", []):
+                uptime = _fmt_age(now - p["started"]) if p.get("started") else "-"
+                procs.add_row(p["name"], p["role"], str(p.get("device", "-")),
+                              str(p["pid"] or "-"), str(p["port"]), p["state"], uptime,
+                              str(p["restarts"]), _fmt_mem(p), Text(p.get("reason", "")))
+        if procs.row_count:
+            parts.append(procs)
+        r = mine[0].get("router") if mine else None
+        if r:
+            http = r.get("http") or {}
+            refused = r.get("refused") or {}
+            parts.append(Text(
+                f"router: {r.get('open', 0)} open; {http.get('requests', 0)} HTTP requests, "
+                f"{refused.get('unknown_model', 0)} for unknown models, "
+                f"{refused.get('queue_full', 0)} refused busy (429), {http.get('cut', 0)} cut, "
+                f"{http.get('retried', 0)} retried"))
+        parts.append(Text("loads = loads/unloads; * = the default profile (requests without "
+                          "a model)", style="dim"))
+    return parts
 
 
 def _print_engine(eng: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,7 +156,7 @@ class Rig:
 
     def table(self, model: str | None, method: str, path: str) -> Route | LocalReply:
         self.calls.append((model, method, path))
-        if method == "GET" and path == "/v1/models":
+        if method in ("GET", "HEAD") and path == "/v1/models":
             return LocalReply(200, MODELS)
         if model is None:
             return self.a
@@ -229,7 +229,7 @@ def test_one_keepalive_connection_switches_routes_per_request(rig: Rig) -> None:
     c = http.client.HTTPConnection(HOST, rig.r.port, timeout=DEADLINE)
     try:
         for model in ("a", "b", "a", "b"):
-            obj = {"model": model, "messages": [], "max_tokens": 1}
+            obj: dict[str, Any] = {"model": model, "messages": [], "max_tokens": 1}
             assert request(rig.r.port, "POST", "/v1/chat/completions", obj, conn=c).status == 200
     finally:
         c.close()
@@ -258,6 +258,24 @@ def test_local_replies(rig: Rig) -> None:
     assert st["refused"] == {"unknown_model": 1}  # the 200 is not counted as refused
     assert st["http"]["4xx"] == 1 and st["http"]["2xx"] == 1
     assert rig.a.requests == 0 and rig.b.requests == 0
+
+
+def test_head_answered_by_the_router_has_no_body(rig: Rig) -> None:
+    """A HEAD the router answers itself (a local reply, a refusal) gets the status and headers
+    without a body, and the connection stays usable."""
+    rig.a.gate.set_unavailable("loading a")
+    c = http.client.HTTPConnection(HOST, rig.r.port, timeout=DEADLINE)
+    try:
+        models = request(rig.r.port, "HEAD", "/v1/models", conn=c)
+        assert models.status == 200 and models.body == b""
+        assert int(models.headers["content-length"]) == len(json.dumps(MODELS))
+        refused = request(rig.r.port, "HEAD", "/health", conn=c)
+        assert refused.status == 503 and refused.body == b""
+        assert refused.headers["retry-after"].isdigit()
+        assert request(rig.r.port, "GET", "/v1/models", conn=c).json() == MODELS
+    finally:
+        c.close()
+    assert rig.r.stats()["accepted"] == 1 and rig.r.stats()["refused"] == {"unavailable": 1}
 
 
 def test_local_reply_after_an_unknown_models_embeddings(rig: Rig) -> None:
@@ -426,9 +444,13 @@ def test_limiter_waiters_all_served_in_turn() -> None:
     assert lim.acquire(0.01) is None
     waiters = [Background(lim.acquire, DEADLINE) for _ in range(3)]
     wait_until(lambda: lim.counts() == (1, 3), what="three waiting")
+
+    def served_are(n: int) -> Callable[[], bool]:
+        return lambda: sum(w.done() for w in waiters) == n
+
     for served in range(1, 4):
         lim.release()
-        wait_until(lambda: sum(w.done() for w in waiters) == served, what=f"{served} served")
+        wait_until(served_are(served), what=f"{served} served")
         assert lim.counts() == (1, 3 - served)
     assert all(w.result() is None for w in waiters)
     lim.release()

@@ -391,7 +391,8 @@ class HttpSession:
         try:
             if self.h.our_state is h11.SEND_RESPONSE:
                 out = self.h.send(h11.Response(status_code=reply.status, headers=headers))
-                out = (out or b"") + (self.h.send(h11.Data(data=body)) or b"")
+                if rec.method != "HEAD":  # a HEAD response has the headers, no body
+                    out = (out or b"") + (self.h.send(h11.Data(data=body)) or b"")
                 out += self.h.send(h11.EndOfMessage()) or b""
                 self._send_client(out)
                 rec.bytes_out += len(out)
@@ -443,7 +444,8 @@ class HttpSession:
         try:
             if self.h.our_state is h11.SEND_RESPONSE:
                 out = self.h.send(h11.Response(status_code=status, headers=headers))
-                out = (out or b"") + (self.h.send(h11.Data(data=body)) or b"")
+                if rec.method != "HEAD":  # a HEAD response has the headers, no body
+                    out = (out or b"") + (self.h.send(h11.Data(data=body)) or b"")
                 out += self.h.send(h11.EndOfMessage()) or b""
                 self._send_client(out)
                 rec.bytes_out += len(out)
