@@ -98,3 +98,28 @@ def test_self_connect_is_detected():
         srv.listen(1)
         c.connect(srv.getsockname())
         assert not self_connected(c)
+
+
+def test_routing_keys_layer_and_validate(tmp_path: Path):
+    node_file = tmp_path / "node.yaml"
+    node_file.write_text("profiles: [a, b]\ndefault_profile: b\n"
+                         "defaults:\n  min_resident: 5\n  ttl: 600\n")
+    node = load_node(node_file)
+    assert node.profiles == ("a", "b") and node.default_profile == "b"
+    prof = tmp_path / "a.yaml"
+    prof.write_text("model: m.gguf\naliases: [alpha, first]\nttl: 0\nconcurrency: 2\n"
+                    "queue: 0\non_demand: false\n")
+    p = load_profile(prof, node)
+    assert p.aliases == ("alpha", "first") and p.ttl == 0.0 and p.min_resident == 5.0
+    assert (p.concurrency, p.queue, p.on_demand) == (2, 0, False)
+    prof.write_text("model: m.gguf\nttl: -1\nconcurrency: 0\nqueue: lots\nmin_resdent: 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_profile(prof, node)
+    msg = str(exc.value)
+    assert "a.yaml:2: ttl: expected a number of seconds (0 or more), got -1" in msg
+    assert "a.yaml:3: concurrency: expected a whole number of at least 1, got 0" in msg
+    assert "a.yaml:4: queue: expected a whole number (0 or more)" in msg
+    assert "did you mean 'min_resident'?" in msg
+    node_file.write_text("profiles: a\ndefault_profle: a\n")
+    with pytest.raises(ConfigError, match="did you mean 'default_profile'"):
+        load_node(node_file)

@@ -104,11 +104,16 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
 
 def test_ttl_unloads_then_the_next_request_reloads(hydra_up, hydra_env, tmp_path):
     _profile_copy(tmp_path, "demo", "brief", "ttl: 2\n")
-    up = hydra_up("-p", "demo", "-p", "brief", "--profiles-dir", str(tmp_path), "--port", "0")
+    # The set from the node file (no -p), its default answering requests without a model.
+    node = Path(hydra_env["HYDRA_NODE"])
+    node.write_text(node.read_text() + "profiles: [demo, brief]\ndefault_profile: brief\n")
+    up = hydra_up("--profiles-dir", str(tmp_path), "--port", "0")
     up.wait_ready()
     port = _port(hydra_env)
+    assert status_json(hydra_env)["daemon"]["fleets"][0]["default"] == "brief"
     client = _client(port)
     assert DEMO_MODEL in _ask(client, "brief", True)
+    assert DEMO_MODEL in _ask(client, "demo", True)
     pids = [p["pid"] for p in _profiles(hydra_env)["brief"]["processes"]]
     assert pids
     wait_until(lambda: _models(port)["brief"]["state"] == "stopped", 60, "ttl unload")
