@@ -32,6 +32,7 @@ The default run takes about 3-4 minutes on a busy 2-core machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -261,6 +262,8 @@ class Conn:
         self.port = port
         self.body = json.dumps({"model": model, "content": "hello"}).encode()
         self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        self.c.connect()
+        self.reopened = 0
 
     def once(self) -> float:
         t0 = time.perf_counter()
@@ -270,8 +273,12 @@ class Conn:
         took = time.perf_counter() - t0
         if resp.status != 200 or b"tokens" not in data:
             raise SystemExit(f"/tokenize on port {self.port}: {resp.status} {data[:200]!r}")
-        if resp.will_close:
-            raise SystemExit(f"port {self.port} closed the keep-alive connection")
+        if resp.will_close:  # llama-server (cpp-httplib) closes after 100 requests
+            self.reopened += 1
+            self.c.close()
+            self.c.connect()  # outside the timing: only requests on an open connection count
+            self.c.request("POST", "/tokenize", self.body, {"Content-Type": "application/json"})
+            self.c.getresponse().read()  # and the new connection's first request neither
         return took
 
     def close(self) -> None:
@@ -302,7 +309,9 @@ def part_routing(tmp: Path, n: int, block: int) -> dict[str, Any]:
         finally:
             for c in conns.values():
                 c.close()
-    out: dict[str, Any] = {"n": max(1, n // block) * block, "rows": []}
+    out: dict[str, Any] = {"n": max(1, n // block) * block, "rows": [], "reopened": {
+        path: sum(c.reopened for (pa, _), c in conns.items() if pa == path)
+        for path in ("direct", "hydra")}}
     for p in [*PROFILES, "both"]:
         pick = PROFILES if p == "both" else (p,)
         d = [t for q in pick for t in times[("direct", q)]]
@@ -374,7 +383,8 @@ def part_reloads(tmp: Path, min_resident: float, duration: float) -> dict[str, A
         return {"min_resident": min_resident, "elapsed": elapsed, "loads": loads,
                 "per_min": loads / (elapsed / 60), "served": dict(served),
                 "failed": failures, "p50": pct(lat, 50) if lat else float("nan"),
-                "p95": pct(lat, 95) if lat else float("nan"), "most_running": most_running[0],
+                "p95": pct(lat, 95) if lat else float("nan"),
+                "max": max(lat, default=float("nan")), "most_running": most_running[0],
                 "unloads": sum(e["fleet"]["unloads"] for e in profs.values())}
 
 
@@ -392,14 +402,22 @@ def main() -> int:
     ap.add_argument("--min-resident", default="0,10",
                     help="node defaults min_resident values for part 3 (comma-separated)")
     ap.add_argument("--parts", default="1,2,3", help="which parts to run")
+    ap.add_argument("--keep", metavar="DIR", default=None,
+                    help="work in DIR and keep it (hydra's state dirs and logs); default: a "
+                         "temporary directory, removed at the end")
     args = ap.parse_args()
     parts = {int(x) for x in args.parts.split(",")}
     t_start = time.monotonic()
     load_rows: list[dict[str, Any]] = []
     route: dict[str, Any] = {}
     reloads: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="hydra-bench-routing-") as d:
-        tmp = Path(d)
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            tmp = Path(args.keep)
+            tmp.mkdir(parents=True)
+        else:
+            tmp = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="hydra-bench-routing-")))
         if 1 in parts:
             log("1. on-demand load overhead ...")
             load_rows = part_load(tmp, args.rounds)
@@ -434,21 +452,27 @@ def main() -> int:
         for r in route["rows"]:
             print(f"{r['profile']:18} {r['d50']:10.3f} {r['d99']:7.3f} {r['h50']:10.3f} "
                   f"{r['h99']:7.3f} {r['h50'] - r['d50']:+10.3f} {r['h99'] - r['d99']:+7.3f}")
+        ro = route["reopened"]
+        print(f"connections closed by the server and reopened (outside the timing): direct "
+              f"{ro['direct']}, through hydra {ro['hydra']}")
     if reloads:
         print(f"\n3. two clients alternating (one per profile, max_tokens 4) on a node that "
               f"fits one profile (device file cpu total_mib 1000), {args.duration:g}s each")
-        print(f"{'min_resident':>12} {'loads':>5} {'reloads/min':>11} {'served':>16} "
-              f"{'failed':>6} {'p50 s':>6} {'p95 s':>6} {'both running':>12}")
+        print(f"{'min_resident':>12} {'run s':>5} {'loads':>5} {'reloads/min':>11} "
+              f"{'served':>9} {'failed':>6} {'p50 s':>6} {'p95 s':>6} {'max s':>6} "
+              f"{'both running':>12}")
         for r in reloads:
             served = "+".join(str(v) for v in r["served"].values())
             both = "never" if r["most_running"] <= 1 else "SEEN"
-            print(f"{r['min_resident']:>11g}s {r['loads']:5d} {r['per_min']:11.1f} "
-                  f"{served:>16} {len(r['failed']):6d} {r['p50']:6.2f} {r['p95']:6.2f} "
-                  f"{both:>12}")
+            print(f"{r['min_resident']:>11g}s {r['elapsed']:5.1f} {r['loads']:5d} "
+                  f"{r['per_min']:11.1f} {served:>9} {len(r['failed']):6d} {r['p50']:6.2f} "
+                  f"{r['p95']:6.2f} {r['max']:6.2f} {both:>12}")
             for f in r["failed"][:5]:
                 print(f"  failed (min_resident {r['min_resident']:g}): {f}")
             ok &= not r["failed"] and r["most_running"] <= 1
-        print("loads = sum of the profiles' fleet.loads minus the start load; served = "
+        print("run s = from the clients' start until their last response (the requests "
+              "in flight at the end are waited for);\nloads = sum of the profiles' "
+              "fleet.loads minus the start load; reloads/min = loads / run; served = "
               f"{' + '.join(PROFILES)}")
     print(f"\nbench wall time {time.monotonic() - t_start:.0f}s")
     return 0 if ok else 1

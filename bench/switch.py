@@ -27,23 +27,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.overhead import HYDRA, env_for, start_by_hand, wait  # noqa: E402
+from bench import routing  # noqa: E402
+from bench.overhead import HYDRA, env_for, wait  # noqa: E402
 from hydra_supervisor.ports import free_port  # noqa: E402
 from tests.test_switch import Load  # noqa: E402
 
 
 def raw_load(profile: str, tmp: Path) -> float:
+    """The layout started by hand, timed from the first spawn (the plan is made before the
+    clock starts, and /health is polled every 10 ms: bench/routing.py's raw_load)."""
     env = env_for(tmp, f"raw-{profile}")
-    t0 = time.monotonic()
-    procs, _ = start_by_hand(profile, free_port(), env, tmp)
-    took = time.monotonic() - t0
-    for p in reversed(procs):
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    return took
+    return routing.raw_load(routing.make_plan(profile, env), tmp, f"raw-{profile}")
 
 
 def switch(env: dict[str, str], profile: str) -> dict[str, object]:

@@ -154,9 +154,9 @@ class Engine:
             return
         self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
                                        name=f"port {self.port}", **self.router_kwargs)
+        self._idle_message()  # before the port opens: no request sees an engine without one
         self.router.start()
         self.port = self.router.port  # --port 0: the port the kernel gave us
-        self._idle_message()
 
     def close(self) -> None:
         if self.router is not None:
@@ -237,7 +237,8 @@ class Engine:
     def _hold_reason(head: ManagedProcess) -> str:
         if head.state is State.STARTING:
             return f"loading model ({head.reason})" if head.reason else "loading model"
-        return f"head {head.state.value.lower()}: {head.reason}"
+        state = head.state.value.lower()
+        return f"head {state}: {head.reason}" if head.reason else f"head {state}"
 
     # -- running one deployment ----------------------------------------------------------------
 

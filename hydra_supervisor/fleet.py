@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -98,6 +99,17 @@ class Member:
     @property
     def ttl(self) -> float | None:
         return self.profile.ttl or None
+
+
+# llama-server's router mode words, in /v1/models' "status": {"value": ...} (clients that
+# manage models read these; hydra's own "state" says more).
+_STATUS = {Phase.STOPPED: "unloaded", Phase.LOADING: "loading", Phase.RUNNING: "loaded",
+           Phase.UNLOADING: "unloading", Phase.FAILED: "failed"}
+
+
+def _shape(reason: str) -> str:
+    """A room reason without its numbers (seconds left, MiB short): what makes it news."""
+    return re.sub(r"[0-9][0-9,.]*", "N", reason)
 
 
 def _clear_task(m: Member, _task: asyncio.Task[Any]) -> None:
@@ -223,6 +235,10 @@ class Fleet:
     def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
         if method == "GET" and path in MODEL_PATHS:
             return LocalReply(200, self.models_json())
+        if not model and method in ("GET", "HEAD"):
+            idle = self._idle_default(path)
+            if idle is not None:
+                return idle
         name = self.default if not model else self.lookup.get(model)
         if name is None:
             known = ", ".join(sorted(self.lookup))
@@ -234,6 +250,23 @@ class Fleet:
         if m.profile.on_demand and m.phase in (Phase.STOPPED, Phase.FAILED):
             self._demand(m)
         return m.route
+
+    def _idle_default(self, path: str) -> LocalReply | None:
+        """A GET without a model while the default profile is not loaded (a health checker,
+        a monitor): answered here, so polling does not load (or keep loaded) a profile."""
+        m = self.members[self.default]
+        if m.phase not in (Phase.STOPPED, Phase.FAILED):
+            return None
+        states = {n: self._state(o) for n, o in self.members.items()}
+        if path == "/health":
+            return LocalReply(200, {"status": "ok", "profiles": states})
+        if path == "/slots":
+            return LocalReply(200, [])
+        return LocalReply(503, {"error": {
+            "code": 503, "type": "unavailable_error",
+            "message": f"the default profile {m.name} is not loaded ({m.error or m.why}); a "
+                       "request naming a model loads it (GET /v1/models lists them)"}},
+            counter="default_not_loaded")
 
     def name_for(self, model: str | None) -> str:
         """The profile a request's `model` went to (metrics label); the model itself if none."""
@@ -283,7 +316,9 @@ class Fleet:
 
     async def _room_for(self, m: Member, evict: bool = True) -> None:
         deadline = self.clock() + self.load_wait
+        waiting = ""
         while True:
+            self.pool.room_changed.clear()  # before deciding: a change after it wakes us
             room = fleetplan.make_room(self.pool.capacity, self._occupants(m), m.needs,
                                        self.clock(), m.name)
             if room.verdict is fleetplan.Verdict.FITS:
@@ -302,8 +337,10 @@ class Fleet:
                     continue
             if self.clock() >= deadline:
                 raise HydraError(f"no room within {self.load_wait:.0f}s: {room.reason}")
-            m.view.hold(f"loading profile {m.name}: {room.reason}")
-            self.pool.room_changed.clear()
+            if waiting != _shape(room.reason):  # the countdown alone is not news
+                waiting = _shape(room.reason)
+                log.info("profile %s: %s", m.name, room.reason)
+            m.route.gate.hold(f"loading profile {m.name}: {room.reason}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.pool.room_changed.wait(), TICK)
 
@@ -331,6 +368,7 @@ class Fleet:
             m.route.touch()  # a fresh load counts as a use (LRU)
             log.info("profile %s serving after %.2fs (%s)", m.name, self.clock() - t0, why)
             m.engine.sync_gate()
+            self.pool.room_changed.set()  # a loader waiting on this one may decide now
             return True
         finally:
             m.task = None
@@ -558,7 +596,8 @@ class Fleet:
         for m in self.members.values():
             data.append({
                 "id": m.name, "object": "model", "created": self._created, "owned_by": "hydra",
-                "state": self._state(m), "aliases": list(m.profile.aliases),
+                "state": self._state(m), "status": {"value": _STATUS[m.phase]},
+                "aliases": list(m.profile.aliases),
                 "default": m.name == self.default, "devices": list(m.devices),
                 "mode": m.dep.plan.mode, "model": m.dep.model_label,
                 "on_demand": m.profile.on_demand, "error": m.error})

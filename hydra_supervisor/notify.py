@@ -168,7 +168,7 @@ def status_text(snapshot: Mapping[str, Any]) -> str:
         what = e.get("profile") or "no profile"
         state = e.get("state") or "?"
         line = f"{what}: {state}"
-        if state in ("serving", "degraded") and e.get("url"):
+        if state in ("serving", "degraded", "running") and e.get("url"):
             line += f" at {e['url']}"
         why = e.get("fatal") or e.get("degraded")
         if why:

@@ -1062,7 +1062,7 @@ class Supervisor:
         """From a signal handler: remember why, and let the loop do the stopping."""
         if self.stop_reason is None:
             self.stop_reason = reason
-        log.warning("stopping: %s", reason)
+        log.info("%s: stopping (%s)", self.plan.profile, reason)
         self.stopping.set()
 
     def kill_all_now(self) -> None:
@@ -1105,7 +1105,7 @@ class Supervisor:
                     os.kill(p.pid, 9)
             await self.seams.sleep(0.05 if leftovers else 0)
             process.reap_adopted(self._managed_pids())
-        log.warning("stopped: %s", self.stop_reason)
+        log.info("%s: stopped (%s)", self.plan.profile, self.stop_reason)
         self.publish()
 
     async def _stop_for_good(self, mp: ManagedProcess, reason: str) -> None:

@@ -343,3 +343,34 @@ def test_names_must_be_unique_and_default_served(tmp_path: Path) -> None:
              (prof("b", aliases=("x",)), fdep("b", 30201, gpu1=4)))
     with pytest.raises(HydraError, match="default profile 'z'"):
         make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), default="z")
+
+
+def test_monitoring_gets_do_not_load_a_stopped_default(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
+             (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))
+
+    async def body() -> None:
+        a = f.members["a"]
+        assert route(f, None) is a.route  # loaded: GETs go to it
+        assert f.select(None, "GET", "/health") is a.route
+        route(f, "b")
+        await until(lambda: f.members["b"].phase is Phase.RUNNING and a.phase is Phase.STOPPED)
+        health = f.select(None, "GET", "/health")
+        assert isinstance(health, LocalReply) and health.status == 200
+        assert health.body == {"status": "ok", "profiles": {"a": "stopped", "b": "running"}}
+        slots = f.select(None, "GET", "/slots")
+        assert isinstance(slots, LocalReply) and slots.body == []
+        props = f.select(None, "GET", "/props")
+        assert isinstance(props, LocalReply) and props.status == 503
+        assert "a request naming a model loads it" in props.body["error"]["message"]
+        await asyncio.sleep(0.3)
+        assert a.phase is Phase.STOPPED and a.loads == 1  # none of these loaded it
+        models = f.select(None, "GET", "/v1/models")
+        assert isinstance(models, LocalReply)
+        status = {d["id"]: d["status"]["value"] for d in models.body["data"]}
+        assert status == {"a": "unloaded", "b": "loaded"}
+        # a POST without a model is a real request: it loads the default
+        route(f, None)
+        await until(lambda: a.phase is Phase.RUNNING)
+
+    run(f, body)

@@ -28,7 +28,7 @@ class LocalReply:
     """The router answers the request itself with this JSON (no upstream is involved)."""
 
     status: int
-    body: dict[str, Any]
+    body: dict[str, Any] | list[Any]
     counter: str = "local"  # the stats "refused" reason (statuses >= 400) it is counted under
 
 

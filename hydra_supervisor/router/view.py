@@ -42,8 +42,10 @@ class RouteView:
         self.route.http = u.http
 
     def hold(self, reason: str) -> None:
+        same = self.route.gate.held_reason == reason
         self.route.gate.hold(reason)
-        log.info("router %s: holding new requests (%s)", self.name, reason)
+        if not same:
+            log.info("router %s: holding new requests (%s)", self.name, reason)
 
     def release(self) -> None:
         held = self.route.gate.held()
