@@ -163,7 +163,9 @@ class Daemon:
         if self.metrics is None:
             return
         if self.fleets:
-            self.metrics.observe_request(rec, self.fleets[0].name_for(rec.get("model")))
+            model = rec.get("model")
+            f = next((f for f in self.fleets if model in f.lookup), self.fleets[0])
+            self.metrics.observe_request(rec, f.name_for(model))
             return
         dep = self.engine.dep
         self.metrics.observe_request(rec, dep.profile if dep else f"port {self.engine.port}")

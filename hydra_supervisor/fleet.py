@@ -627,4 +627,9 @@ class Fleet:
         return snap
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [self.member_snapshot(m) for m in self.members.values()]
+        """A row per profile; the port's router counters ride on the first row only (they are
+        the port's, not a profile's: metrics must not count them once per profile)."""
+        rows = [self.member_snapshot(m) for m in self.members.values()]
+        for row in rows[1:]:
+            row["router"] = None
+        return rows

@@ -53,6 +53,9 @@ SnapshotFn = Callable[[], Snapshot]
 # it has ever happened. A state not listed here still gets its series when it shows up.
 PROCESS_STATES = ("STOPPED", "STARTING", "READY", "UNHEALTHY", "STOPPING", "BACKOFF", "FATAL")
 ENGINE_STATES = ("serving", "starting", "switching", "recovering", "idle", "degraded", "fatal")
+# A profile among several on one port (fleet.py) is one of these (or an ENGINE_STATES word
+# while it runs but restarts a process).
+PROFILE_STATES = ("running", "loading", "stopped", "unloading", "failed")
 SWITCH_RESULTS = ("ok", "rolled_back", "failed", "noop")
 REQUEST_OUTCOMES = ("ok", "cut", "held_timeout", "error")
 # Request durations: a health check (ms) to a long generation (minutes).
@@ -126,6 +129,37 @@ class SnapshotCollector(Collector):
         yield from self._processes(engines)
         yield from self._routers(engines)
         yield from self._switches(engines)
+        yield from self._profiles(engines)
+
+    # -- several profiles per port (fleet.py)
+    @staticmethod
+    def _profiles(engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
+        el = ["engine", "profile"]
+        loads = CounterMetricFamily("hydra_profile_loads",
+                                    "Loads of a profile (at start, on request, by switch)",
+                                    labels=el)
+        unloads = CounterMetricFamily("hydra_profile_unloads",
+                                      "Unloads of a profile (ttl, room for another, switch)",
+                                      labels=el)
+        gauges = {key: GaugeMetricFamily(f"hydra_profile_{key}", doc, labels=el)
+                  for key, doc in (("held", "Requests held for the profile (loading, room)"),
+                                   ("inflight", "The profile's requests sent upstream"),
+                                   ("waiting", "Requests queued for a concurrency slot"))}
+        any_fleet = False
+        for e in engines:
+            fl = e.get("fleet")
+            if not isinstance(fl, Mapping):
+                continue
+            any_fleet = True
+            lv = list(_engine_labels(e))
+            loads.add_metric(lv, float(fl.get("loads") or 0))
+            unloads.add_metric(lv, float(fl.get("unloads") or 0))
+            for key, fam in gauges.items():
+                fam.add_metric(lv, float(fl.get(key) or 0))
+        if any_fleet:
+            yield loads
+            yield unloads
+            yield from gauges.values()
 
     # -- engines
     @staticmethod
@@ -141,7 +175,8 @@ class SnapshotCollector(Collector):
                 "url": str(e.get("url") or ""),
             })
             current = str(e.get("state") or "")
-            for s in dict.fromkeys([*ENGINE_STATES, current]):
+            words = PROFILE_STATES if e.get("fleet") else ENGINE_STATES
+            for s in dict.fromkeys([*words, current]):
                 if s:
                     state.add_metric([name, profile, s], 1.0 if s == current else 0.0)
         yield info

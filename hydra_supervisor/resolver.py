@@ -32,7 +32,7 @@ from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
 PEER_BIND = "127.0.0.1"
 # What a GPU holds besides weights and KV (not in the GGUF): the process's CUDA context (CUDA
 # runtime, cuBLAS, the kernels loaded) and llama.cpp's compute buffers, estimated in
-# gpu_overhead(). Constants from NVML per-process memory on H200s (docs/benchmarks.md).
+# gpu_overhead(). Constants from NVML per-process memory on H200s (docs/measurements.md).
 CUDA_CONTEXT = 704 * MIB  # seen: 592-699 MiB per process and GPU
 GPU_OVERHEAD = 768 * MIB  # the estimate for a model whose shape is unknown (test stand-ins)
 CPU_OVERHEAD = 256 * MIB
@@ -101,7 +101,7 @@ def _ubatch(profile: Profile) -> int:
 # logits (ubatch x n_vocab f32); a non-output device of a multi-GPU layer split holds pipeline
 # copies of its inputs (llama.cpp keeps 4); a device of expert tensors only, the expert
 # activations. Where weights stay in host RAM, llama.cpp copies the one a large batch needs to
-# the GPU: the largest block tensor more. Fitted to NVML on H200s (docs/benchmarks.md: measured
+# the GPU: the largest block tensor more. Fitted to NVML on H200s (docs/measurements.md: measured
 # 24-228 MiB of compute buffers, planned 0.4-7% above what the GPUs held).
 COMPUTE_OUTPUT = 3
 COMPUTE_SPLIT = 10
@@ -401,7 +401,7 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
                 engines=(peer,), router=router)
 
 
-# Measured on two H200s with hydra itself (docs/benchmarks.md); quoted in plan notes.
+# Measured on two H200s with hydra itself (docs/measurements.md); quoted in plan notes.
 LOCAL_VS_RPC = "one llama-server over both GPUs decoded at 0.96-1.03 of one GPU, a ggml-RPC " \
     "layer split at 0.78-0.87, MoE experts over RPC at 0.15-0.17 (two H200s)"
 

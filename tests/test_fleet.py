@@ -200,3 +200,40 @@ def test_a_profile_that_fails_to_load_answers_why_and_the_other_serves(
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30).close()
     except urllib.error.URLError as exc:  # pragma: no cover - the assertion says it
         raise AssertionError(exc) from exc
+
+
+def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
+        hydra_up, hydra_env, tmp_path):
+    from tests.harness import free_port
+
+    p1, p2, mport = free_port(), free_port(), free_port()
+    for base, name, port in (("demo", "front", p1), ("demo-moe-combine", "front-moe", p1),
+                             ("demo", "side", p2)):
+        text = (REPO / "profiles" / f"{base}.yaml").read_text()
+        text = text.replace(f"profile: {base}\n", f"profile: {name}\n")
+        (tmp_path / f"{name}.yaml").write_text(text.replace("port: 8080", f"port: {port}"))
+    up = hydra_up("-p", "front", "-p", "front-moe", "-p", "side", "--profiles-dir",
+                  str(tmp_path), "--metrics-port", str(mport))
+    up.wait_ready()
+    fleets = {f["port"]: f for f in status_json(hydra_env)["daemon"]["fleets"]}
+    assert fleets[p1]["profiles"] == ["front", "front-moe"] and fleets[p1]["default"] == "front"
+    assert fleets[p2]["profiles"] == ["side"] and fleets[p2]["default"] == "side"
+    assert set(_models(p1)) == {"front", "front-moe"} and set(_models(p2)) == {"side"}
+    # Each port's default loaded at start; a model of the other port is unknown here.
+    assert _models(p2)["side"]["state"] == "running"
+    assert DEMO_MODEL in _ask(_client(p2), "side", False)
+    with pytest.raises(openai.NotFoundError):
+        _ask(_client(p2), "front", False)
+    assert MOE_MODEL in _ask(_client(p1), "front-moe", True)
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, s.labels.get("profile"), s.labels.get("state")): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    for prof in ("front", "front-moe", "side"):
+        assert samples[("hydra_profile_loads_total", prof, None)] == 1.0
+        assert samples[("hydra_engine_state", prof, "running")] == 1.0
+    # The port's router counters once per port, not once per profile.
+    routers = [k for k in samples if k[0] == "hydra_router_alive"]
+    assert len(routers) == 2, routers

@@ -1,6 +1,6 @@
 """hydra's planned bytes per GPU against what the GPUs really held (NVML, per process).
 
-The numbers below are `bench/gpu_layouts.py` on two H200s (docs/benchmarks.md): NVML's used
+The numbers below are `bench/gpu_layouts.py` on two H200s (docs/measurements.md): NVML's used
 memory of every process on each GPU while serving, after the decode and prefill runs, and the
 model buffer sizes llama.cpp logged. Here the same layouts are planned again from shape-only
 copies of the bench's synthetic models (same header, no data), and the plan must stay on the safe
