@@ -57,7 +57,10 @@ def healthy(port: int) -> bool:
 def env_for(tmp: Path, tag: str) -> dict[str, str]:
     base = free_port() + 100
     node = tmp / f"node-{tag}.yaml"
-    node.write_text(f"rpc_ports: [{base}, {base + 20}]\n")
+    # Ranges of its own for the heads too: a layout started by hand beside a running hydra
+    # must not find (and time) that hydra's head on the default internal port.
+    node.write_text(f"rpc_ports: [{base}, {base + 20}]\n"
+                    f"internal_ports: [{base + 21}, {base + 40}]\n")
     return dict(os.environ, HYDRA_STATE_DIR=str(tmp / f"state-{tag}"), HYDRA_NODE=str(node))
 
 
