@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +32,12 @@ from hydra_supervisor.supervisor import State
 from tests.test_engine_policy import BEHAVIOUR, STARTED, FakeSupervisor
 
 GIB = 1 << 30
+
+
+class FleetFake(FakeSupervisor):
+    def adopt_head(self, dep: Deployment) -> None:  # a head-only reload (plandiff HEAD)
+        self.plan = dep.plan
+        self.timeouts = dep.timeouts
 DEVICES = {"gpu0": Device("gpu0", Kind.CUDA, 24 * GIB, 24 * GIB, cuda_index=0),
            "gpu1": Device("gpu1", Kind.CUDA, 16 * GIB, 16 * GIB, cuda_index=1)}
 
@@ -67,7 +74,7 @@ def make(tmp_path: Path, *members: tuple[Profile, Deployment], default: str = "a
     f = Fleet(StateDir(tmp_path), "127.0.0.1", 0, list(members), default=default,
               pool=Pool({"cuda0": 24 * GIB, "cuda1": 16 * GIB}), allow=("127.0.0.0/8",),
               switch_timeouts=SwitchTimeouts(drain=drain, gpu_free=0.1), load_wait=5.0,
-              make_supervisor=FakeSupervisor)
+              make_supervisor=FleetFake)
     f.open()
     return f
 
@@ -372,5 +379,34 @@ def test_monitoring_gets_do_not_load_a_stopped_default(tmp_path: Path) -> None:
         # a POST without a model is a real request: it loads the default
         route(f, None)
         await until(lambda: a.phase is Phase.RUNNING)
+
+    run(f, body)
+
+
+def test_reload_restarts_only_what_changed_and_updates_knobs(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        sup = a.engine.sup
+        assert sup is not None
+        # a's head gets a new flag (a head-only change) and a ttl: the head restarts in place
+        new = fdep("a", 30200, gpu0=4)
+        new = replace(new, plan=replace(new.plan, engines=tuple(
+            replace(e, args=(*e.args, "--ctx-size", "8192")) for e in new.plan.engines)))
+        assert f.differs(a, prof("a", ttl=60.0), new)
+        await f.replace(a, (prof("a", ttl=60.0), new))
+        assert a.engine.sup is sup and sup.restarted == ["a.head"]
+        assert a.ttl == 60.0 and "--ctx-size" in a.dep.plan.head.args
+        assert a.phase is Phase.RUNNING
+        # unchanged: nothing to do
+        assert not f.differs(a, prof("a", ttl=60.0), new)
+        # a stopped profile takes the new plan (and concurrency) at its next load
+        b_new = fdep("b", 30201, gpu1=6)
+        await f.replace(b, (prof("b", concurrency=2, queue=1), b_new))
+        assert b.phase is Phase.STOPPED and b.needs == {"cuda1": 6 * GIB}
+        assert b.route.limiter is not None and b.route.limiter.limit == 2
+        route(f, "b")
+        await until(lambda: b.phase is Phase.RUNNING)
 
     run(f, body)

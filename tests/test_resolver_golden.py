@@ -266,7 +266,7 @@ def test_demo_profile_golden(tmp_path: Path):
     assert plan.head.args == ("-m", "/models/gemma.gguf", "--host", "127.0.0.1", "--port",
                               "8080", "-ngl", "0", "--ctx-size", "4096", "--parallel", "2",
                               "--chat-template", "gemma", "--no-jinja", "--n-predict", "64",
-                              "--threads", "1")
+                              "--threads", "1", "--seed", "1")
     assert plan.head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", ""))
 
 
