@@ -151,15 +151,23 @@ def systemd() -> None:
     """Run hydra under systemd: render or install its units."""
 
 
-_profile = click.option("--profile", "-p", default=None,
-                        help="the profile hydra.service (the node's one unit) starts; without "
-                             "it, hydra.service starts model-less (hydra up --no-profile)")
+_profile = click.option("--profile", "-p", "profiles", multiple=True,
+                        help="the profile hydra.service (the node's one unit) starts; several "
+                             "are served together, routed by model; without it, the node "
+                             "file's profiles: list, else model-less (hydra up --no-profile)")
 _node = click.option("--node", "node_file", default=None,
                      help="node file the units use (default: $HYDRA_NODE, "
                           "~/.config/hydra/node.yaml)")
 _dir = click.option("--profiles-dir", default=None, help="extra directory of profiles")
 _user = click.option("--user", default="hydra", show_default=True,
                      help="the dedicated user the service runs as")
+
+
+def _node_profiles(node_file: str | None, example: bool) -> tuple[str, ...]:
+    """The node file's `profiles:` list (what a plain `hydra up` serves)."""
+    if example:
+        return ()
+    return load_node(find_node_file(node_file)).profiles
 
 
 @systemd.command()
@@ -172,16 +180,16 @@ _user = click.option("--user", default="hydra", show_default=True,
 @click.option("--example", is_flag=True, hidden=True,
               help="render the repository's example (a venv at /opt/hydra)")
 @_friendly
-def render(profile: str | None, node_file: str | None, profiles_dir: str | None, user: str,
-           output: str | None, example: bool) -> None:
+def render(profiles: tuple[str, ...], node_file: str | None, profiles_dir: str | None,
+           user: str, output: str | None, example: bool) -> None:
     """Render this node's units: hydra@.service (instance = profile) and hydra.service (the
     node's one hydra, starting --profile or model-less)."""
     if example:
         opts = systemd_units.example_options()
     else:
         opts = options_for_this_node(node_file=node_file, profiles_dir=profiles_dir,
-                                     user=user, profile=profile)
-    units = systemd_units.render(opts, profile)
+                                     user=user, profile=profiles[0] if profiles else None)
+    units = systemd_units.render(opts, profiles, _node_profiles(node_file, example))
     if not example:
         _warn_unreadable(opts)
     if output is None:
@@ -207,12 +215,12 @@ def render(profile: str | None, node_file: str | None, profiles_dir: str | None,
                                                 "managed elsewhere)")
 @click.option("--no-reload", is_flag=True, help="do not run `systemctl daemon-reload`")
 @_friendly
-def install(profile: str | None, node_file: str | None, profiles_dir: str | None, user: str,
-            unit_dir: str, no_user: bool, no_reload: bool) -> None:
+def install(profiles: tuple[str, ...], node_file: str | None, profiles_dir: str | None,
+            user: str, unit_dir: str, no_user: bool, no_reload: bool) -> None:
     """Install the units (verified first), create the service user, reload systemd."""
     opts = options_for_this_node(node_file=node_file, profiles_dir=profiles_dir, user=user,
-                                 profile=profile)
-    units = systemd_units.render(opts, profile)
+                                 profile=profiles[0] if profiles else None)
+    units = systemd_units.render(opts, profiles, _node_profiles(node_file, False))
     _warn_unreadable(opts)
     target = Path(unit_dir)
     if not os.access(target if target.exists() else target.parent, os.W_OK):
@@ -238,7 +246,8 @@ def install(profile: str | None, node_file: str | None, profiles_dir: str | None
         subprocess.run(["systemctl", "daemon-reload"], check=False, timeout=60)
     click.echo("next: systemctl enable --now hydra@PROFILE   (one hydra per profile), or")
     click.echo(f"      systemctl enable --now hydra.service  (one hydra for the node, "
-               f"{'starting ' + profile if profile else 'model-less'}; `hydra switch`)")
+               f"{'starting ' + ', '.join(profiles) if profiles else 'model-less'}; "
+               "`hydra switch`)")
     click.echo(f"      put node.yaml and profiles/ in {systemd_units.ETC_DIR} (or keep the "
                "paths baked into the unit), then `journalctl -u 'hydra*' -f`")
 

@@ -190,11 +190,25 @@ def render_template(opts: UnitOptions) -> str:
     )
 
 
-def render_node_unit(opts: UnitOptions, profile: str | None) -> str:
-    """hydra.service: the node's one hydra, starting `profile`, or model-less (`hydra up
-    --no-profile`: the port answers 503 until `hydra switch NAME` loads a layout)."""
-    args = ["up", "--profile", profile] if profile else ["up", "--no-profile"]
-    starts = f"started with profile {profile}" if profile else "started model-less"
+def render_node_unit(opts: UnitOptions, profile: str | Sequence[str] | None,
+                     node_profiles: Sequence[str] = ()) -> str:
+    """hydra.service: the node's one hydra, starting `profile`, several profiles routed by
+    model (`hydra up -p A -p B`; or plain `hydra up` for the node file's `profiles:` list,
+    `node_profiles`), or model-less (`hydra up --no-profile`: the port answers 503 until
+    `hydra switch NAME` loads a layout)."""
+    names = [profile] if isinstance(profile, str) else list(profile or ())
+    if len(names) == 1:
+        args = ["up", "--profile", names[0]]
+        starts = f"started with profile {names[0]}"
+    elif names:
+        args = ["up", *(a for n in names for a in ("-p", n))]
+        starts = f"serving profiles {', '.join(names)}, routed by model"
+    elif node_profiles:
+        args = ["up"]
+        starts = f"serving the node file's profiles ({', '.join(node_profiles)})"
+    else:
+        args = ["up", "--no-profile"]
+        starts = "started model-less"
     return _service(
         opts,
         description=f"hydra: llama.cpp on this node ({starts})",
@@ -209,9 +223,11 @@ def render_node_unit(opts: UnitOptions, profile: str | None) -> str:
     )
 
 
-def render(opts: UnitOptions, profile: str | None = None) -> dict[str, str]:
+def render(opts: UnitOptions, profile: str | Sequence[str] | None = None,
+           node_profiles: Sequence[str] = ()) -> dict[str, str]:
     """File name -> text: the per-profile template and the node's one unit."""
-    return {TEMPLATE_NAME: render_template(opts), NODE_UNIT_NAME: render_node_unit(opts, profile)}
+    return {TEMPLATE_NAME: render_template(opts),
+            NODE_UNIT_NAME: render_node_unit(opts, profile, node_profiles)}
 
 
 def with_profile_port(opts: UnitOptions, port: int) -> UnitOptions:

@@ -90,6 +90,13 @@ def test_node_unit_starts_the_profile() -> None:
     assert idle["hydra@.service"] == units["hydra@.service"]
     assert one(idle["hydra.service"], "ExecStart") == \
         "/usr/bin/python3 -m hydra_supervisor up --no-profile"
+    several = systemd_units.render(opts, ("demo", "demo-moe-combine"))["hydra.service"]
+    assert one(several, "ExecStart") == \
+        "/usr/bin/python3 -m hydra_supervisor up -p demo -p demo-moe-combine"
+    assert "routed by model" in one(several, "Description")
+    listed = systemd_units.render(opts, (), ("a", "b"))["hydra.service"]
+    assert one(listed, "ExecStart") == "/usr/bin/python3 -m hydra_supervisor up"
+    assert "node file's profiles (a, b)" in one(listed, "Description")
 
 
 def test_protect_home_and_low_ports() -> None:
