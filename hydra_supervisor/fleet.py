@@ -196,6 +196,11 @@ class Fleet:
         for prof, dep in self._specs:
             dep = namespaced(dep)
             route = r.new_route(prof.name, prof.concurrency, prof.queue)
+            # A request that loads its profile waits for the whole load (a big model on a slow
+            # disk takes minutes), not just the router's usual hold; a failed load answers it
+            # at once anyway.
+            route.gate.hold_timeout = max(route.gate.hold_timeout, dep.timeouts.load
+                                          + dep.timeouts.peer + self.load_wait)
             view = RouteView(r, route)
             eng = Engine(self.state, self.host, self.port, allow=self.allow,
                          switch_timeouts=self.switch_timeouts,

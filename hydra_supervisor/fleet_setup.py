@@ -38,6 +38,12 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
         if plan.router is None:
             raise HydraError(f"{plan.source}: router: false (llama-server binds the port "
                              "itself) cannot serve beside other profiles: remove it")
+        same = next((d for d in deps if d.profile == dep.profile), None)
+        if same is not None:
+            where = "is given twice" if same.plan.source == plan.source else \
+                f"names two files ({same.plan.source} and {plan.source})"
+            raise HydraError(f"profile {dep.profile} {where}: each profile is served once, "
+                             "under its own name")
         reserved |= {e.port for e in plan.engines if e.managed}
         deps.append(dep)
     first = deps[0].layout
