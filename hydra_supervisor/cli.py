@@ -221,11 +221,16 @@ async def _present_fleets(d: daemon.Daemon) -> None:
     while not all(f.ready() for f in d.fleets):
         await asyncio.sleep(0.2)
     for f in d.fleets:
-        rows = [f"{m.name}{'*' if m.name == f.default else ''} ({f._state(m)})"
+        rows = [f"{m.name}{'*' if m.name == f.default else ''} ({f.state_of(m)})"
                 for m in f.members.values()]
         out.print(f"ready: {f.url} serves {', '.join(rows)}; the request's model picks the "
                   "profile (* = the default)", markup=False)
-        m = f.members[f.default]
+        for m in f.members.values():
+            if m.error:
+                err.print(f"  {m.name} failed to load: {m.error} (`hydra logs "
+                          f"{m.name}.head`; the next request for it tries again)",
+                          markup=False)
+        m = next((m for m in f.members.values() if not m.error), f.members[f.default])
         out.print(f"  curl {f.url}/v1/chat/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
                   "\"content\":\"Hello\"}]}'", markup=False)

@@ -262,7 +262,7 @@ class Fleet:
         m = self.members[self.default]
         if m.phase not in (Phase.STOPPED, Phase.FAILED):
             return None
-        states = {n: self._state(o) for n, o in self.members.items()}
+        states = {n: self.state_of(o) for n, o in self.members.items()}
         if path == "/health":
             return LocalReply(200, {"status": "ok", "profiles": states})
         if path == "/slots":
@@ -380,9 +380,15 @@ class Fleet:
             self._announce()
 
     async def _fail(self, m: Member, error: str, tail: list[str]) -> None:
+        # The supervisor's reason says what it would do next ("; restart 1 in 1.0s"); the
+        # fleet does not retry on its own, so that part goes. llama.cpp's own error line (the
+        # log's "error" lines, else its last line) says why.
+        error = re.sub(r"; restart \d+ in [0-9.]+s$", "", error)
+        why = [line.strip() for line in tail if "error" in line.lower()] or \
+            [line.strip() for line in tail if line.strip()][-1:]
+        if why and why[0] not in error:
+            error = f"{error}: {why[0]}"
         log.error("profile %s failed to load: %s", m.name, error)
-        for line in tail[-5:]:
-            log.error("  %s", line)
         with contextlib.suppress(LayoutFailed, HydraError, OSError):
             await m.engine.stop_layout(f"load of {m.name} failed")
         m.phase = Phase.FAILED
@@ -590,7 +596,7 @@ class Fleet:
 
     # -- status -----------------------------------------------------------------------------------
 
-    def _state(self, m: Member) -> str:
+    def state_of(self, m: Member) -> str:
         if m.phase is Phase.RUNNING:
             word = m.engine.state_word()
             return "running" if word == "serving" else word
@@ -601,7 +607,7 @@ class Fleet:
         for m in self.members.values():
             data.append({
                 "id": m.name, "object": "model", "created": self._created, "owned_by": "hydra",
-                "state": self._state(m), "status": {"value": _STATUS[m.phase]},
+                "state": self.state_of(m), "status": {"value": _STATUS[m.phase]},
                 "aliases": list(m.profile.aliases),
                 "default": m.name == self.default, "devices": list(m.devices),
                 "mode": m.dep.plan.mode, "model": m.dep.model_label,
@@ -615,7 +621,7 @@ class Fleet:
         snap.update({
             "name": f"port-{self.port}/{m.name}", "profile": m.name,
             "source": m.dep.plan.source, "mode": m.dep.plan.mode, "model": m.dep.model_label,
-            "url": self.url, "state": self._state(m),
+            "url": self.url, "state": self.state_of(m),
             "fleet": {
                 "port": self.port, "default": m.name == self.default,
                 "aliases": list(m.profile.aliases), "on_demand": m.profile.on_demand,

@@ -194,6 +194,7 @@ def test_a_profile_that_fails_to_load_answers_why_and_the_other_serves(
         _ask(client, "broken", False)
     assert info.value.status_code == 503
     assert "profile broken failed to load" in str(info.value)
+    assert "Unsupported cache type: nonsense" in str(info.value)  # llama.cpp's own words
     assert _models(port)["broken"]["state"] == "failed"
     assert DEMO_MODEL in _ask(client, "demo", True)
     try:

@@ -362,7 +362,7 @@ class HttpSession:
         lim = route.limiter
         try:
             if lim is not None:
-                refusal = lim.acquire(self.r.hold_timeout)
+                refusal = lim.acquire(route.gate.hold_timeout)
                 if refusal is not None:
                     self._refuse(rec, refusal, kind="rate_limit_error")
                     return True
