@@ -38,12 +38,12 @@ HYDRA = [sys.executable, "-m", "hydra_supervisor"]
 PROMPT = " ".join(f"The number {i} is followed by {i + 1}." for i in range(40))
 
 
-def wait(pred: Any, timeout: float, what: str) -> None:
+def wait(pred: Any, timeout: float, what: str, poll: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
-        time.sleep(0.1)
+        time.sleep(poll)
     raise SystemExit(f"timed out waiting for {what}")
 
 
@@ -80,24 +80,49 @@ def start_by_hand(profile: str, port: int, env: dict[str, str], tmp: Path
     Returns the processes and the port the head listens on."""
     res = subprocess.run([*HYDRA, "plan", "-p", profile, "--port", str(port), "--json"],
                          env=env, capture_output=True, text=True, check=True)
-    plan = json.loads(res.stdout)
-    procs = []
-    for eng in sorted(plan["engines"], key=lambda e: e["start_order"]):
-        exe = str(binaries.find(eng["program"]).path)
-        log = (tmp / f"hand-{profile}-{eng['name']}.log").open("wb")
-        procs.append(subprocess.Popen([exe, *eng["args"]], env={**os.environ, **eng["env"]},
-                                      stdout=log, stderr=subprocess.STDOUT))
-        if eng["role"] == "peer":
-            def hello(e: dict[str, Any] = eng) -> bool:
-                try:
-                    rpcproto.probe(e["host"], e["port"], 1.0)
-                    return True
-                except (OSError, rpcproto.HelloError):
-                    return False
-            wait(hello, 30, f"peer {eng['endpoint']}")
-    head_port = next(e["port"] for e in plan["engines"] if e["role"] == "head")
-    wait(lambda: healthy(head_port), 180, f"hand-started {profile}")
-    return procs, head_port
+    return spawn_plan(json.loads(res.stdout), tmp, f"hand-{profile}")
+
+
+def spawn_plan(plan: dict[str, Any], tmp: Path, tag: str, poll: float = 0.1
+               ) -> tuple[list[subprocess.Popen[bytes]], int]:
+    """Start a `hydra plan --json` layout by hand: each peer until it answers HELLO, then the
+    head until /health is 200 (polled every `poll` s). Returns the processes and the head's
+    port; on a failure what started is stopped."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for eng in sorted(plan["engines"], key=lambda e: e["start_order"]):
+            exe = str(binaries.find(eng["program"]).path)
+            with (tmp / f"{tag}-{eng['name']}.log").open("wb") as log:
+                procs.append(subprocess.Popen([exe, *eng["args"]],
+                                              env={**os.environ, **eng["env"]},
+                                              stdout=log, stderr=subprocess.STDOUT))
+            if eng["role"] == "peer":
+                def hello(e: dict[str, Any] = eng) -> bool:
+                    try:
+                        rpcproto.probe(e["host"], e["port"], 1.0)
+                        return True
+                    except (OSError, rpcproto.HelloError):
+                        return False
+                wait(hello, 60, f"peer {eng['endpoint']}", poll)
+        head_port = next(e["port"] for e in plan["engines"] if e["role"] == "head")
+        wait(lambda: healthy(head_port), 180, f"{plan.get('profile', '?')} started by hand",
+             poll)
+        return procs, head_port
+    except BaseException:
+        stop_all(procs)
+        raise
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop processes started by hand, the head first."""
+    for p in reversed(procs):
+        p.terminate()
+    for p in reversed(procs):
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
 
 
 def measure(port: int, n_predict: int) -> tuple[float, float]:

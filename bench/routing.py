@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import http.client
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -43,7 +42,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +50,10 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hydra_supervisor import binaries, rpcproto  # noqa: E402
+from bench.overhead import spawn_plan, stop_all  # noqa: E402
 from hydra_supervisor.ports import free_port  # noqa: E402
 from tests.harness import HYDRA, Up, make_env, status_json  # noqa: E402
+from tests.harness import wait_until as wait  # noqa: E402
 
 PROFILES = ("demo", "demo-moe-combine")
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -62,16 +61,6 @@ CHAT = [{"role": "user", "content": "Hi"}]
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def wait(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        val = pred()
-        if val:
-            return val
-        time.sleep(interval)
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -171,36 +160,12 @@ def make_plan(profile: str, env: dict[str, str]) -> dict[str, Any]:
 
 def raw_load(plan: dict[str, Any], tmp: Path, tag: str) -> float:
     """Start the plan's processes by hand (peers, HELLO, head) until /health answers 200; the
-    seconds that took. Everything is stopped before returning."""
-    procs: list[subprocess.Popen[bytes]] = []
+    seconds that took (polled every 10 ms). Everything is stopped before returning."""
     t0 = time.monotonic()
-    try:
-        for eng in sorted(plan["engines"], key=lambda e: e["start_order"]):
-            exe = str(binaries.find(eng["program"]).path)
-            out = (tmp / f"hand-{tag}-{eng['name']}.log").open("wb")
-            procs.append(subprocess.Popen([exe, *eng["args"]], env={**os.environ, **eng["env"]},
-                                          stdout=out, stderr=subprocess.STDOUT))
-            out.close()
-            if eng["role"] == "peer":
-                def hello(e: dict[str, Any] = eng) -> bool:
-                    try:
-                        rpcproto.probe(e["host"], e["port"], 1.0)
-                        return True
-                    except (OSError, rpcproto.HelloError):
-                        return False
-                wait(hello, 60, f"peer {eng['name']} started by hand", 0.01)
-        head = next(e["port"] for e in plan["engines"] if e["role"] == "head")
-        wait(lambda: healthy(head), 180, f"{plan.get('profile', '?')} started by hand", 0.01)
-        return time.monotonic() - t0
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+    procs, _ = spawn_plan(plan, tmp, tag, poll=0.01)
+    took = time.monotonic() - t0
+    stop_all(procs)
+    return took
 
 
 def part_load(tmp: Path, rounds: int) -> list[dict[str, Any]]:

@@ -140,9 +140,8 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     sys.exit(code)
 
 
-def _up_locked(state: StateDir, name: str | None, node_file: str | None,
-               profiles_dir: str | None, port: int | None, host: str | None,
-               metrics_port: int | None) -> int:
+def _preflight(state: StateDir) -> None:
+    """One hydra per state dir; children a killed hydra left behind are stopped first."""
     running = state.running_supervisor()
     if running:
         raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
@@ -152,6 +151,27 @@ def _up_locked(state: StateDir, name: str | None, node_file: str | None,
     if stale:
         err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
                   markup=False)
+
+
+def _guarded(state: StateDir, name: str, source: str, run: Callable[[], int]) -> int:
+    """Run the daemon with its supervisor record written and the orphan guard up: the guard
+    stops every recorded child group the moment this process dies, kill -9 included."""
+    state.write_supervisor(name, source)
+    keeper = guard.start(state.root)
+    try:
+        return run()
+    finally:
+        state.clear_supervisor()
+        if keeper.stdin is not None:
+            keeper.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            keeper.wait(5)
+
+
+def _up_locked(state: StateDir, name: str | None, node_file: str | None,
+               profiles_dir: str | None, port: int | None, host: str | None,
+               metrics_port: int | None) -> int:
+    _preflight(state)
     dep = None
     if name is not None:
         dep = deployment.prepare(name, node_file=node_file, profiles_dir=profiles_dir,
@@ -164,47 +184,22 @@ def _up_locked(state: StateDir, name: str | None, node_file: str | None,
     opts = daemon.Options(profile=name, node_file=node_file, profiles_dir=profiles_dir,
                           overrides=_overrides(port, host), host=host or "127.0.0.1",
                           port=8080 if port is None else port, metrics_port=metrics_port)
-    state.write_supervisor(name or "-", dep.plan.source if dep else "-")
-    # Stops every recorded child group the moment this process dies, kill -9 included.
-    keeper = guard.start(state.root)
-    try:
-        return asyncio.run(_run_daemon(state, opts, dep))
-    finally:
-        state.clear_supervisor()
-        if keeper.stdin is not None:
-            keeper.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            keeper.wait(5)
+    return _guarded(state, name or "-", dep.plan.source if dep else "-",
+                    lambda: asyncio.run(_run_daemon(state, opts, dep)))
 
 
 def _up_fleet(state: StateDir, names: list[str], node_file: str | None,
               profiles_dir: str | None, port: int | None, host: str | None,
               metrics_port: int | None) -> int:
     """Several profiles: each port a Fleet routed by model (fleet.py, docs/routing.md)."""
-    running = state.running_supervisor()
-    if running:
-        raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
-                         f"'{running['profile']}', state dir {state.root})",
-                         hint="`hydra down` first")
-    stale = state.kill_stale()
-    if stale:
-        err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
-                  markup=False)
+    _preflight(state)
     fleets = fleet_setup.build(state, names, node_file=node_file, profiles_dir=profiles_dir,
                                overrides=_overrides(port, host), slot_dir=daemon.slot_dir(state))
     opts = daemon.Options(profile=None, node_file=node_file, profiles_dir=profiles_dir,
                           overrides=_overrides(port, host), metrics_port=metrics_port,
                           profiles=names)
-    state.write_supervisor(",".join(names), "-")
-    keeper = guard.start(state.root)
-    try:
-        return asyncio.run(_run_fleets(state, opts, fleets))
-    finally:
-        state.clear_supervisor()
-        if keeper.stdin is not None:
-            keeper.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            keeper.wait(5)
+    return _guarded(state, ",".join(names), "-",
+                    lambda: asyncio.run(_run_fleets(state, opts, fleets)))
 
 
 async def _run_fleets(state: StateDir, opts: daemon.Options, fleets: Any) -> int:

@@ -383,16 +383,20 @@ class HttpSession:
             err = reply.body.get("error") if isinstance(reply.body, dict) else None
             msg = err.get("message", "") if isinstance(err, dict) else ""
             self.r.count_refused(reply.counter, detail=msg)
-        body = json.dumps(reply.body).encode()
-        headers = [(b"Content-Type", b"application/json; charset=utf-8"),
-                   (b"Content-Length", str(len(body)).encode())]
         rec.status = reply.status
         rec.outcome = "ok" if reply.status < 400 else "error"
+        self._send_json(rec, reply.status, json.dumps(reply.body).encode(), [])
+
+    def _send_json(self, rec: Record, status: int, body: bytes,
+                   extra: list[tuple[bytes, bytes]]) -> None:
+        """A whole JSON response the router writes itself; the request's record ends here."""
+        headers = [(b"Content-Type", b"application/json; charset=utf-8"),
+                   (b"Content-Length", str(len(body)).encode()), *extra]
         try:
             if self.h.our_state is h11.SEND_RESPONSE:
-                out = self.h.send(h11.Response(status_code=reply.status, headers=headers))
+                out = self.h.send(h11.Response(status_code=status, headers=headers)) or b""
                 if rec.method != "HEAD":  # a HEAD response has the headers, no body
-                    out = (out or b"") + (self.h.send(h11.Data(data=body)) or b"")
+                    out += self.h.send(h11.Data(data=body)) or b""
                 out += self.h.send(h11.EndOfMessage()) or b""
                 self._send_client(out)
                 rec.bytes_out += len(out)
@@ -433,24 +437,13 @@ class HttpSession:
     def _reply_error(self, rec: Record, status: int, message: str, kind: str,
                      retry_after: int | None = None, close: bool = False,
                      outcome: str = "error") -> None:
-        body = error_body(status, message, kind)
-        headers = [(b"Content-Type", b"application/json; charset=utf-8"),
-                   (b"Content-Length", str(len(body)).encode())]
+        extra: list[tuple[bytes, bytes]] = []
         if retry_after is not None:
-            headers.append((b"Retry-After", str(retry_after).encode()))
+            extra.append((b"Retry-After", str(retry_after).encode()))
         if close:
-            headers.append((b"Connection", b"close"))
+            extra.append((b"Connection", b"close"))
         rec.status, rec.outcome, rec.reason = status, outcome, message
-        try:
-            if self.h.our_state is h11.SEND_RESPONSE:
-                out = self.h.send(h11.Response(status_code=status, headers=headers))
-                if rec.method != "HEAD":  # a HEAD response has the headers, no body
-                    out = (out or b"") + (self.h.send(h11.Data(data=body)) or b"")
-                out += self.h.send(h11.EndOfMessage()) or b""
-                self._send_client(out)
-                rec.bytes_out += len(out)
-        finally:
-            self.r.finish_request(rec)
+        self._send_json(rec, status, error_body(status, message, kind), extra)
 
     def _refuse(self, rec: Record, refusal: Refusal, close: bool = False,
                 kind: str = "unavailable_error") -> None:
