@@ -393,6 +393,10 @@ def reload(as_json: bool) -> None:
         click.echo(json.dumps(reply, indent=2))
         sys.exit(0 if code == 200 and reply.get("result") in ("ok", "noop") else 1)
     _fail_reply(code, reply)
+    if "reloaded" in reply:  # several profiles: what each one did
+        for name, did in reply["reloaded"].items():
+            out.print(f"reloaded {name}: {did}", markup=False)
+        return
     _print_report(reply)
     sys.exit(0 if reply.get("result") in ("ok", "noop") else 1)
 

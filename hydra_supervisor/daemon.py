@@ -278,18 +278,16 @@ class Daemon:
     async def _reload_fleets(self) -> dict[str, Any]:
         """Re-read every profile; a running one whose plan changed restarts what changed
         (plandiff), a stopped one uses the new plan at its next load."""
-        changed: list[str] = []
+        done: dict[str, str] = {}
         for f in self.fleets:
             for m in f.members.values():
                 new = await asyncio.to_thread(self._prepare_member, f, m)
-                if new is None:
-                    continue
-                changed.append(m.name)
-                await f.replace(m, new)
-        if not changed:
+                if new is not None:
+                    done[m.name] = await f.replace(m, new)
+        if not done:
             return {"result": "noop", "reason": "profiles unchanged"}
-        return {"to": ", ".join(changed), "from": None, "result": "ok", "phases": {},
-                "total_s": 0.0, "notes": [f"reloaded {', '.join(changed)}"]}
+        log.info("reload: %s", "; ".join(f"{k}: {v}" for k, v in done.items()))
+        return {"result": "ok", "reloaded": done}
 
     def _prepare_member(self, f: Fleet, m: Any) -> tuple[Any, Deployment] | None:
         ports = frozenset(e.port for o in f.pool.members.values() if o is not m
@@ -353,6 +351,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self._on_int)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         self.engine.open()
+        if self.initial is not None and self.engine.router is not None:
+            self.initial = deployment.bound_to(self.initial, self.engine.port)
         for f in self.fleets:
             f.open()
         # The wire protocol speaks to one engine: with several profiles, the first port's

@@ -86,6 +86,16 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
                       layout=lay, keep_slots=prof.keep_slots)
 
 
+def bound_to(dep: Deployment, port: int) -> Deployment:
+    """`dep` planned with port 0 (any free port), once its router has bound `port`: the plan
+    says the real port, so a later re-plan on that port (reload, configure) is no move."""
+    plan = dep.plan
+    if plan.port == port:
+        return dep
+    router = replace(plan.router, port=port) if plan.router is not None else None
+    return replace(dep, plan=replace(plan, port=port, router=router))
+
+
 def with_slot_dir(plan: Plan, slot_dir: Path, swa_full: bool = False) -> Plan:
     """The head saves and restores KV slots under `slot_dir` (the wire protocol's STATE_* ops
     and keep_slots use llama-server's /slots save/restore, which needs --slot-save-path).

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from hydra_supervisor import fleetplan, plandiff
+from hydra_supervisor import deployment, fleetplan, plandiff
 from hydra_supervisor.config import Profile
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import Engine, EngineBusy, LayoutFailed, SwitchTimeouts
@@ -168,11 +168,15 @@ class Fleet:
         self._created = int(time.time())
         self.unkillable: list[str] = []
         self.switches: list[dict[str, Any]] = []
-        self._check_names()
+        self.lookup = self._names([p for p, _ in self._specs])
+        if self.default not in {p.name for p, _ in self._specs}:
+            raise HydraError(f"default profile '{self.default}' is not served on port "
+                             f"{self.port}")
 
-    def _check_names(self) -> None:
+    def _names(self, profiles: list[Profile]) -> dict[str, str]:
+        """Model name or alias -> profile; a name two profiles claim is refused."""
         seen: dict[str, str] = {}
-        for prof, _ in self._specs:
+        for prof in profiles:
             for label in (prof.name, *prof.aliases):
                 other = seen.get(label)
                 if other is not None and other != prof.name:
@@ -180,10 +184,7 @@ class Fleet:
                                      f"{prof.name} on port {self.port}: give each a name of "
                                      "its own (aliases:)")
                 seen[label] = prof.name
-        if self.default not in {p.name for p, _ in self._specs}:
-            raise HydraError(f"default profile '{self.default}' is not served on port "
-                             f"{self.port}")
-        self.lookup = seen
+        return seen
 
     # -- the port -----------------------------------------------------------------------------
 
@@ -194,7 +195,7 @@ class Fleet:
         self.port = self.router.port
         r = self.router
         for prof, dep in self._specs:
-            dep = namespaced(dep)
+            dep = deployment.bound_to(namespaced(dep), self.port)
             route = r.new_route(prof.name, prof.concurrency, prof.queue)
             # A request that loads its profile waits for the whole load (a big model on a slow
             # disk takes minutes), not just the router's usual hold; a failed load answers it
@@ -316,7 +317,7 @@ class Fleet:
             loaded = o.loaded_at if o.loaded_at is not None else self.clock()
             out.append(fleetplan.Occupant(
                 o.name, o.needs, o.route.last_used, loaded + o.profile.min_resident,
-                movable=o.phase is Phase.RUNNING))
+                movable=o.phase is Phase.RUNNING and not o.engine.lock.locked()))
         return out
 
     async def _room_for(self, m: Member, evict: bool = True) -> None:
@@ -402,8 +403,8 @@ class Fleet:
     async def _unload(self, m: Member, why: str, cut: bool = False) -> bool:
         """Drain (bounded) and stop a running profile. Without `cut`, requests still in flight
         after the drain keep it running (False); with it, they are cut."""
-        if m.phase is not Phase.RUNNING:
-            return False
+        if m.phase is not Phase.RUNNING or m.engine.lock.locked():
+            return False  # a reload or `hydra restart` is restarting its processes
         m.phase = Phase.UNLOADING
         self._announce()
         m.view.hold(f"profile {m.name} is stopping ({why})")
@@ -467,7 +468,8 @@ class Fleet:
                     continue
                 if m.phase is Phase.STOPPED and m.profile.on_demand and m.route.gate.held():
                     self._want(m.name)  # requests parked while it was being stopped
-                elif m.phase is Phase.RUNNING and m.ttl is not None:
+                elif m.phase is Phase.RUNNING and m.ttl is not None \
+                        and not m.engine.lock.locked():
                     st = m.route.stats()
                     idle = now - m.route.last_used
                     if idle >= m.ttl and not st["inflight"] and not st["held"] \
@@ -553,20 +555,37 @@ class Fleet:
 
     def differs(self, m: Member, prof: Profile, dep: Deployment) -> bool:
         """Whether a re-read profile changes anything of `m` (its plan, policies or knobs)."""
-        new = namespaced(dep)
+        new = deployment.bound_to(namespaced(dep), self.port)
         d = plandiff.diff(m.dep.plan, new.plan)
-        return (d.change is not plandiff.Change.NONE or prof != m.profile
+        same_addr = replace(prof, host=m.profile.host, port=m.profile.port)
+        return (d.change is not plandiff.Change.NONE or same_addr != m.profile
                 or new.policy != m.dep.policy or new.timeouts != m.dep.timeouts)
 
-    async def replace(self, m: Member, new: tuple[Profile, Deployment]) -> None:
+    async def replace(self, m: Member, new: tuple[Profile, Deployment]) -> str:
         """A reload: a running profile restarts what changed (plandiff: the head alone, or
-        everything); a stopped one uses the new plan at its next load."""
-        prof, dep = new[0], namespaced(new[1])
+        everything); a stopped one uses the new plan at its next load. Says what it did."""
+        prof, dep = new[0], deployment.bound_to(namespaced(new[1]), self.port)
+        me = asyncio.current_task()
+        while m.task is not None and m.task is not me:  # a load or an unload: let it finish
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(m.task)
+        m.task = me  # no ttl unload, eviction or load of it meanwhile
+        try:
+            return await self._replace(m, prof, dep)
+        finally:
+            m.task = None
+
+    async def _replace(self, m: Member, prof: Profile, dep: Deployment) -> str:
+        lookup = self._names([prof if o is m else o.profile for o in self.members.values()])
+        did = "not loaded: the new settings apply at its next load"
         if m.phase is Phase.RUNNING:
             rep = await m.engine.apply(dep)
             if rep.result not in ("ok", "noop"):
                 raise HydraError(f"reload of {m.name}: {rep.result}: {rep.error}")
+            did = (f"restarted {', '.join(rep.restarted)} in {rep.total_s:.2f}s"
+                   if rep.result == "ok" else "routing settings only, nothing restarted")
         m.dep, m.profile = dep, prof
+        self.lookup = lookup
         lay = dep.layout
         m.needs = fleetplan.needs_of([(p.device, p.need_bytes) for p in dep.plan.placements],
                                      lay.devices if lay is not None else {})
@@ -575,6 +594,7 @@ class Fleet:
         if m.phase is Phase.STOPPED:
             self._stopped_gate(m)
         self._announce()
+        return did
 
     async def shutdown(self, reason: str) -> None:
         for t in (self._tick_task, self._boot):

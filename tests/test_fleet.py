@@ -122,6 +122,16 @@ def test_ttl_unloads_then_the_next_request_reloads(hydra_up, hydra_env, tmp_path
     assert DEMO_MODEL in _ask(client, "brief", False)
     fleet = _profiles(hydra_env)["brief"]["fleet"]
     assert fleet["loads"] == 2 and fleet["unloads"] == 1
+    # hydra reload: a new alias and threads for brief (its head restarts), demo unchanged
+    prof = tmp_path / "brief.yaml"
+    prof.write_text(prof.read_text().replace("threads: 1", "threads: 2")
+                    + "aliases: [short]\n")
+    res = run_hydra(hydra_env, "reload", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "reloaded brief: restarted brief.head" in res.stdout
+    assert "demo" not in res.stdout
+    assert DEMO_MODEL in _ask(client, "short", False)
+    assert _models(port)["brief"]["aliases"] == ["short"]
 
 
 def test_profiles_that_cannot_fit_together_alternate_without_failures(hydra_up, tmp_path):

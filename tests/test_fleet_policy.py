@@ -395,7 +395,8 @@ def test_reload_restarts_only_what_changed_and_updates_knobs(tmp_path: Path) -> 
         new = replace(new, plan=replace(new.plan, engines=tuple(
             replace(e, args=(*e.args, "--ctx-size", "8192")) for e in new.plan.engines)))
         assert f.differs(a, prof("a", ttl=60.0), new)
-        await f.replace(a, (prof("a", ttl=60.0), new))
+        did = await f.replace(a, (prof("a", ttl=60.0), new))
+        assert did.startswith("restarted a.head in ")
         assert a.engine.sup is sup and sup.restarted == ["a.head"]
         assert a.ttl == 60.0 and "--ctx-size" in a.dep.plan.head.args
         assert a.phase is Phase.RUNNING
@@ -403,10 +404,29 @@ def test_reload_restarts_only_what_changed_and_updates_knobs(tmp_path: Path) -> 
         assert not f.differs(a, prof("a", ttl=60.0), new)
         # a stopped profile takes the new plan (and concurrency) at its next load
         b_new = fdep("b", 30201, gpu1=6)
-        await f.replace(b, (prof("b", concurrency=2, queue=1), b_new))
+        did = await f.replace(b, (prof("b", concurrency=2, queue=1), b_new))
+        assert did == "not loaded: the new settings apply at its next load"
         assert b.phase is Phase.STOPPED and b.needs == {"cuda1": 6 * GIB}
         assert b.route.limiter is not None and b.route.limiter.limit == 2
         route(f, "b")
         await until(lambda: b.phase is Phase.RUNNING)
+
+    run(f, body)
+
+
+def test_ttl_and_eviction_leave_a_profile_alone_while_it_restarts(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", ttl=0.2, min_resident=0.0), fdep("a", 30200, gpu0=20)),
+             (prof("b"), fdep("b", 30201, gpu0=20)))
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        async with a.engine.lock:  # what a reload or `hydra restart a.head` holds
+            await asyncio.sleep(0.6)  # ttl long past
+            assert a.phase is Phase.RUNNING
+            route(f, "b")  # needs a's room: it waits instead of stopping a mid-restart
+            await asyncio.sleep(0.4)
+            assert a.phase is Phase.RUNNING and b.phase is Phase.LOADING
+        await until(lambda: b.phase is Phase.RUNNING)
+        assert a.phase is Phase.STOPPED
 
     run(f, body)
