@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -357,9 +358,12 @@ class Daemon:
             f.open()
         # The wire protocol speaks to one engine: with several profiles, the first port's
         # default profile (docs/routing.md).
-        wired = self.fleets[0].members[self.fleets[0].default].engine if self.fleets \
-            else self.engine
-        self.wire = EngineWire(wired, loop, self.opts.node_file)
+        if self.fleets:
+            f0 = self.fleets[0]
+            self.wire = EngineWire(f0.members[f0.default].engine, loop, self.opts.node_file,
+                                   apply=functools.partial(f0.apply_to, f0.default))
+        else:
+            self.wire = EngineWire(self.engine, loop, self.opts.node_file)
         if self.fleets:
             self.fleets[0].set_hydra_upstream(self.wire.start())
         elif self.engine.router is not None:

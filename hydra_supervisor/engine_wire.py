@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,13 @@ class EngineWire:
     """EngineControl over an Engine; `node_file` is the node the daemon plans with."""
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
-                 node_file: str | None) -> None:
+                 node_file: str | None,
+                 apply: Callable[[deployment.Deployment], Awaitable[SwitchReport]] | None = None
+                 ) -> None:
+        """`apply`: how a new Deployment is run (default: the engine's own apply; a profile
+        among several runs it through its Fleet, which keeps its own record of the plan)."""
         self.engine = engine
+        self.apply = apply or engine.apply
         self.loop = loop
         self.node_file = node_file
         self.defaults: dict[str, Any] = {}  # T1 request defaults in force
@@ -172,9 +178,11 @@ class EngineWire:
         eng = self.engine
 
         def prepare() -> deployment.Deployment:
+            # planned on the address the engine holds (a profile read with port 0 included)
+            here = replace(prof, host=eng.host, port=eng.port)
             return deployment.prepare(prof.name, node_file=self.node_file,
                                       keep=eng.dep.plan if eng.dep else None,
-                                      external=eng.port, profile=prof,
+                                      external=eng.port, profile=here,
                                       slot_dir=self.slot_dir())
 
         async def go() -> SwitchReport:
@@ -183,7 +191,7 @@ class EngineWire:
             except HydraError as exc:
                 raise ConfigureRefused(str(exc)) from exc
             try:
-                return await eng.apply(dep)
+                return await self.apply(dep)
             except HydraError as exc:
                 raise ConfigureRefused(str(exc)) from exc
 

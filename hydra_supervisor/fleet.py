@@ -37,7 +37,13 @@ from typing import Any
 from hydra_supervisor import deployment, fleetplan, plandiff
 from hydra_supervisor.config import Profile
 from hydra_supervisor.deployment import Deployment
-from hydra_supervisor.engine import Engine, EngineBusy, LayoutFailed, SwitchTimeouts
+from hydra_supervisor.engine import (
+    Engine,
+    EngineBusy,
+    LayoutFailed,
+    SwitchReport,
+    SwitchTimeouts,
+)
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import url_for
 from hydra_supervisor.router import Router, Upstreams
@@ -105,6 +111,13 @@ class Member:
 # manage models read these; hydra's own "state" says more).
 _STATUS = {Phase.STOPPED: "unloaded", Phase.LOADING: "loading", Phase.RUNNING: "loaded",
            Phase.UNLOADING: "unloading", Phase.FAILED: "failed"}
+
+
+def _needs(dep: Deployment) -> dict[str, int]:
+    """Bytes per physical device the profile's plan needs."""
+    lay = dep.layout
+    return fleetplan.needs_of([(p.device, p.need_bytes) for p in dep.plan.placements],
+                              lay.devices if lay is not None else {})
 
 
 def _shape(reason: str) -> str:
@@ -209,12 +222,8 @@ class Fleet:
                          make_supervisor=self.make_supervisor or Supervisor)
             eng.open()
             eng.listeners.append(self._engine_changed)
-            lay = dep.layout
-            needs = fleetplan.needs_of(
-                [(p.device, p.need_bytes) for p in dep.plan.placements],
-                lay.devices if lay is not None else {})
             devs = tuple(dict.fromkeys(e.device for e in dep.plan.engines))
-            m = Member(prof, dep, route, view, eng, needs, devs)
+            m = Member(prof, dep, route, view, eng, _needs(dep), devs)
             self.members[prof.name] = m
             self.pool.add(m, self)
             self._stopped_gate(m)
@@ -586,15 +595,25 @@ class Fleet:
                    if rep.result == "ok" else "routing settings only, nothing restarted")
         m.dep, m.profile = dep, prof
         self.lookup = lookup
-        lay = dep.layout
-        m.needs = fleetplan.needs_of([(p.device, p.need_bytes) for p in dep.plan.placements],
-                                     lay.devices if lay is not None else {})
+        m.needs = _needs(dep)
         m.route.limiter = (Limiter(m.name, prof.concurrency, prof.queue)
                            if prof.concurrency else None)
         if m.phase is Phase.STOPPED:
             self._stopped_gate(m)
         self._announce()
         return did
+
+    async def apply_to(self, name: str, dep: Deployment) -> SwitchReport:
+        """A new Deployment for a running profile from outside the fleet (the wire protocol's
+        CONFIGURE and SET_EXPERT_MODE): run through its engine (plandiff), then recorded."""
+        m = self.members[name]
+        dep = deployment.bound_to(namespaced(dep), self.port)
+        if m.phase is not Phase.RUNNING:
+            raise HydraError(f"profile {name} is {m.phase.value}: nothing to reconfigure")
+        rep = await m.engine.apply(dep)
+        if rep.result in ("ok", "noop"):
+            m.dep, m.needs = dep, _needs(dep)
+        return rep
 
     async def shutdown(self, reason: str) -> None:
         for t in (self._tick_task, self._boot):

@@ -97,6 +97,25 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
     res = run_hydra(hydra_env, "switch", "demo-moe-combine", "--json", timeout=240)
     rep = json.loads(res.stdout)
     assert res.returncode == 0 and rep["result"] == "noop"  # already serving
+
+    # The wire protocol on a shared port reconfigures the default profile (its head restarts
+    # alone) and the fleet keeps its record: demo keeps serving under its name.
+    from tests.wire_client import OK, WireClient
+
+    pids = {p["name"]: p["pid"] for r in _profiles(hydra_env).values() for p in r["processes"]}
+    with WireClient("127.0.0.1", port) as wc:
+        assert wc.info().meta["profile"] == "demo"
+        r = wc.configure({"ctx_size": 2048})
+        assert r.status == OK, r.meta
+    after = {p["name"]: p["pid"] for r in _profiles(hydra_env).values() for p in r["processes"]}
+    assert after["demo.head"] != pids["demo.head"]
+    assert after["demo-moe-combine.head"] == pids["demo-moe-combine.head"]
+    assert DEMO_MODEL in _ask(client, "demo", False)
+    # The fleet recorded the configured plan: a reload (the file says ctx 4096) restarts the
+    # head back; the MoE profile is unchanged.
+    res = run_hydra(hydra_env, "reload", timeout=120)
+    assert res.returncode == 0 and "reloaded demo: restarted demo.head" in res.stdout, res
+    assert "demo-moe-combine" not in res.stdout
     profiles = _profiles(hydra_env)
     assert profiles["demo"]["fleet"]["loads"] == 1
     assert profiles["demo-moe-combine"]["fleet"]["loads"] == 1
