@@ -509,7 +509,9 @@ def _fleet_renderables(snap: dict[str, Any]) -> list[Any]:
             fl = e["fleet"]
             needs = ", ".join(f"{k} {v:,} MiB" for k, v in fl["needs_mib"].items())
             loaded = _fmt_age(fl["resident_s"]) if fl["resident_s"] is not None else "-"
-            note = fl["error"] or ("" if e["state"] != "stopped" else fl["why"])
+            held = (fl.get("held_reason") or "").removeprefix(f"loading profile {e['profile']}: ")
+            note = fl["error"] or (fl["why"] if e["state"] == "stopped" else
+                                   held if e["state"] == "loading" else "")
             if fl.get("running") is not None:
                 note = f"{fl['running']}/{fl['concurrency']} running, {fl['waiting']} " \
                        f"queued" + (f"; {note}" if note else "")

@@ -671,6 +671,7 @@ class Fleet:
                 "loads": m.loads, "unloads": m.unloads, "error": m.error, "why": m.why,
                 "resident_s": round(now - m.loaded_at, 1) if m.loaded_at is not None else None,
                 "idle_s": st["idle_s"], "requests": st["requests"], "held": st["held"],
+                "held_reason": st["held_reason"],
                 "inflight": st["inflight"], "running": st["running"],
                 "waiting": st["waiting"]},
         })
