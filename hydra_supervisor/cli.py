@@ -113,9 +113,13 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
        port: int | None, host: str | None, verbose: bool, metrics_port: int | None) -> None:
     """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM.
 
-    Exit status (docs/supervision.md): 0 stopped on request, 1 FATAL, 2 bad input or another
-    hydra holds the state dir, 3 stopped but a child could not be killed, 130 interrupted
-    before serving or by a second Ctrl-C.
+    With several profiles (-p A -p B, or the node file's profiles:) one port serves them all,
+    routed by the request's model and loaded on demand (docs/routing.md).
+
+    Exit status (docs/supervision.md): 0 stopped on request, 1 FATAL (one profile; among
+    several, a failed profile is marked failed and the others keep serving), 2 bad input or
+    another hydra holds the state dir, 3 stopped but a child could not be killed, 130
+    interrupted before serving or by a second Ctrl-C.
     """
     if idle and profiles:
         raise HydraError("--no-profile and --profile exclude each other")
