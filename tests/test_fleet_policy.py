@@ -303,6 +303,9 @@ def test_activate_refused_while_a_load_runs(tmp_path: Path) -> None:
         await until(lambda: f.members["b"].task is not None)
         with pytest.raises(EngineBusy):
             await f.activate("b")
+        models = {d["id"]: d for d in f.models_json()["data"]}
+        assert models["b"]["state"] == "loading" and models["b"]["status"] == {"value": "loading"}
+        assert models["a"]["status"] == {"value": "loaded"}
 
     run(f, body)
 
