@@ -88,7 +88,6 @@ class Member:
     view: RouteView
     engine: Engine
     needs: dict[str, int]
-    devices: tuple[str, ...]
     phase: Phase = Phase.STOPPED
     loaded_at: float | None = None
     error: str | None = None
@@ -101,6 +100,10 @@ class Member:
     @property
     def name(self) -> str:
         return self.profile.name
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(e.device for e in self.dep.plan.engines))
 
     @property
     def ttl(self) -> float | None:
@@ -180,7 +183,6 @@ class Fleet:
         self._boot: asyncio.Task[None] | None = None
         self._created = int(time.time())
         self.unkillable: list[str] = []
-        self.switches: list[dict[str, Any]] = []
         self.lookup = self._names([p for p, _ in self._specs])
         if self.default not in {p.name for p, _ in self._specs}:
             raise HydraError(f"default profile '{self.default}' is not served on port "
@@ -208,7 +210,7 @@ class Fleet:
         self.port = self.router.port
         r = self.router
         for prof, dep in self._specs:
-            dep = deployment.bound_to(namespaced(dep), self.port)
+            dep = self._own(dep)
             route = r.new_route(prof.name, prof.concurrency, prof.queue)
             # A request that loads its profile waits for the whole load (a big model on a slow
             # disk takes minutes), not just the router's usual hold; a failed load answers it
@@ -222,12 +224,16 @@ class Fleet:
                          make_supervisor=self.make_supervisor or Supervisor)
             eng.open()
             eng.listeners.append(self._engine_changed)
-            devs = tuple(dict.fromkeys(e.device for e in dep.plan.engines))
-            m = Member(prof, dep, route, view, eng, _needs(dep), devs)
+            m = Member(prof, dep, route, view, eng, _needs(dep))
             self.members[prof.name] = m
             self.pool.add(m, self)
             self._stopped_gate(m)
         r.table = self.select
+
+    def _own(self, dep: Deployment) -> Deployment:
+        """A Deployment as this fleet runs it: processes named after the profile, the plan on
+        the port the router holds."""
+        return deployment.bound_to(namespaced(dep), self.port)
 
     def close(self) -> None:
         if self.router is not None:
@@ -329,7 +335,7 @@ class Fleet:
                 movable=o.phase is Phase.RUNNING and not o.engine.lock.locked()))
         return out
 
-    async def _room_for(self, m: Member, evict: bool = True) -> None:
+    async def _room_for(self, m: Member) -> None:
         deadline = self.clock() + self.load_wait
         waiting = ""
         while True:
@@ -340,13 +346,11 @@ class Fleet:
                 return
             if room.verdict is fleetplan.Verdict.NEVER:
                 raise HydraError(room.reason)
-            if not evict:
-                raise HydraError(f"does not fit beside what runs ({room.reason})")
             if room.verdict is fleetplan.Verdict.EVICT:
                 for name in room.victims:
                     owner = self.pool.owners[name]
-                    if not await owner._unload(self.pool.members[name],
-                                               f"making room for {m.name}"):
+                    if await owner._unload(self.pool.members[name],
+                                           f"making room for {m.name}") is None:
                         break  # still busy after the drain: decide again
                 else:
                     continue
@@ -359,7 +363,7 @@ class Fleet:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.pool.room_changed.wait(), TICK)
 
-    async def _load(self, m: Member, why: str, evict: bool = True) -> bool:
+    async def _load(self, m: Member, why: str) -> bool:
         """Make room, start the profile's layout, wait until it serves. False: it failed (its
         held requests got the reason; the others keep serving)."""
         try:
@@ -370,7 +374,7 @@ class Fleet:
             self._announce()
             t0 = self.clock()
             try:
-                await self._room_for(m, evict)
+                await self._room_for(m)
                 m.loads += 1
                 log.info("loading profile %s (%s)", m.name, why)
                 await m.engine.start(m.dep)
@@ -409,11 +413,12 @@ class Fleet:
         m.route.gate.release()
         self.pool.room_changed.set()
 
-    async def _unload(self, m: Member, why: str, cut: bool = False) -> bool:
-        """Drain (bounded) and stop a running profile. Without `cut`, requests still in flight
-        after the drain keep it running (False); with it, they are cut."""
+    async def _unload(self, m: Member, why: str, cut: bool = False) -> int | None:
+        """Drain (bounded) and stop a running profile; how many requests were cut, or None
+        when it was not stopped. Without `cut`, requests still in flight after the drain keep
+        it running (None); with it, they are cut."""
         if m.phase is not Phase.RUNNING or m.engine.lock.locked():
-            return False  # a reload or `hydra restart` is restarting its processes
+            return None  # a reload or `hydra restart` is restarting its processes
         m.phase = Phase.UNLOADING
         self._announce()
         m.view.hold(f"profile {m.name} is stopping ({why})")
@@ -425,10 +430,11 @@ class Fleet:
             m.phase = Phase.RUNNING
             m.engine.sync_gate()
             self._announce()
-            return False
+            return None
+        cut_n = 0
         if left:
-            m.view.cut_inflight(f"cut: profile {m.name} stopped ({why}) after {drain:.0f}s "
-                                "of draining")
+            cut_n = m.view.cut_inflight(f"cut: profile {m.name} stopped ({why}) after "
+                                        f"{drain:.0f}s of draining")
         await m.engine.stop_layout(why)
         m.phase = Phase.STOPPED
         m.loaded_at = None
@@ -438,7 +444,7 @@ class Fleet:
         log.info("profile %s stopped (%s)", m.name, why)
         self.pool.room_changed.set()
         self._announce()
-        return True
+        return cut_n
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -487,25 +493,27 @@ class Fleet:
                             self._unload(m, f"idle {idle:.0f}s (ttl {m.ttl:g}s)"))
                         m.task = task
                         task.add_done_callback(functools.partial(_clear_task, m))
-                elif m.phase is Phase.RUNNING and m.engine.sup is not None \
-                        and m.engine.sup.fatal:
-                    m.phase = Phase.FAILED
-                    m.error = m.engine.sup.fatal
-                    m.failed_at = now
-                    self.pool.room_changed.set()
+                elif self._went_fatal(m):
                     self._announce()
 
     def _engine_changed(self) -> None:
         for m in self.members.values():
-            sup = m.engine.sup
-            if m.phase is Phase.RUNNING and sup is not None and sup.fatal:
-                m.phase = Phase.FAILED
-                m.error = sup.fatal
-                m.failed_at = self.clock()
-                self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
-                log.error("profile %s failed: %s", m.name, sup.fatal)
-                self.pool.room_changed.set()
+            self._went_fatal(m)
         self._announce()
+
+    def _went_fatal(self, m: Member) -> bool:
+        """A running profile whose layout went FATAL is failed (its route already answers
+        503 with the reason; the next request after the cooldown loads it again)."""
+        sup = m.engine.sup
+        if m.phase is not Phase.RUNNING or sup is None or not sup.fatal:
+            return False
+        m.phase = Phase.FAILED
+        m.error = sup.fatal
+        m.failed_at = self.clock()
+        self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
+        log.error("profile %s failed: %s", m.name, sup.fatal)
+        self.pool.room_changed.set()
+        return True
 
     def _announce(self) -> None:
         for fn in self.listeners:
@@ -536,10 +544,10 @@ class Fleet:
         report["from"] = ", ".join(o.name for o in sharing) or None
         stopped = []
         for o in sharing:
-            cut_before = o.route.gate.inflight()
-            if await self.pool.owners[o.name]._unload(o, f"hydra switch {name}", cut=True):
+            cut = await self.pool.owners[o.name]._unload(o, f"hydra switch {name}", cut=True)
+            if cut is not None:
                 stopped.append(o)
-                report["cut"] += 0 if not cut_before else o.route.gate.inflight()
+                report["cut"] += cut
         report["phases"]["stop"] = self.clock() - t0
         t1 = self.clock()
         m.task = asyncio.current_task()
@@ -558,13 +566,11 @@ class Fleet:
                     report["result"] = "failed"
         report["total_s"] = round(self.clock() - t0, 3)
         report["phases"] = {k: round(v, 3) for k, v in report["phases"].items()}
-        self.switches.append(report)
-        del self.switches[:-20]
         return report
 
     def differs(self, m: Member, prof: Profile, dep: Deployment) -> bool:
         """Whether a re-read profile changes anything of `m` (its plan, policies or knobs)."""
-        new = deployment.bound_to(namespaced(dep), self.port)
+        new = self._own(dep)
         d = plandiff.diff(m.dep.plan, new.plan)
         same_addr = replace(prof, host=m.profile.host, port=m.profile.port)
         return (d.change is not plandiff.Change.NONE or same_addr != m.profile
@@ -573,7 +579,7 @@ class Fleet:
     async def replace(self, m: Member, new: tuple[Profile, Deployment]) -> str:
         """A reload: a running profile restarts what changed (plandiff: the head alone, or
         everything); a stopped one uses the new plan at its next load. Says what it did."""
-        prof, dep = new[0], deployment.bound_to(namespaced(new[1]), self.port)
+        prof, dep = new[0], self._own(new[1])
         me = asyncio.current_task()
         while m.task is not None and m.task is not me:  # a load or an unload: let it finish
             with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -607,7 +613,7 @@ class Fleet:
         """A new Deployment for a running profile from outside the fleet (the wire protocol's
         CONFIGURE and SET_EXPERT_MODE): run through its engine (plandiff), then recorded."""
         m = self.members[name]
-        dep = deployment.bound_to(namespaced(dep), self.port)
+        dep = self._own(dep)
         if m.phase is not Phase.RUNNING:
             raise HydraError(f"profile {name} is {m.phase.value}: nothing to reconfigure")
         rep = await m.engine.apply(dep)

@@ -433,3 +433,17 @@ def test_ttl_and_eviction_leave_a_profile_alone_while_it_restarts(tmp_path: Path
         assert a.phase is Phase.STOPPED
 
     run(f, body)
+
+
+def test_activate_drains_then_cuts_and_counts_what_it_cut(tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=20)),
+             (prof("b"), fdep("b", 30201, gpu0=20)), drain=0.1)
+
+    async def body() -> None:
+        flight = f.members["a"].route.gate.begin()  # a request a never finishes
+        rep = await f.activate("b")
+        assert rep["result"] == "ok" and rep["from"] == "a"
+        assert rep["cut"] == 1 and flight.cut is not None and "hydra switch b" in flight.cut
+        f.members["a"].route.gate.end(flight)
+
+    run(f, body)
