@@ -595,12 +595,15 @@ class Engine:
             return "starting"
         return "recovering"
 
-    def _process_rows(self) -> list[dict[str, Any]]:
-        """The supervisor's rows plus memory: resident (host) and GPU (NVML) per process."""
+    def _process_rows(self, gpu: dict[int, int] | None) -> list[dict[str, Any]]:
+        """The supervisor's rows plus memory: resident (host) and GPU (NVML) per process;
+        `gpu` is NVML's per-pid map when the caller already has it (one NVML session for
+        several engines), else it is read here."""
         sup = self.sup
         if sup is None:
             return []
-        gpu = gpumem.used_by_pid()
+        if gpu is None:
+            gpu = gpumem.used_by_pid()
         rows = []
         for p in sup.procs:
             row = p.row()
@@ -628,7 +631,7 @@ class Engine:
             return None
         return total - self._samples[0][1]
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, gpu: dict[int, int] | None = None) -> dict[str, Any]:
         sup = self.sup
         dep = self.dep
         return {
@@ -642,7 +645,7 @@ class Engine:
             "switching": self.switching,
             "fatal": sup.fatal if sup else None,
             "degraded": sup.degraded if sup else None,
-            "processes": self._process_rows(),
+            "processes": self._process_rows(gpu),
             "requests_last_min": self._requests_last_min(),
             "router": self.router.stats() if self.router is not None else None,
             "switches": [s.to_json() for s in self.switches],

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from hydra_supervisor import deployment, fleetplan, plandiff
+from hydra_supervisor import deployment, fleetplan, gpumem, plandiff
 from hydra_supervisor.config import Profile
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import (
@@ -659,8 +659,8 @@ class Fleet:
                 "on_demand": m.profile.on_demand, "error": m.error})
         return {"object": "list", "data": data}
 
-    def member_snapshot(self, m: Member) -> dict[str, Any]:
-        snap = m.engine.snapshot()
+    def member_snapshot(self, m: Member, gpu: dict[int, int] | None = None) -> dict[str, Any]:
+        snap = m.engine.snapshot(gpu)
         now = self.clock()
         st = m.route.stats()
         snap.update({
@@ -686,7 +686,10 @@ class Fleet:
     def snapshot(self) -> list[dict[str, Any]]:
         """A row per profile; the port's router counters ride on the first row only (they are
         the port's, not a profile's: metrics must not count them once per profile)."""
-        rows = [self.member_snapshot(m) for m in self.members.values()]
+        # one NVML session for every profile's processes (none when nothing runs)
+        running = any(m.engine.sup is not None for m in self.members.values())
+        gpu = gpumem.used_by_pid() if running else {}
+        rows = [self.member_snapshot(m, gpu) for m in self.members.values()]
         for row in rows[1:]:
             row["router"] = None
         return rows
