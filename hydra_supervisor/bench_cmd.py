@@ -19,19 +19,18 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import requests
 
 from hydra_supervisor.config import Mode, find_node_file, find_profile, load_node, load_profile
-from hydra_supervisor.errors import HydraError
+from hydra_supervisor.errors import HydraError, exits_2
 from hydra_supervisor.ports import client_host
 
-F = TypeVar("F", bound=Callable[..., Any])
 EXPECT_KEYS = ("decode_tps", "prefill_tps", "ttft_ms")
 AT_MOST = frozenset({"ttft_ms"})  # the others are "at least"
 
@@ -244,18 +243,6 @@ def parse_expect(items: Sequence[str]) -> dict[str, float]:
 # The command
 
 
-def _friendly(fn: F) -> F:
-    """Like cli.friendly: a HydraError is its message and exit status 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except HydraError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _fmt(v: float | None, unit: str = "", digits: int = 1) -> str:
@@ -308,7 +295,7 @@ def _print(report: Report) -> None:
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="seconds one request may take")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-@_friendly
+@exits_2
 def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: str | None,
           concurrency: int, n_requests: int, max_tokens: int, prompt_words: int,
           ignore_eos: bool, expect_items: tuple[str, ...], no_expect: bool,

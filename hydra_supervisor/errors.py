@@ -6,6 +6,15 @@ port, binary or model involved and, where there is one, the fix. The CLI prints 
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 class HydraError(Exception):
     """An error the operator can fix; str(err) is the complete message."""
@@ -23,3 +32,19 @@ class HydraError(Exception):
 
 class ConfigError(HydraError):
     """A profile or node file is malformed; the message carries file:line and the YAML path."""
+
+
+def exits_2(fn: F) -> F:
+    """A command whose HydraError is its message on stderr and exit status 2, never a
+    traceback (cli.friendly does the same with rich styling; the command modules that cli.py
+    imports use this one)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HydraError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]

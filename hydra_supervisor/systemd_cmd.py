@@ -5,43 +5,26 @@ the files, create the user, reload systemd). The lead registers the group in cli
 
 from __future__ import annotations
 
-import functools
 import grp
 import os
 import pwd
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
 from hydra_supervisor import binaries, systemd_units
 from hydra_supervisor.config import find_node_file, find_profile, load_node, load_profile
-from hydra_supervisor.errors import HydraError
+from hydra_supervisor.errors import HydraError, exits_2
 from hydra_supervisor.paths import repo_root
 from hydra_supervisor.systemd_units import UnitOptions
 
-F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_UNIT_DIR = "/etc/systemd/system"
 GPU_GROUPS = ("video", "render")  # who may open /dev/dri, and /dev/nvidia* on some distros
 
 
-def _friendly(fn: F) -> F:
-    """Like cli.friendly (a HydraError is a message and exit 2, never a traceback); local so
-    this module does not import cli.py, which imports it."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except HydraError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def hydra_command() -> tuple[str, ...]:
@@ -179,7 +162,7 @@ def _node_profiles(node_file: str | None, example: bool) -> tuple[str, ...]:
               help="write the unit files into DIR (default: print them)")
 @click.option("--example", is_flag=True, hidden=True,
               help="render the repository's example (a venv at /opt/hydra)")
-@_friendly
+@exits_2
 def render(profiles: tuple[str, ...], node_file: str | None, profiles_dir: str | None,
            user: str, output: str | None, example: bool) -> None:
     """Render this node's units: hydra@.service (instance = profile) and hydra.service (the
@@ -214,7 +197,7 @@ def render(profiles: tuple[str, ...], node_file: str | None, profiles_dir: str |
 @click.option("--no-user", is_flag=True, help="do not create the user (it exists, or is "
                                                 "managed elsewhere)")
 @click.option("--no-reload", is_flag=True, help="do not run `systemctl daemon-reload`")
-@_friendly
+@exits_2
 def install(profiles: tuple[str, ...], node_file: str | None, profiles_dir: str | None,
             user: str, unit_dir: str, no_user: bool, no_reload: bool) -> None:
     """Install the units (verified first), create the service user, reload systemd."""
