@@ -122,20 +122,21 @@ class Daemon:
     def unkillable(self) -> list[str]:
         return [*self.engine.unkillable, *(u for f in self.fleets for u in f.unkillable)]
 
-    def legacy_status(self) -> dict[str, Any]:
-        """The single-engine view (`status` in `hydra status --json`, and status.json)."""
+    def legacy_status(self, snap: dict[str, Any]) -> dict[str, Any]:
+        """The single-engine view (`status` in `hydra status --json`, and status.json), from
+        the snapshot just taken."""
         if self.fleets:
-            return self._fleet_status()
-        e = self.engine.snapshot()
+            return self._fleet_status(snap)
+        e = snap["engines"][0]
         return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
                 "mode": e["mode"], "model": e["model"], "url": e["url"], "state": e["state"],
                 "fatal": e["fatal"], "degraded": e["degraded"], "updated": time.time(),
                 "stopped": self.ended,
                 "unkillable": list(self.unkillable), "engines": e["processes"]}
 
-    def _fleet_status(self) -> dict[str, Any]:
+    def _fleet_status(self, snap: dict[str, Any]) -> dict[str, Any]:
         """status.json of a node serving several profiles: every profile's processes."""
-        rows = self.snapshot()["engines"]
+        rows = snap["engines"]
         states = {r["profile"]: r["state"] for r in rows}
         running = [n for n, st in states.items() if st == "running"]
         return {"pid": os.getpid(), "profile": ",".join(states), "source": "-",
@@ -155,9 +156,10 @@ class Daemon:
                          "the set of profiles is fixed at `hydra up -p A -p B ...`")
 
     def _changed(self) -> None:
+        snap = self.snapshot()  # one snapshot (processes, NVML) for both records
         with contextlib.suppress(OSError):
-            self.state.write_status(self.legacy_status())
-        self.notifier.status(notify.status_text(self.snapshot()))
+            self.state.write_status(self.legacy_status(snap))
+        self.notifier.status(notify.status_text(snap))
 
     def _on_request(self, rec: dict[str, Any]) -> None:
         """The router's per-request record (a router thread): counted in the metrics."""
@@ -190,8 +192,9 @@ class Daemon:
                 ("POST", "/down"): self._r_down}
 
     async def _r_status(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        snap = self.snapshot()
         return 200, {"running": True, "supervisor": self.state.running_supervisor(),
-                     "status": self.legacy_status(), "daemon": self.snapshot()}
+                     "status": self.legacy_status(snap), "daemon": snap}
 
     async def _guard(self, coro: Coroutine[Any, Any, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         try:
@@ -291,13 +294,12 @@ class Daemon:
         return {"result": "ok", "reloaded": done}
 
     def _prepare_member(self, f: Fleet, m: Any) -> tuple[Any, Deployment] | None:
-        ports = frozenset(e.port for o in f.pool.members.values() if o is not m
-                          for e in o.dep.plan.engines)
         dep = deployment.prepare(m.dep.plan.source, node_file=self.opts.node_file,
                                  profiles_dir=self.opts.profiles_dir,
                                  overrides={"host": f.host, "port": f.port},
                                  keep=m.dep.plan, external=f.port,
-                                 slot_dir=slot_dir(self.state), reserved=ports)
+                                 slot_dir=slot_dir(self.state),
+                                 reserved=f.pool.planned_ports(but=m))
         prof = dep.layout.profile if dep.layout is not None else m.profile
         return (prof, dep) if f.differs(m, prof, dep) else None
 
@@ -306,12 +308,6 @@ class Daemon:
             self.stop_reason = reason
             log.info("stopping: %s", reason)
         self.stop_event.set()
-
-    @staticmethod
-    def initial_names(f: Fleet) -> list[str]:
-        """Loaded at start: the port's default profile, then every `on_demand: false` one."""
-        rest = [n for n, m in f.members.items() if not m.profile.on_demand and n != f.default]
-        return [f.default, *rest]
 
     # -- signals ------------------------------------------------------------------------------
 
@@ -362,12 +358,11 @@ class Daemon:
             f0 = self.fleets[0]
             self.wire = EngineWire(f0.members[f0.default].engine, loop, self.opts.node_file,
                                    apply=functools.partial(f0.apply_to, f0.default))
+            f0.set_hydra_upstream(self.wire.start())
         else:
             self.wire = EngineWire(self.engine, loop, self.opts.node_file)
-        if self.fleets:
-            self.fleets[0].set_hydra_upstream(self.wire.start())
-        elif self.engine.router is not None:
-            self.engine.hydra_upstream = self.wire.start()
+            if self.engine.router is not None:
+                self.engine.hydra_upstream = self.wire.start()
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
         if self.metrics is not None:
@@ -380,7 +375,7 @@ class Daemon:
         try:
             if self.fleets:
                 for f in self.fleets:
-                    await f.start(self.initial_names(f))
+                    await f.start(f.initial_names())
             else:
                 await self.engine.start(self.initial)
             self._changed()

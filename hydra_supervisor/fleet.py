@@ -142,6 +142,11 @@ class Pool:
         self.owners: dict[str, Fleet] = {}
         self.room_changed = asyncio.Event()
 
+    def planned_ports(self, but: Member) -> frozenset[int]:
+        """Ports the other profiles' plans hold (a re-plan of `but` must not take them)."""
+        return frozenset(e.port for o in self.members.values() if o is not but
+                         for e in o.dep.plan.engines if e.managed)
+
     def add(self, m: Member, owner: Fleet) -> None:
         if m.name in self.members:
             first = self.members[m.name].dep.plan.source
@@ -452,6 +457,12 @@ class Fleet:
         self.loop = asyncio.get_running_loop()
         self._tick_task = asyncio.create_task(self._ticks())
         self._boot = asyncio.create_task(self._start_loads(initial))
+
+    def initial_names(self) -> list[str]:
+        """Loaded at start: the default profile, then every `on_demand: false` one."""
+        rest = [n for n, m in self.members.items()
+                if not m.profile.on_demand and n != self.default]
+        return [self.default, *rest]
 
     async def _start_loads(self, names: list[str]) -> None:
         """The default profile, and every `on_demand: false` one, as far as they fit together
