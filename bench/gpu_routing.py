@@ -41,8 +41,7 @@ def plan_need(env: dict[str, str], profile: str, pdir: Path) -> int:
     res = subprocess.run([*HYDRA, "plan", "-p", profile, "--profiles-dir", str(pdir), "--json"],
                          env=env, capture_output=True, text=True, check=True, timeout=120)
     plan = json.loads(res.stdout)
-    return sum(int(p["need_bytes"]) if "need_bytes" in p else
-               int(p["weight_bytes"]) + int(p["kv_bytes"]) + int(p["overhead_bytes"])
+    return sum(int(p["weight_bytes"]) + int(p["kv_bytes"]) + int(p["overhead_bytes"])
                for p in plan["placements"] if not str(p["device"]).startswith("cpu"))
 
 

@@ -347,7 +347,7 @@ class HttpSession:
             if refusal is not None:
                 self._refuse(rec, refusal)
                 return True
-            return self._forward(req, body, rec, self.r.gate, None)
+            return self._forward(req, body, rec, None)
         if rec.model is None and req.method == b"POST":
             rec.model = request_defaults.model_of(body)  # embeddings, rerank, infill...
         sel = table(rec.model, rec.method, rec.path)
@@ -371,7 +371,7 @@ class HttpSession:
                 if refusal is not None:
                     self._refuse(rec, refusal)
                     return True
-                return self._forward(req, body, rec, route.gate, route)
+                return self._forward(req, body, rec, route)
             finally:
                 if lim is not None:
                     lim.release()
@@ -454,8 +454,11 @@ class HttpSession:
 
     # ------------------------------------------------------------ upstream side
 
-    def _forward(self, req: h11.Request, body: bytes, rec: Record, gate: Gate,
+    def _forward(self, req: h11.Request, body: bytes, rec: Record,
                  route: Route | None) -> bool:
+        """Send upstream: `route`'s upstream through its gate, or (no route table) the
+        router's own."""
+        gate = self.r.gate if route is None else route.gate
         headers = [(k, v) for k, v in req.headers if k not in _HOP_REQ]
         if not any(k == b"host" for k, _ in headers):
             headers.append((b"host", b"localhost"))
