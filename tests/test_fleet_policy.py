@@ -447,3 +447,23 @@ def test_activate_drains_then_cuts_and_counts_what_it_cut(tmp_path: Path) -> Non
         f.members["a"].route.gate.end(flight)
 
     run(f, body)
+
+
+def test_a_profile_restarting_after_a_crash_can_be_evicted_and_held_requests_wait(
+        tmp_path: Path) -> None:
+    f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
+             (prof("b"), fdep("b", 30201, gpu0=20)))
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        sup = a.engine.sup
+        assert sup is not None
+        sup.head.to(State.BACKOFF, "exit 1; restart in 1.0s")  # crashed, backing off
+        assert f.state_of(a) == "recovering"
+        assert "head backoff" in (a.route.gate.held_reason or "")  # its requests wait
+        route(f, "b")
+        await until(lambda: b.phase is Phase.RUNNING)
+        assert a.phase is Phase.STOPPED and a.unloads == 1
+        assert all(p.state is State.STOPPED for p in sup.procs)
+
+    run(f, body)
