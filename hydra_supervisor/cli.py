@@ -432,7 +432,10 @@ def _setup_logging(state: StateDir, verbose: bool) -> None:
 @click.option("--watch", "-w", is_flag=True, help="refresh every second until Ctrl-C")
 @friendly
 def status(as_json: bool, watch: bool) -> None:
-    """Show what the running hydra serves (live, from its control API)."""
+    """Show what the running hydra serves (live, from its control API).
+
+    Exit status (docs/control.md): 0; 1 a port is down (its router accepts no connections);
+    3 no hydra runs here."""
     state = StateDir.default()
     try:
         code, live = control.call(daemon.socket_path(state), "GET", "/status", timeout=10)
@@ -444,7 +447,7 @@ def status(as_json: bool, watch: bool) -> None:
                                    "status": state.read_status()}, indent=2))
             sys.exit(daemon.EXIT_NOT_RUNNING)
         click.echo(json.dumps(live, indent=2))
-        return
+        sys.exit(daemon.EXIT_PORT_DOWN if ports_down(live["daemon"]) else 0)
     if live is None:
         sup = state.running_supervisor()
         if sup:
@@ -462,7 +465,7 @@ def status(as_json: bool, watch: bool) -> None:
     if not watch:
         for part in _daemon_renderables(live["daemon"]):
             out.print(part)
-        return
+        sys.exit(daemon.EXIT_PORT_DOWN if ports_down(live["daemon"]) else 0)
     from rich.live import Live
 
     with Live(console=out, refresh_per_second=2) as view:
@@ -474,6 +477,23 @@ def status(as_json: bool, watch: bool) -> None:
                 sys.exit(daemon.EXIT_NOT_RUNNING)
             view.update(_status_view(live["daemon"]))
             time.sleep(1.0)
+
+
+def ports_down(snap: dict[str, Any]) -> list[str]:
+    """Why each port that refuses every connection does (its router's acceptor is not
+    running), from the daemon's snapshot: `hydra status` then exits 1."""
+    reasons = [f.get("down") for f in snap.get("fleets") or []]
+    reasons += [e.get("down") for e in snap.get("engines") or []]
+    return list(dict.fromkeys(r for r in reasons if r))
+
+
+def _router_restarts(r: dict[str, Any]) -> str:
+    """The router line's tail: how often its acceptor restarted itself and how often hydra
+    restarted the router (each only when it happened)."""
+    own = int((r.get("events") or {}).get("acceptor_restart") or 0)
+    ours = int(r.get("recoveries") or 0)
+    return (f", acceptor restarted {own} times" if own else "") + \
+        (f", router restarted by hydra {ours} times" if ours else "")
 
 
 def _legacy_to_engine(data: dict[str, Any]) -> dict[str, Any]:
@@ -505,6 +525,9 @@ def _fleet_renderables(snap: dict[str, Any]) -> list[Any]:
         parts.append(styled(("port ", ""), (f["url"], "bold"),
                             f" serves {len(mine)} profiles, routed by the request's model "
                             f"(default: {f['default']})"))
+        if f.get("down"):
+            parts.append(Text(f"PORT DOWN: {f['down']}; hydra is restarting it",
+                              style="bold red"))
         table = Table(show_edge=False, pad_edge=False)
         for col in ("profile", "state", "mode", "devices", "needs", "loaded", "idle",
                     "requests", "held", "in flight", "loads", "ttl", "note"):
@@ -547,7 +570,7 @@ def _fleet_renderables(snap: dict[str, Any]) -> list[Any]:
                 f"router: {r.get('open', 0)} open; {http.get('requests', 0)} HTTP requests, "
                 f"{refused.get('unknown_model', 0)} for unknown models, "
                 f"{refused.get('queue_full', 0)} refused busy (429), {http.get('cut', 0)} cut, "
-                f"{http.get('retried', 0)} retried"))
+                f"{http.get('retried', 0)} retried" + _router_restarts(r)))
         parts.append(Text("loads = loads/unloads; * = the default profile (requests without "
                           "a model)", style="dim"))
     return parts
@@ -589,7 +612,11 @@ def _engine_renderables(eng: dict[str, Any]) -> list[Any]:
                           f"{r.get('inflight', 0)} in flight; {r.get('accepted', 0)} accepted, "
                           f"{http.get('requests', 0)} HTTP requests"
                           + (f" ({last} in the last minute)" if last is not None else "")
-                          + f", {http.get('cut', 0)} cut, {http.get('retried', 0)} retried"))
+                          + f", {http.get('cut', 0)} cut, {http.get('retried', 0)} retried"
+                          + _router_restarts(r)))
+    if eng.get("down"):
+        parts.append(Text(f"PORT DOWN: {eng['down']}; hydra is restarting it",
+                          style="bold red"))
     if eng.get("degraded"):
         parts.append(Text(str(eng["degraded"]), style="bold yellow"))
     if eng.get("fatal"):

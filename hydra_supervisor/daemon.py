@@ -8,6 +8,10 @@
 
 Exit codes (docs/supervision.md): 0 stopped on request; 1 the running layout went FATAL (its
 reason is in status.json and hydra.log); 2 bad input before anything started.
+
+Every external port is watched on the loop (portwatch.py): a router whose acceptor is not
+running makes the port's state "port down" (status, STATUS=, metrics; `hydra status` exits 1)
+and is stopped and started again.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import control, deployment, metrics, notify
+from hydra_supervisor import control, deployment, metrics, notify, portwatch
 from hydra_supervisor.config import known_profiles
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
@@ -39,6 +43,7 @@ EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOT_RUNNING = 3  # for the client commands (status, switch...): no hydra answers
+EXIT_PORT_DOWN = 1  # `hydra status`: a port's router is not accepting connections
 EXIT_INTERRUPTED = 130
 
 Presenter = Callable[['Daemon'], Coroutine[Any, Any, None]]
@@ -114,7 +119,8 @@ class Daemon:
                     "state_dir": str(self.state.root),
                     "engines": [row for f in self.fleets for row in f.snapshot()],
                     "fleets": [{"port": f.port, "url": f.url, "default": f.default,
-                                "profiles": list(f.members)} for f in self.fleets]}
+                                "profiles": list(f.members), "alive": f.alive(),
+                                "down": f.down()} for f in self.fleets]}
         return {"pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
                 "engines": [self.engine.snapshot()]}
 
@@ -130,6 +136,7 @@ class Daemon:
         e = snap["engines"][0]
         return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
                 "mode": e["mode"], "model": e["model"], "url": e["url"], "state": e["state"],
+                "down": e["down"],
                 "fatal": e["fatal"], "degraded": e["degraded"], "updated": time.time(),
                 "stopped": self.ended,
                 "unkillable": list(self.unkillable), "engines": e["processes"]}
@@ -139,10 +146,12 @@ class Daemon:
         rows = snap["engines"]
         states = {r["profile"]: r["state"] for r in rows}
         running = [n for n, st in states.items() if st == "running"]
+        down = [d for f in snap["fleets"] if (d := f["down"])]
         return {"pid": os.getpid(), "profile": ",".join(states), "source": "-",
                 "mode": "profiles", "model": None,
                 "url": ", ".join(f.url for f in self.fleets),
-                "state": "serving" if running else "idle", "fatal": None, "degraded": None,
+                "state": "port down" if down else "serving" if running else "idle",
+                "down": "; ".join(down) or None, "fatal": None, "degraded": None,
                 "updated": time.time(), "stopped": self.ended, "profiles": states,
                 "unkillable": list(self.unkillable),
                 "engines": [p for r in rows for p in r["processes"]]}
@@ -181,8 +190,32 @@ class Daemon:
 
     def _ready(self) -> bool:
         if self.fleets:
-            return all(f.ready() for f in self.fleets)
+            return all(f.ready() and f.alive() for f in self.fleets)
         return self.engine.state_word() in ("serving", "idle", "degraded")
+
+    def check_ports(self) -> bool:
+        """One tick of the port watch (the loop's thread): a router that is not accepting
+        connections is noticed, said (status.json, STATUS=) and restarted (portwatch.py).
+        True when a port went down or came back."""
+        changed = False
+        for f in self.fleets:
+            changed = f.check_port() or changed
+        if not self.fleets:
+            changed = self.engine.check_port() or changed
+        if changed:
+            self._changed()
+        return changed
+
+    async def _watch_ports(self) -> None:
+        while not self.stop_event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), portwatch.CHECK_S)
+            if self.stop_event.is_set():
+                return
+            try:
+                self.check_ports()
+            except Exception:  # a bug here must not end the watch (nor hydra)
+                log.exception("port watch failed; checking again in %.1fs", portwatch.CHECK_S)
 
     # -- control routes -------------------------------------------------------------------------
 
@@ -370,6 +403,7 @@ class Daemon:
         # From the start: systemd's watchdog timer runs from the moment the process starts.
         watchdog = asyncio.create_task(
             notify.watchdog_loop(self.notifier, self._router_alive, self.stop_event))
+        ports = asyncio.create_task(self._watch_ports())
         readiness: asyncio.Task[bool] | None = None
         presenter: asyncio.Task[None] | None = None
         try:
@@ -387,10 +421,10 @@ class Daemon:
             code = await self._wait()
         finally:
             self.notifier.stopping(f"stopping: {self.stop_reason}")
-            for task in (presenter, readiness, watchdog):
+            for task in (presenter, readiness, watchdog, ports):
                 if task is not None:
                     task.cancel()
-            await asyncio.gather(*(t for t in (presenter, readiness, watchdog)
+            await asyncio.gather(*(t for t in (presenter, readiness, watchdog, ports)
                                    if t is not None), return_exceptions=True)
             if self.metrics is not None:
                 self.metrics.stop()

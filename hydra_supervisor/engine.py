@@ -36,7 +36,8 @@ import psutil
 from hydra_supervisor import gpumem, plandiff
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.ports import client_host, url_for
+from hydra_supervisor.ports import client_host, host_port, url_for
+from hydra_supervisor.portwatch import PortWatch
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import ManagedProcess, State, Supervisor
@@ -134,6 +135,7 @@ class Engine:
         self.switch_timeouts = switch_timeouts or SwitchTimeouts()
         self.router_kwargs = router_kwargs or {}
         self.router: Router | None = None
+        self.watch: PortWatch | None = None  # the router accepting connections (open())
         self.dep: Deployment | None = None
         self.last_good: Deployment | None = None
         self.sup: Supervisor | None = None
@@ -157,10 +159,23 @@ class Engine:
         self._idle_message()  # before the port opens: no request sees an engine without one
         self.router.start()
         self.port = self.router.port  # --port 0: the port the kernel gave us
+        self.watch = PortWatch(host_port(self.host, self.port), self.router)
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.active = False  # down on purpose from now on
         if self.router is not None:
             self.router.stop()
+
+    def port_down(self) -> str | None:
+        """Why the external port refuses every connection (its router's acceptor is not
+        running), or None. (A profile among several on one port sees the shared router.)"""
+        return self.watch.down() if self.watch is not None else None
+
+    def check_port(self) -> bool:
+        """The daemon's tick: restart a router that stopped accepting (portwatch.py); True
+        when the port went down or came back."""
+        return self.watch.check() if self.watch is not None else False
 
     @property
     def url(self) -> str:
@@ -581,6 +596,8 @@ class Engine:
 
     def state_word(self) -> str:
         sup = self.sup
+        if self.port_down():
+            return "port down"  # whatever runs behind it, no client reaches it
         if self.switching:
             return "switching"
         if sup is None:
@@ -631,6 +648,14 @@ class Engine:
             return None
         return total - self._samples[0][1]
 
+    def _router_stats(self) -> dict[str, Any] | None:
+        if self.router is None:
+            return None
+        st = self.router.stats()
+        if self.watch is not None:
+            st.update(self.watch.counts())
+        return st
+
     def snapshot(self, gpu: dict[int, int] | None = None) -> dict[str, Any]:
         sup = self.sup
         dep = self.dep
@@ -642,11 +667,12 @@ class Engine:
             "model": dep.model_label if dep else None,
             "host": self.host, "port": self.port, "url": self.url,
             "state": self.state_word(),
+            "down": self.port_down(),
             "switching": self.switching,
             "fatal": sup.fatal if sup else None,
             "degraded": sup.degraded if sup else None,
             "processes": self._process_rows(gpu),
             "requests_last_min": self._requests_last_min(),
-            "router": self.router.stats() if self.router is not None else None,
+            "router": self._router_stats(),
             "switches": [s.to_json() for s in self.switches],
         }

@@ -45,7 +45,8 @@ from hydra_supervisor.engine import (
     SwitchTimeouts,
 )
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.ports import url_for
+from hydra_supervisor.ports import host_port, url_for
+from hydra_supervisor.portwatch import PortWatch
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
 from hydra_supervisor.router.view import RouteView
@@ -181,6 +182,7 @@ class Fleet:
         self.members: dict[str, Member] = {}
         self.lookup: dict[str, str] = {}  # model name or alias -> profile
         self.router: Router | None = None
+        self.watch: PortWatch | None = None  # the router accepting connections (open())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.started = asyncio.Event()  # the start-up loads are over (served or not)
         self.listeners: list[Callable[[], None]] = []
@@ -213,6 +215,7 @@ class Fleet:
                                        name=f"port {self.port}", **self.router_kwargs)
         self.router.start()
         self.port = self.router.port
+        self.watch = PortWatch(host_port(self.host, self.port), self.router)
         r = self.router
         for prof, dep in self._specs:
             dep = self._own(dep)
@@ -241,6 +244,8 @@ class Fleet:
         return deployment.bound_to(namespaced(dep), self.port)
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.active = False  # down on purpose from now on
         if self.router is not None:
             self.router.stop()
 
@@ -250,6 +255,16 @@ class Fleet:
 
     def alive(self) -> bool:
         return self.router is not None and self.router.alive()
+
+    def down(self) -> str | None:
+        """Why the port refuses every connection (its router's acceptor is not running), or
+        None: then every profile here says "port down", whatever its phase."""
+        return self.watch.down() if self.watch is not None else None
+
+    def check_port(self) -> bool:
+        """The daemon's tick: restart a router that stopped accepting (portwatch.py); True
+        when the port went down or came back."""
+        return self.watch.check() if self.watch is not None else False
 
     def set_hydra_upstream(self, addr: tuple[str, int] | None) -> None:
         """The wire protocol's server (YH frames on this port)."""
@@ -653,6 +668,8 @@ class Fleet:
     # -- status -----------------------------------------------------------------------------------
 
     def state_of(self, m: Member) -> str:
+        if self.down():
+            return "port down"  # no request reaches any profile here (fleet.phase: its phase)
         if m.phase is Phase.RUNNING:
             word = m.engine.state_word()
             return "running" if word == "serving" else word
@@ -677,9 +694,9 @@ class Fleet:
         snap.update({
             "name": f"port-{self.port}/{m.name}", "profile": m.name,
             "source": m.dep.plan.source, "mode": m.dep.plan.mode, "model": m.dep.model_label,
-            "url": self.url, "state": self.state_of(m),
+            "url": self.url, "state": self.state_of(m), "down": self.down(),
             "fleet": {
-                "port": self.port, "default": m.name == self.default,
+                "port": self.port, "phase": m.phase.value, "default": m.name == self.default,
                 "aliases": list(m.profile.aliases), "on_demand": m.profile.on_demand,
                 "ttl": m.ttl, "min_resident": m.profile.min_resident,
                 "concurrency": m.profile.concurrency, "queue": m.profile.queue,
@@ -703,4 +720,6 @@ class Fleet:
         rows = [self.member_snapshot(m, gpu) for m in self.members.values()]
         for row in rows[1:]:
             row["router"] = None
+        if rows and isinstance(rows[0].get("router"), dict) and self.watch is not None:
+            rows[0]["router"].update(self.watch.counts())
         return rows

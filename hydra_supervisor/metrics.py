@@ -52,10 +52,13 @@ SnapshotFn = Callable[[], Snapshot]
 # for the rest), so a dashboard can alert on `hydra_process_state{state="FATAL"} == 1` before
 # it has ever happened. A state not listed here still gets its series when it shows up.
 PROCESS_STATES = ("STOPPED", "STARTING", "READY", "UNHEALTHY", "STOPPING", "BACKOFF", "FATAL")
-ENGINE_STATES = ("serving", "starting", "switching", "recovering", "idle", "degraded", "fatal")
+# "port down": the engine's router is not accepting connections (every client is refused).
+ENGINE_STATES = ("serving", "starting", "switching", "recovering", "idle", "degraded", "fatal",
+                 "port down")
 # A profile among several on one port (fleet.py) is one of these (or an ENGINE_STATES word
-# while it runs but restarts a process).
-PROFILE_STATES = ("running", "loading", "stopped", "unloading", "failed")
+# while it runs but restarts a process; "port down" whatever its phase when the port's router
+# is not accepting connections).
+PROFILE_STATES = ("running", "loading", "stopped", "unloading", "failed", "port down")
 SWITCH_RESULTS = ("ok", "rolled_back", "failed", "noop")
 REQUEST_OUTCOMES = ("ok", "cut", "held_timeout", "error")
 # Request durations: a health check (ms) to a long generation (minutes).
@@ -255,7 +258,16 @@ class SnapshotCollector(Collector):
                                      "Trouble the router survived (e.g. EMFILE waited out)",
                                      labels=[*el, "event"])
         alive = GaugeMetricFamily("hydra_router_alive",
-                                  "1 while the router's acceptor thread runs", labels=el)
+                                  "1 while the router's acceptor thread runs (0: the port "
+                                  "refuses every connection)", labels=el)
+        recoveries = CounterMetricFamily(
+            "hydra_router_recoveries",
+            "Times hydra stopped and started the router again because its acceptor was not "
+            "running (the router's own acceptor restarts: hydra_router_events_total"
+            "{event=\"acceptor_restart\"})", labels=el)
+        recovery_failures = CounterMetricFamily(
+            "hydra_router_recovery_failures",
+            "Router restarts by hydra that did not bring the port back", labels=el)
         fd_gauge = GaugeMetricFamily("hydra_router_fds",
                                      "File descriptors: the limit, the router's budget, in use "
                                      "by relays", labels=[*el, "kind"])
@@ -306,6 +318,11 @@ class SnapshotCollector(Collector):
                     events.add_metric([*lv, str(what)], _num(n) or 0.0)
             if isinstance(st.get("alive"), bool):
                 alive.add_metric(lv, 1.0 if st["alive"] else 0.0)
+            for counter, key in ((recoveries, "recoveries"),
+                                 (recovery_failures, "recovery_failures")):
+                v = _num(st.get(key))
+                if v is not None:
+                    counter.add_metric(lv, v)
             fds = st.get("fds")
             if isinstance(fds, Mapping):
                 for what, n in fds.items():
@@ -313,7 +330,7 @@ class SnapshotCollector(Collector):
                     if v is not None:
                         fd_gauge.add_metric([*lv, str(what)], v)
         yield from (accepted, conns, refused, *gauges.values(), byte_count, http_total, http,
-                    cut, retried, events, alive, fd_gauge)
+                    cut, retried, events, alive, recoveries, recovery_failures, fd_gauge)
 
     # -- switches
     def _switches(self, engines: list[Mapping[str, Any]]) -> Iterator[Metric]:

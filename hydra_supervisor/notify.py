@@ -162,7 +162,8 @@ class Notifier:
 
 def status_text(snapshot: Mapping[str, Any]) -> str:
     """One STATUS= line from the daemon's status snapshot (contracts shape): per engine its
-    profile, state and URL, and why when it is degraded or fatal. `systemctl status` shows it."""
+    profile, state and URL, and why when its port is down, or it is degraded or fatal.
+    `systemctl status` shows it."""
     parts = []
     for e in snapshot.get("engines") or []:
         what = e.get("profile") or "no profile"
@@ -170,7 +171,7 @@ def status_text(snapshot: Mapping[str, Any]) -> str:
         line = f"{what}: {state}"
         if state in ("serving", "degraded", "running") and e.get("url"):
             line += f" at {e['url']}"
-        why = e.get("fatal") or e.get("degraded")
+        why = e.get("down") or e.get("fatal") or e.get("degraded")
         if why:
             line += f" ({why})"
         parts.append(line)

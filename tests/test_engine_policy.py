@@ -27,12 +27,22 @@ class FakeRouter:
         self.upstreams = upstreams
         self.unavailable: str | None = None
         self.held: str | None = None
+        self.running = False
+        self.fail_start = 0  # the next N start() calls raise OSError (port taken)
 
     def start(self) -> None:
         self.calls.append(("start", None))
+        if self.fail_start:
+            self.fail_start -= 1
+            raise OSError(98, "Address already in use")
+        self.running = True
 
     def stop(self) -> None:
         self.calls.append(("stop", None))
+        self.running = False
+
+    def alive(self) -> bool:
+        return self.running
 
     def hold(self, reason: str) -> None:
         self.held = reason
@@ -58,7 +68,7 @@ class FakeRouter:
         return n
 
     def stats(self) -> dict[str, Any]:
-        return {}
+        return {"alive": self.running, "open": 0}
 
 
 class FakeProc:
