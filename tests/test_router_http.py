@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -275,23 +276,76 @@ def test_upstream_down_before_response_retried_after_release(make_router: Router
         revived.close()
 
 
-def test_upstream_closes_before_any_byte_retried_once(make_router: RouterFactory,
-                                                      upstream: StandIn) -> None:
+def test_upstream_that_dies_before_answering_gets_the_request_once_more(
+        make_router: RouterFactory) -> None:
+    """A head that dies with the request (its listener goes with it, and the engine holds the
+    router): the request is sent again once the engine releases, and answered."""
+    records: list[dict[str, Any]] = []
+    dying = socket.socket()
+    dying.bind(("127.0.0.1", 0))
+    dying.listen(8)
+    port = dying.getsockname()[1]
+    r = make_router(Upstreams(http=("127.0.0.1", port)), retry_wait=0.05,
+                    on_request=records.append)
+
+    def die() -> None:
+        conn, _ = dying.accept()
+        conn.recv(65536)
+        r.hold("head restarting")  # what the engine does when it sees its head exit
+        dying.close()
+        # A reset, not a FIN: no TIME_WAIT left on the port the replacement binds.
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    t = threading.Thread(target=die, daemon=True)
+    t.start()
+    replacement: list[StandIn] = []
+    try:
+        done: list[str] = []
+        caller = threading.Thread(target=lambda: done.append(chat(client(r))), daemon=True)
+        caller.start()
+        wait_until(lambda: r.stats()["http"]["retried"] == 1 and r.gate.held() == 1,
+                   what="the request retried and parked while held")
+        replacement.append(StandIn(port))
+        r.release()
+        caller.join(30)
+        assert done == ["t0 t1 t2"]
+        assert nth_record(records, 1)["outcome"] == "ok"
+    finally:
+        for s in replacement:
+            s.close()
+        t.join(5)
+
+
+def test_upstream_down_twice_answers_503_saying_why(make_router: RouterFactory) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    records: list[dict[str, Any]] = []
+    r = make_router(Upstreams(http=("127.0.0.1", port)), retry_wait=0.05,
+                    on_request=records.append)
+    with pytest.raises(openai.APIStatusError, match="refused") as exc:
+        chat(client(r).with_options(max_retries=0))
+    assert exc.value.status_code == 503
+    assert r.stats()["http"]["retried"] == 1
+    rec = nth_record(records, 1)
+    assert rec["outcome"] == "error" and rec["status"] == 503
+
+
+def test_upstream_closing_on_purpose_is_passed_on_not_retried(make_router: RouterFactory,
+                                                              upstream: StandIn) -> None:
+    """llama-server closes a connection without a word on purpose (a 70,000-byte URL, say)
+    while it keeps serving: the client's connection is closed as llama-server's would be, and
+    the request is not sent again (it would get the same) nor answered 503."""
     records: list[dict[str, Any]] = []
     r = make_router(Upstreams(http=upstream.addr), retry_wait=0.05, on_request=records.append)
     upstream.drop(1)
-    assert chat(client(r)) == "t0 t1 t2"
-    assert r.stats()["http"]["retried"] == 1 and upstream.requests == 2
-    # Twice in a row: one retry only, then a 503 that says why. (Without the pooled idle
-    # connection: a reused one that fails is taken as stale and replaced at once, uncounted.)
-    wait_until(lambda: r.stats()["pooled"] == 1, what="upstream connection back in the pool")
-    r.pool.close()
-    upstream.drop(2)
-    with pytest.raises(openai.APIStatusError, match="closed before answering") as exc:
-        chat(client(r))
-    assert exc.value.status_code == 503
-    rec = nth_record(records, 2)
-    assert rec["outcome"] == "error" and rec["status"] == 503
+    with socket.create_connection(("127.0.0.1", r.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(65536) == b""
+    assert upstream.requests == 1 and r.stats()["http"]["retried"] == 0
+    assert nth_record(records, 1)["outcome"] == "error"
+    assert chat(client(r)) == "t0 t1 t2"  # and the next request is served
 
 
 def test_stream_cut_midway_openai_client_raises(make_router: RouterFactory,

@@ -172,6 +172,8 @@ def test_thousand_streams_hard_limit_1024_all_served(upstream_child: int, as_use
 
 
 def test_silent_connections_do_not_starve_prompt_clients(upstream: StandIn) -> None:
+    """200 silent connections from one address (what a NAT or a load balancer in front looks
+    like): nobody is evicted (the queue has room for them), prompt clients are served."""
     r = Router(HOST, 0, Upstreams(http=upstream.addr))
     r.start()
     silent: list[socket.socket] = []
@@ -180,46 +182,50 @@ def test_silent_connections_do_not_starve_prompt_clients(upstream: StandIn) -> N
         wait_until(lambda: r.stats()["accepted"] == 200, what="200 accepted")
         session = requests.Session()
         for i in range(20):
-            t0 = time.monotonic()
             reply = requests.get(f"http://{HOST}:{r.port}/health", timeout=5)  # new connection
-            assert reply.status_code == 200 and time.monotonic() - t0 < 2.0, i
+            assert reply.status_code == 200, i
             assert session.get(f"http://{HOST}:{r.port}/health", timeout=5).status_code == 200
-        # Silent ones from one address were evicted (oldest first), the prompt ones served.
         wait_until(lambda: r.stats()["http"]["2xx"] == 40, what="40 counted")
         st = r.stats()
-        assert st["refused"].get("silent_source_limit", 0) >= 200 - 32
-        assert st["pending"] <= 32
-        assert recv_to_eof(silent[0], timeout=2) == b""  # the oldest was closed
+        assert st["refused"] == {}, st["refused"]
+        assert st["pending"] == 200
+        silent[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the oldest speaks
+        assert silent[0].recv(65536).startswith(b"HTTP/1.1 200 ")
     finally:
         for s in silent:
             s.close()
         r.stop()
 
 
-def test_flood_from_one_address_spares_a_slow_starter_from_another(upstream: StandIn) -> None:
-    r = Router(HOST, 0, Upstreams(http=upstream.addr), max_pending=64,
-               max_pending_per_source=48)
+def test_full_silent_queue_evicts_only_the_long_silent_with_a_503(upstream: StandIn) -> None:
+    """A full silent queue evicts only connections silent past `evict_after`, oldest of the
+    address with the most first; the evicted get a 503 with Retry-After, not a reset, and new
+    connections wait in the kernel's backlog meanwhile rather than being refused."""
+    r = Router(HOST, 0, Upstreams(http=upstream.addr), max_pending=64, evict_after=0.5)
     r.start()
     socks: list[socket.socket] = []
 
     def from_addr(ip: str) -> socket.socket:
         s = socket.socket()
         s.bind((ip, 0))
-        s.settimeout(5)
+        s.settimeout(10)
         s.connect((HOST, r.port))
         socks.append(s)
         return s
 
     try:
         slow = from_addr("127.0.0.3")  # connects, says nothing yet
-        for _ in range(3):  # flood: 300 silent connections from 127.0.0.2 and 127.0.0.4
-            for ip in ("127.0.0.2", "127.0.0.4"):
-                for _ in range(50):
-                    from_addr(ip)
-        wait_until(lambda: r.stats()["accepted"] == 301, what="all accepted")
+        flood = [from_addr(ip) for _ in range(40) for ip in ("127.0.0.2", "127.0.0.4")]
+        wait_until(lambda: r.stats()["accepted"] == 64, what="the queue full")
+        # 17 more are in the kernel's backlog, none refused while the silent ones are young.
+        assert r.stats()["refused"] == {}
+        # Once silent long enough, the oldest of the largest sources make room: a 503.
+        reply = recv_to_eof(flood[0], timeout=10)
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"Retry-After:" in reply
+        wait_until(lambda: r.stats()["accepted"] == 81, what="the backlog accepted")
         slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert slow.recv(65536).startswith(b"HTTP/1.1 200 ")
-        assert r.stats()["refused"]["silent_evicted"] > 0
+        assert r.stats()["refused"]["silent_evicted"] >= 17
     finally:
         for s in socks:
             s.close()

@@ -182,9 +182,11 @@ class Pending:
         self.by_src.setdefault(conn.src, collections.deque()).append(conn)
 
     def remove(self, conn: Conn) -> None:
-        del self.all[conn.id]
+        """Forget ``conn``; a connection already gone (evicted, timed out) is a no-op."""
+        if self.all.pop(conn.id, None) is None:
+            return
         q = self.by_src[conn.src]
-        q.remove(conn)  # short: bounded by the per-source limit
+        q.remove(conn)
         if not q:
             del self.by_src[conn.src]
 

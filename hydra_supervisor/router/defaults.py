@@ -24,6 +24,19 @@ LENGTH_KEYS = ("n_predict", "max_tokens", "max_completion_tokens")
 MAX_INSPECT = 8 << 20
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
+def _json_object(body: bytes) -> bytes | None:
+    """The body without a UTF-8 BOM (llama-server's JSON parser skips one) when it looks like
+    a JSON object, else None (not ours to read)."""
+    if body.startswith(_BOM):
+        body = body[len(_BOM):]
+    if not body or len(body) > MAX_INSPECT or body.lstrip()[:1] != b"{":
+        return None
+    return body
+
+
 def path_of(target: bytes) -> str:
     return target.split(b"?", 1)[0].decode("latin-1")
 
@@ -34,10 +47,11 @@ def merge(path: str, body: bytes, defaults: dict[str, Any]) -> tuple[bytes | Non
     ``path`` is the request path without its query; the caller checks the method is POST."""
     if path not in NATIVE_PATHS and path not in OPENAI_PATHS:
         return None, None
-    if not body or len(body) > MAX_INSPECT or body.lstrip()[:1] != b"{":
+    text = _json_object(body)
+    if text is None:
         return None, None
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except (ValueError, RecursionError):
         return None, None  # llama-server gives the client its own error for this body
     if not isinstance(obj, dict):
@@ -66,11 +80,19 @@ def merge(path: str, body: bytes, defaults: dict[str, Any]) -> tuple[bytes | Non
 
 def model_of(body: bytes) -> str | None:
     """The ``model`` of any JSON object body (embeddings, rerank, infill...), or None."""
-    if not body or len(body) > MAX_INSPECT or body.lstrip()[:1] != b"{":
-        return None
+    return model_in(body)[0]
+
+
+def model_in(body: bytes) -> tuple[str | None, bool]:
+    """(the ``model`` of a JSON object body or None, whether the body could be read): a body
+    that looks like a JSON object but does not parse here (nested past Python's recursion
+    limit, or malformed) is unreadable, and the router must not guess where it goes."""
+    text = _json_object(body)
+    if text is None:
+        return None, True
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except (ValueError, RecursionError):
-        return None
+        return None, False
     model = obj.get("model") if isinstance(obj, dict) else None
-    return model if isinstance(model, str) else None
+    return (model if isinstance(model, str) else None), True

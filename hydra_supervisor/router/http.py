@@ -31,11 +31,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import h11
 
 from hydra_supervisor.router import defaults as request_defaults
+from hydra_supervisor.router import head
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Gate, Refusal
 from hydra_supervisor.router.routes import LocalReply, Route
 
@@ -47,21 +49,15 @@ Addr = tuple[str, int]
 
 RECV = 65536
 MAX_HEAD = 64 * 1024
-# Hop-by-hop headers (RFC 9110 7.6.1) are per leg; framing headers are rewritten per leg by h11.
-_HOP_REQ = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"transfer-encoding",
-        b"content-length",
-        b"expect",
-    }
-)
-_HOP_RESP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"trailer", b"upgrade"})
+# After a reply that ends the connection early (413 before the upload): how long and how much
+# of what the client still sends is read, so that the close is not a reset.
+_LINGER_S = 1.0
+_LINGER_BYTES = 4 << 20
+# How long the empty chunked body after a 204 is waited for (router/head.py).
+_TAIL_WAIT_S = 1.0
+# Before a new upstream connection closed without answering is taken for a refusal on purpose,
+# the upstream is probed after this pause (a dying process may hold its listener a moment).
+_CLOSE_PROBE_DELAY_S = 0.05
 _POOL_IDLE = 16  # idle upstream connections kept per target
 # llama-server (cpp-httplib) closes an idle keep-alive connection after 5 s; reusing one near
 # that edge races its close, so pooled connections retire earlier.
@@ -200,16 +196,26 @@ class _NotStarted(Exception):
     """The upstream failed before sending one response byte: the request may be sent again."""
 
 
+_NO_BODY_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
+_POOLABLE_VERSIONS = (b"1.1",)  # upstream connections of these versions go back to the pool
+
+
 class HttpSession:
-    """Serves one client connection until it closes, idles out, or the router stops."""
+    """Serves one client connection until it closes, idles out, or the router stops.
+
+    h11 parses (one ``h11.Connection`` per request, fed the bytes the previous one left);
+    heads and framing are written here (router/head.py), so the client sees llama-server's
+    header names, order and framing (docs/router.md, "Transparency")."""
 
     def __init__(self, router: Router, conn: Conn) -> None:
         self.r = router
         self.conn = conn
         self.sock = conn.client
-        self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        self.h.receive_data(conn.prefix)
+        self.buf = bytearray(conn.prefix)  # received, not given to a parser yet
         conn.up += len(conn.prefix)
+        self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self.client_eof = False  # the client shut its side: answer, then close
+        self.keep = True  # the client's connection may carry another request
         self._timeout: float | None = -1.0  # what the client socket has; -1: not set yet
 
     def _set_timeout(self, t: float | None) -> None:
@@ -222,10 +228,7 @@ class HttpSession:
 
     def run(self) -> None:
         while self._one_request():
-            try:
-                self.h.start_next_cycle()
-            except h11.LocalProtocolError:
-                return  # one side wants the connection closed
+            pass
 
     def _recv_client(self, timeout: float | None) -> bytes:
         self._set_timeout(timeout)
@@ -239,18 +242,20 @@ class HttpSession:
         self.conn.last = time.monotonic()
         return data
 
-    def _next_client_event(self, deadline: float | None, idle: bool) -> Any:
-        """The next h11 event from the client. ``idle``: between requests (idle_timeout)."""
+    def _read_head(self) -> bytes | None:
+        """The next request's head, or None when the client closed. Between requests the wait
+        is ``idle_timeout``; from a request's first byte its head must come within
+        ``request_timeout`` (a head sent a byte at a time holds no thread forever)."""
+        deadline: float | None = None
         while True:
-            ev = self.h.next_event()
-            if ev is not h11.NEED_DATA:
-                return ev
-            if idle and self.h.trailing_data[0]:
-                # Part of the next request is here: it is no longer idle, and the rest must come
-                # within request_timeout (a head sent a byte at a time holds no thread forever).
-                idle = False
-                deadline = time.monotonic() + self.r.request_timeout
-            if idle:
+            end = head.head_end(self.buf)
+            if end is not None:
+                raw = bytes(self.buf[:end])
+                del self.buf[:end]
+                return raw
+            if len(self.buf) > MAX_HEAD:
+                raise head.HeadError(431, "request head over 64 KiB")
+            if not self.buf.strip(b"\r\n"):
                 # Marked idle while blocked here: the acceptor may close this connection to
                 # admit a waiting one when descriptors run short (router/relay.py).
                 self.conn.idle_since = time.monotonic()
@@ -258,9 +263,26 @@ class HttpSession:
                     data = self._recv_client(self.r.idle_timeout)
                 finally:
                     self.conn.idle_since = None
-                self.h.receive_data(data)
-                continue
-            assert deadline is not None
+            else:
+                if deadline is None:
+                    deadline = time.monotonic() + self.r.request_timeout
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    raise TimeoutError
+                data = self._recv_client(timeout)
+            if not data:
+                self.client_eof = True
+                if self.buf.strip(b"\r\n"):
+                    raise _ClientGone("client closed mid-request")
+                return None
+            self.buf += data
+
+    def _next_client_event(self, deadline: float) -> Any:
+        """The next h11 event of the request being read (its body)."""
+        while True:
+            ev = self.h.next_event()
+            if ev is not h11.NEED_DATA:
+                return ev
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 raise TimeoutError
@@ -278,9 +300,9 @@ class HttpSession:
     def _one_request(self) -> bool:
         """Serve one request; True when the connection can carry another."""
         try:
-            ev = self._next_client_event(None, idle=True)
+            raw = self._read_head()
         except TimeoutError:
-            if self.h.trailing_data[0]:
+            if self.buf.strip(b"\r\n"):
                 self.conn.note("request head not received in time")
                 self.r.count_refused("request_timeout")
             else:
@@ -290,29 +312,75 @@ class HttpSession:
         except _ClientGone as e:
             self.conn.note(str(e))
             return False
-        except h11.RemoteProtocolError as e:
-            self._protocol_error(e)
+        except head.HeadError as e:
+            # Over 64 KiB of head: llama-server closes such a connection without a word
+            # (a 70,000-byte URL, measured); so does the router.
+            self.conn.note(f"bad request: {e}")
+            self.r.count_refused("bad_request", str(e))
             return False
-        if isinstance(ev, h11.ConnectionClosed):
+        if raw is None:
             self.conn.note("client closed")
             return False
-        assert isinstance(ev, h11.Request)
+        try:
+            given, lent_host = head.prepare_request_head(raw)
+        except head.HeadError as e:
+            self._bad_request(e.status, str(e))
+            return False
+        self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self.h.receive_data(given + bytes(self.buf))
+        self.buf.clear()
+        try:
+            ev = self.h.next_event()
+        except h11.RemoteProtocolError as e:
+            self._bad_request(getattr(e, "error_status_hint", 400), str(e))
+            return False
+        if not isinstance(ev, h11.Request):
+            self._bad_request(400, "malformed request head")
+            return False
+        conn_tokens = head.tokens(ev.headers, b"connection")
+        if ev.http_version == b"1.0":
+            self.keep = b"keep-alive" in conn_tokens
+        else:
+            self.keep = b"close" not in conn_tokens
         rec = Record(ev.method.decode("latin-1"), request_defaults.path_of(ev.target),
                      time.monotonic())
         try:
-            return self._serve(ev, rec)
+            done = self._serve(ev, rec, lent_host)
         except _ClientGone as e:
             self.conn.note(str(e))
             rec.outcome = "error" if rec.outcome == "ok" else rec.outcome
             rec.reason = str(e)
             self.r.finish_request(rec)
             return False
+        if not done or not self.keep or self.client_eof:
+            return False
+        if self.h.their_state is not h11.DONE:
+            return False
+        rest, closed = self.h.trailing_data
+        self.buf = bytearray(rest)
+        self.client_eof = closed
+        return True
 
-    def _serve(self, req: h11.Request, rec: Record) -> bool:
+    def _serve(self, req: h11.Request, rec: Record, lent_host: bool) -> bool:
+        """Serve ``req``; False when the connection must close after what was written."""
         deadline = time.monotonic() + self.r.request_timeout
         if req.method == b"CONNECT" or any(k == b"upgrade" for k, _ in req.headers):
             self._reply_error(rec, 501, "hydra router: upgrade/CONNECT not supported",
                               "not_supported_error", close=True)
+            return False
+        conflict = head.framing_conflict(req.headers)
+        if conflict is not None:
+            # RFC 9112 6.1: such a message may be a smuggling attempt; answer and close.
+            self.r.count_refused("bad_request", conflict)
+            self._reply_error(rec, 400, f"hydra router: bad request: {conflict}",
+                              "invalid_request_error", close=True)
+            return False
+        declared = next((int(v) for k, v in req.headers if k == b"content-length"), None)
+        if declared is not None and declared > self.r.max_body:
+            self.r.count_refused("body_too_large")
+            self._reply_error(rec, 413, f"hydra router: request body over {self.r.max_body} bytes",
+                              "invalid_request_error", close=True)
+            self._linger()
             return False
         refusal = self.r.gate.refusal_now()
         try:
@@ -324,7 +392,7 @@ class HttpSession:
                               "timeout_error", close=True)
             return False
         except h11.RemoteProtocolError as e:
-            self._protocol_error(e)
+            self._bad_request(getattr(e, "error_status_hint", 400), str(e))
             return False
         rec.bytes_in = len(body)
         if refusal is not None:
@@ -341,22 +409,31 @@ class HttpSession:
             merged, rec.model = request_defaults.merge(rec.path, body, self.r.request_defaults)
             if merged is not None:
                 body = merged
+        fwd = _Outgoing(req, body, lent_host)
         table = self.r.table
         if table is None:
             refusal = self.r.gate.wait_turn()
             if refusal is not None:
                 self._refuse(rec, refusal)
                 return True
-            return self._forward(req, body, rec, None)
+            return self._forward(fwd, rec, None)
         if rec.model is None and req.method == b"POST":
-            rec.model = request_defaults.model_of(body)  # embeddings, rerank, infill...
+            rec.model, readable = request_defaults.model_in(body)
+            if not readable:
+                # llama-server would read this body (a JSON parser without a depth limit);
+                # ours cannot, and must not guess which model it names.
+                self.r.count_refused("bad_request", "unreadable JSON body")
+                self._reply_error(rec, 400, "hydra router: cannot read \"model\" from this JSON "
+                                  "body (nested too deeply or malformed)",
+                                  "invalid_request_error")
+                return True
         sel = table(rec.model, rec.method, rec.path)
         if isinstance(sel, LocalReply):
             self._local_reply(rec, sel)
             return True
-        return self._routed(req, body, rec, sel)
+        return self._routed(fwd, rec, sel)
 
-    def _routed(self, req: h11.Request, body: bytes, rec: Record, route: Route) -> bool:
+    def _routed(self, fwd: _Outgoing, rec: Record, route: Route) -> bool:
         """A request the table sent to `route`: its limiter, then its gate, then upstream."""
         route.started()
         lim = route.limiter
@@ -371,7 +448,7 @@ class HttpSession:
                 if refusal is not None:
                     self._refuse(rec, refusal)
                     return True
-                return self._forward(req, body, rec, route)
+                return self._forward(fwd, rec, route)
             finally:
                 if lim is not None:
                     lim.release()
@@ -390,16 +467,13 @@ class HttpSession:
     def _send_json(self, rec: Record, status: int, body: bytes,
                    extra: list[tuple[bytes, bytes]]) -> None:
         """A whole JSON response the router writes itself; the request's record ends here."""
-        headers = [(b"Content-Type", b"application/json; charset=utf-8"),
-                   (b"Content-Length", str(len(body)).encode()), *extra]
+        close = any(k == b"Connection" for k, _ in extra)
+        if not close and not self.keep:
+            extra = [*extra, (b"Connection", b"close")]
         try:
-            if self.h.our_state is h11.SEND_RESPONSE:
-                out = self.h.send(h11.Response(status_code=status, headers=headers)) or b""
-                if rec.method != "HEAD":  # a HEAD response has the headers, no body
-                    out += self.h.send(h11.Data(data=body)) or b""
-                out += self.h.send(h11.EndOfMessage()) or b""
-                self._send_client(out)
-                rec.bytes_out += len(out)
+            out = _json_response(status, body, extra, with_body=rec.method != "HEAD")
+            self._send_client(out)
+            rec.bytes_out += len(out)
         finally:
             self.r.finish_request(rec)
 
@@ -407,10 +481,9 @@ class HttpSession:
         parts: list[bytes] = []
         size = 0
         if self.h.client_is_waiting_for_100_continue:
-            cont = h11.InformationalResponse(status_code=100, headers=[])
-            self._send_client(self.h.send(cont) or b"")
+            self._send_client(b"HTTP/1.1 100 Continue\r\n\r\n")
         while True:
-            ev = self._next_client_event(deadline, idle=False)
+            ev = self._next_client_event(deadline)
             if isinstance(ev, h11.Data):
                 size += len(ev.data)
                 if size <= limit:
@@ -422,15 +495,34 @@ class HttpSession:
             elif isinstance(ev, h11.ConnectionClosed):
                 raise _ClientGone("client closed mid-request")
 
-    def _protocol_error(self, e: h11.RemoteProtocolError) -> None:
-        status = getattr(e, "error_status_hint", 400)
-        self.conn.note(f"bad request: {e}")
-        self.r.count_refused("bad_request")
-        body = error_body(status, f"hydra router: bad request: {e}", "invalid_request_error")
-        head = (f"HTTP/1.1 {status} Bad Request\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    def _linger(self) -> None:
+        """After a reply that closes the connection early: half-close and read what the client
+        still sends for a moment, so the close is not a reset that destroys the reply."""
         try:
-            self._send_client(head + body)
+            self.sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + _LINGER_S
+            drained = 0
+            while drained < _LINGER_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._set_timeout(left)
+                data = self.sock.recv(RECV)
+                if not data:
+                    break
+                drained += len(data)
+        except OSError:
+            pass
+
+    def _bad_request(self, status: int, message: str) -> None:
+        """A request the router could not parse: answer with llama-server's error shape and
+        close (its framing cannot be trusted)."""
+        self.conn.note(f"bad request: {message}")
+        self.r.count_refused("bad_request", message)
+        body = error_body(status, f"hydra router: bad request: {message}",
+                          "invalid_request_error")
+        try:
+            self._send_client(_json_response(status, body, [(b"Connection", b"close")]))
         except _ClientGone:
             pass
 
@@ -454,16 +546,10 @@ class HttpSession:
 
     # ------------------------------------------------------------ upstream side
 
-    def _forward(self, req: h11.Request, body: bytes, rec: Record,
-                 route: Route | None) -> bool:
+    def _forward(self, fwd: _Outgoing, rec: Record, route: Route | None) -> bool:
         """Send upstream: `route`'s upstream through its gate, or (no route table) the
         router's own."""
         gate = self.r.gate if route is None else route.gate
-        headers = [(k, v) for k, v in req.headers if k not in _HOP_REQ]
-        if not any(k == b"host" for k, _ in headers):
-            headers.append((b"host", b"localhost"))
-        if body or req.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
-            headers.append((b"content-length", str(len(body)).encode()))
         retried = False
         while True:
             target = self.r.upstreams.http if route is None else route.http
@@ -473,9 +559,10 @@ class HttpSession:
                 return True
             flight = gate.begin()
             try:
-                return self._exchange(gate, flight, target, req, headers, body, rec)
+                return self._exchange(gate, flight, target, fwd, rec)
             except _NotStarted as e:
                 why = str(e)
+                fresh_close = e.args[1] if len(e.args) > 1 else False
             finally:
                 gate.end(flight)
             if flight.cut is not None:
@@ -484,6 +571,18 @@ class HttpSession:
                                   "unavailable_error", retry_after=DEFAULT_RETRY_AFTER,
                                   outcome="cut")
                 return True
+            if self.client_eof:
+                raise _ClientGone("client closed; the upstream closed without answering")
+            if (fresh_close and gate.held_reason is None and gate.refusal_now() is None
+                    and self._upstream_listening(target)):
+                # llama-server closed a new connection without a word while still serving: a
+                # request it refuses on purpose. Sending it again would get the same; close
+                # the client's connection as llama-server on its own port would have.
+                self.conn.note(f"{why}; llama-server is up: its answer passed on as a close")
+                rec.outcome, rec.reason = "error", why
+                self.r.count_refused("upstream_closed", why)
+                self.r.finish_request(rec)
+                return False
             if retried:
                 self._refuse(rec, Refusal(503, why, DEFAULT_RETRY_AFTER, "error",
                                           "upstream_down"))
@@ -495,8 +594,18 @@ class HttpSession:
                 self._refuse(rec, refusal)
                 return True
 
-    def _exchange(self, gate: Gate, flight: Flight, target: Addr, req: h11.Request,
-                  headers: list[tuple[bytes, bytes]], body: bytes, rec: Record) -> bool:
+    def _upstream_listening(self, target: Addr) -> bool:
+        """Whether the upstream still accepts connections (a process that died does not)."""
+        time.sleep(_CLOSE_PROBE_DELAY_S)  # a dying process may hold its listener a moment
+        try:
+            probe = self.r._connect_once(target)
+        except OSError:
+            return False
+        probe.close()
+        return True
+
+    def _exchange(self, gate: Gate, flight: Flight, target: Addr, fwd: _Outgoing,
+                  rec: Record) -> bool:
         """One attempt. Raises _NotStarted when nothing came back (the caller may retry)."""
         for _ in range(2):  # a stale pooled connection is replaced once, at once
             try:
@@ -507,39 +616,37 @@ class HttpSession:
             if not gate.attach(flight, sock):
                 sock.close()
                 raise _NotStarted("cut")
-            up = h11.Connection(h11.CLIENT)
+            up = fwd.parser()
             try:
-                out = up.send(h11.Request(method=req.method, target=req.target,
-                                          headers=headers)) or b""
-                if body:
-                    out += up.send(h11.Data(data=body)) or b""
-                out += up.send(h11.EndOfMessage()) or b""
-                sock.sendall(out)
+                sock.sendall(fwd.wire)
                 first = self._first_response_bytes(sock)
-            except _NotStarted:
+            except _NotStarted as e:
                 sock.close()
-                if reused and flight.cut is None:
+                if reused and flight.cut is None and not self.client_eof:
                     continue
-                raise
+                raise _NotStarted(str(e), not reused) from e
             except OSError as e:
                 sock.close()
-                if reused and flight.cut is None:
+                if reused and flight.cut is None and not self.client_eof:
                     continue
                 raise _NotStarted(f"http upstream {target[0]}:{target[1]}: "
                                   f"{e.strerror or e}") from e
             except BaseException:
                 sock.close()
                 raise
-            return self._relay_response(flight, target, sock, up, first, rec)
+            return self._relay_response(flight, target, sock, up, first, rec, fwd.poolable)
         raise _NotStarted(f"http upstream {target[0]}:{target[1]}: closed")
 
     def _first_response_bytes(self, sock: socket.socket) -> bytes:
-        """Wait for the upstream's first bytes while watching the client, whose going away
-        (a user cancelling a long completion) must reach llama-server, which then stops."""
+        """Wait for the upstream's first bytes while watching the client. A client that shuts
+        its side (a half-close, or gone: they look alike) is passed on as llama-server on its
+        own port would see it: the upstream connection is half-closed too, and llama-server
+        answers or stops, as it decides (it stops a completion whose client went away)."""
         poller = select.poll()
         cfd, ufd = self.sock.fileno(), sock.fileno()
         poller.register(ufd, select.POLLIN)
-        poller.register(cfd, select.POLLIN)
+        if not self.client_eof:
+            poller.register(cfd, select.POLLIN)
         while True:
             for fd, _ev in poller.poll():
                 if fd == cfd:
@@ -549,9 +656,13 @@ class HttpSession:
                         peek = b"?"
                     except OSError:
                         peek = b""
-                    if not peek:
-                        raise _ClientGone("client closed while waiting for the response")
                     poller.unregister(cfd)  # a pipelined next request: read it later
+                    if not peek:
+                        self.client_eof = True
+                        try:
+                            sock.shutdown(socket.SHUT_WR)
+                        except OSError:
+                            pass
                     continue
                 data = sock.recv(RECV)
                 if not data:
@@ -565,10 +676,10 @@ class HttpSession:
         rec.bytes_out += len(data)
 
     def _relay_response(self, flight: Flight, target: Addr, sock: socket.socket,
-                        up: h11.Connection, data: bytes, rec: Record) -> bool:
-        h = self.h
-        sse = False
-        head_sent = False
+                        up: h11.Connection, data: bytes, rec: Record, poolable: bool) -> bool:
+        """Forward one response: the head as the upstream wrote it (router/head.py), the body
+        in the upstream's framing, each piece as it arrives (an SSE stream token by token)."""
+        resp = _Framing()
         recv = sock.recv
         # What h11 already has parsed goes out in one write: a token chunk that arrived with
         # the terminal chunk leaves together with it (fewer syscalls, and the client sees the
@@ -588,55 +699,159 @@ class HttpSession:
                     up.receive_data(data)
                     continue
                 if isinstance(ev, h11.Data):
-                    out.append(h.send(ev) or b"")
+                    out.append(head.chunk(ev.data) if resp.kind == "chunked" else ev.data)
                 elif isinstance(ev, h11.Response):
                     rec.status = ev.status_code
-                    hdrs = [(k, v) for k, v in ev.headers if k not in _HOP_RESP]
-                    sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
-                              for k, v in hdrs)
-                    out.append(h.send(h11.Response(status_code=ev.status_code, headers=hdrs,
-                                                   reason=ev.reason)) or b"")
-                    head_sent = True
+                    resp.start(ev, rec.method == "HEAD")
+                    if resp.kind == "eof":
+                        self.keep = False  # the body ends with the connection
+                    out.append(head.response_head(ev.http_version, ev.status_code, ev.reason,
+                                                  ev.headers.raw_items(), close=not self.keep
+                                                  or self.client_eof))
                 elif isinstance(ev, h11.InformationalResponse):
                     if ev.status_code != 101:
-                        out.append(h.send(ev) or b"")
+                        out.append(head.informational_head(
+                            ev.http_version, ev.status_code, ev.reason, ev.headers.raw_items()))
                 elif isinstance(ev, h11.EndOfMessage):
-                    out.append(h.send(h11.EndOfMessage()) or b"")
+                    if resp.kind == "chunked":
+                        out.append(head.last_chunk(ev.headers.raw_items()))
+                    elif resp.chunked_tail:
+                        out.append(self._chunked_tail(sock, up))
+                        poolable = False
                     self._flush(out, rec)
                     break
                 elif isinstance(ev, h11.ConnectionClosed):
                     raise h11.RemoteProtocolError("upstream closed mid-response")
         except h11.RemoteProtocolError as e:
             sock.close()
-            reason = flight.cut or f"upstream closed mid-response ({e})"
-            self.r.count_cut()
-            rec.outcome, rec.reason = "cut", reason
-            self.conn.note(f"response cut: {reason}")
-            if out and head_sent:
-                try:
-                    self._flush(out, rec)
-                except _ClientGone:
-                    pass
-            if not head_sent:
-                self._reply_error(rec, 502, f"hydra router: {reason}", "server_error",
-                                  close=True, outcome="cut")
-                return False
-            if sse:
-                try:
-                    out.append(h.send(h11.Data(data=sse_error_event(f"hydra router: {reason}")))
-                               or b"")
-                    out.append(h.send(h11.EndOfMessage()) or b"")
-                    self._flush(out, rec)
-                except (h11.LocalProtocolError, _ClientGone):
-                    pass  # a Content-Length body cannot carry the event; the close says it
-            self.r.finish_request(rec)
-            return False
+            return self._cut(flight, resp, out, rec, str(e))
         except BaseException:
             sock.close()
             raise
-        if up.our_state is h11.DONE and up.their_state is h11.DONE and flight.cut is None:
+        if (poolable and not self.client_eof and flight.cut is None
+                and up.our_state is h11.DONE and up.their_state is h11.DONE):
             self.r.pool.give(target, sock)
         else:
             sock.close()
         self.r.finish_request(rec)
-        return h.our_state is h11.DONE and h.their_state is h11.DONE
+        return True
+
+    def _cut(self, flight: Flight, resp: _Framing, out: list[bytes], rec: Record,
+             why: str) -> bool:
+        """The upstream went away mid-response (a crash, or cut_inflight). The client is told:
+        before the head, a 502; in a chunked body (every SSE stream), an SSE error event and
+        the last chunk, so the connection stays usable; otherwise the close says it."""
+        reason = flight.cut or f"upstream closed mid-response ({why})"
+        self.r.count_cut()
+        rec.outcome, rec.reason = "cut", reason
+        self.conn.note(f"response cut: {reason}")
+        if not resp.started:
+            self._reply_error(rec, 502, f"hydra router: {reason}", "server_error", outcome="cut")
+            return True
+        keep = False
+        if resp.kind == "chunked":
+            if resp.sse:
+                out.append(head.chunk(sse_error_event(f"hydra router: {reason}")))
+            out.append(head.last_chunk())
+            keep = True
+        elif resp.kind == "eof" and resp.sse:
+            out.append(sse_error_event(f"hydra router: {reason}"))
+        try:
+            if out:
+                self._flush(out, rec)
+        except _ClientGone:
+            keep = False
+        self.r.finish_request(rec)
+        return keep
+
+    def _chunked_tail(self, sock: socket.socket, up: h11.Connection) -> bytes:
+        """The empty chunked body llama-server sends after a 204 it marked chunked (h11, by the
+        RFC, reads no body there): a client that reads the framing it was given waits for it,
+        so it is forwarded as sent. Bounded: a moment, a few KiB."""
+        buf = bytes(up.trailing_data[0])
+        deadline = time.monotonic() + _TAIL_WAIT_S
+        while (end := head.empty_chunked_end(buf)) is None and len(buf) < 4096:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return buf
+            try:
+                sock.settimeout(left)
+                data = sock.recv(RECV)
+            except OSError:
+                return buf
+            if not data:
+                return buf
+            buf += data
+        return buf[:end] if end is not None else buf
+
+
+class _Framing:
+    """How the response being forwarded delimits its body."""
+
+    __slots__ = ("kind", "sse", "started", "chunked_tail")
+
+    def __init__(self) -> None:
+        self.kind = ""  # "chunked" | "length" | "eof" | "none"
+        self.sse = False
+        self.started = False
+        self.chunked_tail = False
+
+    def start(self, ev: h11.Response, head_request: bool) -> None:
+        self.started = True
+        te = cl = False
+        for k, v in ev.headers:
+            if k == b"transfer-encoding":
+                te = True
+            elif k == b"content-length":
+                cl = True
+            elif k == b"content-type" and v.startswith(b"text/event-stream"):
+                self.sse = True
+        if head_request or ev.status_code in (204, 304):
+            self.kind = "none"
+            self.chunked_tail = te and ev.status_code in (204, 304)
+        else:
+            self.kind = "chunked" if te else "length" if cl else "eof"
+
+
+class _Outgoing:
+    """A request as it goes upstream: the client's request line and header lines (names as
+    sent, per-leg ones dropped), our own Content-Length, the whole body."""
+
+    __slots__ = ("method", "wire", "poolable")
+
+    def __init__(self, req: h11.Request, body: bytes, lent_host: bool) -> None:
+        self.method = req.method
+        hdrs = [(k, v) for k, v in req.headers.raw_items()
+                if k.lower() not in head.HOP_REQUEST and not (lent_host and k.lower() == b"host")]
+        length = len(body) if body or req.method not in _NO_BODY_METHODS else None
+        self.wire = head.request_head(req.method, req.target, req.http_version, hdrs,
+                                      length) + body
+        # An HTTP/1.0 request goes up as 1.0 (so llama-server frames its answer for a 1.0
+        # client), and llama-server then closes that connection.
+        self.poolable = req.http_version in _POOLABLE_VERSIONS
+
+    def parser(self) -> h11.Connection:
+        """An h11 client that parses the response to this request (it needs the method: the
+        answer to a HEAD has no body). Its own output is not sent; ``wire`` is."""
+        up = h11.Connection(h11.CLIENT)
+        up.send(h11.Request(method=self.method, target=b"/", headers=[(b"Host", b"upstream")]))
+        up.send(h11.EndOfMessage())
+        return up
+
+
+def _json_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]],
+                   with_body: bool = True) -> bytes:
+    """A response the router writes itself, in llama-server's shape (its error JSON, its
+    header names)."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    lines = [f"HTTP/1.1 {status} {phrase}\r\n".encode(),
+             b"Content-Type: application/json; charset=utf-8\r\n",
+             b"Content-Length: %d\r\n" % len(body)]
+    lines += [k + b": " + v + b"\r\n" for k, v in extra]
+    lines.append(b"\r\n")
+    if with_body:
+        lines.append(body)
+    return b"".join(lines)

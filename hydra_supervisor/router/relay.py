@@ -87,9 +87,48 @@ _LOG_EVERY_S = 10.0
 # about to send its next request has usually sent it by then.
 _IDLE_CLOSE_MIN_S = 0.05
 _EMFILE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# The acceptor restarts its loop after a failure; this many failures within the window end it.
+_ACCEPTOR_MAX_FAILS = 5
+_ACCEPTOR_FAIL_WINDOW_S = 10.0
 
 PUMPS = ("splice", "copy")
 HTTP_MODES = ("aware", "raw")
+
+
+class _Queues:
+    """What the acceptor holds between its runs: silent connections (``pending``), classified
+    ones waiting for a relay slot (``waiting``), and refused ones lingering until the client's
+    EOF (``lingering``); each in deadline order because each has one fixed timeout."""
+
+    def __init__(self) -> None:
+        self.pending = Pending()
+        self.waiting: collections.deque[Conn] = collections.deque()
+        self.lingering: collections.deque[Conn] = collections.deque()
+        self.linger_ids: set[int] = set()
+
+    def forget(self, conn: Conn) -> None:
+        self.pending.remove(conn)
+        if conn.id in self.linger_ids:
+            self.linger_ids.discard(conn.id)
+            try:
+                self.lingering.remove(conn)
+            except ValueError:
+                pass
+
+    def everyone(self) -> list[Conn]:
+        return [*self.pending.all.values(), *self.waiting, *self.lingering]
+
+    def reregister(self, sel: selectors.BaseSelector) -> list[Conn]:
+        """Register the silent and lingering connections with a new selector; returns (and
+        forgets) those whose socket cannot be registered any more."""
+        lost = []
+        for conn in [*self.pending.all.values(), *self.lingering]:
+            try:
+                sel.register(conn.client, selectors.EVENT_READ, conn)
+            except (KeyError, ValueError, OSError):
+                self.forget(conn)
+                lost.append(conn)
+        return lost
 
 
 class Router:
@@ -109,8 +148,9 @@ class Router:
         idle_timeout: float | None = 300.0,
         rpc_idle_timeout: float | None = None,
         max_active: int | None = None,
-        max_pending: int = 128,
-        max_pending_per_source: int = 32,
+        max_pending: int = 1024,
+        max_pending_per_source: int | None = None,
+        evict_after: float = 1.0,
         max_waiting: int = 256,
         name: str = "engine",
         queue_timeout: float = _QUEUE_TIMEOUT,
@@ -127,8 +167,11 @@ class Router:
     ) -> None:
         if max_active is not None and max_active < 1:
             raise ValueError("max_active must be at least 1 (or None: sized from the fd limit)")
-        if max_pending < 1 or max_pending_per_source < 1 or max_waiting < 1:
+        if max_pending < 1 or max_waiting < 1 or (
+                max_pending_per_source is not None and max_pending_per_source < 1):
             raise ValueError("max_pending, max_pending_per_source and max_waiting must be >= 1")
+        if evict_after < 0:
+            raise ValueError("evict_after must be >= 0")
         if first_byte_timeout <= 0 or queue_timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if request_timeout <= 0 or retry_wait < 0 or max_body < 0:
@@ -152,7 +195,10 @@ class Router:
         self._rpc_idle_timeout = rpc_idle_timeout
         self._max_active = max_active
         self._max_pending = max_pending
-        self._max_per_source = min(max_pending_per_source, max_pending)
+        self._pending_cap = max_pending  # sized from the open-file limit at start()
+        self._max_per_source = (max_pending if max_pending_per_source is None
+                                else min(max_pending_per_source, max_pending))
+        self._evict_after = evict_after
         self._max_waiting = max_waiting
         self._queue_timeout = queue_timeout
         self._connect_timeout = connect_timeout
@@ -197,6 +243,8 @@ class Router:
                       "cut": 0, "retried": 0}
         self._by_kind = {k.value: 0 for k in (Kind.RPC, Kind.HYDRA, Kind.HTTP)}
         self._log_marks: dict[str, tuple[float, int]] = {}
+        # Why the acceptor gave up (after repeated failures), until the next start().
+        self.acceptor_error: str | None = None
 
     # ---------------------------------------------------------------- public API
 
@@ -222,9 +270,14 @@ class Router:
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
         wake_w.setblocking(False)
-        reserved = self._max_pending + self._max_waiting + 16 + 3  # queues, pool, own sockets
+        # The silent queue holds descriptors too: under a low open-file limit it gets at most
+        # an eighth of them, so that admitted relays keep the rest (1024 -> 128).
+        soft = self._nofile[0] if self._nofile[0] > 0 else 1024
+        self._pending_cap = max(16, min(self._max_pending, soft // 8))
+        reserved = self._pending_cap + self._max_waiting + 16 + 3  # queues, pool, own sockets
         with self._lock:
             self._stopping = False
+            self.acceptor_error = None
             self._tasks = queue.SimpleQueue()
             self._idle_workers = 0
             self._fd_budget = limits.fd_budget(reserved)
@@ -377,6 +430,7 @@ class Router:
         out["inflight"] = self.gate.inflight()
         out["pooled"] = self.pool.idle()
         out["alive"] = self.alive()
+        out["acceptor_error"] = self.acceptor_error
         return out
 
     # ---------------------------------------------------------------- for sessions
@@ -453,38 +507,82 @@ class Router:
         return any(ip.version == net.version and ip in net for net in self._allow)
 
     def _accept_loop(self) -> None:
+        """The acceptor thread. No exception ends it: one connection's failure is that
+        connection's alone (logged, counted), and a failure of the loop itself restarts the
+        loop at once with the same queues (counted as ``events["acceptor_restart"]``). Only
+        failures in a row (``_ACCEPTOR_MAX_FAILS`` within ``_ACCEPTOR_FAIL_WINDOW_S``) end it:
+        the listener is then closed, so clients are refused rather than left hanging in the
+        backlog, and ``alive()`` turns False for the owner to see (hydra status, watchdog)."""
         listener, wake_r = self._listener, self._wake_r
         assert listener is not None and wake_r is not None
-        sel = selectors.DefaultSelector()
-        sel.register(wake_r, selectors.EVENT_READ, "wake")
-        listening = False
-        # Both are in deadline order because each has one fixed timeout.
-        pending = Pending()
-        waiting: collections.deque[Conn] = collections.deque()
-        paused_until = 0.0
-        next_tick = time.monotonic() + _TICK_S
+        q = _Queues()
+        fails: collections.deque[float] = collections.deque()
         try:
             while not self._stopping:
-                want = not paused_until and len(waiting) < self._max_waiting
+                try:
+                    self._accept_run(listener, wake_r, q)
+                    return
+                except Exception as e:
+                    now = time.monotonic()
+                    fails.append(now)
+                    while fails and now - fails[0] > _ACCEPTOR_FAIL_WINDOW_S:
+                        fails.popleft()
+                    with self._lock:
+                        self._events["acceptor_restart"] += 1
+                    if len(fails) >= _ACCEPTOR_MAX_FAILS:
+                        self.acceptor_error = f"{type(e).__name__}: {e}"
+                        log.exception(
+                            "router %s: acceptor failed %d times in %gs; giving up: the port "
+                            "refuses connections until the router is restarted", self.name,
+                            len(fails), _ACCEPTOR_FAIL_WINDOW_S)
+                        return
+                    log.exception("router %s: acceptor failed; restarted", self.name)
+                    if len(fails) > 1:
+                        time.sleep(0.01 * len(fails))  # not a busy loop on a repeating failure
+        finally:
+            for conn in q.everyone():
+                self._drop(conn, "router stopped", None)
+            with self._lock:
+                self._n_pending = 0
+            listener.close()
+
+    def _accept_run(self, listener: socket.socket, wake_r: socket.socket, q: _Queues) -> None:
+        """One run of the acceptor's select loop over the queues ``q`` (kept across runs)."""
+        sel = selectors.DefaultSelector()
+        try:
+            sel.register(wake_r, selectors.EVENT_READ, "wake")
+            for lost in q.reregister(sel):  # after a restart: connections whose socket died
+                self._drop(lost, "lost in an acceptor restart", "acceptor_restart")
+            listening = False
+            paused_until = 0.0
+            next_tick = time.monotonic() + _TICK_S
+            while not self._stopping:
+                now = time.monotonic()
+                room_at = self._room_at(q.pending, now)
+                want = (not paused_until and len(q.waiting) < self._max_waiting
+                        and room_at <= now)
                 if want != listening:
                     if want:
                         sel.register(listener, selectors.EVENT_READ, "listen")
                     else:
                         sel.unregister(listener)
                     listening = want
-                now = time.monotonic()
                 marks = [next_tick]
-                first = pending.first()
+                first = q.pending.first()
                 if first is not None:
                     marks.append(first.deadline)
-                if waiting:
-                    marks.append(waiting[0].deadline)
+                if room_at > now:
+                    marks.append(room_at)
+                if q.waiting:
+                    marks.append(q.waiting[0].deadline)
+                if q.lingering:
+                    marks.append(q.lingering[0].deadline)
                 if paused_until:
                     marks.append(paused_until)
                 timeout = max(0.0, min(marks) - now)
                 for key, _ in sel.select(timeout):
                     if key.data == "listen":
-                        if not self._accept_batch(sel, pending, waiting):
+                        if not self._accept_batch(sel, q):
                             paused_until = time.monotonic() + _EMFILE_BACKOFF_S
                     elif key.data == "wake":
                         try:
@@ -493,35 +591,50 @@ class Router:
                         except (BlockingIOError, OSError):
                             pass
                     else:
-                        conn = key.data
-                        assert isinstance(conn, Conn)
-                        self._read_prefix(sel, conn, pending, waiting)
+                        assert isinstance(key.data, Conn)
+                        self._on_readable(sel, q, key.data)
                 now = time.monotonic()
                 if paused_until and now >= paused_until:
                     paused_until = 0.0
-                while (conn := pending.first()) is not None and conn.deadline <= now:
-                    self._unpend(sel, pending, conn)
+                while (conn := q.pending.first()) is not None and conn.deadline <= now:
+                    self._unpend(sel, q.pending, conn)
                     self._drop(conn, "first-byte timeout", "first_byte_timeout")
-                while waiting and waiting[0].deadline <= now:
-                    self._busy(waiting.popleft())
-                self._admit(waiting)
+                while q.waiting and q.waiting[0].deadline <= now:
+                    self._busy(q.waiting.popleft())
+                while q.lingering and q.lingering[0].deadline <= now:
+                    self._unlinger(sel, q, q.lingering[0])
+                self._admit(q.waiting)
                 if now >= next_tick:
                     next_tick = now + _TICK_S
                     self._tick(now)
                 with self._lock:
-                    self._n_pending = len(pending) + len(waiting)
-        except Exception:
-            # A bug here would silently stop all new connections; say so loudly. alive()
-            # now reports False, so the owner can stop() and start() the router again.
-            log.exception("router %s: acceptor failed", self.name)
-            raise
+                    self._n_pending = len(q.pending) + len(q.waiting)
         finally:
             sel.close()
-            for conn in list(pending.all.values()) + list(waiting):
-                self._drop(conn, "router stopped", None)
-            with self._lock:
-                self._n_pending = 0
-            listener.close()
+
+    def _on_readable(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn) -> None:
+        """Bytes (or EOF) from a connection the acceptor still holds. A connection evicted
+        earlier in the same select pass is not read again; a failure here is this
+        connection's alone."""
+        try:
+            if conn.id in q.linger_ids:
+                self._linger_read(sel, q, conn)
+            elif conn.id in q.pending.all:
+                self._read_prefix(sel, conn, q)
+        except Exception as e:
+            self._conn_failed(sel, q, conn, e)
+
+    def _conn_failed(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn,
+                     e: BaseException) -> None:
+        log.warning("router %s #%d %s: dropped after an error in the acceptor: %s: %s",
+                    self.name, conn.id, fmt_addr(conn.peer), type(e).__name__, e,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        q.forget(conn)
+        try:
+            sel.unregister(conn.client)
+        except (KeyError, ValueError, OSError):
+            pass
+        self._drop(conn, f"acceptor error: {type(e).__name__}: {e}", "conn_error")
 
     def _tick(self, now: float) -> None:
         keep = {self._upstreams.http, *(r.http for r in self._routes)}
@@ -532,21 +645,48 @@ class Router:
         pending.remove(conn)
         try:
             sel.unregister(conn.client)
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, OSError):
             pass
 
-    def _accept_batch(
-        self,
-        sel: selectors.BaseSelector,
-        pending: Pending,
-        waiting: collections.deque[Conn],
-    ) -> bool:
+    def _room_at(self, pending: Pending, now: float) -> float:
+        """When a new connection can be taken: now while the silent queue has room or holds a
+        connection silent past ``evict_after``; else when its oldest gets there (until then new
+        connections wait in the kernel's backlog, which loses nothing)."""
+        if len(pending) < self._pending_cap:
+            return now
+        oldest = pending.first()
+        return now if oldest is None else oldest.accepted + self._evict_after
+
+    def _evict_silent(self, sel: selectors.BaseSelector, q: _Queues, victim: Conn,
+                      why: str, counter: str) -> None:
+        """Close a silent connection to make room: an HTTP client that was merely slow gets a
+        503 with Retry-After (not a reset), then the connection lingers until EOF."""
+        self._unpend(sel, q.pending, victim)
+        victim.note(why)
+        self.count_refused(counter, why)
+        self._linger(sel, q, victim, http_error_response(
+            503, "Service Unavailable", "hydra router: too many connections waiting, try again",
+            DEFAULT_RETRY_AFTER))
+
+    def _accept_batch(self, sel: selectors.BaseSelector, q: _Queues) -> bool:
         """Accept what the kernel has queued. False when out of descriptors (caller backs off)."""
         listener = self._listener
         assert listener is not None
         for _ in range(_ACCEPT_BATCH):
-            if len(waiting) >= self._max_waiting:
+            if len(q.waiting) >= self._max_waiting:
                 return True  # the rest stay in the kernel's backlog until a slot frees
+            now = time.monotonic()
+            if len(q.pending) >= self._pending_cap:
+                # Full of silent connections: evict the oldest of the address with the most of
+                # them (a flood evicts its own), but only one silent past `evict_after`: a
+                # client that connected a moment ago is about to speak.
+                victim: Conn | None = q.pending.oldest_of_largest()
+                if victim is not None and now - victim.accepted < self._evict_after:
+                    victim = q.pending.first()
+                if victim is None or now - victim.accepted < self._evict_after:
+                    return True  # wait in the backlog: _room_at says when to look again
+                self._evict_silent(sel, q, victim, "evicted: silent while the queue was full",
+                                   "silent_evicted")
             try:
                 client, peer = listener.accept()
             except BlockingIOError:
@@ -555,39 +695,81 @@ class Router:
                 # EMFILE/ENFILE/ENOBUFS: the listener stays readable; back off instead of spinning.
                 self.count_event("accept_failed", f"{e.strerror or e}")
                 return False
-            now = time.monotonic()
             conn = Conn(next(self._ids), client, peer, now)
             with self._lock:
                 self._c["accepted"] += 1
-            # Make room by evicting a *silent* connection (no first bytes yet): a client that
-            # sends its request promptly is never refused because of silent ones.
-            if pending.from_source(conn.src) >= self._max_per_source:
-                victim = pending.oldest_of(conn.src)
-                self._unpend(sel, pending, victim)
-                self._drop(victim, "evicted: too many silent connections from its address",
-                           "silent_source_limit")
-            elif len(pending) >= self._max_pending:
-                victim = pending.oldest_of_largest()
-                self._unpend(sel, pending, victim)
-                self._drop(victim, "evicted: silent while the queue was full", "silent_evicted")
-            client.setblocking(False)
-            set_nodelay(client)
-            set_keepalive(client)
-            conn.deadline = now + self._first_byte_timeout
-            pending.add(conn)
-            sel.register(client, selectors.EVENT_READ, conn)
-            # Clients usually send right after connecting: read now rather than after
-            # another trip through select (saves tens of microseconds per connection).
-            self._read_prefix(sel, conn, pending, waiting)
+            try:
+                self._take(sel, q, conn, now)
+            except Exception as e:
+                self._conn_failed(sel, q, conn, e)
         return True
 
-    def _read_prefix(
-        self,
-        sel: selectors.BaseSelector,
-        conn: Conn,
-        pending: Pending,
-        waiting: collections.deque[Conn],
-    ) -> None:
+    def _take(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn, now: float) -> None:
+        if q.pending.from_source(conn.src) >= self._max_per_source:
+            # An operator-set cap per address (off by default: one address may be a NAT or
+            # a load balancer with thousands of clients behind it).
+            victim = q.pending.oldest_of(conn.src)
+            if now - victim.accepted >= self._evict_after:
+                self._evict_silent(sel, q, victim,
+                                   "evicted: too many silent connections from its address",
+                                   "silent_source_limit")
+            else:
+                conn.note("too many silent connections from its address")
+                self.count_refused("silent_source_limit", conn.src)
+                conn.client.setblocking(False)
+                self._linger(sel, q, conn, http_error_response(
+                    503, "Service Unavailable",
+                    "hydra router: too many connections waiting from your address, try again",
+                    DEFAULT_RETRY_AFTER))
+                return
+        conn.client.setblocking(False)
+        set_nodelay(conn.client)
+        set_keepalive(conn.client)
+        conn.deadline = now + self._first_byte_timeout
+        q.pending.add(conn)
+        sel.register(conn.client, selectors.EVENT_READ, conn)
+        # Clients usually send right after connecting: read now rather than after
+        # another trip through select (saves tens of microseconds per connection).
+        self._read_prefix(sel, conn, q)
+
+    def _linger(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn,
+                reply: bytes) -> None:
+        """Answer ``reply`` (best effort, non-blocking), half-close, and keep reading what the
+        client still sends until its EOF or ``_LINGER_DRAIN_S``: closing with unread bytes
+        would turn into a reset that destroys the reply before the client reads it."""
+        try:
+            conn.client.send(reply)
+            conn.client.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._drop(conn, conn.reason or "closed", None)
+            return
+        conn.deadline = time.monotonic() + _LINGER_DRAIN_S
+        q.lingering.append(conn)
+        q.linger_ids.add(conn.id)
+        try:
+            sel.register(conn.client, selectors.EVENT_READ, conn)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _linger_read(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn) -> None:
+        try:
+            data = conn.client.recv(FIRST_READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._unlinger(sel, q, conn)
+
+    def _unlinger(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn) -> None:
+        q.forget(conn)
+        try:
+            sel.unregister(conn.client)
+        except (KeyError, ValueError, OSError):
+            pass
+        self._drop(conn, conn.reason or "closed", None)
+
+    def _read_prefix(self, sel: selectors.BaseSelector, conn: Conn, q: _Queues) -> None:
         try:
             # Classification needs MAX_PREFIX bytes at most, but taking whatever has arrived
             # (typically a whole HTTP request) lets the relay forward it in one write.
@@ -598,14 +780,14 @@ class Router:
             data = b""
             conn.note(f"client error before first bytes: {e.strerror or e}")
         if not data:
-            self._unpend(sel, pending, conn)
+            self._unpend(sel, q.pending, conn)
             self._drop(conn, "client closed before first bytes", None)
             return
         conn.prefix += data
         kind = classify(conn.prefix[:MAX_PREFIX])
         if kind is Kind.NEED_MORE:
             return
-        self._unpend(sel, pending, conn)
+        self._unpend(sel, q.pending, conn)
         if kind is Kind.REJECT:
             self._drop(conn, f"unrecognised first bytes {conn.prefix[:16].hex()}", "rejected")
             return
@@ -617,7 +799,7 @@ class Router:
             self._drop(conn, f"{kind.value} from a source not allow-listed", "denied")
             return
         conn.deadline = time.monotonic() + self._queue_timeout
-        waiting.append(conn)
+        q.waiting.append(conn)
 
     def _fd_cost(self, kind: Kind) -> int:
         if kind is Kind.HTTP and self._http_mode == "aware":
