@@ -19,7 +19,12 @@ Parts (each alternates direct and routed rounds so drift on a shared machine hit
   m  1,000 concurrent streams through a router whose process starts at the default soft fd
      limit (1024; the router lifts it to the hard limit), and with the hard limit 1024 too;
   s  silent clients vs prompt ones: 500 connections that never send a byte, then prompt
-     requests on new connections (latency and failures, vs the same without the silent ones).
+     requests on new connections (latency and failures, vs the same without the silent ones);
+  b2 bursts of new connections: N connections from one address opened at the same moment
+     (threads behind a barrier), each sending GET /health, repeated R times, through a router
+     with hydra's default knobs in front of the stand-in: answered / sent (a 503 with
+     Retry-After counts as answered, a reset or a silent close does not), and whether the
+     port still answers after.
 
 Every relay runs in its own child process, started as ``bench/router.py _relay DESIGN
 UPSTREAM_PORT``, so that the load generator's Python threads never compete for the relay's GIL.
@@ -33,13 +38,14 @@ Usage:
   .venv/bin/python bench/router.py                 # every part with the production router
   .venv/bin/python bench/router.py --quick         # fewer rounds, smaller transfers (~1 min)
   .venv/bin/python bench/router.py --parts a --designs router,router-copy,asyncio,uvloop --rounds 8
-  .venv/bin/python bench/router.py --parts h,m,s   # no llama.cpp needed
+  .venv/bin/python bench/router.py --parts h,m,s,b2   # no llama.cpp needed
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import http.client
 import json
 import os
@@ -59,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +75,7 @@ if str(ROOT) not in sys.path:
 from hydra_supervisor.install import BuildOptions, bin_dir  # noqa: E402
 from hydra_supervisor.ports import free_port  # noqa: E402
 from hydra_supervisor.router import Router, Upstreams  # noqa: E402
+from tests.helpers_front_door import Reader, answered, ask, burst  # noqa: E402
 from tests.helpers_router import ROUTER_CHILD, drive_streams, stream_request  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -698,22 +706,27 @@ def part_h(args: argparse.Namespace) -> dict[str, Any]:
     keep: dict[str, list[float]] = {n: [] for n in names}
     fresh: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, float] = {n: 0.0 for n in names}
+    cpu_ps: dict[str, float] = {n: 0.0 for n in names}  # the same, through psutil cpu_times
     req = stream_request(tokens=args.h_tokens, delay=args.h_delay)
     with standin() as up, ExitStack() as stack:
         relays = {n: stack.enter_context(spawn("_relay", n, str(up.port))) for n in names[1:]}
+        procs = {n: psutil.Process(c.proc.pid) for n, c in relays.items()}
         ports = {"direct": up.port, **{n: c.port for n, c in relays.items()}}
+        events = _sse_events(up.port, req)  # per stream, the same for every stream
         drive_streams(ports["router"], args.streams, req)  # warm-up (threads, pools)
         for rnd in range(args.rounds_h):
             order = names[rnd % 3:] + names[: rnd % 3]
             for n in order:
                 pid = relays[n].proc.pid if n in relays else None
                 c0 = _proc_cpu_s(pid) if pid else 0.0
+                p0 = _ps_cpu_s(procs[n]) if n in procs else 0.0
                 t0 = time.perf_counter()
                 res = drive_streams(ports[n], args.streams, req, timeout=300)
                 wall = time.perf_counter() - t0
                 if res["failed"]:
                     raise RuntimeError(f"{n}: {res['failed'][:2]}")
                 cpu[n] += (_proc_cpu_s(pid) - c0) if pid else 0.0
+                cpu_ps[n] += (_ps_cpu_s(procs[n]) - p0) if n in procs else 0.0
                 tps[n].append(args.streams * args.h_tokens / wall)
                 first[n].extend(res["first"])
                 total[n].extend(res["total"])
@@ -724,8 +737,28 @@ def part_h(args: argparse.Namespace) -> dict[str, Any]:
                 keep[n].extend(_health_keepalive(ports[n], 100))
                 fresh[n].extend(_health_latency(ports[n], 50))
     tokens = args.rounds_h * args.streams * args.h_tokens
+    relayed = args.rounds_h * args.streams * events
     return {"tps": tps, "first": first, "total": total, "keep": keep, "fresh": fresh,
-            "cpu_us_per_token": {n: cpu[n] / tokens * 1e6 for n in names}}
+            "cpu_us_per_token": {n: cpu[n] / tokens * 1e6 for n in names},
+            "events_per_stream": events,
+            "cpu_us_per_event": {n: cpu_ps[n] / relayed * 1e6 for n in names}}
+
+
+def _ps_cpu_s(proc: psutil.Process) -> float:
+    """User+system CPU seconds of a process, all its threads (psutil cpu_times)."""
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+def _sse_events(port: int, req: bytes) -> int:
+    """How many SSE events (``data:`` lines: tokens, the finish chunk, [DONE]) one streamed
+    response carries, asked of the stand-in directly."""
+    with socket.create_connection((HOST, port), timeout=30) as s:
+        s.sendall(req)
+        resp = Reader(s).read_response("POST", 60.0)
+    if resp is None or resp.status != 200:
+        raise RuntimeError(f"stand-in did not stream: {resp}")
+    return sum(1 for line in resp.body.split(b"\n") if line.startswith(b"data:"))
 
 
 def _watch_proc(pid: int, stop: threading.Event, peak: dict[str, int]) -> None:
@@ -818,6 +851,38 @@ def part_s(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def part_b2(args: argparse.Namespace) -> dict[str, Any]:
+    """Bursts of simultaneous new connections from one address through a router with hydra's
+    default knobs (tests/helpers_router.py ROUTER_CHILD, its own process) in front of the
+    stand-in. Per round: the answers (tests/helpers_front_door.py ask) and the wall time."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = args.b2_conns * 2 + 256  # the burst's own sockets, with room
+    if soft != resource.RLIM_INFINITY and soft < want:
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    hard_n = 1 << 20 if hard == resource.RLIM_INFINITY else int(hard)
+    soft_n = hard_n if soft == resource.RLIM_INFINITY else int(soft)
+    words: collections.Counter[str] = collections.Counter()
+    walls: list[float] = []
+    req = f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    with standin() as up:
+        argv = [sys.executable, "-c", ROUTER_CHILD, str(soft_n), str(hard_n), str(up.port)]
+        with spawn_argv(argv) as rc:
+            for rnd in range(args.b2_rounds):
+                t0 = time.perf_counter()
+                got = burst(rc.port, args.b2_conns, lambda i: (req, "GET"))
+                walls.append(time.perf_counter() - t0)
+                words += got
+                print(f"  b2 round {rnd + 1}/{args.b2_rounds}: "
+                      f"{sum(c for w, c in got.items() if answered(w))}/{args.b2_conns} "
+                      f"answered in {walls[-1]:.2f} s", flush=True)
+            alive = ask(rc.port, req, timeout=10.0) == "200"
+            st = _child_stats(rc)
+    return {"words": words, "walls": walls, "alive": alive, "stats": st}
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -834,8 +899,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller transfers")
-    ap.add_argument("--parts", default="a,l,b,c,h,m,s",
-                    help="which parts to run (default all: a,l,b,c,h,m,s)")
+    ap.add_argument("--parts", default="a,l,b,c,h,m,s,b2",
+                    help="which parts to run (default all: a,l,b,c,h,m,s,b2)")
     ap.add_argument("--designs", default="router", help=f"relays for part a, from {DESIGNS}")
     ap.add_argument("--rounds", type=int, default=None, help="part a rounds (default 6, quick 2)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench -r per run")
@@ -859,6 +924,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m-delay", type=float, default=0.5)
     ap.add_argument("--s-silent", type=int, default=500)
     ap.add_argument("--s-prompt", type=int, default=200)
+    ap.add_argument("--b2-conns", type=int, default=256,
+                    help="part b2 simultaneous connections per burst")
+    ap.add_argument("--b2-rounds", type=int, default=None,
+                    help="part b2 bursts (default 5, quick 2)")
     args = ap.parse_args(argv)
     args.designs = [d for d in args.designs.split(",") if d]
     for d in args.designs:
@@ -872,6 +941,8 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds_c = 1 if args.quick else 3
     args.rounds_h = 2 if args.quick else 6
     args.health_rounds = 2 if args.quick else 6
+    if args.b2_rounds is None:
+        args.b2_rounds = 2 if args.quick else 5
     if args.bulk_gb is None:
         args.bulk_gb = 0.5 if args.quick else 2.0
     parts = set(args.parts.split(","))
@@ -980,6 +1051,23 @@ def main(argv: list[str] | None = None) -> int:
                 )
             lines.append(f"(s) silent connections closed by eviction: "
                          f"{sres['silent_closed']}/{args.s_silent}")
+        if "b2" in parts:
+            print(f"part b2: bursts of {args.b2_conns} simultaneous new connections from one "
+                  f"address x {args.b2_rounds}", flush=True)
+            b2 = part_b2(args)
+            words, sent = b2["words"], args.b2_conns * args.b2_rounds
+            ok = sum(c for w, c in words.items() if answered(w))
+            failed = {w: c for w, c in words.items() if not answered(w)}
+            refused = b2["stats"].get("refused") or {}
+            lines.append(
+                f"(b2) burst {args.b2_conns} simultaneous connections from {HOST} x "
+                f"{args.b2_rounds}: answered {ok}/{sent} (503 with Retry-After "
+                f"{words.get('503+retry-after', 0)}), failed {sum(failed.values())}"
+                f"{' ' + str(failed) if failed else ''}; burst wall p50 "
+                f"{statistics.median(b2['walls']):.2f} s, max {max(b2['walls']):.2f} s; port "
+                f"alive after: {'yes' if b2['alive'] else 'NO'}; router refused "
+                f"{refused or 0}, acceptor alive {b2['stats'].get('alive')}"
+            )
     print("\n".join(["", "=== router bench ===", *lines]))
     return 0
 
@@ -1000,6 +1088,13 @@ def report_h(args: argparse.Namespace, h: dict[str, Any]) -> list[str]:
             f"{(statistics.median(h['total'][n]) - base_total) * 1e3:+.2f} ms; relay CPU "
             f"{h['cpu_us_per_token'][n]:.1f} us/token"
         )
+    ev = h["cpu_us_per_event"]
+    lines.append(
+        f"(h) relay CPU per SSE event (psutil cpu_times of the relay's process, "
+        f"{h['events_per_stream']} events per stream, same run): router (request-aware) "
+        f"{ev['router']:.1f} us, router-raw (bytes) {ev['router-raw']:.1f} us; aware/raw "
+        f"{ev['router'] / ev['router-raw'] if ev['router-raw'] else float('nan'):.2f}x"
+    )
     kd, fd = statistics.median(h["keep"]["direct"]), statistics.median(h["fresh"]["direct"])
     for n in ("router", "router-raw"):
         lines.append(
