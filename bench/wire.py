@@ -86,14 +86,15 @@ class BenchControl:
 
 
 def child_serve(head_port: int, slot_dir: str) -> None:
-    """Print "WIRE_PORT ROUTER_PORT": the wire server, and a Router relaying "YH" to it (as an
+    """Print "WIRE_PORT ROUTER_PORT": the wire server (with a loopback listener of its own for
+    the "direct" rows; hydra has none), and a Router handing "YH" connections to it (as an
     engine runs them: one process)."""
     from hydra_supervisor.router import Router, Upstreams
     from hydra_supervisor.wire.server import WireServer
 
-    server = WireServer(control=BenchControl(head_port, Path(slot_dir)))
+    server = WireServer(control=BenchControl(head_port, Path(slot_dir)), port=0)
     server.start()
-    router = Router(HOST, 0, Upstreams(hydra=(HOST, server.port)), name="bench")
+    router = Router(HOST, 0, Upstreams(hydra=server), name="bench")
     router.start()
     print(server.port, router.port, flush=True)
     sys.stdin.read()  # until the parent closes our stdin

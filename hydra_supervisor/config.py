@@ -52,6 +52,14 @@ class PeerLoss(Enum):
     FAIL = "fail"
 
 
+class WireReads(Enum):
+    """Who may send the Hydra wire protocol's reads (INFO, STATE_GET, STATE_META): any source
+    the allow list lets in, or only an authenticated client (docs/protocol.md "Trust model")."""
+
+    ALLOW_LIST = "allow_list"
+    OWNER = "owner"
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     backoff_initial: float = 1.0
@@ -95,6 +103,7 @@ class Profile:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     router: bool = True  # the external port is hydra's first-byte router; false: llama-server's
     rpc_allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # who may speak ggml-RPC through it
+    wire_reads: WireReads = WireReads.ALLOW_LIST  # who may send wire reads (changes: the owner)
     description: str = ""
     # `hydra bench` thresholds (decode_tps, prefill_tps: at least; ttft_ms: at most).
     expect: Mapping[str, float] = field(default_factory=dict)
@@ -340,6 +349,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "health": _section(HEALTH_SCHEMA, "health"),
     "router": _type(bool, "true or false"),
     "rpc_allow": _cidrs,
+    "wire_reads": _enum(WireReads),
     "expect": _section(EXPECT_SCHEMA, "expect"),
     "keep_slots": _type(bool, "true or false"),
     "aliases": _str_list,

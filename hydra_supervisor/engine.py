@@ -39,6 +39,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import client_host, host_port, url_for
 from hydra_supervisor.portwatch import PortWatch
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import ManagedProcess, State, Supervisor
 from hydra_supervisor.wire import slots
@@ -144,7 +145,7 @@ class Engine:
         self.switching: str | None = None
         self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
         self.listeners: list[Callable[[], None]] = []  # told on every change (status, notify)
-        self.hydra_upstream: tuple[str, int] | None = None  # the wire server, when it runs
+        self.hydra_upstream: Addr | Handoff | None = None  # the wire server, when it runs
         self.unkillable: list[str] = []  # children that survived SIGKILL (D state), reported
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
 

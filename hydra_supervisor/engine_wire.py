@@ -10,7 +10,11 @@ CONFIGURE by tier (wire.tiers has the one table of keys):
 - T2/T3 settings make a new profile (tiers.apply_to_profile), planned on the engine's own
   address with its ports kept, and applied by Engine.apply: the head alone restarts when only
   its flags change, otherwise the whole layout, peers before head;
-- T4 keys are refused by the wire server before they reach us.
+- T4 keys, and keys that name files, are refused by the wire server before they reach us; a
+  `model` must be an alias the node file (or hydra) knows, never a path.
+The wire server has no port: `start()` returns it as the router's hand-off for "YH"
+connections, and it authenticates each client (wire/trust.py) with the token in the state dir
+and the profile's `wire_reads` policy.
 SET_EXPERT_MODE switches between the running profile's COMBINE layout and the same profile as
 SOLO on the head's device (the layout it was started with is remembered to come back).
 """
@@ -24,11 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import binaries, deployment
+from hydra_supervisor import binaries, config, deployment, models
 from hydra_supervisor.config import Mode, Profile
 from hydra_supervisor.engine import Engine, SwitchReport
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.wire import tiers
+from hydra_supervisor.wire import tiers, trust
 from hydra_supervisor.wire.control import ConfigureRefused
 from hydra_supervisor.wire.server import WireServer
 
@@ -52,13 +56,25 @@ class EngineWire:
         self.combine_profile: Profile | None = None  # to come back from SET_EXPERT_MODE solo
         self._build: dict[str, str] | None = None
         self.server: WireServer | None = None
+        self.token_path: Path | None = None
 
     # -- life ---------------------------------------------------------------------------------
 
-    def start(self) -> tuple[str, int]:
-        self.server = WireServer(host="127.0.0.1", port=0, control=self)
+    def start(self) -> WireServer:
+        """Start the wire server and return it: the router hands "YH" connections to it
+        (Upstreams.hydra); it has no port of its own."""
+        path, token = trust.ensure_token(self.engine.state.root)
+        self.token_path = path
+        self.server = WireServer(control=self, trust=trust.Trust(token=token),
+                                 reads=self.wire_reads)
         self.server.start()
-        return ("127.0.0.1", self.server.port)
+        return self.server
+
+    def wire_reads(self) -> str:
+        """The read policy in force (the running profile's `wire_reads`)."""
+        prof = self._profile()
+        value = getattr(prof, "wire_reads", None) if prof is not None else None
+        return str(getattr(value, "value", value) or trust.READS_ALLOW_LIST)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -152,6 +168,8 @@ class EngineWire:
         t1 = {k: v for k, v in params.items()
               if (spec := tiers.lookup(k)) is not None and spec.tier is tiers.Tier.T1}
         rest = {k: v for k, v in params.items() if k not in t1}
+        if "model" in rest:
+            self._check_model(str(rest["model"]))
         meta: dict[str, Any] = {"restarted": []}
         if t1:
             self.defaults.update(t1)
@@ -173,6 +191,20 @@ class EngineWire:
                                        f"({rep.failed_phase}: {rep.error}); "
                                        f"{'rolled back' if rep.result == 'rolled_back' else ''}")
         return meta
+
+    def _check_model(self, ref: str) -> None:
+        """A model over the wire is an alias the node file or hydra knows, never a path (the
+        wire server refuses paths; a bare name would otherwise be looked up in the working
+        directory too)."""
+        try:
+            node = config.load_node(config.find_node_file(self.node_file))
+        except HydraError as exc:
+            raise ConfigureRefused(f"model {ref!r}: the node file cannot be read: {exc}") from exc
+        known = {*models.BUILTIN_ALIASES, *models.SYNTH_SHAPES, *node.models}
+        if ref not in known:
+            raise ConfigureRefused(
+                f"model {ref!r} is not an alias of the node file ({node.source}); over the wire "
+                f"a model is named by alias: {', '.join(sorted(known)) or 'none defined'}")
 
     def _apply(self, prof: Profile) -> SwitchReport:
         eng = self.engine

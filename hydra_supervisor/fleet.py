@@ -48,6 +48,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import host_port, url_for
 from hydra_supervisor.portwatch import PortWatch
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
 from hydra_supervisor.router.view import RouteView
 from hydra_supervisor.state import StateDir
@@ -266,7 +267,7 @@ class Fleet:
         when the port went down or came back."""
         return self.watch.check() if self.watch is not None else False
 
-    def set_hydra_upstream(self, addr: tuple[str, int] | None) -> None:
+    def set_hydra_upstream(self, addr: Addr | Handoff | None) -> None:
         """The wire protocol's server (YH frames on this port)."""
         if self.router is not None:
             self.router.set_upstreams(Upstreams(hydra=addr))

@@ -18,7 +18,7 @@ from tests.wire_fakes import StubControl
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[WireServer, StubControl]]:
     control = StubControl(tmp_path)
-    s = WireServer(control=control)
+    s = WireServer(control=control, port=0)
     s.start()
     yield s, control
     s.stop()

@@ -100,7 +100,7 @@ def two_heads(tmp_path: Path) -> Iterator[tuple[LlamaControl, LlamaControl]]:
 
 
 def serve(stack: ExitStack, control: LlamaControl) -> wc.WireClient:
-    server = WireServer(control=control)
+    server = WireServer(control=control, port=0)
     server.start()
     stack.callback(server.stop)
     return stack.enter_context(wc.WireClient(HOST, server.port, timeout=300))

@@ -33,7 +33,7 @@ def control(tmp_path: Path, fake_slots: FakeSlots) -> StubControl:
 
 @pytest.fixture
 def server(control: StubControl) -> Iterator[WireServer]:
-    s = WireServer(control=control)
+    s = WireServer(control=control, port=0)
     s.start()
     yield s
     s.stop()
@@ -74,7 +74,7 @@ def test_configure_tiers(server: WireServer, control: StubControl) -> None:
         r = c.configure({"port": 8080})  # the current value: fine
         assert r.status == wc.OK and r.meta["noop"] is True
         r = c.configure({"top_k": "lots"})
-        assert r.status == wc.ERROR and "top_k" in r.meta["invalid"]
+        assert r.status == wc.BAD_REQUEST and "top_k" in r.meta["invalid"]
         control.refuse = "the profile has no peer"
         r = c.configure({"model": "other"})
         assert r.status == wc.ERROR and r.meta["error"] == "the profile has no peer"
@@ -253,7 +253,7 @@ def test_random_frames_never_stop_the_server(server: WireServer, control: StubCo
 
 
 def test_connection_cap_answers_busy(control: StubControl) -> None:
-    s = WireServer(control=control, max_conns=2)
+    s = WireServer(control=control, port=0, max_conns=2)
     s.start()
     try:
         a, b = client(s), client(s)
@@ -271,7 +271,7 @@ def test_connection_cap_answers_busy(control: StubControl) -> None:
 
 
 def test_idle_connections_are_closed(control: StubControl) -> None:
-    s = WireServer(control=control, idle_timeout=0.3, io_timeout=0.3)
+    s = WireServer(control=control, port=0, idle_timeout=0.3, io_timeout=0.3)
     s.start()
     try:
         with client(s) as c:
@@ -286,10 +286,10 @@ def test_idle_connections_are_closed(control: StubControl) -> None:
 
 
 def test_through_the_router(server: WireServer, fake_slots: FakeSlots) -> None:
-    """The router's "YH" route relays to the wire server (Upstreams.hydra)."""
+    """The router hands "YH" connections to the wire server (Upstreams.hydra = the server)."""
     from hydra_supervisor.router import Router, Upstreams
 
-    router = Router("127.0.0.1", 0, Upstreams(hydra=("127.0.0.1", server.port)), name="wire")
+    router = Router("127.0.0.1", 0, Upstreams(hydra=server), name="wire")
     router.start()
     try:
         fake_slots.states[0] = os.urandom(1 << 20)
@@ -298,6 +298,7 @@ def test_through_the_router(server: WireServer, fake_slots: FakeSlots) -> None:
             assert c.configure({"top_k": 7}).meta["tier"] == "T1"
             r = c.request(wc.STATE_GET, "0")
             assert r.status == wc.OK and r.payload == fake_slots.states[0]
+        assert router.stats()["by_kind"]["hydra"] >= 1 and server.stats()["accepted"] >= 1
         got = _send_and_close(router.port, b"YH" + bytes([0x41, 0]) + b"\xff" * 12,
                               half_close=False)
         assert got[0] == wc.BAD_REQUEST

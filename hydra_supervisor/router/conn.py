@@ -12,7 +12,7 @@ import ipaddress
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from hydra_supervisor.router.classify import Kind
 
@@ -32,20 +32,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@runtime_checkable
+class Handoff(Protocol):
+    """An in-process server the router hands accepted connections to (hydra's wire server):
+    no port of its own to reach, and it sees the client's own address to authenticate it."""
+
+    def adopt(self, sock: socket.socket, peer: Any, prefix: bytes) -> None:
+        """Take ownership of ``sock`` (blocking, already read: ``prefix``); return at once."""
+        ...
+
+
 @dataclass(frozen=True)
 class Upstreams:
     """Where each protocol goes. ``None`` means "not available now": the client is closed
     (HTTP: 503). All targets are local by design: llama-server and ggml-rpc-server bind to
-    127.0.0.1 only, and the router is the sole way in from outside."""
+    127.0.0.1 only, and the router is the sole way in from outside. ``hydra`` may also be a
+    ``Handoff`` (hydra's wire server): the socket itself is handed over, nothing is relayed."""
 
     http: Addr | None = None
     rpc: Addr | None = None
-    hydra: Addr | None = None
+    hydra: Addr | Handoff | None = None
 
     def __post_init__(self) -> None:
         for name in ("http", "rpc", "hydra"):
             addr = getattr(self, name)
-            if addr is not None and not is_loopback(addr[0]):
+            if isinstance(addr, tuple) and not is_loopback(addr[0]):
                 raise ValueError(
                     f"router upstream {name}={addr[0]}:{addr[1]} is not a loopback address; "
                     "internal llama-server / ggml-rpc-server / control ports bind to 127.0.0.1"
@@ -57,14 +68,63 @@ class Upstreams:
         if kind is Kind.RPC:
             return self.rpc
         if kind is Kind.HYDRA:
-            return self.hydra
+            return self.hydra if isinstance(self.hydra, tuple) else None
         return None
+
+    @property
+    def hydra_handoff(self) -> Handoff | None:
+        return None if self.hydra is None or isinstance(self.hydra, tuple) else self.hydra
 
 
 def parse_allow(allow: Sequence[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
     if isinstance(allow, str):
         raise TypeError("allow must be a sequence of CIDR strings, not one string")
     return tuple(ipaddress.ip_network(cidr, strict=False) for cidr in allow)
+
+
+def _loop_net(version: int) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    return ipaddress.ip_network("127.0.0.0/8" if version == 4 else "::1/128")
+
+
+def allow_mismatch(bind_host: str, allow: Sequence[str]) -> str | None:
+    """Why no client can ever match the allow list on a port bound to ``bind_host``, or None.
+
+    Sources a listener can see: a wildcard IPv4 bind (0.0.0.0) sees IPv4 clients only; "::" or
+    "" (dual stack) sees both families (IPv4 judged as IPv4); a loopback bind sees loopback
+    sources only; a specific address sees its own family, and local clients come from that
+    address itself, never from loopback."""
+    try:
+        nets = parse_allow(allow)
+    except (TypeError, ValueError):
+        return None  # the config check reports a bad CIDR
+    if not nets:
+        return "rpc_allow is empty: ggml-RPC and the Hydra wire protocol are refused to all"
+    host = (bind_host or "").split("%", 1)[0]
+    if host in ("", "::"):
+        return None
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a host name: resolved at bind time; nothing to judge here
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    same = [n for n in nets if n.version == ip.version]
+    listed = ", ".join(str(n) for n in nets)
+    if not same:
+        return (f"the port binds {bind_host} (IPv{ip.version} clients only) but rpc_allow "
+                f"({listed}) lists no IPv{ip.version} network")
+    loop = _loop_net(ip.version)
+    if ip.is_loopback:
+        if not any(n.overlaps(loop) for n in same):
+            return (f"the port binds {bind_host} (loopback clients only) but rpc_allow "
+                    f"({listed}) lists no loopback network")
+    elif not ip.is_unspecified and all(n.subnet_of(loop) for n in same):  # type: ignore[arg-type]
+        return (f"the port binds {bind_host}, which local clients reach from {bind_host} "
+                f"itself and others from their own address, never from loopback, but "
+                f"rpc_allow ({listed}) lists only loopback")
+    return None
 
 
 def source_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

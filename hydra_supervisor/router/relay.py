@@ -44,8 +44,10 @@ from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 from hydra_supervisor.router.conn import (
     Addr,
     Conn,
+    Handoff,
     Pending,
     Upstreams,
+    allow_mismatch,
     fmt_addr,
     parse_allow,
     set_keepalive,
@@ -304,6 +306,10 @@ class Router:
             self.name, fmt_addr(listener.getsockname()), self._nofile[0], self._nofile[1],
             self._fd_budget // per,
         )
+        why = allow_mismatch(self.bind_host, [str(n) for n in self._allow])
+        if why:
+            log.warning("router %s: %s; no ggml-RPC or Hydra wire client can ever be let in",
+                        self.name, why)
         if self._fd_budget // per < 64:
             log.warning("router %s: the open-file limit leaves room for only %d connections; "
                         "raise the hard limit (LimitNOFILE= in systemd)", self.name,
@@ -1016,6 +1022,10 @@ class Router:
         """Connect upstream, then pump upstream → client here and client → upstream on a
         second worker. This way round because the first read usually carried the whole
         request already, so the answer is on the critical path, not the rest of the upload."""
+        handoff = ups.hydra_handoff if conn.kind is Kind.HYDRA else None
+        if handoff is not None:
+            self._hand_off(conn, handoff)
+            return
         try:
             upstream = self._open_upstream(conn, ups)
         except BaseException:
@@ -1033,6 +1043,33 @@ class Router:
             with self._lock:
                 conn.halves -= 1
         self._pump(conn, upstream, conn.client, False)
+
+    def _hand_off(self, conn: Conn, to: Handoff) -> None:
+        """Give the client socket itself to an in-process server (hydra's wire server), with
+        the client's address and the bytes read so far: nothing is relayed, and the server
+        authenticates the client, not the router. The connection then leaves the router."""
+        sock: socket.socket | None = None
+        try:
+            with self._lock:  # not while stop() shuts this connection's socket down
+                if not self._stopping:
+                    c = conn.client
+                    sock = socket.socket(c.family, c.type, c.proto, fileno=c.detach())
+            if sock is None:
+                conn.note("router stopped")
+                return
+            sock.settimeout(None)
+            conn.up += len(conn.prefix)
+            conn.note("handed to the wire server")
+            try:
+                to.adopt(sock, conn.peer, conn.prefix)
+            except Exception as e:  # the server's failure is this connection's alone
+                log.warning("router %s #%d: wire hand-off failed: %s: %s", self.name, conn.id,
+                            type(e).__name__, e)
+                conn.note(f"wire hand-off failed: {e}")
+                self.count_refused("upstream_down", f"wire hand-off: {e}")
+                sock.close()
+        finally:
+            self._finish(conn)  # the detached client socket is no longer the router's
 
     def _open_upstream(self, conn: Conn, ups: Upstreams) -> socket.socket | None:
         """Connect to the connection's upstream and forward the classified prefix.

@@ -5,16 +5,21 @@ operator sees is what a coordinator gets: the tier, what changed, what was alrea
 keys, or why it was refused. VALUE is read as JSON when it parses (`0.2`, `true`, `[21,44]`)
 and as a string otherwise (`q8_0`, `21/44`); the server's key table does the rest.
 Exit status: 0 applied (or nothing to do), 1 refused or unknown keys, 2 usage or connection.
+
+Only hydra's owner may change settings (docs/protocol.md "Trust model"): on the same host that
+is hydra's own user (or root); from elsewhere, `--token-file` presents the token hydra keeps in
+its state dir (`STATE/wire.token`, copied over a private channel).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import click
 
-from hydra_supervisor.wire import client, tiers
+from hydra_supervisor.wire import client, tiers, trust
 from hydra_supervisor.wire.codec import Op, Status
 
 
@@ -74,10 +79,14 @@ def keys_table() -> str:
 @click.option("--slot", default="0", show_default=True, help="the request key")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="seconds to wait; a T2/T3 change restarts processes")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="present the owner's token from this file (STATE/wire.token); not needed "
+                   "as hydra's own user on its host")
 @click.option("--json", "as_json", is_flag=True, help="print the reply meta as JSON")
 @click.option("--keys", "list_keys", is_flag=True, help="list the recognised keys and exit")
 def configure_command(settings: tuple[str, ...], host: str, port: int, slot: str,
-                      timeout: float, as_json: bool, list_keys: bool) -> None:
+                      timeout: float, token_file: Path | None, as_json: bool,
+                      list_keys: bool) -> None:
     """Change an engine's settings at runtime: T1 (sampling, n_predict…) without a restart,
     T2 (context, KV types, batch…) and T3 (model, split, peers…) by restarting only what they
     affect; ports, host and binaries (T4) are refused. Example:
@@ -88,9 +97,17 @@ def configure_command(settings: tuple[str, ...], host: str, port: int, slot: str
     if not settings:
         raise click.UsageError("give at least one KEY=VALUE (or --keys to list them)")
     params = parse_settings(settings)
+    token = None
+    if token_file is not None:
+        try:
+            token = trust.read_token(token_file)
+        except OSError as e:
+            click.echo(f"hydra configure: cannot read the token: {e}", err=True)
+            raise SystemExit(2) from None
     try:
         status, meta, _ = client.request(host, port, Op.CONFIGURE, slot,
-                                         json.dumps(params).encode(), timeout=timeout)
+                                         json.dumps(params).encode(), timeout=timeout,
+                                         trace=trust.with_token(token))
     except client.WireError as e:
         click.echo(f"hydra configure: {e}", err=True)
         raise SystemExit(2) from None

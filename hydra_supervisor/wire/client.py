@@ -87,9 +87,9 @@ def request_stream(
 
 def request(
     host: str, port: int, op: int, key: str = "", payload: bytes = b"", *,
-    timeout: float = 60.0,
+    timeout: float = 60.0, trace: str = "",
 ) -> tuple[int, dict[str, Any], bytes]:
     """(status, meta, payload) of one request on a fresh connection."""
     with connect(host, port, timeout) as s:
-        head, body = request_stream(s, op, key, payload, timeout=timeout)
+        head, body = request_stream(s, op, key, payload, timeout=timeout, trace=trace)
         return head.status, head.meta, b"".join(body)

@@ -259,9 +259,9 @@ class Handlers:
         current = self.control.info().get("settings") or {}
         diff = tiers.classify(params, current)
         meta: dict[str, Any] = {"unknown_keys": list(diff.unknown)}
-        if not diff.ok:
-            return error(Status.ERROR, diff.error(), refused=diff.refused,
-                         invalid=diff.invalid, **meta)
+        if not diff.ok:  # a value out of range or of the wrong type is the client's error
+            return error(Status.BAD_REQUEST if diff.invalid else Status.ERROR, diff.error(),
+                         refused=diff.refused, invalid=diff.invalid, **meta)
         if diff.state_chunk_size_applied is not None:
             meta["state_chunk_size_applied"] = self.set_chunk_size(diff.state_chunk_size_applied)
         meta.update({
