@@ -73,6 +73,9 @@ class RestartPolicy:
 class HealthPolicy:
     interval: float = 2.0  # /health poll of a READY head
     hang_timeout: float = 30.0  # /health silent this long → the head is killed and restarted
+    # requests in flight without a byte and no CPU progress this long → stalled (default:
+    # hang_timeout); see docs/supervision.md "the stall rule"
+    stall_timeout: float | None = None
     probe: bool = False  # also send a 1-token completion every probe_interval
     probe_interval: float = 30.0
     probe_timeout: float = 60.0
@@ -316,6 +319,7 @@ RESTART_SCHEMA: dict[str, Checker] = {
 HEALTH_SCHEMA: dict[str, Checker] = {
     "interval": _positive,
     "hang_timeout": _positive,
+    "stall_timeout": _positive,
     "probe": _type(bool, "true or false"),
     "probe_interval": _positive,
     "probe_timeout": _positive,

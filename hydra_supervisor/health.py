@@ -1,5 +1,7 @@
 """Readiness and liveness probes, async and bounded: llama-server /health and /slots, ggml-RPC
-HELLO, and a 1-token completion.
+HELLO, and a 1-token completion; and what hydra sees without asking a process anything: the
+router's requests in flight and when a byte last moved on them, and whether a remote peer's
+endpoint still completes a TCP connect.
 
 /health is 503 while llama-server loads and 200 when it serves. The probe speaks minimal HTTP/1.0
 over asyncio streams so it never blocks the supervisor's loop. The HELLO probe runs the blocking
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from hydra_supervisor import rpcproto
 
@@ -73,6 +76,35 @@ async def hello(host: str, port: int, timeout: float = 3.0) -> rpcproto.Version 
                                       timeout + 1.0)
     except (OSError, TimeoutError):
         return None
+
+
+def flights(router: Any) -> tuple[int, float | None] | None:
+    """The head's HTTP requests as its router sees them: how many are in flight and the seconds
+    since a byte last moved on any of them (the kernel's count, router/gate.py `quiet_for`;
+    None while none has its upstream socket yet). None: no router to ask (router: false)."""
+    route = getattr(router, "route", None)  # a profile on a shared port: its own route's gate
+    gate = getattr(route if route is not None else router, "gate", None)
+    if gate is None:
+        return None
+    n = gate.inflight()
+    return (n, gate.quiet_for() if n else None)
+
+
+async def tcp_connect(host: str, port: int, timeout: float) -> str | None:
+    """None when host:port completes a TCP handshake within `timeout`; else why not (refused,
+    unreachable, timed out: the host or the process is gone). Nothing is sent: a
+    ggml-rpc-server busy with its head leaves the connection in its backlog (the kernel
+    completes the handshake for it, frozen or not) and later reads only an EOF — a HELLO there
+    would hang. Callers keep such probes rare: its backlog holds two."""
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port)
+    except TimeoutError:
+        return f"TCP connect timed out after {timeout:g}s"
+    except OSError as exc:
+        return f"TCP connect failed: {exc.strerror or exc}"
+    writer.close()
+    return None
 
 
 async def completion_probe(host: str, port: int, timeout: float) -> tuple[bool, str]:

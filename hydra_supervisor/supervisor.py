@@ -9,8 +9,10 @@ head up and /health 200 from hydra's own child), then wait for the first event a
 
   head exits            its peers are checked first (a dead, frozen or unreachable peer makes it
                         a peer loss); otherwise restart the head only
-  peer lost             exited, frozen (process stopped), or stalled (the head has a request in
-                        flight and neither makes progress) — noticed in every state of the head
+  peer lost             exited, frozen (process stopped), or stalled (requests in flight get no
+                        byte while neither the head nor its local peers make CPU progress, D
+                        state included; a remote peer that no longer completes a TCP connect
+                        then) — noticed in every state of the head
                         (loading, backing off, serving): on_peer_loss restart: stop the head,
                         restart the peer(s), HELLO, head; degrade: SOLO head meanwhile, back to
                         COMBINE once SOLO served stable_after and the peers were stable as long;
@@ -53,6 +55,15 @@ from hydra_supervisor.state import StateDir
 
 log = logging.getLogger("hydra")
 T = TypeVar("T")
+
+CONNECT_TIMEOUT = 3.0  # a remote peer's TCP connect (the stall rule): a black hole ends here
+_NO_PROGRESS = ("disk-sleep", "D")  # uninterruptible sleep: a wedged driver, a frozen cgroup
+
+
+def _progressed(st: process.ProcStat, cpu_before: float, window: float) -> bool:
+    """CPU time grew by 1% of the window, and the process is not in uninterruptible sleep (its
+    other threads — llama-server's HTTP one answering /health — may still tick)."""
+    return st.state not in _NO_PROGRESS and st.cpu - cpu_before >= 0.01 * max(window, 1e-3)
 
 
 class State(Enum):
@@ -114,6 +125,10 @@ class Seams:
     completion_probe: Callable[[str, int, float], Awaitable[tuple[bool, str]]] = \
         health.completion_probe
     slots_busy: Callable[[str, int, float], Awaitable[bool | None]] = health.slots_busy
+    # What hydra sees without asking a process: the router's requests in flight (how many,
+    # seconds since a byte moved) and whether a remote peer's endpoint completes a connect.
+    flights: Callable[[Any], tuple[int, float | None] | None] = health.flights
+    connect: Callable[[str, int, float], Awaitable[str | None]] = health.tcp_connect
     proc_stat: Callable[[int], process.ProcStat | None] = process.group_stat
     owns_port: Callable[[int, int], bool | None] = process.owns_port
     port_free: Callable[[str, int], bool] = port_free
@@ -279,6 +294,7 @@ class Supervisor:
         self._requests: asyncio.Queue[tuple[str, asyncio.Future[None]]] = asyncio.Queue()
         self._shutdown: asyncio.Task[None] | None = None
         self._spawned: set[int] = set()
+        self._connect_probed: dict[str, int] = {}  # remote peer -> head pid it was probed under
         self.procs = [
             ManagedProcess(spec=spec, binary=deployment.binaries.get(spec.program, spec.program),
                            log_path=state.log_path(spec.name), policy=deployment.policy,
@@ -790,9 +806,9 @@ class Supervisor:
             await self._head_exited(head)
         elif event == "hang":
             assert head is not None
-            kind, reason = first.result()
-            if kind == "stall":  # which peer froze cannot be told apart: all of them
-                raise PeerLost(list(self.peers), reason)
+            kind, reason, lost = first.result()
+            if kind == "stall":  # the peers named (a stall names all: which froze is unknown)
+                raise PeerLost(lost or list(self.peers), reason)
             # A hung process will not act on SIGTERM (a SIGSTOPped one cannot): KILL it.
             await self._kill(head, now=True)
             await self._fail_and_wait(head, f"{reason}; killed")
@@ -925,14 +941,17 @@ class Supervisor:
 
     # -- the head: alive is progress -------------------------------------------------------
 
-    async def _watch_head(self, head: ManagedProcess) -> tuple[str, str]:
-        """Returns ("hung"|"stall", reason) only when the head is judged hung, or its request
-        is stuck on a peer. Progress counts, not one endpoint's latency: /health waits in
-        llama-server's HTTP worker pool behind user requests, so a silent /health with CPU
-        time advancing is a busy head (left alone, READY). Hung = process stopped (state T)
-        past a short grace, or /health silent with no CPU progress for hang_timeout."""
+    async def _watch_head(self, head: ManagedProcess
+                          ) -> tuple[str, str, list[ManagedProcess]]:
+        """Returns ("hung"|"stall", reason, the lost peers) only when the head is judged hung,
+        or its requests are stuck on a peer. Progress counts, not one endpoint's latency:
+        /health waits in llama-server's HTTP worker pool behind user requests, so a silent
+        /health with CPU time advancing is a busy head (left alone, READY). Hung = process
+        stopped (state T) past a short grace, or /health silent with no CPU progress for
+        hang_timeout. Stalled = the stall rule (_stalled), judged before /health is asked."""
         spec = head.spec
         policy = self.timeouts.health
+        stall_after = policy.stall_timeout or policy.hang_timeout
         host = client_host(spec.host)
         assert head.child is not None
         pid = head.child.pid
@@ -940,10 +959,11 @@ class Supervisor:
         last_alive = now
         next_probe = now + policy.probe_interval
         stopped_since: float | None = None
-        stall_since: float | None = None
+        idle_since: float | None = None  # since when neither the head nor a peer progressed
+        slots_since: float | None = None
         st0 = self.seams.proc_stat(pid)
         last_cpu, last_t = (st0.cpu if st0 else 0.0), now
-        peer_cpu = self._peer_cpu()
+        peer_st = self._peer_stats()
         while True:
             await self.seams.sleep(policy.interval)
             now = self._now()
@@ -956,11 +976,22 @@ class Supervisor:
                     head.to(State.UNHEALTHY, f"process stopped (state {st.state or 'T'})")
                 if now - stopped_since >= self._freeze_grace():
                     return "hung", (f"process stopped (state {st.state or 'T'}) for "
-                                    f"{now - stopped_since:.0f}s (hung)")
+                                    f"{now - stopped_since:.0f}s (hung)"), []
                 continue
             stopped_since = None
-            progressed = st.cpu - last_cpu >= 0.01 * max(now - last_t, 1e-3)
+            progressed = _progressed(st, last_cpu, now - last_t)
+            pst = self._peer_stats()
+            peers_progressed = any(_progressed(s, peer_st[k].cpu, now - last_t)
+                                   for k, s in pst.items() if k in peer_st)
+            peer_st = pst
+            if progressed or peers_progressed:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = last_t  # the window just sampled showed no progress
             last_cpu, last_t = st.cpu, now
+            if idle_since is not None and \
+                    (stalled := await self._stalled(pid, now - idle_since, stall_after)):
+                return stalled
             code = await self.seams.http_status(host, spec.port, timeout=policy.interval)
             now = self._now()
             if code == 200:
@@ -969,20 +1000,20 @@ class Supervisor:
                     head.to(State.READY, "answering /health again")
                 elif head.reason.startswith("busy"):
                     head.note("serving")
-                pcpu = self._peer_cpu()
-                peers_progressed = any(pcpu.get(k, 0.0) - v >= 0.01 * policy.interval
-                                       for k, v in peer_cpu.items())
-                peer_cpu = pcpu
-                if self.peers and not self.degraded and not progressed and \
-                        not peers_progressed and await self.seams.slots_busy(
+                # No router flights to judge by (router: false, or a request sent to the
+                # head's own port): /slots says whether one is in flight — a head blocked on
+                # its peer may not answer it, and then this fallback judges nothing.
+                seen = self.seams.flights(self.router)
+                if self.peers and not self.degraded and idle_since is not None and \
+                        (seen is None or not seen[0]) and await self.seams.slots_busy(
                             host, spec.port, policy.interval):
-                    stall_since = stall_since if stall_since is not None else now
-                    if now - stall_since >= policy.hang_timeout:
+                    slots_since = slots_since if slots_since is not None else now
+                    if now - slots_since >= stall_after:
                         return "stall", (f"the head's request made no progress for "
-                                         f"{now - stall_since:.0f}s while it waited on its "
-                                         "peer (frozen peer)")
+                                         f"{now - slots_since:.0f}s while it waited on its "
+                                         "peer (frozen peer)"), list(self.peers)
                 else:
-                    stall_since = None
+                    slots_since = None
             elif progressed:
                 last_alive = now  # busy: /health queued behind requests; not hung
                 if head.state is State.READY:
@@ -990,7 +1021,7 @@ class Supervisor:
                               "CPU time advancing")
             elif now - last_alive >= policy.hang_timeout:
                 return "hung", (f"/health silent and no CPU progress for "
-                                f"{now - last_alive:.0f}s (hung)")
+                                f"{now - last_alive:.0f}s (hung)"), []
             elif head.state is State.READY:
                 head.to(State.UNHEALTHY, f"/health {'silent' if code is None else code}, "
                         "no CPU progress")
@@ -999,15 +1030,52 @@ class Supervisor:
                 ok, why = await self.seams.completion_probe(host, spec.port,
                                                             policy.probe_timeout)
                 if not ok:
-                    return "hung", f"completion probe failed ({why})"
+                    return "hung", f"completion probe failed ({why})", []
 
-    def _peer_cpu(self) -> dict[str, float]:
+    async def _stalled(self, head_pid: int, idle: float, stall_after: float
+                       ) -> tuple[str, str, list[ManagedProcess]] | None:
+        """The stall rule, judged from what hydra sees without asking the head or its peers
+        anything (a frozen process answers nothing, and /slots hangs behind it): HTTP requests
+        in flight through the router with no byte either way for `stall_after` seconds while
+        neither the head nor its local peers made CPU progress as long (a process in D state
+        counts as none) → the peers are lost (which one froze cannot be told apart: all of
+        them), or, with no peer in use, the head is hung. A remote peer, whose CPU hydra cannot
+        see, is also checked once the requests have been silent for the freeze grace: an
+        endpoint that no longer completes a TCP connect is lost at once. One such connect per
+        remote peer per head run: it waits in the rpc-server's backlog (two places) until the
+        head lets go."""
+        seen = self.seams.flights(self.router)
+        if seen is None:
+            return None
+        n, quiet = seen
+        if not n or quiet is None:
+            return None
+        silent = min(quiet, idle)
+        peers = [] if self.degraded else self.peers
+        for p in peers:
+            if p.spec.managed or silent < self._freeze_grace() or \
+                    self._connect_probed.get(p.name) == head_pid:
+                continue
+            self._connect_probed[p.name] = head_pid
+            why = await self.seams.connect(p.spec.host, p.spec.port, CONNECT_TIMEOUT)
+            if why is not None:
+                return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while {n} "
+                                 f"request(s) waited {silent:.0f}s without a byte"), [p]
+        if silent < stall_after:
+            return None
+        what = (f"{n} request(s) in flight without a byte for {silent:.0f}s and no CPU "
+                "progress in the head")
+        if peers:
+            return "stall", f"{what} or its local peers (a frozen peer)", list(peers)
+        return "hung", f"{what} (hung)", []
+
+    def _peer_stats(self) -> dict[str, process.ProcStat]:
         out = {}
         for p in self.peers:
             if p.spec.managed and p.child is not None and p.alive:
                 st = self.seams.proc_stat(p.child.pid)
                 if st is not None:
-                    out[p.name] = st.cpu
+                    out[p.name] = st
         return out
 
     # -- planned restarts and stopping -----------------------------------------------------

@@ -46,6 +46,8 @@ class FakeChild:
         self.busy = False  # /health silent, CPU advancing (a burst)
         self.hung = False  # /health silent, no CPU (deadlock)
         self.processing = False  # /slots says a slot is processing
+        self.working = False  # CPU advancing, /health answering (a long prefill)
+        self.dsleep = False  # uninterruptible sleep (state D): no CPU, /health still answers
         self.signals: list[int] = []
         self._cpu = 0.0
         self._cpu_t = world.clock()
@@ -65,7 +67,8 @@ class FakeChild:
 
     def cpu(self) -> float:
         now = self.world.clock()
-        if self.busy and not self.frozen and not self.hung:
+        if (self.busy or self.working) and not self.frozen and not self.hung \
+                and not self.dsleep:
             self._cpu += now - self._cpu_t
         self._cpu_t = now
         return self._cpu
@@ -112,6 +115,12 @@ class FakeWorld:
     children: list[FakeChild] = field(default_factory=list)
     squatters: dict[int, int] = field(default_factory=dict)  # port -> pid of someone else
     remote_up: dict[int, bool] = field(default_factory=dict)  # remote peers by port
+    connect_fails: dict[int, str] = field(default_factory=dict)  # port -> "timeout"|"refused"
+    # The router's requests in flight (None: no router to ask) and the policy time of the last
+    # byte on any of them.
+    inflight: int | None = None
+    last_byte: float = 0.0
+    connects: list[int] = field(default_factory=list)  # ports a connect probe went to
     on_spawn: Callable[[FakeChild], None] | None = None
     t0: float = field(default_factory=time.monotonic)
     _pid: int = 900000
@@ -198,7 +207,21 @@ class FakeWorld:
         c = next((c for c in self.children if c.pid == pid), None)
         if c is None or c.returncode is not None:
             return None
-        return process.ProcStat(stopped=c.frozen, cpu=c.cpu(), state="T" if c.frozen else "S")
+        return process.ProcStat(stopped=c.frozen, cpu=c.cpu(), state="T" if c.frozen else
+                                "disk-sleep" if c.dsleep else "S")
+
+    def flights(self, router: Any) -> tuple[int, float | None] | None:
+        if self.inflight is None:
+            return None
+        return (self.inflight, self.clock() - self.last_byte if self.inflight else None)
+
+    async def connect(self, host: str, port: int, timeout: float) -> str | None:
+        self.connects.append(port)
+        why = self.connect_fails.get(port)
+        if why == "timeout":
+            await self.sleep(timeout)
+            return f"TCP connect timed out after {timeout:g}s"
+        return None if why is None else f"TCP connect failed: {why}"
 
     def owns_port(self, pid: int, port: int) -> bool | None:
         if port in self.squatters:
@@ -213,7 +236,8 @@ class FakeWorld:
         return Seams(spawn=self.spawn, http_status=self.http_status, hello=self.hello,
                      completion_probe=self.completion_probe, slots_busy=self.slots_busy,
                      proc_stat=self.proc_stat, owns_port=self.owns_port,
-                     port_free=self.port_free, clock=self.clock, sleep=self.sleep, reap=False)
+                     port_free=self.port_free, clock=self.clock, sleep=self.sleep, reap=False,
+                     flights=self.flights, connect=self.connect)
 
 
 # -- deployments -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,17 @@ class Flight:
                 s.shutdown(socket.SHUT_RDWR)  # wakes the session thread; it closes the fd
             except OSError:
                 pass
+
+
+def _silent_for(sock: socket.socket) -> float:
+    """Seconds without a byte either way on `sock`, from the kernel (TCP_INFO)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        # struct tcp_info: tcpi_last_data_sent at byte 44, tcpi_last_data_recv at 52 (in ms)
+        sent, recv = struct.unpack_from("=I4xI", info, 44)
+    except (OSError, struct.error):
+        return 0.0  # closed or closing this instant: not a silent request
+    return min(sent, recv) / 1000.0
 
 
 class Gate:
@@ -93,6 +105,16 @@ class Gate:
     def inflight(self) -> int:
         with self._cond:
             return len(self._flights)
+
+    def quiet_for(self) -> float | None:
+        """Seconds since a byte last moved, either way, on any request in flight, as the kernel
+        saw it on each upstream socket (TCP_INFO: last data sent, last data received); None
+        when no request in flight has its upstream socket yet. Read-only, and it asks the head
+        nothing, so a head frozen mid-request is seen too: the supervisor's stall rule reads
+        it (supervisor.py, docs/supervision.md)."""
+        with self._cond:
+            socks = [f.upstream for f in self._flights.values() if f.upstream is not None]
+        return min((_silent_for(s) for s in socks), default=None)
 
     def wait_idle(self, timeout: float) -> int:
         deadline = time.monotonic() + max(0.0, timeout)

@@ -1,0 +1,242 @@
+"""Every frozen peer noticed (issue 20, item 7): the stall rule judges from what hydra sees
+without asking the frozen process — the router's requests in flight and when a byte last moved
+on them, CPU progress and D state of the head and its local peers, a remote peer's TCP connect —
+then on_peer_loss runs. Fake children on the policy clock (tests/fake_children.py) for the rule;
+the router gate's kernel byte clock on real sockets; and a real ggml-rpc-server frozen with the
+cgroup freezer while requests are in flight (skipped where no freezer can be used)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from hydra_supervisor.config import HealthPolicy, PeerLoss
+from hydra_supervisor.router.gate import Gate
+from hydra_supervisor.supervisor import State
+from tests.fake_children import FakeChild, FakeWorld, deployment
+from tests.test_policy import Run
+
+# FAST_HEALTH: interval 0.5, hang_timeout 5 → stall_timeout 5 (its default is hang_timeout).
+STALL = 5.0
+INTERVAL = 0.5
+# Detection bound (docs/supervision.md): stall_timeout + 2 × (interval + /health's timeout).
+BOUND = STALL + 4 * INTERVAL
+
+
+def go(tmp: Path, body: Callable[[FakeWorld, Path], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(FakeWorld(), tmp), 50))
+
+
+def live(w: FakeWorld, name: str) -> FakeChild:
+    c = w.live(name)
+    assert c is not None, name
+    return c
+
+
+def reasons(r: Run, name: str) -> list[str]:
+    return [why for n, _, why in r.transitions if n == name]
+
+
+def watch_loss(w: FakeWorld, r: Run, words: str) -> list[float]:
+    """The policy time at which the head was stopped for a reason containing `words`."""
+    seen: list[float] = []
+    r.sup.listeners.append(lambda mp: seen.append(w.clock()) if mp.is_head and words in
+                           mp.reason and mp.state is State.STOPPING else None)
+    return seen
+
+
+async def freeze_peer_with_requests(w: FakeWorld, r: Run, n: int = 3) -> tuple[FakeChild, float]:
+    """All READY; then n requests go in flight, and the peer drops into D state for good
+    (a wedged driver): its head waits on it, so no byte moves and no CPU is used."""
+    await r.all_ready()
+    peer = live(w, "peer-0")
+    w.inflight, w.last_byte = n, w.clock()
+    peer.dsleep = True
+    return peer, w.clock()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", [PeerLoss.RESTART, PeerLoss.DEGRADE, PeerLoss.FAIL])
+def test_d_state_peer_with_silent_requests_is_lost_then_policy_runs(
+        tmp_path: Path, policy: PeerLoss) -> None:
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1, on_peer_loss=policy), tmp)
+        seen = watch_loss(w, r, "without a byte")
+        r.start()
+        peer, t0 = await freeze_peer_with_requests(w, r)
+        await r.until(lambda: seen, 30)
+        assert STALL - INTERVAL <= seen[0] - t0 <= BOUND, seen[0] - t0
+        await r.until(lambda: signal.SIGKILL in peer.signals, 10)
+        w.inflight = 0  # the pair's requests end with it
+        lost = [x for x in reasons(r, "head") if "without a byte" in x]
+        assert lost and "frozen peer" in lost[0], reasons(r, "head")
+        if policy is PeerLoss.RESTART:
+            await r.all_ready()
+            assert w.spawned() == ["peer-0", "head", "peer-0", "head"]
+        elif policy is PeerLoss.DEGRADE:
+            await r.until(lambda: r.sup.degraded and r.mp("head").state is State.READY
+                          and "--rpc" not in r.mp("head").spec.args)
+        else:
+            assert r.task is not None
+            await w.wait_for(r.task.done, 20)
+            assert r.sup.fatal and "on_peer_loss is fail" in r.sup.fatal
+            return
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_long_prefill_without_bytes_is_not_a_stall(tmp_path: Path) -> None:
+    """A non-streaming request in a long prefill: no byte for 4× stall_timeout, but the head's
+    CPU advances — left alone. Then the same with the peer doing the work (its CPU advances)."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1), tmp).start()
+        await r.all_ready()
+        head, peer = live(w, "head"), live(w, "peer-0")
+        w.inflight, w.last_byte = 1, w.clock()
+        head.working = True
+        await w.sleep(4 * STALL)
+        head.working, peer.working = False, True
+        await w.sleep(4 * STALL)
+        assert w.spawned() == ["peer-0", "head"]
+        assert r.mp("head").state is State.READY and r.mp("peer-0").state is State.READY
+        assert not peer.signals and not head.signals
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_bytes_flowing_or_nothing_in_flight_is_not_a_stall(tmp_path: Path) -> None:
+    """No CPU progress anywhere (fake children use none unless told), yet: requests whose
+    bytes keep moving (a stream), then an idle pair with nothing in flight — neither is a
+    stall, and nothing probes anyone."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1), tmp).start()
+        await r.all_ready()
+        w.inflight = 2
+        for _ in range(int(3 * STALL / INTERVAL)):
+            w.last_byte = w.clock()
+            await w.sleep(INTERVAL)
+        w.inflight = 0
+        await w.sleep(3 * STALL)
+        assert w.spawned() == ["peer-0", "head"] and r.mp("head").state is State.READY
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_d_state_solo_head_with_silent_requests_is_hung(tmp_path: Path) -> None:
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(0), tmp)
+        seen: list[float] = []
+        r.sup.listeners.append(lambda mp: seen.append(w.clock())
+                               if mp.state is State.BACKOFF else None)
+        r.start()
+        await r.all_ready()
+        head = live(w, "head")
+        w.inflight, w.last_byte = 1, w.clock()
+        head.dsleep = True
+        t0 = w.clock()
+        await r.until(lambda: seen, 30)
+        assert STALL - INTERVAL <= seen[0] - t0 <= BOUND, seen[0] - t0
+        assert signal.SIGKILL in head.signals
+        w.inflight = 0
+        await r.all_ready()
+        assert w.spawned() == ["head", "head"]
+        assert any("without a byte" in x and "hung" in x for x in reasons(r, "head"))
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_remote_peer_whose_connect_times_out_is_lost(tmp_path: Path) -> None:
+    """A remote peer's host gone (a black hole): the head's requests fall silent, and once they
+    have been for the freeze grace (1 s here) a TCP connect to the endpoint times out (3 s):
+    lost then — long before stall_timeout (30 s here) — the head is stopped once, and the peer
+    is re-probed with HELLO until it is back."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        w.remote_up[50100] = True
+        dep = deployment(1, remote=True,
+                         health=HealthPolicy(interval=INTERVAL, hang_timeout=5,
+                                             stall_timeout=30))
+        r = Run(w, dep, tmp)
+        seen = watch_loss(w, r, "is gone")
+        r.start()
+        await r.all_ready()
+        head = live(w, "head")
+        w.inflight, w.last_byte = 2, w.clock()
+        w.remote_up[50100] = False
+        w.connect_fails[50100] = "timeout"
+        t0 = w.clock()
+        await r.until(lambda: seen, 30)
+        # the freeze grace (1 s), one sample (2 × interval at most), the connect's 3 s
+        assert 1.0 + 3.0 <= seen[0] - t0 <= 1.0 + 2 * INTERVAL + 3.0 + INTERVAL, seen[0] - t0
+        await r.until(lambda: r.mp("peer-0").state is State.BACKOFF, 10)
+        assert w.connects == [50100]
+        assert head.returncode is not None  # stopped once, not crash-looped
+        assert any("is gone (TCP connect timed out" in x for x in reasons(r, "head"))
+        w.inflight = 0
+        await w.sleep(5)
+        assert len(w.spawned("head")) == 1 and r.sup.fatal is None
+        w.remote_up[50100] = True
+        del w.connect_fails[50100]
+        await r.all_ready(30)
+        assert len(w.spawned("head")) == 2
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_frozen_remote_peer_is_lost_at_stall_timeout_with_one_connect(tmp_path: Path) -> None:
+    """A remote ggml-rpc-server frozen (its kernel still completes a connect: the listener's
+    backlog): one connect probe, which succeeds, then the stall rule at stall_timeout."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        w.remote_up[50100] = True
+        r = Run(w, deployment(1, remote=True), tmp)
+        seen = watch_loss(w, r, "without a byte")
+        r.start()
+        await r.all_ready()
+        w.inflight, w.last_byte = 1, w.clock()
+        t0 = w.clock()
+        await r.until(lambda: seen, 30)
+        assert STALL - INTERVAL <= seen[0] - t0 <= BOUND, seen[0] - t0
+        assert w.connects == [50100]  # one per head run: the rpc-server's backlog holds two
+        w.inflight = 0
+        await r.all_ready(30)
+        assert len(w.spawned("head")) == 2
+        await r.stop()
+    go(tmp_path, body)
+
+
+# -- the router's byte clock, from the kernel ---------------------------------------------------
+
+
+def test_gate_quiet_for_reads_the_kernels_byte_clock() -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    up, _ = srv.accept()
+    try:
+        g = Gate(1, 1)
+        assert g.quiet_for() is None
+        f = g.begin()
+        assert g.quiet_for() is None  # no upstream socket yet: nothing to judge by
+        g.attach(f, cli)
+        cli.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        time.sleep(0.4)
+        q = g.quiet_for()
+        assert q is not None and 0.3 <= q < 2.0, q
+        up.sendall(b"x")  # a byte from the head
+        time.sleep(0.05)
+        q = g.quiet_for()
+        assert q is not None and q < 0.3, q
+        g.end(f)
+        assert g.quiet_for() is None
+    finally:
+        for s in (cli, up, srv):
+            s.close()
