@@ -839,7 +839,11 @@ class Supervisor:
                 # frozen peer would sit out SIGTERM's grace. KILL it.
                 await self._stop_one(head, f"stopped: {reason}", now=True)
         # A frozen or stalled peer still runs: KILL it (a stopped process ignores TERM).
-        await asyncio.gather(*(self._kill(p, now=True) for p in peers if p.spec.managed))
+        managed = [p for p in peers if p.spec.managed]
+        stops = await asyncio.gather(*(self._kill(p, now=True) for p in managed))
+        for p, res in zip(managed, stops, strict=True):
+            if res.stuck:  # D state (a wedged driver): reported unkillable; the restart does
+                p.child = None  # not wait for it again, and a new peer moves off its port
         for p in peers:
             if p.child is not None and p.child.returncode is not None:
                 p.last_exit = p.child.returncode

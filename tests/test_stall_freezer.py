@@ -1,0 +1,189 @@
+"""A real ggml-rpc-server peer of demo-combine frozen with the cgroup freezer while requests
+are in flight (issue 20, item 7): the head keeps answering /health and /slots hangs behind its
+blocked main loop, so only the stall rule can see it — no byte on the requests in flight and no
+CPU progress in the head or the peer. It must be noticed within the bound, the pair restarted,
+and requests after that served.
+
+cgroup v1's freezer leaves the peer in state D (what a wedged driver looks like; SIGKILL waits
+for the thaw, so hydra reports it unkillable and moves the new peer to another port); cgroup
+v2's stops it in S (SIGKILL works). Each is run where this machine lets the test use it (root,
+a writable hierarchy) and skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from tests.fault_scenarios import _engines, _serving
+from tests.harness import free_port, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+INTERVAL, STALL = 0.5, 3.0
+POLICY = f"""
+restart: {{backoff_initial: 0.5, backoff_max: 4, max_failures: 4, window: 60, stable_after: 3}}
+health: {{interval: {INTERVAL}, hang_timeout: 10, stall_timeout: {STALL}}}
+"""
+# The bound in docs/supervision.md: stall_timeout + 2 × (interval + /health's timeout), plus
+# what status.json and this test's polling add on a busy machine.
+BOUND = STALL + 4 * INTERVAL + 2.0
+
+
+class Freezer:
+    """One cgroup of the v1 `freezer` hierarchy or of cgroup v2, made for this test."""
+
+    def __init__(self, kind: str, path: Path) -> None:
+        self.kind, self.path = kind, path
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def freeze(self, on: bool) -> None:
+        if self.kind == "v1":
+            (self.path / "freezer.state").write_text("FROZEN" if on else "THAWED")
+        else:
+            (self.path / "cgroup.freeze").write_text("1" if on else "0")
+
+    def frozen(self) -> bool:
+        if self.kind == "v1":
+            return (self.path / "freezer.state").read_text().strip() == "FROZEN"
+        return "frozen 1" in (self.path / "cgroup.events").read_text()
+
+    def remove(self) -> None:
+        self.freeze(False)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)  # a thawed process dying of its pending SIGKILL
+
+
+def _mount(kind: str) -> Path | None:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _dev, where, fstype, opts, *_ = line.split()
+        if kind == "v2" and fstype == "cgroup2":
+            return Path(where)
+        if kind == "v1" and fstype == "cgroup" and "freezer" in opts.split(","):
+            return Path(where)
+    return None
+
+
+def _freezer(kind: str) -> Freezer | str:
+    """A working freezer cgroup, or why there is none: tried on a throwaway process."""
+    if os.geteuid() != 0:
+        return "the cgroup freezer needs root"
+    root = _mount(kind)
+    if root is None:
+        return f"no cgroup {kind} {'freezer hierarchy' if kind == 'v1' else 'mount'}"
+    path = root / f"hydra-stall-{os.getpid()}-{kind}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        return f"cannot create a cgroup under {root}: {exc.strerror}"
+    fz = Freezer(kind, path)
+    probe = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        fz.add(probe.pid)
+        fz.freeze(True)
+        wait_until(fz.frozen, 5, "the probe process frozen")
+        fz.freeze(False)
+        return fz
+    except (OSError, AssertionError) as exc:
+        fz.remove()
+        return f"cgroup {kind} freezer unusable here: {exc}"
+    finally:
+        probe.kill()
+        probe.wait(10)
+
+
+@pytest.fixture(params=["v1", "v2"])
+def freezer(request: pytest.FixtureRequest) -> Iterator[Freezer]:
+    fz = _freezer(request.param)
+    if isinstance(fz, str):
+        pytest.skip(fz)
+    try:
+        yield fz
+    finally:
+        fz.remove()
+
+
+def test_frozen_peer_with_requests_in_flight_restarts_the_pair(
+        freezer: Freezer, hydra_up, hydra_env, tmp_path: Path) -> None:
+    from hydra_supervisor.paths import repo_root
+
+    prof = tmp_path / "demo-combine-stall.yaml"
+    prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)
+    port = free_port()
+    up = hydra_up("--profile", str(prof), "--port", str(port))
+    up.wait_ready(180)
+    peer, head = _engines(hydra_env)
+    assert peer["role"] == "peer" and head["role"] == "head"
+
+    # Requests in flight: long streams, each seen to have started before the freeze.
+    codes: list[str] = []
+    started = threading.Semaphore(0)
+
+    def stream() -> None:
+        try:
+            with requests.post(f"http://127.0.0.1:{port}/completion", stream=True, timeout=120,
+                               json={"prompt": "Once upon a time", "n_predict": 2000,
+                                     "stream": True}) as r:
+                first = True
+                for _ in r.iter_lines():
+                    if first:
+                        started.release()
+                        first = False
+                codes.append(f"{r.status_code} done")
+        except requests.RequestException as exc:
+            codes.append(f"error {type(exc).__name__}")
+            started.release()
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=60), "a stream did not start"
+    freezer.add(peer["pid"])
+    freezer.freeze(True)
+    t0 = time.monotonic()
+    wait_until(freezer.frozen, 5, "the peer frozen")
+    if freezer.kind == "v1":
+        assert psutil.Process(peer["pid"]).status() == psutil.STATUS_DISK_SLEEP
+
+    def detected() -> bool:
+        return any(e["state"] != "READY" for e in _engines(hydra_env))
+    wait_until(detected, BOUND + 10, "hydra to notice the frozen peer", interval=0.05)
+    took = time.monotonic() - t0
+    assert took <= BOUND, f"noticed after {took:.1f}s (bound {BOUND:.1f}s)"
+    assert took >= STALL - INTERVAL, f"noticed after {took:.1f}s: before stall_timeout"
+
+    def recovered() -> bool:
+        es = _engines(hydra_env)
+        return bool(es) and all(e["state"] == "READY" for e in es) and \
+            not {peer["pid"], head["pid"]} & {e["pid"] for e in es}
+    wait_until(recovered, 120, "the pair restarted")
+    back = time.monotonic() - t0
+    for t in threads:
+        t.join(60)
+    served = sum(_serving(port) for _ in range(5))
+    log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+    print(f"\ncgroup {freezer.kind}: noticed after {took:.1f}s, serving again after "
+          f"{back:.1f}s; streams in flight: {codes}")
+    assert served == 5, f"{served}/5 requests served after the restart"
+    assert "without a byte" in log and "frozen peer" in log, log[-3000:]
+    new_peer = next(e for e in _engines(hydra_env) if e["role"] == "peer")
+    if freezer.kind == "v1":  # SIGKILL waits for the thaw: a new peer elsewhere meanwhile
+        assert "survived SIGKILL" in log
+        assert new_peer["port"] != peer["port"]
+    freezer.freeze(False)
