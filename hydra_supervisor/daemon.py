@@ -396,6 +396,9 @@ class Daemon:
             self.wire = EngineWire(self.engine, loop, self.opts.node_file)
             if self.engine.router is not None:
                 self.engine.hydra_upstream = self.wire.start()
+                # reachable at once, also before (or without) a profile: INFO says what runs
+                self.engine.router.set_upstreams(replace(self.engine.router.upstreams,
+                                                         hydra=self.engine.hydra_upstream))
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
         if self.metrics is not None:

@@ -70,7 +70,8 @@ class InvalidValue(ValueError):
 def _num(kind: type) -> Callable[[Any], Any]:
     def coerce(v: Any) -> Any:
         if isinstance(v, bool):
-            raise InvalidValue(f"expected a number, got {v!r}")
+            raise InvalidValue(f"expected {'a number' if kind is float else 'an integer'}, "
+                               f"got {v!r}")
         if isinstance(v, float) and not math.isfinite(v):
             raise InvalidValue(f"expected a finite number, got {v!r}")
         if isinstance(v, str):
