@@ -123,12 +123,18 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     """
     if idle and profiles:
         raise HydraError("--no-profile and --profile exclude each other")
+    node = load_node(find_node_file(node_file))
     if not profiles and not idle:
-        profiles = load_node(find_node_file(node_file)).profiles
+        profiles = node.profiles
     profile = profiles[0] if len(profiles) == 1 else None
     state = StateDir.default()
-    state.ensure_writable()
+    tightened = state.secure(_file_policy(node))
     _setup_logging(state, verbose)
+    if tightened:
+        logging.getLogger("hydra").warning(
+            "state dir %s: tightened %d path(s) that were looser than hydra's policy "
+            "(docs/operations.md): %s%s", state.root, len(tightened), "; ".join(tightened[:5]),
+            " ..." if len(tightened) > 5 else "")
     try:
         with state.lock():
             if len(profiles) > 1:
@@ -151,6 +157,10 @@ def _preflight(state: StateDir) -> None:
         raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
                          f"'{running['profile']}', state dir {state.root})",
                          hint="`hydra down` first, or `hydra switch PROFILE` to change layout")
+    dead = state.clear_abnormal_end()
+    if dead:
+        logging.getLogger("hydra").warning("the last run %s; its last state was %s",
+                                           state.abnormal_text(dead), dead.get("last_state"))
     stale = state.kill_stale()
     if stale:
         err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
@@ -405,6 +415,18 @@ def reload(as_json: bool) -> None:
     sys.exit(0 if reply.get("result") in ("ok", "noop") else 1)
 
 
+def _file_policy(node: Any) -> Any:
+    """Modes and child-log bounds from the node file (filemodes.py, logfiles.py)."""
+    import grp
+
+    from hydra_supervisor import filemodes
+
+    gid = grp.getgrnam(node.state_group).gr_gid if node.state_group else None
+    return filemodes.Policy(group=gid, group_name=node.state_group,
+                            log_max_bytes=int(node.log_max_mib * filemodes.MIB),
+                            log_keep=node.log_keep)
+
+
 def _setup_logging(state: StateDir, verbose: bool) -> None:
     """hydra's own log: every state change once, with its reason, in logs/hydra.log."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
@@ -444,7 +466,8 @@ def status(as_json: bool, watch: bool) -> None:
     if as_json:
         if live is None:
             click.echo(json.dumps({"running": False, "supervisor": state.running_supervisor(),
-                                   "status": state.read_status()}, indent=2))
+                                   "status": state.read_status_checked(),
+                                   "abnormal_end": state.abnormal_end()}, indent=2))
             sys.exit(daemon.EXIT_NOT_RUNNING)
         click.echo(json.dumps(live, indent=2))
         sys.exit(daemon.EXIT_PORT_DOWN if ports_down(live["daemon"]) else 0)
@@ -455,6 +478,12 @@ def status(as_json: bool, watch: bool) -> None:
                       markup=False)
             return
         out.print(f"hydra is not running here (state dir {state.root})", markup=False)
+        dead = state.abnormal_end()
+        if dead:
+            out.print(f"its last run {state.abnormal_text(dead)}; its last recorded state "
+                      f"was {dead.get('last_state') or '?'} (stale; the next `hydra up` "
+                      "clears it)", markup=False)
+            sys.exit(daemon.EXIT_NOT_RUNNING)
         data = state.read_status()
         if data and data.get("stopped"):
             out.print(f"its last run ended: {data['stopped']}", markup=False)
@@ -775,24 +804,36 @@ def doctor(node_file: str | None) -> None:
 @click.option("-f", "follow", is_flag=True, help="keep printing new lines")
 @friendly
 def logs(engine: str, lines: int, follow: bool) -> None:
-    """Show an engine's log (head, peer-NAME)."""
+    """Show an engine's log (head, peer-NAME); -f follows it across size rotations and
+    restarts (as tail -F does)."""
+    from hydra_supervisor import logfiles
+
     state = StateDir.default()
-    path = state.log_path(engine)
-    if not path.exists():
+    path = _log_of(state, engine)
+    if path is None:
         names = sorted(p.stem for p in state.logs.glob("*.log"))
         raise HydraError(f"no log for engine '{engine}' in {state.logs}; "
                          f"engines with logs: {', '.join(names) or '(none)'}")
-    with path.open(errors="replace") as fh:
-        tail = fh.readlines()[-lines:]
-        sys.stdout.writelines(tail)
-        sys.stdout.flush()
-        while follow:
-            line = fh.readline()
-            if line:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            else:
-                time.sleep(0.2)
+    sys.stdout.writelines(line + "\n" for line in logfiles.tail(path, lines))
+    sys.stdout.flush()
+    if follow:
+        for line in logfiles.follow(path):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def _log_of(state: StateDir, engine: str) -> Path | None:
+    """The log a child of this state dir writes: the one status.json names for it (the fallback
+    in the temp dir when logs/ was not writable), else logs/ENGINE.log, else the fallback."""
+    from hydra_supervisor import logfiles
+
+    rows = (state.read_status() or {}).get("engines") or []
+    named = next((Path(r["log"]) for r in rows if isinstance(r, dict) and
+                  r.get("name") == engine and r.get("log")), None)
+    for p in (named, state.log_path(engine), logfiles.fallback_path(state.root, engine)):
+        if p is not None and p.exists():
+            return p
+    return None
 
 
 @main.group()

@@ -8,6 +8,7 @@ unknown key lists the valid ones (with a did-you-mean). See docs/profiles.md for
 from __future__ import annotations
 
 import difflib
+import grp
 import ipaddress
 import os
 from collections.abc import Callable, Mapping
@@ -149,6 +150,9 @@ class Node:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     profiles: tuple[str, ...] = ()  # what `hydra up` serves when no -p is given
     default_profile: str | None = None  # for requests without `model` (else the first listed)
+    state_group: str | None = None  # the state dir readable by this group (filemodes.py)
+    log_max_mib: float = 10.0  # a child log rotates past this size...
+    log_keep: int = 3  # ...keeping this many older files (logfiles.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +274,38 @@ def _str_map(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
         return val, probs
     return {k: "" if x is None else str(x) if not isinstance(x, bool) else ("1" if x else "0")
             for k, x in val.items()}, []
+
+
+def _group(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    """A group this user belongs to (by name or gid): the state dir is opened to it."""
+    if isinstance(v, bool) or not isinstance(v, str | int):
+        return None, [(p, f"expected a group name, got {v!r}")]
+    try:
+        g = grp.getgrgid(v) if isinstance(v, int) else grp.getgrnam(v)
+    except (KeyError, OverflowError):
+        return None, [(p, f"no group {v!r} on this host")]
+    if g.gr_gid != os.getgid() and g.gr_gid not in os.getgroups():
+        return None, [(p, f"this user is not in group {g.gr_name!r}: hydra could not give "
+                          "its files to it")]
+    return g.gr_name, []
+
+
+def _log_mib(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0625 <= v <= 1 << 20:
+        return None, [(p, f"expected MiB between 0.0625 and 1048576, got {v!r}")]
+    return float(v), []
+
+
+def _log_keep(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 100:
+        return None, [(p, f"expected a whole number from 1 to 100, got {v!r}")]
+    return v, []
+
+
+LOGS_SCHEMA: dict[str, Checker] = {
+    "max_mib": _log_mib,
+    "keep": _log_keep,
+}
 
 
 def _range(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
@@ -406,6 +442,8 @@ NODE_SCHEMA: dict[str, Checker] = {
     "defaults": _section(NODE_DEFAULTS_SCHEMA, "defaults"),
     "profiles": _str_list,
     "default_profile": _type(str, "a profile name"),
+    "state_group": _group,
+    "logs": _section(LOGS_SCHEMA, "logs"),
 }
 
 
@@ -480,6 +518,9 @@ def load_node(path: Path | None) -> Node:
         defaults=checked.get("defaults", {}),
         profiles=checked.get("profiles", ()),
         default_profile=checked.get("default_profile"),
+        state_group=checked.get("state_group"),
+        log_max_mib=(checked.get("logs") or {}).get("max_mib", Node.log_max_mib),
+        log_keep=(checked.get("logs") or {}).get("keep", Node.log_keep),
     )
 
 

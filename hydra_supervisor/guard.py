@@ -8,12 +8,16 @@ the GPU's memory. The guard is a tiny separate process holding the read end of a
 write end only hydra has: EOF means hydra is gone. It then stops every process group recorded
 in the state dir's pidfiles by *that* hydra (pid checked), and exits. On a clean stop hydra has
 already stopped its children and forgotten their pidfiles, so the guard finds nothing to do.
+When hydra died without that clean stop (its supervisor.json still names it), the guard stamps
+the time in it and marks status.json stopped, so `hydra status` says how the run ended instead
+of showing a dead hydra's last `switching` as if live.
 
     python -m hydra_supervisor.guard STATE_DIR HYDRA_PID   (stdin: the pipe)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,6 +39,8 @@ def main(argv: list[str]) -> int:
     state, hydra_pid = StateDir(Path(argv[0])), int(argv[1])
     while sys.stdin.buffer.read(4096):  # hydra never writes: this returns at EOF only
         pass
+    with contextlib.suppress(OSError):  # a dead hydra's status.json must not read as live
+        state.mark_died(hydra_pid)
     state.kill_stale(grace=2.0, hydra_pid=hydra_pid)
     return 0
 

@@ -7,7 +7,8 @@ a child subreaper (PR_SET_CHILD_SUBREAPER), so the grandchild of a wrapper scrip
 dies is re-parented to hydra rather than to init: hydra reaps it (waitpid on that pid only,
 never waitpid(-1), which would steal asyncio's children) and its group is stopped with the
 child's. Output goes straight to a log file (no pipe hydra must drain: a slow log reader can
-never block a child or a stop). Stop = SIGTERM (+SIGCONT, so a stopped process acts on it) to the
+never block a child or a stop); hydra bounds that file by size beside the child, copytruncate
+style (logfiles.py). Stop = SIGTERM (+SIGCONT, so a stopped process acts on it) to the
 group, a second SIGTERM, SIGKILL, every wait bounded; a child that survives SIGKILL (stuck in
 uninterruptible sleep) is reported, never waited for forever.
 
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Protocol
 
 import psutil
+
+from hydra_supervisor import filemodes, logfiles
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -55,6 +58,7 @@ class RealChild:
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
+        self.rotator: asyncio.Task[None] | None = None  # bounds its log (logfiles.Rotator)
 
     @property
     def pid(self) -> int:
@@ -85,27 +89,25 @@ class LogUnavailable(OSError):
     """The child's log file cannot be opened (the log dir is gone or not writable)."""
 
 
-def rotate(log: Path, keep: int = 3) -> None:
-    """Keep the logs of the last `keep` runs: engine.log.1 is the previous run."""
-    for i in range(keep, 0, -1):
-        older = log.with_name(f"{log.name}.{i}")
-        newer = log.with_name(f"{log.name}.{i - 1}") if i > 1 else log
-        if newer.exists():
-            newer.replace(older)
-
-
 async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path) -> Child:
+    """Start a child writing to `log` (O_APPEND; a new run shifts the last one's file to
+    NAME.log.1), bounded by size beside it without a pipe (logfiles.py says why)."""
+    pol = filemodes.current()
     try:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        rotate(log)
-        out = log.open("ab")
+        fd = logfiles.open_for_child(log)
     except OSError as exc:
         raise LogUnavailable(exc.errno, exc.strerror, str(log)) from exc
-    with out:
+    try:
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **env}, process_group=0, preexec_fn=_child_setup(os.getpid()))
-    return RealChild(proc)
+    except BaseException:
+        os.close(fd)
+        raise
+    child = RealChild(proc)
+    rot = logfiles.Rotator(fd, log, max_bytes=pol.log_max_bytes, keep=pol.log_keep)
+    child.rotator = asyncio.create_task(rot.run(lambda: proc.returncode is None))
+    return child
 
 
 def kill_group(pid: int, sig: int) -> None:

@@ -7,7 +7,12 @@
   pids/NAME.json    pid, process group, start time, cmdline and hydra's pid for each child, to
                     find stale children of a crashed hydra and their whole process group (pid
                     reuse is ruled out by start time and cmdline)
-  logs/NAME.log     each child's output (previous runs: NAME.log.1, .2, .3)
+  logs/NAME.log     each child's output; NAME.log.1 .. .N the output before it (an earlier run,
+                    or the file's first part once it passed its size bound: logfiles.py)
+  logs/hydra.log    hydra's own log (rotated at 10 MiB, 3 kept)
+
+Only hydra's owner can read any of it (directories 0700, files 0600), or the group a node file
+names in `state_group:` (filemodes.py); `hydra up` tightens what it finds looser.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from hydra_supervisor import filemodes
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.paths import state_dir
 
@@ -32,7 +38,10 @@ from hydra_supervisor.paths import state_dir
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                 filemodes.current().file_mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
 
 
@@ -69,6 +78,15 @@ class StateDir:
                 raise HydraError(f"state dir {d} is not writable",
                                  hint="set HYDRA_STATE_DIR to a writable directory")
 
+    def secure(self, policy: filemodes.Policy) -> list[str]:
+        """`hydra up`, before it writes anything: the umask of the policy (children inherit
+        it), the dirs created, and whatever an earlier run left looser tightened. Returns what
+        was changed (for one log line)."""
+        filemodes.configure(policy)
+        os.umask(policy.umask)
+        self.ensure_writable()
+        return filemodes.tighten(self.root, policy)
+
     # -- one hydra per state dir ---------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -79,7 +97,7 @@ class StateDir:
         outlives hydra cannot keep the lock either."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / "hydra.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, filemodes.current().file_mode)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -125,6 +143,71 @@ class StateDir:
         except (psutil.Error, KeyError, ValueError):
             return None
         return dict(data)
+
+    def abnormal_end(self) -> dict[str, Any] | None:
+        """The last run's record when it ended without a clean stop (kill -9, the OOM killer, a
+        crash): its supervisor.json is still there but names no live hydra. None otherwise.
+        `died` is when hydra's orphan guard saw it go (guard.py), else None: it ended at some
+        point after `last_seen` (status.json's last update)."""
+        data = _read_json(self.root / "supervisor.json")
+        if not isinstance(data, dict) or "pid" not in data or self.running_supervisor():
+            return None
+        return self._abnormal(data)
+
+    def _abnormal(self, sup: dict[str, Any]) -> dict[str, Any]:
+        status = self.read_status() or {}
+        if status.get("abnormal"):  # already marked (by the guard): its last live word
+            status = status["abnormal"]
+            return {**status, "died": sup.get("died") or status.get("died")}
+        return {"pid": sup.get("pid"), "profile": sup.get("profile"),
+                "started": sup.get("started"), "died": sup.get("died"),
+                "last_seen": status.get("updated"), "last_state": status.get("state")}
+
+    def abnormal_text(self, ab: dict[str, Any]) -> str:
+        when = f"at {_clock(ab['died'])}" if ab.get("died") else \
+            f"after {_clock(ab['last_seen'])}" if ab.get("last_seen") else "at an unknown time"
+        return (f"ended abnormally {when}: hydra pid {ab['pid']} (profile {ab['profile']}) died "
+                "without a clean stop (kill -9, the OOM killer or a crash)")
+
+    def read_status_checked(self) -> dict[str, Any] | None:
+        """status.json as a reader should take it: after an abnormal end, marked stopped with
+        why (its `switching` or `serving` was the dead hydra's last word, not a live state)."""
+        return self._marked(self.abnormal_end())
+
+    def _marked(self, ab: dict[str, Any] | None) -> dict[str, Any] | None:
+        data = self.read_status()
+        if ab is None:
+            return data
+        data = dict(data or {})
+        data.update(state="stopped", stopped=self.abnormal_text(ab), abnormal=ab)
+        return data
+
+    def clear_abnormal_end(self) -> dict[str, Any] | None:
+        """`hydra up` (holding the lock): turn a dead run's records into a stopped one (its
+        supervisor.json goes; status.json says it stopped and how). Returns the record."""
+        ab = self.abnormal_end()
+        if ab is None:
+            return None
+        fixed = self.read_status_checked()
+        with contextlib.suppress(OSError):
+            if fixed is not None:
+                self.write_status(fixed)
+            (self.root / "supervisor.json").unlink(missing_ok=True)
+        return ab
+
+    def mark_died(self, hydra_pid: int) -> bool:
+        """The orphan guard, when its hydra is gone: if that hydra did not clear its record (no
+        clean stop), stamp the time it died and mark status.json stopped. True if it did."""
+        path = self.root / "supervisor.json"
+        data = _read_json(path)
+        if not isinstance(data, dict) or data.get("pid") != hydra_pid:
+            return False
+        data["died"] = time.time()
+        _write_json(path, data)
+        fixed = self._marked(self._abnormal(data))  # not asking psutil: it may still be exiting
+        if fixed is not None:
+            _write_json(self.root / "status.json", fixed)
+        return True
 
     def clear_supervisor(self) -> None:
         data = _read_json(self.root / "supervisor.json")
@@ -206,6 +289,13 @@ class StateDir:
         for s in stale:
             self.forget_child(s.name)
         return [f"{s.name} (pid {', '.join(str(p.pid) for p in s.procs)})" for s in stale]
+
+
+def _clock(t: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
+    except (TypeError, ValueError, OverflowError):
+        return "?"
 
 
 @dataclass(frozen=True)

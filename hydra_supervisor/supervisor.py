@@ -32,11 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +42,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hydra_supervisor import health, process
+from hydra_supervisor import health, logfiles, process
 from hydra_supervisor.backoff import Backoff
 from hydra_supervisor.config import PeerLoss, RestartPolicy
 from hydra_supervisor.deployment import Deployment
@@ -231,11 +229,7 @@ class ManagedProcess:
         self.first_failure_log = str(dst)
 
     def log_tail(self, n: int = 12) -> list[str]:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        return lines[-n:]
+        return logfiles.tail(self.log_path, n)  # across a size rotation (logfiles.py)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -420,9 +414,7 @@ class Supervisor:
         try:
             mp.child = await self._spawn_safely(argv, env, mp.log_path)
         except process.LogUnavailable as exc:
-            tag = hashlib.sha1(str(self.state.root).encode()).hexdigest()[:8]
-            fallback = Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-{tag}-logs" / \
-                mp.log_path.name
+            fallback = logfiles.fallback_path(self.state.root, mp.name)
             log.error("%s: cannot write log %s (%s); logging to %s", mp.name, mp.log_path,
                       exc, fallback)
             mp.log_path = fallback

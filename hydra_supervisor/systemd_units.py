@@ -129,10 +129,10 @@ def _service(opts: UnitOptions, *, description: str, exec_start: str, state: str
           if opts.supplementary_groups else []),
         # /var/lib/hydra/<state>, /var/cache/hydra, /etc/hydra: created and owned for User=.
         f"StateDirectory=hydra/{state}",
-        "StateDirectoryMode=0750",
+        "StateDirectoryMode=0700",  # hydra keeps it so (filemodes.py; or 2750 with state_group)
         "CacheDirectory=hydra",
         "ConfigurationDirectory=hydra",
-        "UMask=0027",
+        "UMask=0077",
         *(_env_line(k, v) for k, v in env),
         "",
         "# Hardening. The GPUs stay reachable: no PrivateDevices= (it would hide /dev/nvidia*),",

@@ -3,6 +3,13 @@
 Validation reports problems by YAML path (``profile.server_args.ctx-size``) *and* by file:line,
 so the loader keeps a side table from path tuples to 1-based line numbers. Syntax errors become a
 ConfigError that names file:line:column.
+
+Bounded input: a file over MAX_BYTES is refused unread, and before anything is built the
+composed document's size *with every alias expanded* is counted (linear in the file, each
+anchored node counted once): past MAX_VALUES (a "billion laughs" alias bomb, which would grow
+without end in the daemon on a reload) the file is refused naming the line of the smallest part
+that expands past the bound. A recursive alias and nesting past Python's recursion limit are
+refused too. Anchors and aliases themselves stay allowed within the bound.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ import yaml
 from hydra_supervisor.errors import ConfigError
 
 PathKey = tuple[str | int, ...]
+
+MAX_BYTES = 1 << 20  # a profile or node file is a few KiB
+MAX_VALUES = 10_000  # values once aliases are expanded (a big node file has a few hundred)
 
 
 @dataclass
@@ -64,23 +74,73 @@ def _convert(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], file: st
     return value
 
 
+def _expanded_size(root: yaml.Node, file: str) -> int:
+    """How many values `root` holds with every alias expanded, counting each shared node once
+    (memo): ConfigError past MAX_VALUES, naming the line of the first (smallest) node that
+    expands past it, or on a recursive alias."""
+    memo: dict[int, int] = {}
+    active: set[int] = set()
+
+    def count(node: yaml.Node) -> int:
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if key in active:
+            raise ConfigError(f"{file}:{node.start_mark.line + 1}: a recursive YAML alias "
+                              "(a value that contains itself) is not allowed")
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                total += count(k) + count(v)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += count(item)
+        active.discard(key)
+        if total > MAX_VALUES:
+            raise ConfigError(
+                f"{file}:{node.start_mark.line + 1}: YAML aliases expand this to more than "
+                f"{MAX_VALUES} values (an alias bomb?); refused")
+        memo[key] = total
+        return total
+
+    return count(root)
+
+
 def load_text(text: str, file: str) -> Sourced:
+    if len(text) > MAX_BYTES:
+        raise ConfigError(f"{file}: {len(text)} characters; a profile or node file may have "
+                          f"at most {MAX_BYTES} bytes")
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _expanded_size(node, file)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else file
         raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: YAML error: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"{file}: YAML nested too deeply; refused") from None
     lines: dict[PathKey, int] = {}
     data = None if node is None else _convert(node, (), lines, file)
     return Sourced(file=file, data=data, lines=lines)
 
 
 def load_file(path: Path) -> Sourced:
+    """Read at most MAX_BYTES (+1, to tell a file that is too big: a FIFO or /dev/zero given
+    as a profile is refused as well as a huge file)."""
     try:
-        text = path.read_text()
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_BYTES} bytes; a profile or node file is "
+                          "a few KiB: refused")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     return load_text(text, str(path))
