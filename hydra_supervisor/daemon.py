@@ -30,6 +30,7 @@ from typing import Any
 
 from hydra_supervisor import control, deployment, metrics, notify, portwatch
 from hydra_supervisor.config import known_profiles
+from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
 from hydra_supervisor.engine_wire import EngineWire
@@ -89,8 +90,14 @@ class Daemon:
         port = plan.port if plan else opts.port
         use_router = plan is None or plan.router is not None
         self.notifier = notify.Notifier.from_env()
+        # The dashboard (dashboard/) beside /metrics: it reads the snapshot published below.
+        self.dashboard = (Dashboard(Publisher(self.snapshot),
+                                    profiles=lambda: list(known_profiles(opts.profiles_dir)))
+                          if opts.metrics_port else None)
         self.metrics = (metrics.MetricsServer("127.0.0.1", opts.metrics_port,
-                                              snapshot=self.snapshot)
+                                              snapshot=self.snapshot,
+                                              wrap=self.dashboard.wrap if self.dashboard
+                                              else None)
                         if opts.metrics_port else None)
         router_kwargs = {"on_request": self._on_request} if self.metrics else {}
         for f in self.fleets:
@@ -166,6 +173,8 @@ class Daemon:
 
     def _changed(self) -> None:
         snap = self.snapshot()  # one snapshot (processes, NVML) for both records
+        if self.dashboard is not None:
+            self.dashboard.publisher.put(snap)
         with contextlib.suppress(OSError):
             self.state.write_status(self.legacy_status(snap))
         self.notifier.status(notify.status_text(snap))
@@ -401,6 +410,8 @@ class Daemon:
                                                          hydra=self.engine.hydra_upstream))
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
+        if self.dashboard is not None:
+            self.dashboard.bind(loop, self.routes())  # actions: the control API's handlers
         if self.metrics is not None:
             self.metrics.start()
         # From the start: systemd's watchdog timer runs from the moment the process starts.

@@ -592,12 +592,14 @@ class MetricsServer:
            an api key (Head.api_key) or to scrape something else.
     external_ports: ports this server must never take (the engines' external ports); default
            = every engine `port` in the snapshot at start().
+    wrap: given the WSGI app, returns the one to serve (the dashboard's routes beside it).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  snapshot: SnapshotFn | None = None, heads: HeadsFn | None = None, *,
                  scrape_timeout: float = 3.0,
-                 external_ports: Sequence[int] | None = None) -> None:
+                 external_ports: Sequence[int] | None = None,
+                 wrap: Callable[[Any], Any] | None = None) -> None:
         if snapshot is None:
             raise TypeError("MetricsServer needs snapshot=")
         if not is_loopback(host):
@@ -607,6 +609,7 @@ class MetricsServer:
         self._req_port = port
         self._snapshot = snapshot
         self._external = external_ports
+        self._wrap = wrap  # wraps the WSGI app: more routes beside /metrics (the dashboard)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(snapshot))
         self.registry.register(HeadCollector(
@@ -646,6 +649,8 @@ class MetricsServer:
                              "need a port of their own")
         cls = _Server6 if ":" in self.host else _Server
         app = make_wsgi_app(self.registry)
+        if self._wrap is not None:
+            app = self._wrap(app)
         self._server = make_server(self.host, self._req_port, app, cls,
                                    handler_class=_SilentHandler)
         self._thread = threading.Thread(target=self._server.serve_forever,
