@@ -52,6 +52,16 @@ def current() -> Policy:
     return _policy
 
 
+def of_dir(root: Path) -> Policy:
+    """The policy a state dir shows (for a process that has no node file: the orphan guard):
+    group-readable if `hydra up` made it so."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return Policy()
+    return Policy(group=st.st_gid) if st.st_mode & 0o040 else Policy()
+
+
 def configure(policy: Policy) -> None:
     global _policy
     _policy = policy
@@ -62,6 +72,9 @@ def tighten(root: Path, pol: Policy | None = None) -> list[str]:
     changed: list[str] = []
     if not root.is_dir():
         return changed
+    if os.stat(root).st_mode & stat.S_ISVTX:  # /tmp itself, or another shared directory
+        return [f"{root}: a shared directory (sticky bit), left as it is: give hydra a state "
+                "dir of its own (HYDRA_STATE_DIR)"]
     _fix(root, pol, changed, is_dir=True)
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for name in dirnames:

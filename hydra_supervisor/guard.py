@@ -34,12 +34,14 @@ def start(state_root: Path) -> subprocess.Popen[bytes]:
 
 
 def main(argv: list[str]) -> int:
-    from hydra_supervisor.state import StateDir  # imported now: act fast at the EOF
+    from hydra_supervisor import filemodes  # imported now: act fast at the EOF
+    from hydra_supervisor.state import StateDir
 
     state, hydra_pid = StateDir(Path(argv[0])), int(argv[1])
     while sys.stdin.buffer.read(4096):  # hydra never writes: this returns at EOF only
         pass
     with contextlib.suppress(OSError):  # a dead hydra's status.json must not read as live
+        filemodes.configure(filemodes.of_dir(state.root))
         state.mark_died(hydra_pid)
     state.kill_stale(grace=2.0, hydra_pid=hydra_pid)
     return 0

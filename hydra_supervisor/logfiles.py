@@ -133,7 +133,7 @@ class Rotator:
             while alive():
                 await asyncio.sleep(POLL if poll is None else poll)
                 await asyncio.to_thread(self.check)
-            self.check()
+            await asyncio.to_thread(self.check)
         finally:
             with contextlib.suppress(OSError):
                 os.close(self.fd)

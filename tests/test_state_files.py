@@ -511,3 +511,23 @@ def test_a_chatty_llama_server_log_stays_bounded_under_hydra_up(hydra_up, hydra_
     assert res.returncode == 0 and len(res.stdout.splitlines()) == 3
     assert all(line.startswith("line ") for line in res.stdout.splitlines())
     assert up.engine("head")["state"] == "READY"
+
+
+def test_a_shared_sticky_directory_is_never_tightened(tmp_path):
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "someone.txt").write_text("x")
+    os.chmod(shared / "someone.txt", 0o644)
+    msgs = filemodes.tighten(shared, filemodes.Policy())
+    assert _mode(shared) == 0o1777 and _mode(shared / "someone.txt") == 0o644
+    assert len(msgs) == 1 and "shared directory" in msgs[0]
+
+
+def test_the_guard_keeps_a_group_readable_state_dir_group_readable(tmp_path):
+    root = tmp_path / "state"
+    root.mkdir()
+    os.chmod(root, 0o2750)
+    assert filemodes.of_dir(root).file_mode == 0o640
+    os.chmod(root, 0o700)
+    assert filemodes.of_dir(root).file_mode == 0o600
