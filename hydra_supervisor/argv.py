@@ -22,6 +22,8 @@ OWNED_FLAGS = {
     "sm": "mode/transport", "split-mode": "mode/transport",
     "dev": "head/peers", "device": "head/peers",
     "n-cpu-moe": "n_cpu_moe", "ncmoe": "n_cpu_moe",
+    "a": "name (the profile's name is the model name clients see)",
+    "alias": "name (the profile's name is the model name clients see)",
 }
 # owned only in COMBINE (in SOLO the operator may set them)
 COMBINE_OWNED = {"ngl": "split", "n-gpu-layers": "split", "gpu-layers": "split"}

@@ -484,7 +484,10 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
     cpu_sharers = sum(1 for d in [head_dev, *peer_devs] if d.kind is Kind.CPU)
     head_host, head_port = ((PEER_BIND, internal_port) if internal_port
                             else (profile.host, profile.port))
-    base = ["-m", model_path, "--host", head_host, "--port", str(head_port)]
+    # --alias: the model name llama-server reports (/v1/models, every reply's `model`) is the
+    # profile's name, the name clients ask for, not the GGUF's file name.
+    base = ["-m", model_path, "--alias", profile.name, "--host", head_host, "--port",
+            str(head_port)]
     if head_dev.kind is Kind.CUDA and not any(k.lstrip("-") in ("fit", "fitt", "fit-target")
                                               for k in profile.server_args):
         # hydra places the layers itself; llama.cpp's own fitting would only dry-run a load.

@@ -84,7 +84,7 @@ def test_dense_solo_gpu():
                             FakeModel(), M, DEVICES, [])
     (head,) = plan.engines
     assert head.program == "llama-server"
-    assert head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080",
+    assert head.args == ("-m", M, "--alias", "t", "--host", "127.0.0.1", "--port", "8080",
                          "-ngl", "99", "-sm", "none", "--fit", "off", "--ctx-size", "8192",
                          "--jinja")
     assert head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", "0"))
@@ -93,8 +93,8 @@ def test_dense_solo_gpu():
 def test_dense_solo_cpu_is_the_demo_shape():
     plan = resolver.resolve(prof(head="cpu", server_args={"ctx-size": 4096, "parallel": 2}),
                             FakeModel(), M, DEVICES, [])
-    assert plan.head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080", "-ngl", "0",
-                              "--ctx-size", "4096", "--parallel", "2")
+    assert plan.head.args == ("-m", M, "--alias", "t", "--host", "127.0.0.1", "--port", "8080",
+                              "-ngl", "0", "--ctx-size", "4096", "--parallel", "2")
     assert plan.head.env_dict()["CUDA_VISIBLE_DEVICES"] == ""
 
 
@@ -105,7 +105,7 @@ def test_dense_combine_gpu_head_rpc_first():
     peer, head = plan.in_start_order()
     assert peer.args == ("-H", "127.0.0.1", "-p", "50052", "-c")
     assert peer.env_dict()["CUDA_VISIBLE_DEVICES"] == "1"
-    assert head.args == ("-m", M, "--host", "127.0.0.1", "--port", "8080",
+    assert head.args == ("-m", M, "--alias", "t", "--host", "127.0.0.1", "--port", "8080",
                          "--rpc", "127.0.0.1:50052", "-ngl", "99", "-sm", "layer", "-ts", "1,4",
                          "--fit", "off")
     assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0"
@@ -130,7 +130,7 @@ def test_dense_combine_cpu_head_offloads_last_layers():
     peer, head = plan.in_start_order()
     assert peer.args == ("-H", "127.0.0.1", "-p", "50060", "-c", "-t", "8")
     # -ngl counts the output layer: 2 blocks + output go to the peer.
-    assert head.args[6:] == ("--rpc", "127.0.0.1:50060", "-ngl", "3", "-sm", "layer")
+    assert head.args[8:] == ("--rpc", "127.0.0.1:50060", "-ngl", "3", "-sm", "layer")
     assert [(p.device, p.layers) for p in plan.placements] == [("cpu", 2), ("cpu-peer", 2)]
     assert plan.transport == "rpc"
     assert plan.notes == ("transport auto -> rpc: cpu is the CPU; cpu-peer is the CPU, which "
@@ -160,7 +160,7 @@ def test_transport_local_one_process_over_both_gpus(transport):
     # peers first, head last, as over RPC: the profile's split puts the same layers on the
     # same cards under either transport (1 block on the 3060, 3 + output on the 5060 Ti)
     assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "1,0"
-    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "1,4", "--fit", "off")
+    assert head.args[8:] == ("-ngl", "99", "-sm", "layer", "-ts", "1,4", "--fit", "off")
     assert "--rpc" not in head.args
     assert head.device == "rtx3060+rtx"
     assert plan.transport == "local"
@@ -181,7 +181,7 @@ def test_transport_local_one_process_over_both_gpus(transport):
 def test_moe_solo_with_n_cpu_moe():
     plan = resolver.resolve(prof(head="rtx", n_cpu_moe=8),
                             FakeModel(expert_count=8, per_layer_experts=200 * MIB), M, DEVICES, [])
-    assert plan.head.args[6:] == ("-ngl", "99", "-sm", "none", "--n-cpu-moe", "8", "--fit",
+    assert plan.head.args[8:] == ("-ngl", "99", "-sm", "none", "--n-cpu-moe", "8", "--fit",
                                   "off")
 
 
@@ -263,7 +263,8 @@ def test_demo_profile_golden(tmp_path: Path):
 
     p = load_profile(repo_root() / "profiles" / "demo.yaml", default_node())
     plan = resolver.resolve(p, FakeModel(), "/models/gemma.gguf", DEVICES, [])
-    assert plan.head.args == ("-m", "/models/gemma.gguf", "--host", "127.0.0.1", "--port",
+    assert plan.head.args == ("-m", "/models/gemma.gguf", "--alias", "demo", "--host",
+                              "127.0.0.1", "--port",
                               "8080", "-ngl", "0", "--ctx-size", "4096", "--parallel", "2",
                               "--chat-template", "gemma", "--no-jinja", "--n-predict", "64",
                               "--threads", "1", "--seed", "1")
@@ -330,7 +331,7 @@ def test_moe_auto_is_a_local_layer_split():
     assert (plan.transport, plan.meta["moe_split"], plan.meta["transport_requested"]) == (
         "local", "layers", "auto")
     assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "1,0"
-    assert head.args[6:] == ("-ngl", "99", "-sm", "layer", "-ts", "1,4", "--fit", "off")
+    assert head.args[8:] == ("-ngl", "99", "-sm", "layer", "-ts", "1,4", "--fit", "off")
     assert [(p.device, p.layers, p.weight_bytes) for p in plan.placements] == [
         ("rtx3060", 1, 300 * MIB), ("rtx", 3, 900 * MIB + 25 * MIB)]
 
@@ -343,7 +344,7 @@ def test_moe_local_experts_on_the_second_gpu():
     # the head's GPU is CUDA0 (every layer, -ts 1,0), the experts' GPU CUDA1
     assert head.env_dict()["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert head.device == "rtx+rtx3060"
-    assert head.args[6:] == (
+    assert head.args[8:] == (
         "-ngl", "99", "-sm", "layer", "-ts", "1,0",
         "-ot", r"blk\.[0-9]+\.ffn_(?:down|gate|up)_exps\.weight=CUDA1", "--fit", "off")
     peer, main = plan.placements
@@ -382,7 +383,7 @@ def test_moe_local_layers_keep_first_experts_in_host_ram_when_short():
     plan = resolver.resolve(prof(mode=Mode.COMBINE, head="rtx", peers=("rtx3060",),
                                  split=(4, 4)), model, M, DEVICES, [])
     args = plan.head.args
-    assert args[6:12] == ("-ngl", "99", "-sm", "layer", "-ts", "4,5")
+    assert args[8:14] == ("-ngl", "99", "-sm", "layer", "-ts", "4,5")
     n_cpu = int(args[args.index("--n-cpu-moe") + 1])
     assert n_cpu == 1  # 4 x 3 GiB + buffers > 11 GiB x 0.95 on the 3060: one layer's experts move
     assert plan.placements[-1].what == "experts of layers 0 (--n-cpu-moe 1)"
@@ -414,7 +415,7 @@ def test_bad_moe_and_transport_choices(kw, model, needle):
 def test_fit_left_to_the_profile_when_it_says():
     plan = resolver.resolve(prof(head="rtx", server_args={"fit": "on"}), FakeModel(), M,
                             DEVICES, [])
-    assert plan.head.args[6:] == ("-ngl", "99", "-sm", "none", "--fit", "on")
+    assert plan.head.args[8:] == ("-ngl", "99", "-sm", "none", "--fit", "on")
 
 
 def test_moe_over_rpc_is_a_layer_split_unless_experts_asked():
