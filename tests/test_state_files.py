@@ -531,3 +531,39 @@ def test_the_guard_keeps_a_group_readable_state_dir_group_readable(tmp_path):
     assert filemodes.of_dir(root).file_mode == 0o640
     os.chmod(root, 0o700)
     assert filemodes.of_dir(root).file_mode == 0o600
+
+
+@pytest.mark.slow
+def test_a_second_local_user_can_read_nothing_of_the_state_dir(hydra_up, hydra_env, tmp_path):
+    """As another user (nobody), with every directory above the state dir open to it: the
+    logs, status.json and pidfiles cannot be read, nor the state dir listed."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a command as a second user")
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="hydra-2nd-user-"))
+    try:
+        base.chmod(0o755)  # /tmp is 1777: only the state dir's own modes keep nobody out
+        hydra_env["HYDRA_STATE_DIR"] = str(base / "state")
+        prof = _chatty_node(hydra_env, tmp_path)
+        (base / "control-file").write_text("readable\n")
+        (base / "control-file").chmod(0o644)
+
+        def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(list(argv), user=65534, group=65534, extra_groups=[],
+                                  capture_output=True, text=True, timeout=10, check=False)
+
+        assert as_nobody("cat", str(base / "control-file")).returncode == 0  # the check works
+        up = hydra_up("--profile", str(prof), "--port", str(free_port()))
+        up.wait_ready(60)
+        root = base / "state"
+        for f in (root / "status.json", root / "logs" / "head.log", root / "logs" / "hydra.log",
+                  root / "pids" / "head.json", root / "supervisor.json"):
+            res = as_nobody("cat", str(f))
+            assert res.returncode != 0 and "Permission denied" in res.stderr, (f, res)
+        assert as_nobody("ls", str(root)).returncode != 0
+        up.stop()
+    finally:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
