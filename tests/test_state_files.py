@@ -567,3 +567,26 @@ def test_a_second_local_user_can_read_nothing_of_the_state_dir(hydra_up, hydra_e
         import shutil
 
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_reload_to_an_alias_bomb_is_refused_and_hydra_serves_on(hydra_up, hydra_env,
+                                                                   tmp_path):
+    """Issue 20 item 5: the bomb grew inside the daemon on a reload and hydra could not stop."""
+    prof = _chatty_node(hydra_env, tmp_path)
+    up = hydra_up("--profile", str(prof), "--port", str(free_port()))
+    up.wait_ready(60)
+    pid = up.engine("head")["pid"]
+    good = prof.read_text()
+    prof.write_text(good + BOMB.split("\n", 2)[2])
+    t0 = time.monotonic()
+    res = run_hydra(hydra_env, "reload")
+    assert time.monotonic() - t0 < 10
+    assert res.returncode != 0 and f"{prof}:" in res.stderr + res.stdout \
+        and "alias bomb" in res.stderr + res.stdout, res
+    head = up.engine("head")
+    assert head["state"] == "READY" and head["pid"] == pid
+    assert psutil.Process(up.proc.pid).memory_info().rss < 500 << 20
+    res = run_hydra(hydra_env, "down", timeout=40)
+    assert res.returncode == 0, res
+    assert up.proc.wait(30) == 0
