@@ -446,3 +446,25 @@ def test_router_warns_at_start_when_allow_cannot_match(caplog: pytest.LogCapture
     r.stop()
     assert not any("can ever be let in" in m for m in caplog.messages)
 
+
+
+def test_hydra_configure_token_file(control: StubControl, tmp_path: Path) -> None:
+    """`hydra configure --token-file`: the owner from elsewhere (here: a uid that is not the
+    owner's) presents the token; without it the same command is refused (exit 1)."""
+    from click.testing import CliRunner
+
+    from hydra_supervisor.wire.cli_configure import configure_command
+
+    path, tok = trust.ensure_token(tmp_path / "state")
+    server, router = _stack(control, Trust(token=tok, owner_uids=(2**31 - 7,)))
+    try:
+        port = str(router.port)
+        r = CliRunner().invoke(configure_command, ["temperature=0.4", "-p", port])
+        assert r.exit_code == 1 and "authenticated" in r.output, r.output
+        r = CliRunner().invoke(configure_command, ["temperature=0.4", "-p", port,
+                                                   "--token-file", str(path)])
+        assert r.exit_code == 0 and "applied (T1)" in r.output, r.output
+        assert control.configured == [{"temperature": 0.4}]
+    finally:
+        router.stop()
+        server.stop()
