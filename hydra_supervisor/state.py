@@ -159,7 +159,7 @@ class StateDir:
         if status.get("abnormal"):  # already marked (by the guard): its last live word
             status = status["abnormal"]
             return {**status, "died": sup.get("died") or status.get("died")}
-        return {"pid": sup.get("pid"), "profile": sup.get("profile"),
+        return {"pid": sup.get("pid"), "profile": status.get("profile") or sup.get("profile"),
                 "started": sup.get("started"), "died": sup.get("died"),
                 "last_seen": status.get("updated"), "last_state": status.get("state")}
 
@@ -180,6 +180,12 @@ class StateDir:
             return data
         data = dict(data or {})
         data.update(state="stopped", stopped=self.abnormal_text(ab), abnormal=ab)
+        rows = data.get("engines")
+        if isinstance(rows, list):  # none of its processes runs for it any more
+            data["engines"] = [
+                {**r, "state": "STOPPED", "pid": None, "last_pid": r.get("pid"),
+                 "reason": f"hydra pid {ab['pid']} died; its orphan guard stops what it left"}
+                if isinstance(r, dict) and r.get("pid") else r for r in rows]
         return data
 
     def clear_abnormal_end(self) -> dict[str, Any] | None:

@@ -433,11 +433,14 @@ def test_a_dead_runs_switching_reads_as_an_abnormal_end(tmp_path):
     (state.root / "supervisor.json").write_text(json.dumps(
         {"pid": pid, "create_time": 1.0, "profile": "demo", "started": time.time() - 60}))
     state.write_status({"pid": pid, "state": "switching", "updated": time.time() - 5,
-                        "stopped": None, "engines": []})
+                        "stopped": None, "engines": [{"name": "head", "pid": 4242,
+                                                      "state": "READY"}]})
     ab = state.abnormal_end()
     assert ab and ab["pid"] == pid and ab["last_state"] == "switching" and ab["died"] is None
     fixed = state.read_status_checked()
     assert fixed and fixed["state"] == "stopped" and "ended abnormally after" in fixed["stopped"]
+    assert fixed["engines"][0]["state"] == "STOPPED" and fixed["engines"][0]["pid"] is None
+    assert fixed["engines"][0]["last_pid"] == 4242
     assert state.read_status()["state"] == "switching"  # reading changes nothing
     assert state.clear_abnormal_end() == ab  # `hydra up`
     assert state.abnormal_end() is None and state.read_status()["state"] == "stopped"
@@ -463,6 +466,7 @@ def test_status_after_kill_9_says_the_run_ended_abnormally(hydra_up, hydra_env, 
         in res.stdout and f"hydra pid {pid}" in res.stdout and "serving" in res.stdout
     js = status_json(hydra_env)
     assert js["running"] is False and js["status"]["state"] == "stopped"
+    assert [e["state"] for e in js["status"]["engines"]] == ["STOPPED"]
     assert js["abnormal_end"]["pid"] == pid and abs(js["abnormal_end"]["died"] - t_kill) < 5
     # The next `hydra up` clears it (and says so once in hydra.log).
     up2 = hydra_up("--profile", str(prof), "--port", str(free_port()))
