@@ -24,12 +24,19 @@ import os
 import signal
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hydra_supervisor import control, deployment, metrics, notify, portwatch
-from hydra_supervisor.config import known_profiles
+from hydra_supervisor.config import (
+    Profile,
+    find_node_file,
+    find_profile,
+    known_profiles,
+    load_node,
+    load_profile,
+)
 from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
@@ -116,6 +123,11 @@ class Daemon:
         self.ctl: control.ControlServer | None = None
         self.wire: EngineWire | None = None
         self._ints = 0
+        # Reloads: one runs at a time; those asked for meanwhile share one run after it
+        # (it reads the files when it starts: the last edit wins).
+        self._reload_last: asyncio.Task[dict[str, Any]] | None = None
+        self._reload_next: asyncio.Task[dict[str, Any]] | None = None
+        self.last_change_error: str | None = None  # the STATUS= line says it until a success
         self.engine.listeners.append(self._changed)
 
     # -- status ---------------------------------------------------------------------------------
@@ -177,7 +189,14 @@ class Daemon:
             self.dashboard.publisher.put(snap)
         with contextlib.suppress(OSError):
             self.state.write_status(self.legacy_status(snap))
-        self.notifier.status(notify.status_text(snap))
+        self.notifier.status(self._status_line(snap))
+
+    def _status_line(self, snap: dict[str, Any]) -> str:
+        """systemd's STATUS=: the snapshot, and the last change that failed (until one works)."""
+        text = notify.status_text(snap)
+        if self.last_change_error:
+            text = f"{text}; last change failed: {self.last_change_error}"
+        return text
 
     def _on_request(self, rec: dict[str, Any]) -> None:
         """The router's per-request record (a router thread): counted in the metrics."""
@@ -296,44 +315,122 @@ class Daemon:
         # Planning reads files and probes ports: off the loop, so status stays live.
         dep = await asyncio.to_thread(self._prepare, profile, profiles_dir)
         plan_s = time.monotonic() - t0
-        if not self.engine.use_router and dep.plan.router is not None:
-            raise HydraError("this hydra was started with `router: false` (llama-server binds the "
-                             "external port itself); switching to a profile with a router needs "
-                             "a restart of hydra")
-        report = await self.engine.switch(dep)
+        report = await self.engine.switch(dep)  # refuses at once what the port cannot serve
         report.phases = {"plan": plan_s, **report.phases}
         report.total_s += plan_s
         self.opts.profile = profile if report.result == "ok" else self.opts.profile
         return report.to_json()
 
     async def reload(self) -> dict[str, Any]:
-        """Re-read the running profile and apply the difference as a switch (none: no-op)."""
+        """Re-read the running profile and apply the difference as a switch (none: no-op).
+        Asked for while one runs: it runs once after it, for every caller who asked
+        meanwhile (they all get its reply)."""
+        nxt = self._reload_next
+        if nxt is not None and not nxt.done():
+            return await asyncio.shield(nxt)  # coalesced: it has not read the files yet
+        before = self._reload_last if self._reload_last is not None \
+            and not self._reload_last.done() else None
+        task = asyncio.ensure_future(self._reload_after(before))
+        self._reload_last = task
+        if before is not None:
+            self._reload_next = task
+            log.info("reload: one is running; this one runs after it")
+        return await asyncio.shield(task)
+
+    async def _reload_after(self, before: asyncio.Task[dict[str, Any]] | None
+                            ) -> dict[str, Any]:
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)
+        if self._reload_next is asyncio.current_task():
+            self._reload_next = None  # reads the files from now on: later edits need a new run
+        try:
+            res = await self._reload_once()
+        except HydraError as exc:
+            self.last_change_error = f"reload: {exc}"
+            self._changed()
+            raise
+        failed = res.get("result") not in ("ok", "noop")
+        self.last_change_error = (f"reload: {res.get('error')}" if failed
+                                  else None if res.get("result") == "ok"
+                                  else self.last_change_error)
+        self._changed()
+        return res
+
+    async def _reload_once(self) -> dict[str, Any]:
         if self.fleets:
             return await self._reload_fleets()
         eng = self.engine
         if eng.dep is None:
             return {"result": "noop", "reason": "no profile is loaded"}
         ref = eng.dep.plan.source
+        name = eng.dep.profile
         new = await asyncio.to_thread(self._prepare, ref, None)
+        skipped = await asyncio.to_thread(self._not_applied, ref, name, eng.host, eng.port)
+        if new.profile != name:  # the name stays (not_applied says so)
+            new = replace(new, plan=replace(new.plan, profile=name))
         report = await eng.apply(new)
+        if skipped:
+            log.warning("reload of %s: not applied: %s", name, "; ".join(skipped))
         if report.result == "noop":
             log.info("reload: %s is unchanged; nothing to do", ref)
-            return {"to": new.profile, "result": "noop", "reason": "profile unchanged"}
-        return report.to_json()
+            return {"to": new.profile, "result": "noop", "not_applied": skipped,
+                    "reason": "nothing it can apply changed" if skipped
+                    else "profile unchanged", "notes": [f"not applied: {k}" for k in skipped]}
+        out = report.to_json()
+        out["not_applied"] = skipped
+        out["notes"] = [*out.get("notes", []), *(f"not applied: {k}" for k in skipped)]
+        return out
+
+    def _not_applied(self, ref: str, name: str, host: str, port: int) -> list[str]:
+        """Keys of the re-read profile a running hydra cannot apply: its name and its
+        external address (host, port) stay as they are; each is named with what it says."""
+        try:
+            prof: Profile = load_profile(find_profile(ref, self.opts.profiles_dir),
+                                         load_node(find_node_file(self.opts.node_file)),
+                                         self.opts.overrides)
+        except HydraError:
+            return []  # the plan above read it; a race with an edit is not worth a failure
+        out = []
+        if prof.name != name:
+            out.append(f"profile: the file now names it {prof.name!r}; it keeps running as "
+                       f"{name!r} (a running profile's name is fixed: restart hydra or "
+                       f"`hydra switch {ref}` to take the new name)")
+        if prof.port not in (0, port):
+            out.append(f"port: the file says {prof.port}; hydra keeps serving on {port} (a "
+                       "running hydra's external address never changes: restart hydra to "
+                       "move it)")
+        if prof.host != host:
+            out.append(f"host: the file says {prof.host}; hydra keeps {host} (restart hydra "
+                       "to move it)")
+        return out
 
     async def _reload_fleets(self) -> dict[str, Any]:
         """Re-read every profile; a running one whose plan changed restarts what changed
         (plandiff), a stopped one uses the new plan at its next load."""
         done: dict[str, str] = {}
+        errors: list[str] = []
+        skipped: list[str] = []
         for f in self.fleets:
             for m in f.members.values():
-                new = await asyncio.to_thread(self._prepare_member, f, m)
-                if new is not None:
-                    done[m.name] = await f.replace(m, new)
+                skip = await asyncio.to_thread(self._not_applied, m.dep.plan.source, m.name,
+                                               f.host, f.port)
+                skipped += [f"{m.name}: {k}" for k in skip]
+                try:
+                    new = await asyncio.to_thread(self._prepare_member, f, m)
+                    if new is not None:
+                        done[m.name] = await f.replace(m, new)
+                except HydraError as exc:  # one profile's failure leaves the others' reload
+                    done[m.name] = f"failed, rolled back: {exc}"
+                    errors.append(f"{m.name}: {exc}")
+        if skipped:
+            log.warning("reload: not applied: %s", "; ".join(skipped))
         if not done:
-            return {"result": "noop", "reason": "profiles unchanged"}
+            return {"result": "noop", "not_applied": skipped,
+                    "reason": "nothing it can apply changed" if skipped
+                    else "profiles unchanged"}
         log.info("reload: %s", "; ".join(f"{k}: {v}" for k, v in done.items()))
-        return {"result": "ok", "reloaded": done}
+        return {"result": "rolled_back" if errors else "ok", "reloaded": done,
+                "error": "; ".join(errors) or None, "not_applied": skipped}
 
     def _prepare_member(self, f: Fleet, m: Any) -> tuple[Any, Deployment] | None:
         dep = deployment.prepare(m.dep.plan.source, node_file=self.opts.node_file,
@@ -343,6 +440,9 @@ class Daemon:
                                  slot_dir=slot_dir(self.state),
                                  reserved=f.pool.planned_ports(but=m))
         prof = dep.layout.profile if dep.layout is not None else m.profile
+        if prof.name != m.name:  # a profile's name is fixed while hydra runs (not_applied)
+            prof = replace(prof, name=m.name)
+            dep = replace(dep, plan=replace(dep.plan, profile=m.name))
         return (prof, dep) if f.differs(m, prof, dep) else None
 
     def request_stop(self, reason: str) -> None:
@@ -374,11 +474,16 @@ class Daemon:
             self.notifier.reloading("reloading the profile")
             try:
                 res = await self.reload()
-                log.info("reload: %s", res.get("result"))
+                if res.get("result") in ("ok", "noop"):
+                    log.info("reload: %s", res.get("result"))
+                else:
+                    log.error("reload failed (%s): %s", res.get("result"), res.get("error"))
             except HydraError as exc:
                 log.error("reload failed: %s", exc)
+            except Exception:  # a bug here must not end hydra
+                log.exception("reload failed")
             finally:
-                self.notifier.ready(notify.status_text(self.snapshot()))
+                self.notifier.ready(self._status_line(self.snapshot()))
 
         asyncio.get_running_loop().create_task(go())
 

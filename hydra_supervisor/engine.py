@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from hydra_supervisor import gpumem, plandiff
+from hydra_supervisor import gpumem, llamaerr, plandiff
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import client_host, host_port, url_for
@@ -41,7 +41,7 @@ from hydra_supervisor.portwatch import PortWatch
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import ManagedProcess, State, Supervisor
+from hydra_supervisor.supervisor import Fatal, ManagedProcess, State, Supervisor
 from hydra_supervisor.wire import slots
 
 log = logging.getLogger("hydra")
@@ -217,7 +217,8 @@ class Engine:
         left = await asyncio.to_thread(self.router.wait_idle, self.switch_timeouts.drain)
         if left:
             n = self.router.cut_inflight(f"cut by the return to {to} after "
-                                         f"{self.switch_timeouts.drain:.0f}s of draining")
+                                         f"{self.switch_timeouts.drain:.0f}s of draining",
+                                         requeue=True)
             log.warning("return to %s: %d in-flight requests cut after the drain", to, n)
 
     def _published(self) -> None:
@@ -258,8 +259,11 @@ class Engine:
 
     # -- running one deployment ----------------------------------------------------------------
 
-    def _launch(self, dep: Deployment) -> Supervisor:
+    def _launch(self, dep: Deployment, fail_fast: bool = False) -> Supervisor:
+        """Run `dep`. `fail_fast` (a change): its first failed start ends the run at once
+        (no backoff) so the caller can roll back."""
         sup = self.make_supervisor(dep, self.state)
+        sup.fail_fast = fail_fast
         sup.router = self.router
         sup.listeners.append(self._on_transition)
         sup.on_publish = self._published
@@ -293,8 +297,9 @@ class Engine:
             if bad is not None or sup.fatal or (self.task is not None and self.task.done()):
                 who = bad or next((p for p in sup.procs if p.state is not State.READY),
                                   sup.procs[-1])
-                reason = sup.fatal or who.reason or "stopped"
-                raise LayoutFailed(f"{who.name}: {reason}", who.log_tail())
+                msg = sup.fatal or f"{who.name}: {who.reason or 'stopped'}"
+                line = llamaerr.from_log(getattr(who, "log_path", None))
+                raise LayoutFailed(llamaerr.with_line(msg, line), who.log_tail())
             if time.monotonic() >= deadline:
                 who = next((p for p in sup.procs if p.state is not State.READY), sup.procs[-1])
                 raise LayoutFailed(f"{who.name} not ready within {timeout:.0f}s "
@@ -342,10 +347,26 @@ class Engine:
 
     # -- switch ---------------------------------------------------------------------------------
 
+    def check_servable(self, dep: Deployment) -> None:
+        """Refuse, before anything stops, a layout this engine cannot run on its port: a
+        `router: false` profile (its llama-server would bind the port the router holds), or
+        a profile with a router on an engine whose llama-server binds the port itself."""
+        if self.use_router and dep.plan.router is None:
+            raise HydraError(
+                f"profile {dep.profile} has `router: false` (llama-server binds the external "
+                f"port itself), but this hydra's router holds port {self.port}: it cannot be "
+                "switched to, reloaded into or served beside other profiles; remove "
+                f"`router: false`, or stop hydra and start it with `hydra up -p {dep.profile}`")
+        if not self.use_router and dep.plan.router is not None:
+            raise HydraError("this hydra was started with `router: false` (llama-server binds "
+                             "the external port itself); switching to a profile with a router "
+                             "needs a restart of hydra")
+
     async def switch(self, dep: Deployment) -> SwitchReport:
         if self.lock.locked():
             raise EngineBusy(f"a switch is already running on port {self.port} "
                              f"(to {self.switching}); try again when it is done")
+        self.check_servable(dep)
         async with self.lock:
             return await self._switch(dep)
 
@@ -375,7 +396,7 @@ class Engine:
                                         f"{self.switch_timeouts.gpu_free:.0f}s")
             report.restarted = [e.name for e in dep.plan.in_start_order()]
             with phase("start"):
-                sup = self._launch(dep)
+                sup = self._launch(dep, fail_fast=True)
                 started_new = True
                 await self._ready(sup, dep.timeouts.load + dep.timeouts.peer
                                   + self.switch_timeouts.gate_extra)
@@ -409,6 +430,7 @@ class Engine:
         if self.lock.locked():
             raise EngineBusy(f"a switch is already running on port {self.port} "
                              f"(to {self.switching}); try again when it is done")
+        self.check_servable(dep)
         cur, sup = self.dep, self.sup
         if cur is None or sup is None:
             return await self.switch(dep)
@@ -443,29 +465,40 @@ class Engine:
             with phase("restart_head"):
                 sup.adopt_head(dep)
                 self.dep = dep
-                await sup.restart(names[0])
+                # fail fast: the first failed start of the new head ends the change (no
+                # backoff), and the supervisor waits for the rollback below
+                await sup.restart(names[0], fail_fast=True)
                 await self._ready(sup, dep.timeouts.load)
             await self._restore_slots(old, dep, saved, report)
             self.last_good = dep
             report.result = "ok"
-        except (LayoutFailed, HydraError, OSError) as exc:
+        except (LayoutFailed, HydraError, OSError, Fatal) as exc:
             report.failed_phase = phase.current
             report.error = str(exc)
-            report.log_tail = getattr(exc, "tail", [])
-            with phase("rollback"):
-                try:
+            report.log_tail = getattr(exc, "tail", []) or self._tail_of(sup, names[0])
+            log.error("restart of %s with new settings failed in phase %s: %s",
+                      dep.profile, phase.current, exc)
+            try:
+                with phase("rollback"):
                     sup.adopt_head(old)
                     self.dep = old
-                    await sup.restart(names[0])
+                    await sup.restart(names[0], fail_fast=True)
                     await self._ready(sup, old.timeouts.load)
                     report.result = "rolled_back"
-                except (LayoutFailed, HydraError, OSError) as exc2:
-                    report.result = "failed"
-                    report.error = f"{report.error}; the rollback failed too: {exc2}"
+            except (LayoutFailed, HydraError, OSError, Fatal) as exc2:
+                # the old head did not come back in place: the last good layout afresh
+                log.error("the old head of %s did not come back in place (%s); starting "
+                          "the last good layout again", old.profile, exc2)
+                await self._rollback(old, report, phase, started_new=True)
         finally:
             self._finish(report, phase)
             self._sync_gate()
         return report
+
+    @staticmethod
+    def _tail_of(sup: Supervisor, name: str) -> list[str]:
+        mp = next((p for p in sup.procs if p.name == name), None)
+        return mp.log_tail() if mp is not None else []
 
     def _head_addr(self) -> tuple[str, int] | None:
         sup = self.sup
@@ -517,10 +550,16 @@ class Engine:
             return
         left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
         if left:
+            # Those without a response byte are sent again to the new layout once it serves
+            # (held meanwhile, as after a crash); only partial responses are cut.
             report.cut = r.cut_inflight(f"cut by the switch to {target} after "
-                                        f"{self.switch_timeouts.drain:.0f}s of draining")
-            report.notes.append(f"{report.cut} in-flight requests cut after the "
-                                f"{self.switch_timeouts.drain:.0f}s drain")
+                                        f"{self.switch_timeouts.drain:.0f}s of draining",
+                                        requeue=True)
+            resent = max(0, left - report.cut)
+            report.notes.append(f"{left} requests still in flight after the "
+                                f"{self.switch_timeouts.drain:.0f}s drain: {report.cut} cut "
+                                f"(partly answered), {resent} without a response byte sent "
+                                "again to the new layout")
 
     async def _rollback(self, old: Deployment | None, report: SwitchReport, phase: _Phases,
                         started_new: bool) -> None:
@@ -576,13 +615,35 @@ class Engine:
             t0 = time.monotonic()
             dep = self.dep
             saved = await self._save_slots(dep)
-            await sup.restart(name)
-            await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
+            try:
+                await sup.restart(name, fail_fast=True)
+                await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
+            except (LayoutFailed, Fatal) as exc:
+                raise HydraError(await self._restart_failed(name, sup, dep, exc)) from exc
             rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile)
             if dep is not None:
                 await self._restore_slots(dep, dep, saved, rep)
             return {"engine": name, "profile": sup.plan.profile,
                     "seconds": round(time.monotonic() - t0, 3), "notes": rep.notes}
+
+    async def _restart_failed(self, name: str, sup: Supervisor, dep: Deployment | None,
+                              exc: Exception) -> str:
+        """`hydra restart NAME` failed its first start: no backoff; the last good layout is
+        started again from scratch (the switch's rollback). Returns the error to reply."""
+        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, error=str(exc),
+                           failed_phase="restart")
+        rep.log_tail = getattr(exc, "tail", []) or self._tail_of(sup, name)
+        phase = _Phases(rep)
+        self.switching = sup.plan.profile
+        log.error("restart of %s failed: %s", name, exc)
+        try:
+            await self._rollback(dep, rep, phase, started_new=True)
+        finally:
+            self._finish(rep, phase)
+        if rep.result == "rolled_back":
+            return (f"restart of {name} failed: {exc}; the last good layout was started "
+                    "again and serves")
+        return f"restart of {name} failed: {rep.error}"
 
     async def shutdown(self, reason: str) -> None:
         """Stop the running layout. The Supervisor stays as the record of the last run (its

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from hydra_supervisor import deployment, fleetplan, gpumem, plandiff
+from hydra_supervisor import deployment, fleetplan, gpumem, llamaerr, plandiff
 from hydra_supervisor.config import Profile
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.engine import (
@@ -57,6 +57,7 @@ from hydra_supervisor.supervisor import Supervisor
 log = logging.getLogger("hydra")
 
 FAIL_COOLDOWN = 10.0  # a profile whose load failed answers 503 this long before a retry
+FAIL_COOLDOWN_MAX = 300.0  # ... doubled after each failure in a row, up to this
 TICK = 0.25  # ttl checks, held requests of stopped profiles, waiting for room
 MODEL_PATHS = ("/v1/models", "/models")
 
@@ -94,6 +95,7 @@ class Member:
     loaded_at: float | None = None
     error: str | None = None
     failed_at: float = float("-inf")
+    fails: int = 0  # loads that failed in a row (0: the last one served, or none yet)
     loads: int = 0
     unloads: int = 0
     why: str = "not loaded yet"
@@ -110,6 +112,12 @@ class Member:
     @property
     def ttl(self) -> float | None:
         return self.profile.ttl or None
+
+    @property
+    def cooldown(self) -> float:
+        """How long a failed profile answers 503 before a request loads it again: doubled
+        after each failure in a row, so a broken profile costs less and less."""
+        return min(FAIL_COOLDOWN * 2 ** max(0, self.fails - 1), FAIL_COOLDOWN_MAX)
 
 
 # llama-server's router mode words, in /v1/models' "status": {"value": ...} (clients that
@@ -319,7 +327,7 @@ class Fleet:
     def _demand(self, m: Member) -> None:
         """A request for a stopped or failed profile (a router thread): load it."""
         if m.phase is Phase.FAILED:
-            if self.clock() - m.failed_at < FAIL_COOLDOWN:
+            if self.clock() - m.failed_at < m.cooldown:
                 return  # its route answers 503 with the failure until the cooldown is over
             # Before the request reaches the gate: it must wait for the load, not get the 503.
             m.route.gate.set_unavailable(None)
@@ -356,7 +364,10 @@ class Fleet:
                 movable=o.phase is Phase.RUNNING and not o.engine.lock.locked()))
         return out
 
-    async def _room_for(self, m: Member) -> None:
+    async def _room_for(self, m: Member, force: bool = False) -> None:
+        """Wait until `m` fits, stopping what must go. A profile whose last load failed does
+        not stop others to try again (each retry would evict a healthy profile): it loads
+        beside what runs, or waits for `hydra switch` (`force`)."""
         deadline = self.clock() + self.load_wait
         waiting = ""
         while True:
@@ -367,6 +378,11 @@ class Fleet:
                 return
             if room.verdict is fleetplan.Verdict.NEVER:
                 raise HydraError(room.reason)
+            if room.verdict is fleetplan.Verdict.EVICT and m.fails and not force:
+                raise HydraError(
+                    f"its last load failed, and it does not stop {', '.join(room.victims)} "
+                    f"to try again ({room.reason or 'no room beside them'}); "
+                    f"`hydra switch {m.name}` does, or it loads once there is room")
             if room.verdict is fleetplan.Verdict.EVICT:
                 for name in room.victims:
                     owner = self.pool.owners[name]
@@ -384,9 +400,10 @@ class Fleet:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.pool.room_changed.wait(), TICK)
 
-    async def _load(self, m: Member, why: str) -> bool:
+    async def _load(self, m: Member, why: str, force: bool = False) -> bool:
         """Make room, start the profile's layout, wait until it serves. False: it failed (its
-        held requests got the reason; the others keep serving)."""
+        held requests got the reason; the others keep serving). `force` (hydra switch): it
+        may stop others even after a failed load."""
         try:
             m.phase = Phase.LOADING
             m.error = None
@@ -395,7 +412,7 @@ class Fleet:
             self._announce()
             t0 = self.clock()
             try:
-                await self._room_for(m)
+                await self._room_for(m, force)
                 m.loads += 1
                 log.info("loading profile %s (%s)", m.name, why)
                 await m.engine.start(m.dep)
@@ -404,6 +421,7 @@ class Fleet:
                 await self._fail(m, str(exc), getattr(exc, "tail", []))
                 return False
             m.phase = Phase.RUNNING
+            m.fails = 0
             m.loaded_at = self.clock()
             m.route.touch()  # a fresh load counts as a use (LRU)
             log.info("profile %s serving after %.2fs (%s)", m.name, self.clock() - t0, why)
@@ -419,18 +437,18 @@ class Fleet:
         # fleet does not retry on its own, so that part goes. llama.cpp's own error line (the
         # log's "error" lines, else its last line) says why.
         error = re.sub(r"; restart \d+ in [0-9.]+s$", "", error)
-        why = [line.strip() for line in tail if "error" in line.lower()] or \
-            [line.strip() for line in tail if line.strip()][-1:]
-        if why and why[0] not in error:
-            error = f"{error}: {why[0]}"
+        why = llamaerr.error_line(tail) or next(
+            (line.strip() for line in reversed(tail) if line.strip()), None)
+        error = llamaerr.with_line(error, why)
         log.error("profile %s failed to load: %s", m.name, error)
         with contextlib.suppress(LayoutFailed, HydraError, OSError):
             await m.engine.stop_layout(f"load of {m.name} failed")
         m.phase = Phase.FAILED
         m.error = error
         m.failed_at = self.clock()
+        m.fails += 1
         m.route.gate.set_unavailable(f"profile {m.name} failed to load: {error}",
-                                     retry_after=int(FAIL_COOLDOWN))
+                                     retry_after=int(m.cooldown))
         m.route.gate.release()
         self.pool.room_changed.set()
 
@@ -578,7 +596,7 @@ class Fleet:
         report["phases"]["stop"] = self.clock() - t0
         t1 = self.clock()
         m.task = asyncio.current_task()
-        ok = await self._load(m, "hydra switch")
+        ok = await self._load(m, "hydra switch", force=True)
         report["phases"]["start"] = self.clock() - t1
         if not ok:
             report["result"] = "rolled_back" if stopped else "failed"
@@ -627,6 +645,7 @@ class Fleet:
             did = (f"restarted {', '.join(rep.restarted)} in {rep.total_s:.2f}s"
                    if rep.result == "ok" else "routing settings only, nothing restarted")
         m.dep, m.profile = dep, prof
+        m.fails = 0  # new settings: a failed profile may make room for itself again
         self.lookup = lookup
         m.needs = _needs(dep)
         m.route.limiter = (Limiter(m.name, prof.concurrency, prof.queue)

@@ -42,7 +42,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hydra_supervisor import health, logfiles, process
+from hydra_supervisor import health, llamaerr, logfiles, process
 from hydra_supervisor.backoff import Backoff
 from hydra_supervisor.config import PeerLoss, RestartPolicy
 from hydra_supervisor.deployment import Deployment
@@ -97,6 +97,12 @@ class StartFailed(Exception):
 
 class Fatal(Exception):
     """A process gave up (FATAL); the supervisor stops and reports it."""
+
+
+class ChangeFailed(Fatal):
+    """A start in fail-fast mode (a planned change: switch, reload, restart) failed once: no
+    backoff, no retry; the caller rolls back. The message names the process, the reason and
+    llama.cpp's own error line."""
 
 
 class PeerLost(Exception):
@@ -285,7 +291,10 @@ class Supervisor:
         # Awaited before a head swap the supervisor decides itself (degraded SOLO → COMBINE):
         # the Engine makes it a planned switch (hold, drain) once it exists. Arg: "combine".
         self.before_head_swap: Callable[[str], Awaitable[None]] | None = None
-        self._requests: asyncio.Queue[tuple[str, asyncio.Future[None]]] = asyncio.Queue()
+        self._requests: asyncio.Queue[tuple[str, asyncio.Future[None], bool]] = asyncio.Queue()
+        # A planned change's start: the first failure ends it (ChangeFailed) instead of backing
+        # off (the caller rolls back). Cleared once everything is READY.
+        self.fail_fast = False
         self._shutdown: asyncio.Task[None] | None = None
         self._spawned: set[int] = set()
         self._connect_probed: dict[str, int] = {}  # remote peer -> head pid it was probed under
@@ -548,6 +557,12 @@ class Supervisor:
                 await self._kill(mp)
                 if mp.is_head and not self.degraded:
                     await self._check_peers(f"head failed to start ({exc})")
+                if self.fail_fast:
+                    why = llamaerr.with_line(str(exc), llamaerr.from_log(mp.log_path))
+                    if mp.child is not None and mp.child.returncode is not None:
+                        mp.last_exit = mp.child.returncode
+                    mp.to(State.FATAL, f"{why} (a planned change: not retried)")
+                    raise ChangeFailed(f"{mp.name}: {why}") from exc
                 if mp.state is State.STOPPED:
                     mp.to(State.STARTING, str(exc))
                 delay = mp.record_failure(str(exc))
@@ -737,6 +752,7 @@ class Supervisor:
             await self._guarded(self._bring_up(self.head), watch)
         if not self.first_ready.is_set():
             self.first_ready.set()
+        self.fail_fast = False  # serving: from now on failures back off as usual
 
     async def _loop(self) -> None:
         while not self.stopping.is_set():
@@ -1076,13 +1092,16 @@ class Supervisor:
 
     # -- planned restarts and stopping -----------------------------------------------------
 
-    async def restart(self, name: str) -> None:
+    async def restart(self, name: str, fail_fast: bool = False) -> None:
         """A planned restart of one process (not counted as a failure); a peer restarts its
-        pair, peer first. Runs on the supervisor's loop between events; returns when done."""
+        pair, peer first. Runs on the supervisor's loop between events; returns when done.
+        `fail_fast` (a change: new settings): the first failed start raises ChangeFailed at
+        once, the failed process is left FATAL and the supervisor waits for the caller's next
+        restart (its rollback) instead of backing off."""
         if not any(p.name == name for p in self.procs):
             raise KeyError(f"no process named {name!r}: {', '.join(p.name for p in self.procs)}")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._requests.put((name, fut))
+        await self._requests.put((name, fut, fail_fast))
         waiter: asyncio.Future[Any] = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait([fut, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -1091,9 +1110,11 @@ class Supervisor:
         if fut.done():
             fut.result()
 
-    async def _planned_restart(self, name: str, fut: asyncio.Future[None]) -> None:
+    async def _planned_restart(self, name: str, fut: asyncio.Future[None],
+                               fail_fast: bool = False) -> None:
         mp = next(p for p in self.procs if p.name == name)
         try:
+            self.fail_fast = fail_fast
             head = self.head
             if mp.spec.role is Role.PEER and head is not None:
                 await self._stop_one(head, f"planned restart of {name}")
@@ -1102,9 +1123,34 @@ class Supervisor:
             mp.restarts += 1
             mp.backoff.reset()
             await self._converge()
+        except ChangeFailed as exc:
+            self.fail_fast = False
+            if not fut.done():
+                fut.set_exception(exc)
+            await self._next_change()
         finally:
+            self.fail_fast = False
             if not fut.done():
                 fut.set_result(None)
+
+    async def _next_change(self) -> None:
+        """A planned change failed fast: nothing is restarted on its own; the caller's next
+        planned restart (its rollback) runs next, or a stop."""
+        get = asyncio.ensure_future(self._requests.get())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait([get, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not get.done():
+                get.cancel()
+        if get.done() and not get.cancelled():
+            req = get.result()
+            if self.stopping.is_set():
+                if not req[1].done():
+                    req[1].set_result(None)
+                return
+            await self._planned_restart(*req)
 
     def adopt_head(self, deployment: Deployment) -> None:
         """Take `deployment`, whose peers are those running now (plandiff says HEAD): the head's

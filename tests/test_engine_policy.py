@@ -29,6 +29,7 @@ class FakeRouter:
         self.held: str | None = None
         self.running = False
         self.fail_start = 0  # the next N start() calls raise OSError (port taken)
+        self.unanswered = 0  # of inflight_left: without a response byte (re-sent on a cut)
 
     def start(self) -> None:
         self.calls.append(("start", None))
@@ -63,9 +64,10 @@ class FakeRouter:
     def wait_idle(self, timeout: float) -> int:
         return self.inflight_left
 
-    def cut_inflight(self, reason: str) -> int:
+    def cut_inflight(self, reason: str, requeue: bool = False) -> int:
         n, self.inflight_left = self.inflight_left, 0
-        return n
+        self.calls.append(("cut", requeue))
+        return n - self.unanswered if requeue else n
 
     def stats(self) -> dict[str, Any]:
         return {"alive": self.running, "open": 0}
@@ -135,7 +137,7 @@ class FakeSupervisor:
             p.to(State.STOPPED, "stopped")
             p.pid = None
 
-    async def restart(self, name: str) -> None:
+    async def restart(self, name: str, fail_fast: bool = False) -> None:
         self.restarted.append(name)
 
 
@@ -267,9 +269,12 @@ def test_drain_timeout_cuts_and_counts(engine: Engine) -> None:
     async def go() -> None:
         await started(engine, dep("a"))
         router(engine).inflight_left = 3
+        router(engine).unanswered = 2  # no response byte yet: sent again, not cut
         rep = await engine.switch(dep("b"))
-        assert rep.result == "ok" and rep.cut == 3
-        assert any("3 in-flight requests cut" in n for n in rep.notes)
+        assert rep.result == "ok" and rep.cut == 1
+        assert ("cut", True) in router(engine).calls  # the switch asks for the re-send
+        assert any("3 requests still in flight" in n and "1 cut" in n
+                   and "2 without a response byte sent again" in n for n in rep.notes)
         await engine.shutdown("test")
 
     asyncio.run(go())

@@ -37,12 +37,14 @@ class Refusal:
 class Flight:
     """One HTTP request sent upstream whose response has not completed."""
 
-    __slots__ = ("id", "upstream", "cut")
+    __slots__ = ("id", "upstream", "cut", "answered", "requeue")
 
     def __init__(self, fid: int) -> None:
         self.id = fid
         self.upstream: socket.socket | None = None
         self.cut: str | None = None  # set by cut_inflight: why it was aborted
+        self.answered = False  # the upstream sent a response byte (set by the session)
+        self.requeue = False  # cut by a planned change before any response byte: send again
 
     def abort(self) -> None:
         s = self.upstream
@@ -126,13 +128,19 @@ class Gate:
                 self._cond.wait(left)
             return len(self._flights)
 
-    def cut_inflight(self, reason: str) -> int:
+    def cut_inflight(self, reason: str, requeue: bool = False) -> int:
+        """Abort every flight; how many were cut. `requeue` (a planned change whose drain
+        ran out): a flight with no response byte yet is not cut but sent again once the gate
+        lets it (held meanwhile, like a crash's retry); only partial responses count."""
         with self._cond:
             flights = list(self._flights.values())
+            cut = 0
             for f in flights:
                 f.cut = reason or "cut"
+                f.requeue = requeue and not f.answered
+                cut += not f.requeue
                 f.abort()
-            return len(flights)
+            return cut
 
     def stop(self) -> None:
         with self._cond:

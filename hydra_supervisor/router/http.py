@@ -58,6 +58,9 @@ _TAIL_WAIT_S = 1.0
 # Before a new upstream connection closed without answering is taken for a refusal on purpose,
 # the upstream is probed after this pause (a dying process may hold its listener a moment).
 _CLOSE_PROBE_DELAY_S = 0.05
+# A request a planned change cut before any response byte is sent again at most this often
+# (each change re-sends it once; a storm of switches must not keep one forever).
+_MAX_REQUEUE = 3
 _POOL_IDLE = 16  # idle upstream connections kept per target
 # llama-server (cpp-httplib) closes an idle keep-alive connection after 5 s; reusing one near
 # that edge races its close, so pooled connections retire earlier.
@@ -551,6 +554,7 @@ class HttpSession:
         router's own."""
         gate = self.r.gate if route is None else route.gate
         retried = False
+        requeued = 0
         while True:
             target = self.r.upstreams.http if route is None else route.http
             if target is None:
@@ -565,6 +569,17 @@ class HttpSession:
                 fresh_close = e.args[1] if len(e.args) > 1 else False
             finally:
                 gate.end(flight)
+            if (flight.cut is not None and flight.requeue and not self.client_eof
+                    and requeued < _MAX_REQUEUE):
+                # A planned change (switch, reload) cut it before any response byte: like
+                # a crash's retry, it waits for the new layout instead of a 503.
+                requeued += 1
+                self.r.count_retried()
+                refusal = gate.wait_turn()
+                if refusal is not None:
+                    self._refuse(rec, refusal)
+                    return True
+                continue
             if flight.cut is not None:
                 self.r.count_cut()
                 self._reply_error(rec, 503, f"hydra router: request cut: {flight.cut}",
@@ -620,6 +635,7 @@ class HttpSession:
             try:
                 sock.sendall(fwd.wire)
                 first = self._first_response_bytes(sock)
+                flight.answered = True
             except _NotStarted as e:
                 sock.close()
                 if reused and flight.cut is None and not self.client_eof:

@@ -356,9 +356,10 @@ class Router:
         """Block until no HTTP request is in flight or ``timeout``; returns how many still are."""
         return self.gate.wait_idle(timeout)
 
-    def cut_inflight(self, reason: str) -> int:
-        """Abort in-flight HTTP requests (streams end with an SSE error event); how many."""
-        n = self.gate.cut_inflight(reason)
+    def cut_inflight(self, reason: str, requeue: bool = False) -> int:
+        """Abort in-flight HTTP requests (streams end with an SSE error event); how many.
+        `requeue`: those without a response byte are sent again instead (gate.py)."""
+        n = self.gate.cut_inflight(reason, requeue)
         if n:
             log.info("router %s: cut %d in-flight requests (%s)", self.name, n, reason)
         return n

@@ -64,8 +64,8 @@ class RouteView:
     def wait_idle(self, timeout: float) -> int:
         return self.route.gate.wait_idle(timeout)
 
-    def cut_inflight(self, reason: str) -> int:
-        n = self.route.gate.cut_inflight(reason)
+    def cut_inflight(self, reason: str, requeue: bool = False) -> int:
+        n = self.route.gate.cut_inflight(reason, requeue)
         if n:
             log.info("router %s: cut %d in-flight requests (%s)", self.name, n, reason)
         return n

@@ -1,0 +1,398 @@
+"""Every change is a switch (issue 20), fast: the Engine and the real Supervisor on fake
+children (tests/fake_children.py), the Fleet on fake supervisors, the router's gate and HTTP
+leg on sockets.
+
+- a head-only change (reload, CONFIGURE), a switch and `hydra restart` fail fast on the first
+  failed start (no backoff, no retry) and roll back; the supervisor never gives up over it, and
+  the reply names llama.cpp's own error line;
+- reloads asked for while one runs are coalesced into one run after it (the last edit wins);
+- a profile whose load failed does not evict a healthy one to try again (and backs off);
+- a planned change whose drain runs out re-sends the requests that had no response byte;
+- a `router: false` target is refused before anything stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hydra_supervisor import fleet as fleet_mod
+from hydra_supervisor import process
+from hydra_supervisor.daemon import Daemon, Options
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.engine import Engine, SwitchTimeouts
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.fleet import Phase
+from hydra_supervisor.llamaerr import error_line
+from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import State, Supervisor
+from tests.fake_children import Behaviour, FakeWorld, deployment
+from tests.test_engine_policy import BEHAVIOUR, FakeRouter
+from tests.test_fleet_policy import fdep, make, prof, route, run, until
+
+pytestmark = pytest.mark.timeout(60)
+
+BAD_ARG = 'error while handling argument "--cache-type-k": Unsupported cache type: bogus'
+
+
+def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]]) -> Engine:
+    """An Engine whose supervisors are real, on fake children; spawn number n of process NAME
+    in bad_logs[NAME] writes llama.cpp's bad-argument line (and usage text) to its log."""
+    counts: dict[str, int] = {}
+
+    async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path
+                    ) -> process.Child:
+        name = Path(log).stem
+        counts[name] = counts.get(name, 0) + 1
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        text = "build: 1 (abc)\n"
+        if counts[name] in bad_logs.get(name, []):
+            text = f"{BAD_ARG}\n\nusage:\n  -h, --help   print usage and exit\n\n" \
+                "to show complete usage, run with -h\n"
+        Path(log).write_text(text)
+        return await w.spawn(argv, env, log)
+
+    seams = dataclasses.replace(w.seams(), spawn=spawn)
+    eng = Engine(StateDir(tmp / "state"), "127.0.0.1", 8080,
+                 make_supervisor=lambda d, st: Supervisor(d, st, seams=seams),
+                 make_router=FakeRouter,  # type: ignore[arg-type]
+                 switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+    eng.open()
+    return eng
+
+
+def _with_head_flag(dep: Deployment, *flag: str) -> Deployment:
+    """`dep` whose head gets more arguments: plandiff says HEAD (peers keep running)."""
+    engines = tuple(replace(e, args=(*e.args, *flag)) if e.name == "head" else e
+                    for e in dep.plan.engines)
+    return replace(dep, plan=replace(dep.plan, engines=engines))
+
+
+def test_head_only_change_fails_fast_rolls_back_and_the_supervisor_keeps_serving(
+        tmp_path: Path) -> None:
+    async def body() -> None:
+        w = FakeWorld()
+        ok, bad = Behaviour(load=0.5), Behaviour(load=0.2, exit_at_load=1)
+        w.behaviours["head"] = [ok, bad, ok]
+        eng = _engine(tmp_path, w, {"head": [2]})
+        old = deployment(1)
+        await eng.start(old)
+        sup = eng.sup
+        assert sup is not None
+        await asyncio.wait_for(sup.first_ready.wait(), 10)
+        await w.wait_for(lambda: all(p.state is State.READY for p in sup.procs))
+        peer_pid = sup.procs[0].pid
+        t0 = time.monotonic()
+        rep = await eng.apply(_with_head_flag(old, "--cache-type-k", "bogus"))
+        took = time.monotonic() - t0
+        assert rep.result == "rolled_back", rep
+        assert rep.failed_phase == "restart_head"
+        assert BAD_ARG in (rep.error or ""), rep.error  # llama.cpp's own line, not the usage
+        assert "exited during start-up (exit 1)" in (rep.error or "")
+        # one failed start, no backoff: the bad head ran once, the old one came back at once
+        assert w.spawned("head") == ["head"] * 3
+        assert took * w.scale < 5.0, f"{took * w.scale:.1f} policy seconds"
+        assert eng.sup is sup and sup.fatal is None and not sup.stopping.is_set()
+        assert eng.dep is old and "bogus" not in sup.head.spec.args  # type: ignore[union-attr]
+        assert all(p.state is State.READY for p in sup.procs)
+        assert sup.procs[0].pid == peer_pid  # the peer was never touched
+        assert eng.state_word() == "serving"
+        router = eng.router
+        assert isinstance(router, FakeRouter) and router.held is None
+        # the supervisor still restarts a crash as usual (not fail-fast any more)
+        w.behaviours["head"] = [ok]
+        live = w.live("head")
+        assert live is not None
+        live.kill(1)
+        await w.wait_for(lambda: len(w.spawned("head")) == 4
+                         and sup.head is not None and sup.head.state is State.READY)
+        await eng.shutdown("test")
+
+    asyncio.run(asyncio.wait_for(body(), 50))
+
+
+def test_a_switch_fails_fast_without_a_retry(tmp_path: Path) -> None:
+    async def body() -> None:
+        w = FakeWorld()
+        eng = _engine(tmp_path, w, {"head": [2]})
+        w.behaviours["head"] = [Behaviour(load=0.3), Behaviour(load=0.2, exit_at_load=1),
+                                Behaviour(load=0.3)]
+        old = deployment(0)
+        await eng.start(old)
+        assert eng.sup is not None
+        await asyncio.wait_for(eng.sup.first_ready.wait(), 10)
+        new = replace(_with_head_flag(old, "-ctk", "bogus"),
+                      plan=replace(_with_head_flag(old, "-ctk", "bogus").plan, profile="new"))
+        rep = await eng.switch(new)
+        assert rep.result == "rolled_back" and rep.failed_phase == "start", rep
+        assert BAD_ARG in (rep.error or "")
+        assert (rep.error or "").count("head:") == 1  # named once
+        assert w.spawned("head") == ["head"] * 3  # old, new once (no retry), old again
+        assert eng.dep is old and eng.state_word() == "serving"
+        await eng.shutdown("test")
+
+    asyncio.run(asyncio.wait_for(body(), 50))
+
+
+def test_hydra_restart_fails_fast_and_starts_the_layout_again(tmp_path: Path) -> None:
+    async def body() -> None:
+        w = FakeWorld()
+        eng = _engine(tmp_path, w, {"head": [2]})
+        ok = Behaviour(load=0.3)
+        w.behaviours["head"] = [ok, Behaviour(load=0.2, exit_at_load=1), ok]
+        await eng.start(deployment(0))
+        assert eng.sup is not None
+        await asyncio.wait_for(eng.sup.first_ready.wait(), 10)
+        with pytest.raises(HydraError) as info:
+            await eng.restart("head")
+        msg = str(info.value)
+        assert "restart of head failed" in msg and BAD_ARG in msg, msg
+        assert "started again and serves" in msg
+        assert w.spawned("head") == ["head"] * 3
+        assert eng.state_word() == "serving" and eng.sup is not None and not eng.sup.fatal
+        await eng.shutdown("test")
+
+    asyncio.run(asyncio.wait_for(body(), 50))
+
+
+def test_router_false_target_is_refused_before_anything_stops(tmp_path: Path) -> None:
+    async def body() -> None:
+        w = FakeWorld()
+        eng = _engine(tmp_path, w, {})
+        await eng.start(deployment(0))
+        sup = eng.sup
+        assert sup is not None
+        await asyncio.wait_for(sup.first_ready.wait(), 10)
+        target = replace(deployment(0), plan=replace(deployment(0, router=False).plan,
+                                                     profile="own-port"))
+        for call in (eng.switch, eng.apply):
+            with pytest.raises(HydraError, match="router: false"):
+                await call(target)
+        assert eng.sup is sup and not sup.stopping.is_set() and w.spawned("head") == ["head"]
+        assert not eng.switches  # nothing ran, nothing to report
+        await eng.shutdown("test")
+
+    asyncio.run(asyncio.wait_for(body(), 50))
+
+
+def test_llama_error_line_prefers_the_cause() -> None:
+    log = ["0.00.007 I srv  main: loading model",
+           "0.01.356.078 E llama_init_from_model: quantized V cache requires flash_attn "
+           "to be enabled",
+           "0.02.740.081 E cmn  common_init_: failed to create context with model 'm.gguf'",
+           "0.02.741.985 E srv  llama_server: exiting due to model loading error"]
+    assert error_line(log) == ("llama_init_from_model: quantized V cache requires flash_attn "
+                               "to be enabled")
+    assert error_line([BAD_ARG, "", "usage:", "-c, --ctx-size N  (error if ...)"]) == BAD_ARG
+    assert error_line(["all good"]) is None
+
+
+# -- reloads during a reload ------------------------------------------------------------------
+
+
+def test_reloads_during_a_reload_are_coalesced_and_the_last_edit_wins(tmp_path: Path) -> None:
+    async def body() -> None:
+        d = Daemon(StateDir(tmp_path / "state"), Options(profile=None), None)
+        edits = ["v1"]  # the profile file; each run reads it when it starts
+        runs: list[str] = []
+
+        async def once() -> dict[str, Any]:
+            seen = edits[-1]
+            runs.append(seen)
+            await asyncio.sleep(0.2)
+            return {"result": "ok", "applied": seen}
+
+        d._reload_once = once  # type: ignore[method-assign]
+        first = asyncio.ensure_future(d.reload())
+        await asyncio.sleep(0.05)
+        edits.append("v2")
+        second = asyncio.ensure_future(d.reload())  # SIGHUP 1 during the reload
+        await asyncio.sleep(0.05)
+        edits.append("v3")
+        third = asyncio.ensure_future(d.reload())  # SIGHUP 2, 0.05 s later: same run
+        r1, r2, r3 = await asyncio.gather(first, second, third)
+        assert r1["applied"] == "v1"
+        assert r2["applied"] == r3["applied"] == "v3"  # one run after the first: last edit
+        assert runs == ["v1", "v3"]
+        # once it has read the files, a later request is a run of its own
+        edits.append("v4")
+        assert (await d.reload())["applied"] == "v4" and runs[-1] == "v4"
+
+    asyncio.run(asyncio.wait_for(body(), 20))
+
+
+def test_a_failed_reload_is_said_on_the_status_line_until_one_works(tmp_path: Path) -> None:
+    async def body() -> None:
+        d = Daemon(StateDir(tmp_path / "state"), Options(profile=None), None)
+        res: dict[str, Any] = {"result": "rolled_back", "error": f"head: {BAD_ARG}"}
+
+        async def once() -> dict[str, Any]:
+            return dict(res)
+
+        d._reload_once = once  # type: ignore[method-assign]
+        await d.reload()
+        assert BAD_ARG in d._status_line(d.snapshot())
+        res.update(result="ok", error=None)
+        await d.reload()
+        assert "failed" not in d._status_line(d.snapshot())
+
+    asyncio.run(asyncio.wait_for(body(), 20))
+
+
+# -- several profiles: a failed one does not evict a healthy one --------------------------------
+
+
+def test_a_failed_profile_does_not_evict_a_healthy_one_each_time_it_is_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_mod, "FAIL_COOLDOWN", 0.2)
+    f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
+             (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))
+
+    async def body() -> None:
+        a, b = f.members["a"], f.members["b"]
+        BEHAVIOUR["b"] = "crash"
+        route(f, "b")  # its first try may evict a (it never failed before)
+        await until(lambda: b.phase is Phase.FAILED)
+        assert b.fails == 1 and a.unloads == 1
+        route(f, "a")
+        await until(lambda: a.phase is Phase.RUNNING)
+        # Asked for again after its cooldown: it does not stop a to try again.
+        for n in (2, 3):
+            await asyncio.sleep(b.cooldown + 0.05)
+            route(f, "b")
+            await until(lambda n=n: b.fails == n)  # type: ignore[misc]
+            assert b.phase is Phase.FAILED and a.phase is Phase.RUNNING and a.unloads == 1
+            refusal = b.route.gate.refusal_now()
+            assert refusal is not None and "does not stop a" in refusal.message
+        assert b.cooldown == pytest.approx(0.8)  # doubled after each failure in a row
+        assert b.loads == 1  # only the first try started anything
+        # `hydra switch b` may stop a (and rolls back when b fails again)
+        rep = await f.activate("b")
+        assert rep["result"] == "rolled_back" and a.phase is Phase.RUNNING
+        # fixed: its next load may evict again, and a success resets the count
+        BEHAVIOUR["b"] = "ok"
+        rep = await f.activate("b")
+        assert rep["result"] == "ok" and b.fails == 0
+
+    run(f, body)
+
+
+# -- a drain that runs out: requests without a response byte are sent again ---------------------
+
+
+class _Upstream:
+    """A tiny HTTP upstream: `answer` False reads the request and says nothing (a request
+    queued in llama-server); True answers 200 at once."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer = answer
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.got = 0
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            data = c.recv(4096)
+            if not data:
+                return
+            buf += data
+        self.got += 1
+        if self.answer:
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain"
+                      b"\r\n\r\nok")
+        else:
+            try:
+                c.recv(4096)  # until the router shuts it (the cut)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def _post(port: int, out: list[bytes]) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                  b"Connection: close\r\n\r\n{}")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        out.append(data)
+
+
+def test_a_drain_that_runs_out_resends_requests_without_a_response_byte() -> None:
+    old, new = _Upstream(answer=False), _Upstream(answer=True)
+    r = Router("127.0.0.1", 0, Upstreams(http=("127.0.0.1", old.port)), allow=("127.0.0.0/8",))
+    r.start()
+    try:
+        replies: list[bytes] = []
+        clients = [threading.Thread(target=_post, args=(r.port, replies)) for _ in range(3)]
+        for t in clients:
+            t.start()
+        deadline = time.monotonic() + 10
+        while old.got < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert old.got == 3
+        # the switch: hold, drain (runs out), cut with requeue, new upstream, release
+        r.hold("switching to profile new")
+        assert r.wait_idle(0.2) == 3
+        assert r.cut_inflight("cut by the switch to new after 0s of draining",
+                              requeue=True) == 0  # none had a response byte: none cut
+        time.sleep(0.2)
+        assert replies == []  # held, not answered 503
+        r.set_upstreams(Upstreams(http=("127.0.0.1", new.port)))
+        r.release()
+        for t in clients:
+            t.join(20)
+        assert len(replies) == 3 and all(x.startswith(b"HTTP/1.1 200") for x in replies), \
+            replies
+        assert new.got == 3
+        st = r.stats()["http"]
+        assert st["cut"] == 0 and st["retried"] >= 3
+    finally:
+        r.stop()
+        old.close()
+        new.close()
+
+
+def test_a_cut_without_requeue_still_answers_503() -> None:
+    old = _Upstream(answer=False)
+    r = Router("127.0.0.1", 0, Upstreams(http=("127.0.0.1", old.port)), allow=("127.0.0.0/8",))
+    r.start()
+    try:
+        replies: list[bytes] = []
+        t = threading.Thread(target=_post, args=(r.port, replies))
+        t.start()
+        deadline = time.monotonic() + 10
+        while old.got < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.cut_inflight("cut: profile a stopped") == 1
+        t.join(20)
+        assert replies and replies[0].startswith(b"HTTP/1.1 503"), replies
+    finally:
+        r.stop()
+        old.close()
