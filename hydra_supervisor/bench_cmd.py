@@ -27,8 +27,9 @@ from typing import Any
 import click
 import requests
 
+from hydra_supervisor.clickutil import exits_2
 from hydra_supervisor.config import Mode, find_node_file, find_profile, load_node, load_profile
-from hydra_supervisor.errors import HydraError, exits_2
+from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import client_host
 
 EXPECT_KEYS = ("decode_tps", "prefill_tps", "ttft_ms")

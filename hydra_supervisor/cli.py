@@ -6,7 +6,6 @@ prints a traceback for bad input.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
@@ -20,24 +19,42 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hydra_supervisor import (
-    __version__,
-    control,
-    daemon,
-    deployment,
-    fleet_setup,
-    guard,
-    install,
-    layout,
-)
-from hydra_supervisor.config import find_node_file, known_profiles, load_node
+from hydra_supervisor import __version__, control_client, exits
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from hydra_supervisor import (
+        config,
+        control,
+        daemon,
+        deployment,
+        fleet_setup,
+        guard,
+        install,
+        layout,
+    )
+else:
+    # Imported on first use: a client command (`hydra --version`, `hydra status`) must not pay
+    # for the daemon's imports (prometheus, gguf/numpy, requests): ~0.7 s on a small machine.
+    from hydra_supervisor.lazy import lazy_module
+
+    asyncio = lazy_module("asyncio")
+    config = lazy_module("hydra_supervisor.config")
+    control = lazy_module("hydra_supervisor.control")
+    daemon = lazy_module("hydra_supervisor.daemon")
+    deployment = lazy_module("hydra_supervisor.deployment")
+    fleet_setup = lazy_module("hydra_supervisor.fleet_setup")
+    guard = lazy_module("hydra_supervisor.guard")
+    install = lazy_module("hydra_supervisor.install")
+    layout = lazy_module("hydra_supervisor.layout")
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import client_host, host_port
 from hydra_supervisor.state import StateDir
@@ -52,6 +69,10 @@ out = Console(highlight=False, soft_wrap=True, width=_WIDTH, markup=False, emoji
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=_WIDTH, markup=False,
               emoji=False)
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _sock(state: StateDir) -> Path:
+    return control_client.socket_path(state.root)
 
 
 def styled(*parts: str | tuple[str, str]) -> Text:
@@ -71,7 +92,30 @@ def friendly(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """Commands that live in modules of their own are imported when they are run (or listed
+    in --help), not when `hydra` starts: `hydra --version` and `hydra status` stay fast."""
+
+    lazy = {"bench": "hydra_supervisor.bench_cmd:bench",
+            "systemd": "hydra_supervisor.systemd_cmd:systemd",
+            "configure": "hydra_supervisor.wire.cli_configure:configure_command"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = self.lazy.get(cmd_name)
+        if target is None:
+            return super().get_command(ctx, cmd_name)
+        import importlib
+
+        module, attr = target.split(":")
+        cmd = getattr(importlib.import_module(module), attr)
+        assert isinstance(cmd, click.Command)
+        return cmd
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hydra")
 def main() -> None:
     """hydra: serve GGUF models across GPUs by supervising stock llama.cpp binaries."""
@@ -123,7 +167,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     """
     if idle and profiles:
         raise HydraError("--no-profile and --profile exclude each other")
-    node = load_node(find_node_file(node_file))
+    node = config.load_node(config.find_node_file(node_file))
     if not profiles and not idle:
         profiles = node.profiles
     profile = profiles[0] if len(profiles) == 1 else None
@@ -252,7 +296,7 @@ async def _run_daemon(state: StateDir, opts: daemon.Options, dep: Any) -> int:
     if d.unkillable:
         err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
         return 3
-    if code == daemon.EXIT_FATAL:
+    if code == exits.FAILED:
         err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
         snap = d.engine.snapshot()
         for row in snap["processes"]:
@@ -325,16 +369,16 @@ def _control(route: str, body: dict[str, Any] | None = None, method: str = "POST
     """One call to the running hydra's control API; exit 3 when none runs here."""
     state = StateDir.default()
     try:
-        return control.call(daemon.socket_path(state), method, route, body, timeout=timeout)
-    except control.NotRunning:
+        return control_client.call(_sock(state), method, route, body, timeout=timeout)
+    except control_client.NotRunning:
         err.print(f"error: hydra is not running here (state dir {state.root})", markup=False)
-        sys.exit(daemon.EXIT_NOT_RUNNING)
+        sys.exit(exits.NOT_RUNNING)
 
 
 def _fail_reply(code: int, reply: dict[str, Any]) -> None:
     if code != 200:
         err.print(f"error: {reply.get('error', reply)}", markup=False)
-        sys.exit(1 if code >= 500 else 2 if code == 400 else 1)
+        sys.exit(exits.of_reply(code, reply.get("result")))
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,11 +398,10 @@ def switch(profile: str, profiles_dir: str | None, as_json: bool) -> None:
     code, reply = _control("/switch", body)
     if as_json:
         click.echo(json.dumps(reply, indent=2))
-        sys.exit(0 if code == 200 and reply.get("result") in ("ok", "noop")
-                 else 1 if code == 200 else 2)
+        sys.exit(exits.of_reply(code, reply.get("result")))
     _fail_reply(code, reply)
     _print_report(reply)
-    sys.exit(0 if reply.get("result") in ("ok", "noop") else 1)
+    sys.exit(exits.of_reply(code, reply.get("result")))
 
 
 def _print_report(rep: dict[str, Any]) -> None:
@@ -366,6 +409,8 @@ def _print_report(rep: dict[str, Any]) -> None:
     result = rep.get("result")
     if result == "noop":
         out.print(f"nothing to do: {rep.get('reason', '')}", markup=False)
+        for key in rep.get("not_applied") or []:
+            err.print(f"  not applied: {key}", markup=False)
         return
     if result == "ok":
         out.print(f"switched {rep.get('from') or '(none)'} -> {rep['to']} in "
@@ -391,7 +436,7 @@ def restart(engine: str, as_json: bool) -> None:
     code, reply = _control("/restart", {"engine": engine})
     if as_json:
         click.echo(json.dumps(reply, indent=2))
-        sys.exit(0 if code == 200 else 1)
+        sys.exit(exits.of_reply(code, reply.get("result")))
     _fail_reply(code, reply)
     out.print(f"restarted {reply['engine']} of {reply['profile']}; ready again after "
               f"{reply['seconds']:.2f}s", markup=False)
@@ -405,14 +450,16 @@ def reload(as_json: bool) -> None:
     code, reply = _control("/reload")
     if as_json:
         click.echo(json.dumps(reply, indent=2))
-        sys.exit(0 if code == 200 and reply.get("result") in ("ok", "noop") else 1)
+        sys.exit(exits.of_reply(code, reply.get("result")))
     _fail_reply(code, reply)
     if "reloaded" in reply:  # several profiles: what each one did
         for name, did in reply["reloaded"].items():
             out.print(f"reloaded {name}: {did}", markup=False)
-        return
+        for key in reply.get("not_applied") or []:
+            err.print(f"  not applied: {key}", markup=False)
+        sys.exit(exits.of_reply(code, reply.get("result")))
     _print_report(reply)
-    sys.exit(0 if reply.get("result") in ("ok", "noop") else 1)
+    sys.exit(exits.of_reply(code, reply.get("result")))
 
 
 def _file_policy(node: Any) -> Any:
@@ -460,17 +507,17 @@ def status(as_json: bool, watch: bool) -> None:
     3 no hydra runs here."""
     state = StateDir.default()
     try:
-        code, live = control.call(daemon.socket_path(state), "GET", "/status", timeout=10)
-    except (control.NotRunning, OSError):
+        code, live = control_client.call(_sock(state), "GET", "/status", timeout=10)
+    except (control_client.NotRunning, OSError):
         live = None
     if as_json:
         if live is None:
             click.echo(json.dumps({"running": False, "supervisor": state.running_supervisor(),
                                    "status": state.read_status_checked(),
                                    "abnormal_end": state.abnormal_end()}, indent=2))
-            sys.exit(daemon.EXIT_NOT_RUNNING)
+            sys.exit(exits.NOT_RUNNING)
         click.echo(json.dumps(live, indent=2))
-        sys.exit(daemon.EXIT_PORT_DOWN if ports_down(live["daemon"]) else 0)
+        sys.exit(exits.PORT_DOWN if ports_down(live["daemon"]) else 0)
     if live is None:
         sup = state.running_supervisor()
         if sup:
@@ -483,27 +530,27 @@ def status(as_json: bool, watch: bool) -> None:
             out.print(f"its last run {state.abnormal_text(dead)}; its last recorded state "
                       f"was {dead.get('last_state') or '?'} (stale; the next `hydra up` "
                       "clears it)", markup=False)
-            sys.exit(daemon.EXIT_NOT_RUNNING)
+            sys.exit(exits.NOT_RUNNING)
         data = state.read_status()
         if data and data.get("stopped"):
             out.print(f"its last run ended: {data['stopped']}", markup=False)
         if data and data.get("fatal"):
             out.print("its last run:", markup=False)
             _print_engine(_legacy_to_engine(data))
-        sys.exit(daemon.EXIT_NOT_RUNNING)
+        sys.exit(exits.NOT_RUNNING)
     if not watch:
         for part in _daemon_renderables(live["daemon"]):
             out.print(part)
-        sys.exit(daemon.EXIT_PORT_DOWN if ports_down(live["daemon"]) else 0)
+        sys.exit(exits.PORT_DOWN if ports_down(live["daemon"]) else 0)
     from rich.live import Live
 
     with Live(console=out, refresh_per_second=2) as view:
         while True:
             try:
-                _, live = control.call(daemon.socket_path(state), "GET", "/status", timeout=10)
-            except (control.NotRunning, OSError):
+                _, live = control_client.call(_sock(state), "GET", "/status", timeout=10)
+            except (control_client.NotRunning, OSError):
                 view.update(f"hydra is not running here (state dir {state.root})")
-                sys.exit(daemon.EXIT_NOT_RUNNING)
+                sys.exit(exits.NOT_RUNNING)
             view.update(_status_view(live["daemon"]))
             time.sleep(1.0)
 
@@ -700,8 +747,8 @@ def down(timeout: float) -> None:
         return
     pid = int(sup["pid"])
     try:
-        control.call(daemon.socket_path(state), "POST", "/down", timeout=5)
-    except (control.NotRunning, OSError):
+        control_client.call(_sock(state), "POST", "/down", timeout=5)
+    except (control_client.NotRunning, OSError):
         os.kill(pid, signal.SIGTERM)  # still starting (no control socket yet)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -770,7 +817,7 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
 @dir_opt
 def profiles_cmd(profiles_dir: str | None) -> None:
     """List the profiles hydra can find."""
-    for name, path in known_profiles(profiles_dir).items():
+    for name, path in config.known_profiles(profiles_dir).items():
         out.print(f"{name:24} {path}")
 
 
@@ -845,10 +892,12 @@ def synth() -> None:
     """
 
 
+# synth.FTYPES' names (a test keeps them equal): importing synth pulls gguf and numpy.
+SYNTH_FTYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
 def _synth_options(fn: F) -> F:
     """The shape options dense and MoE share (defaults: a tiny model that writes in seconds)."""
-    from hydra_supervisor.synth import FTYPES
-
     for opt in reversed([
         click.argument("out", type=click.Path(dir_okay=False, path_type=Path)),
         click.option("--layers", default=4, show_default=True, help="transformer blocks"),
@@ -859,7 +908,7 @@ def _synth_options(fn: F) -> F:
         click.option("--ctx", default=2048, show_default=True, help="training context length"),
         click.option("--vocab", default="llama-spm", show_default=True,
                      help="tokenizer: ggml-vocab-NAME.gguf from the pinned llama.cpp source"),
-        click.option("--ftype", type=click.Choice(list(FTYPES)), default="f16",
+        click.option("--ftype", type=click.Choice(list(SYNTH_FTYPES)), default="f16",
                      show_default=True, help="weight type"),
         click.option("--seed", default=0, show_default=True,
                      help="random seed (same shape + seed = same file)"),
@@ -934,15 +983,3 @@ def synth_moe(out: Path, layers: int, embd: int, heads: int, heads_kv: int, ctx:
                  n_ff_exp=ff, n_expert=experts, n_expert_used=experts_used)
 
 
-def _register_subcommands() -> None:
-    """Commands that live in their own modules (kept out of this file's imports' hot path)."""
-    from hydra_supervisor.bench_cmd import bench
-    from hydra_supervisor.systemd_cmd import systemd
-    from hydra_supervisor.wire.cli_configure import configure_command
-
-    main.add_command(configure_command, "configure")
-    main.add_command(bench)
-    main.add_command(systemd)
-
-
-_register_subcommands()

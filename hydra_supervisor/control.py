@@ -24,20 +24,19 @@ import http.server
 import json
 import logging
 import os
-import socket
 import socketserver
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from hydra_supervisor.control_client import NotRunning, call
+
+__all__ = ["ControlServer", "NotRunning", "call"]
+
 log = logging.getLogger("hydra")
 
 Handler = Callable[[dict[str, Any]], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
-
-
-class NotRunning(Exception):
-    """Nothing answers on the control socket."""
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -123,41 +122,3 @@ class ControlServer:
         self._srv.server_close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
-
-
-def call(path: Path, method: str, route: str, body: dict[str, Any] | None = None,
-         timeout: float = 3600.0) -> tuple[int, dict[str, Any]]:
-    """One control request; raises NotRunning when no hydra listens on `path`."""
-    conn = _UnixConnection(str(path), timeout)
-    try:
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        try:
-            conn.request(method, route, body=data, headers=headers)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise NotRunning(str(exc)) from exc
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            reply = json.loads(raw) if raw else {}
-        except ValueError:
-            reply = {"error": raw.decode(errors="replace")}
-        return resp.status, reply
-    finally:
-        conn.close()

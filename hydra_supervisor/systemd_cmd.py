@@ -16,8 +16,9 @@ from pathlib import Path
 import click
 
 from hydra_supervisor import binaries, systemd_units
+from hydra_supervisor.clickutil import exits_2
 from hydra_supervisor.config import find_node_file, find_profile, load_node, load_profile
-from hydra_supervisor.errors import HydraError, exits_2
+from hydra_supervisor.errors import HydraError
 from hydra_supervisor.paths import repo_root
 from hydra_supervisor.systemd_units import UnitOptions
 
