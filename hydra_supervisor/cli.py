@@ -160,9 +160,9 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     With several profiles (-p A -p B, or the node file's profiles:) one port serves them all,
     routed by the request's model and loaded on demand (docs/routing.md).
 
-    Exit status (docs/supervision.md): 0 stopped on request, 1 FATAL (one profile; among
+    Exit status (docs/control.md): 0 stopped on request, 1 FATAL (one profile; among
     several, a failed profile is marked failed and the others keep serving), 2 bad input or
-    another hydra holds the state dir, 3 stopped but a child could not be killed, 130
+    another hydra holds the state dir, 4 stopped but a child could not be killed, 130
     interrupted before serving or by a second Ctrl-C.
     """
     if idle and profiles:
@@ -265,7 +265,7 @@ async def _run_fleets(state: StateDir, opts: daemon.Options, fleets: Any) -> int
     code = await d.run(on_start=_present_fleets)
     if d.unkillable:
         err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
-        return 3
+        return exits.UNKILLABLE
     return code
 
 
@@ -295,7 +295,7 @@ async def _run_daemon(state: StateDir, opts: daemon.Options, dep: Any) -> int:
     code = await d.run(on_start=_present)
     if d.unkillable:
         err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
-        return 3
+        return exits.UNKILLABLE
     if code == exits.FAILED:
         err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
         snap = d.engine.snapshot()
