@@ -594,3 +594,17 @@ def test_a_reload_to_an_alias_bomb_is_refused_and_hydra_serves_on(hydra_up, hydr
     res = run_hydra(hydra_env, "down", timeout=40)
     assert res.returncode == 0, res
     assert up.proc.wait(30) == 0
+
+
+def test_the_tail_status_json_shows_spans_a_size_rotation(tmp_path):
+    log = tmp_path / "head.log"
+    fd = os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        _write(fd, 0, 10)
+        logfiles.copytruncate(fd, log, keep=3)
+        _write(fd, 10, 2)
+    finally:
+        os.close(fd)
+    assert logfiles.tail(log, 5) == [f"n {i}" for i in range(7, 12)]
+    assert logfiles.tail(log, 2) == ["n 10", "n 11"]
+    assert logfiles.tail(tmp_path / "none.log", 3) == []
