@@ -555,6 +555,19 @@ def status(as_json: bool, watch: bool) -> None:
             time.sleep(1.0)
 
 
+def _serving_now(status: dict[str, Any]) -> str | None:
+    """What a running hydra serves now, in words, from its status view (after a switch, the
+    profile switched to, not the one it started with)."""
+    profiles = status.get("profiles")
+    if isinstance(profiles, dict):  # several profiles: those loaded now
+        names = [n for n, st in profiles.items() if st not in ("stopped", "failed")]
+        if not names:
+            return "hydra (no profile was loaded)"
+        return f"profile{'s' if len(names) > 1 else ''} {', '.join(names)}"
+    name = status.get("profile")
+    return f"profile {name}" if name else None
+
+
 def ports_down(snap: dict[str, Any]) -> list[str]:
     """Why each port that refuses every connection does (its router's acceptor is not
     running), from the daemon's snapshot: `hydra status` then exits 1."""
@@ -746,14 +759,17 @@ def down(timeout: float) -> None:
             out.print("hydra is not running", markup=False)
         return
     pid = int(sup["pid"])
+    what = f"profile {sup['profile']}"  # what it started with, unless it says what runs now
     try:
+        _, live = control_client.call(_sock(state), "GET", "/status", timeout=5)
+        what = _serving_now(live.get("status") or {}) or what
         control_client.call(_sock(state), "POST", "/down", timeout=5)
     except (control_client.NotRunning, OSError):
         os.kill(pid, signal.SIGTERM)  # still starting (no control socket yet)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not state.running_supervisor():
-            out.print(f"stopped profile {sup['profile']} (hydra pid {pid})", markup=False)
+            out.print(f"stopped {what} (hydra pid {pid})", markup=False)
             return
         time.sleep(0.1)
     raise HydraError(f"hydra (pid {pid}) did not stop within {timeout:.0f}s",

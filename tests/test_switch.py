@@ -96,6 +96,10 @@ def test_switch_under_load_loses_nothing(hydra_up, hydra_env):
             wait_until(lambda b=before: load.ok > b + 1, 120, f"requests served by {target}")
     assert load.failures == [], load.failures
     assert load.ok > 6
+    rep = _switch(hydra_env, "demo-combine")
+    assert rep["_rc"] == 0 and rep["result"] == "ok", rep
+    res = run_hydra(hydra_env, "down")  # names what runs now, not what hydra started with
+    assert res.returncode == 0 and "stopped profile demo-combine " in res.stdout, res
 
 
 def test_switch_to_a_broken_profile_rolls_back(hydra_up, hydra_env, tmp_path):
