@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import json
 import logging
 import logging.handlers
@@ -373,6 +374,12 @@ def _control(route: str, body: dict[str, Any] | None = None, method: str = "POST
     except control_client.NotRunning:
         err.print(f"error: hydra is not running here (state dir {state.root})", markup=False)
         sys.exit(exits.NOT_RUNNING)
+    except (OSError, http.client.HTTPException) as exc:
+        # hydra went away mid-request (killed, or stopped by someone else)
+        gone = "is no longer running" if not state.running_supervisor() else "stopped answering"
+        err.print(f"error: hydra {gone} (state dir {state.root}) before it answered "
+                  f"{method} {route}: {type(exc).__name__}: {exc}".rstrip(": "), markup=False)
+        sys.exit(exits.FAILED)
 
 
 def _fail_reply(code: int, reply: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ Errors are {"error": message} with 400 (bad input), 409 (busy) or 500.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import http.server
@@ -82,9 +83,13 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
         except TimeoutError:
             fut.cancel()
             code, reply = 504, {"error": "hydra did not answer in time"}
+        except concurrent.futures.CancelledError:
+            # hydra is stopping (Ctrl-C, SIGTERM, hydra down) while this request ran
+            code, reply = 503, {"error": "hydra is stopping; the request was not completed"}
         except Exception as exc:  # noqa: BLE001 - the handler's bug must not kill the thread
             log.exception("control %s %s failed", method, path)
-            code, reply = 500, {"error": f"internal error: {exc}"}
+            code, reply = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"
+                                         .rstrip(": ") + " (hydra.log has the traceback)"}
         self._reply(code, reply)
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib's name
