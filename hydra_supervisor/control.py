@@ -1,4 +1,5 @@
-"""The control API: HTTP + JSON on a unix socket in the state dir (mode 0600), and its client.
+"""The control API: HTTP + JSON on a unix socket in the state dir (mode 0600); the client side
+is control_client.py.
 
 The server is the standard library's HTTP server on a unix stream socket, one thread per
 request. Handlers never act themselves: they hand a coroutine to the daemon's event loop
@@ -10,9 +11,10 @@ from the loop's thread. Routes:
   POST /restart  {"engine"}       a planned restart of one process
   POST /reload                    re-read the running profile, apply the difference
   POST /down                      stop hydra (the reply comes before the stop completes)
-  POST /configure {params}        runtime reconfigure by tiers (see wire.tiers)
 
-Errors are {"error": message} with 400 (bad input), 409 (busy) or 500.
+(Runtime reconfigure by tiers is the wire protocol's CONFIGURE: `hydra configure`, wire/.)
+Errors are {"error": message} with 400 (bad input), 409 (busy), 503 (hydra is stopping) or
+500; exits.of_reply maps them to exit statuses.
 """
 
 from __future__ import annotations

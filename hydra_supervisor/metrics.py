@@ -2,7 +2,7 @@
 that port's HTTP belongs to llama-server).
 
 Three sources, one registry:
-  - the daemon's status `snapshot()` (the dict `GET /status` serves; shape in the contracts):
+  - the daemon's status `snapshot()` (the dict `GET /status` serves; shape in docs/control.md):
     read at every scrape by `SnapshotCollector`, so nothing is stored twice and nothing drifts:
     engine and process states, restarts, last exit codes, router counters, switches;
   - per-request records from the router's `on_request` callback (`observe_request`): HTTP

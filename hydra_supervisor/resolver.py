@@ -1,6 +1,7 @@
 """The resolver (pure): (profile, model info, devices, free ports) → Plan of stock command lines.
 
-It implements the four-cell table of design.md with stock flags only:
+It implements the resolver's table (docs/profiles.md, docs/architecture.md) with stock flags
+only:
   dense/solo     one llama-server pinned to its device
   dense/combine  ggml-rpc-server per peer device, then the head with --rpc and -ts / -ngl
   moe/solo       one llama-server, --n-cpu-moe when the profile asks

@@ -199,7 +199,7 @@ class FuncServer:
         self._sock.close()
 
 
-# Hydra wire protocol (design.md): request header <HBBHQH, response header u8 status,
+# Hydra wire protocol (docs/protocol.md): request header <HBBHQH, response header u8 status,
 # u24 meta_len, u64 payload_len; then meta JSON and payload.
 HYDRA_REQ = struct.Struct("<HBBHQH")
 

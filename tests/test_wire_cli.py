@@ -1,4 +1,4 @@
-"""`hydra configure KEY=VALUE…` (the click command the lead registers) against a WireServer."""
+"""`hydra configure KEY=VALUE…` (the click command cli.py registers) against a WireServer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The wire codec on hand-built byte strings from design.md (no sockets)."""
+"""The wire codec on hand-built byte strings from docs/protocol.md (no sockets)."""
 
 from __future__ import annotations
 

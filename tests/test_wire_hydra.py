@@ -91,7 +91,7 @@ def test_info_configure_tiers_and_expert_mode(hydra_up, hydra_env):
 
 def test_state_get_put_and_fuzz_through_hydra(hydra_up, hydra_env, tmp_path):
     # Gemma 3 slides its attention window: a restored slot is served from cache only with
-    # --swa-full (design.md); plain llama models need nothing.
+    # --swa-full (docs/protocol.md); plain llama models need nothing.
     prof = tmp_path / "demo-swa.yaml"
     prof.write_text("profile: demo-swa\nmodel: gemma3-270m\nmode: solo\nhead: cpu\n"
                     "server_args:\n  ctx-size: 2048\n  swa-full: true\n")

@@ -3,7 +3,7 @@ STATE_GET from one head and STATE_PUT into a fresh head of the same model is ser
 there (`timings.cache_n > 0`); PREFILL fills a slot and returns its state inline.
 
 Gemma 3 is a sliding-window model: its slots restore with cache hits only when the server runs
-with `--swa-full` (design.md), so both heads get it, and `--slot-save-path` for the files.
+with `--swa-full` (docs/protocol.md), so both heads get it, and `--slot-save-path` for the files.
 `--no-repack`: with CPU weight repacking on, the greedy continuation after a restore differed
 from the original one (seen: " The fox is a" vs " The quick brown fox"; repacked kernels serve
 batches and single tokens by different code paths); without it the tokens match exactly.
@@ -32,7 +32,7 @@ PROMPT = ("The quick brown fox jumps over the lazy dog. " * 24) + "Tell me a sto
 
 class LlamaControl:
     """A test EngineControl over one running llama-server: no switching, so T2/T3 CONFIGURE
-    and SET_EXPERT_MODE are recorded (the lead's Engine does the real thing)."""
+    and SET_EXPERT_MODE are recorded (the Engine does the real thing)."""
 
     def __init__(self, port: int, slot_dir: Path, proc: subprocess.Popen[bytes]) -> None:
         self.port, self._slot_dir, self.proc = port, slot_dir, proc

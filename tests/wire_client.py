@@ -1,4 +1,4 @@
-"""A Hydra wire client written from the spec in design.md, for the tests.
+"""A Hydra wire client written from the spec in docs/protocol.md, for the tests.
 
 Deliberately independent of hydra_supervisor.wire (it imports nothing from it): if the server's
 codec and this client disagree about a byte, the tests fail instead of agreeing with themselves.

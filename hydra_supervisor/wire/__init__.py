@@ -1,4 +1,4 @@
-"""The Hydra wire protocol on the engine port (design.md "Hydra wire protocol").
+"""The Hydra wire protocol on the engine port (docs/protocol.md).
 
 - ``codec``: sans-IO frames and incremental parsers (bytes in, events out);
 - ``tiers``: the one table of CONFIGURE keys and the pure tier diff;

@@ -1,6 +1,6 @@
 """Hydra wire codec (sans-IO): frame encoders and incremental request/response parsers.
 
-The frames are the ones the existing Hydra.Core client speaks (design.md "Hydra wire protocol"):
+The frames are the ones the existing Hydra.Core client speaks (docs/protocol.md):
 
     request  = <u16 magic 0x4859><u8 op><u8 flags><u16 key_len><u64 payload_len><u16 trace_len>
                key (UTF-8) · trace id (UTF-8) · payload           (16-byte header, little-endian)

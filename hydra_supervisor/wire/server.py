@@ -323,7 +323,7 @@ class WireServer:
         return error(Status.ERROR, why, unauthenticated=True)
 
     # The three calls below are the boundary between the transport and the handlers, which
-    # call into the engine (the lead's code, llama-server over HTTP, the file system). Whatever
+    # call into the engine (the engine's code, llama-server over HTTP, the file system). Whatever
     # goes wrong in there is answered as ERROR on this request; the connection and the server
     # keep going. That is why they catch Exception: a bug in a handler must cost one request,
     # never the server.

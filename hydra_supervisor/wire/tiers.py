@@ -2,7 +2,7 @@
 
 A CONFIGURE payload (0x40 over the wire, `hydra configure KEY=VALUE…` on the command line) is a
 JSON object shaped like llama-server's parameters. Each recognised key has a *tier* that says what
-changing it costs with stock binaries (design.md "Runtime reconfigure tiers"):
+changing it costs with stock binaries (docs/protocol.md, "CONFIGURE"):
 
 - T1: per-request settings (sampling, n_predict…): sent as defaults in every request body
   (`Router.set_request_defaults`), no process restarts;
