@@ -39,7 +39,7 @@ from hydra_supervisor.config import (
 )
 from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.deployment import Deployment
-from hydra_supervisor.engine import Engine, EngineBusy, SwitchTimeouts
+from hydra_supervisor.engine import Engine, EngineBusy, RestartFailed, SwitchTimeouts
 from hydra_supervisor.engine_wire import EngineWire
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.fleet import Fleet
@@ -262,6 +262,8 @@ class Daemon:
             return 200, await coro
         except EngineBusy as exc:
             return 409, {"error": str(exc)}
+        except RestartFailed as exc:  # not bad input: it failed (exit 1), hydra serves on
+            return 500, {"error": str(exc)}
         except HydraError as exc:
             return 400, {"error": str(exc)}
 
@@ -295,15 +297,18 @@ class Daemon:
 
     # -- actions ------------------------------------------------------------------------------
 
-    def _prepare(self, profile: str, profiles_dir: str | None) -> Deployment:
-        """Validate and plan on the engine's own address; ports of the running layout kept."""
+    def _prepare(self, profile: str, profiles_dir: str | None,
+                 name: str | None = None) -> Deployment:
+        """Validate and plan on the engine's own address; ports of the running layout kept.
+        `name`: the profile keeps this name whatever its file says now (a reload)."""
         eng = self.engine
         running = eng.dep.plan if eng.dep else None
+        keep_name = {"profile": name} if name else {}
         return deployment.prepare(
             profile, node_file=self.opts.node_file,
             profiles_dir=profiles_dir or self.opts.profiles_dir,
-            overrides={"host": eng.host, "port": eng.port}, keep=running, external=eng.port,
-            slot_dir=slot_dir(self.state))
+            overrides={"host": eng.host, "port": eng.port, **keep_name}, keep=running,
+            external=eng.port, slot_dir=slot_dir(self.state))
 
     async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
         if self.fleets:
@@ -364,10 +369,8 @@ class Daemon:
             return {"result": "noop", "reason": "no profile is loaded"}
         ref = eng.dep.plan.source
         name = eng.dep.profile
-        new = await asyncio.to_thread(self._prepare, ref, None)
+        new = await asyncio.to_thread(self._prepare, ref, None, name)  # the name stays
         skipped = await asyncio.to_thread(self._not_applied, ref, name, eng.host, eng.port)
-        if new.profile != name:  # the name stays (not_applied says so)
-            new = replace(new, plan=replace(new.plan, profile=name))
         report = await eng.apply(new)
         if skipped:
             log.warning("reload of %s: not applied: %s", name, "; ".join(skipped))
@@ -435,14 +438,12 @@ class Daemon:
     def _prepare_member(self, f: Fleet, m: Any) -> tuple[Any, Deployment] | None:
         dep = deployment.prepare(m.dep.plan.source, node_file=self.opts.node_file,
                                  profiles_dir=self.opts.profiles_dir,
-                                 overrides={"host": f.host, "port": f.port},
+                                 overrides={"host": f.host, "port": f.port,
+                                            "profile": m.name},  # its name is fixed
                                  keep=m.dep.plan, external=f.port,
                                  slot_dir=slot_dir(self.state),
                                  reserved=f.pool.planned_ports(but=m))
         prof = dep.layout.profile if dep.layout is not None else m.profile
-        if prof.name != m.name:  # a profile's name is fixed while hydra runs (not_applied)
-            prof = replace(prof, name=m.name)
-            dep = replace(dep, plan=replace(dep.plan, profile=m.name))
         return (prof, dep) if f.differs(m, prof, dep) else None
 
     def request_stop(self, reason: str) -> None:

@@ -54,6 +54,10 @@ class EngineBusy(HydraError):
     """A switch (or restart) is already running on this engine."""
 
 
+class RestartFailed(HydraError):
+    """`hydra restart NAME` did not bring the process back (the layout was started again)."""
+
+
 @dataclass(frozen=True)
 class SwitchTimeouts:
     drain: float = 30.0  # in-flight requests may finish this long, then they are cut
@@ -619,7 +623,7 @@ class Engine:
                 await sup.restart(name, fail_fast=True)
                 await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
             except (LayoutFailed, Fatal) as exc:
-                raise HydraError(await self._restart_failed(name, sup, dep, exc)) from exc
+                raise RestartFailed(await self._restart_failed(name, sup, dep, exc)) from exc
             rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile)
             if dep is not None:
                 await self._restore_slots(dep, dep, saved, rep)
