@@ -4,7 +4,8 @@
 - ``tiers``: the one table of CONFIGURE keys and the pure tier diff;
 - ``control``: the ``EngineControl`` protocol the engine implements, and ``ConfigureRefused``;
 - ``slots``: llama-server's slot save/restore API as the handlers use it;
-- ``handlers``: what each opcode does; ``server``: the loopback TCP server on its own threads;
+- ``handlers``: what each opcode does; ``server``: connections the router hands over, on its
+  own threads (no port of its own); ``trust``: who may drive it (peer uid, the owner's token);
 - ``cli_configure``: ``hydra configure KEY=VALUE…``.
 docs/protocol.md is the protocol as served.
 """

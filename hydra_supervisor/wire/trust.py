@@ -88,6 +88,7 @@ def peer_uid(peer: Any, local: Any, proc_net: Path = Path("/proc/net")) -> int |
     want_local, want_remote = _endpoint(peer), _endpoint(local)
     if want_local is None or want_remote is None:
         return None
+    port_hex = f":{want_local[1]:04X}"  # a cheap filter before parsing: the client's port
     for name in ("tcp", "tcp6"):
         try:
             text = (proc_net / name).read_text()
@@ -95,7 +96,7 @@ def peer_uid(peer: Any, local: Any, proc_net: Path = Path("/proc/net")) -> int |
             continue
         for line in text.splitlines()[1:]:
             cols = line.split()
-            if len(cols) < 10:
+            if len(cols) < 10 or not cols[1].endswith(port_hex):
                 continue
             try:
                 if (_parse_hex_endpoint(cols[1]) != want_local
