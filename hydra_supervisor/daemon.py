@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import control, deployment, metrics, notify, portwatch
+from hydra_supervisor import control, control_client, deployment, exits, metrics, notify, portwatch
 from hydra_supervisor.config import (
     Profile,
     find_node_file,
@@ -47,18 +47,18 @@ from hydra_supervisor.state import StateDir
 
 log = logging.getLogger("hydra")
 
-EXIT_OK = 0
-EXIT_FATAL = 1
-EXIT_BAD_INPUT = 2
-EXIT_NOT_RUNNING = 3  # for the client commands (status, switch...): no hydra answers
-EXIT_PORT_DOWN = 1  # `hydra status`: a port's router is not accepting connections
-EXIT_INTERRUPTED = 130
+EXIT_OK = exits.OK
+EXIT_FATAL = exits.FAILED
+EXIT_BAD_INPUT = exits.BAD_INPUT
+EXIT_NOT_RUNNING = exits.NOT_RUNNING  # for the client commands (status, switch...)
+EXIT_PORT_DOWN = exits.PORT_DOWN  # `hydra status`: a port's router accepts no connections
+EXIT_INTERRUPTED = exits.INTERRUPTED
 
 Presenter = Callable[['Daemon'], Coroutine[Any, Any, None]]
 
 
 def socket_path(state: StateDir) -> Path:
-    return state.root / "control.sock"
+    return control_client.socket_path(state.root)
 
 
 def slot_dir(state: StateDir) -> Path:
@@ -123,6 +123,9 @@ class Daemon:
         self.ctl: control.ControlServer | None = None
         self.wire: EngineWire | None = None
         self._ints = 0
+        # The last switches between a port's profiles (fleet.activate's reports, newest last):
+        # the snapshot carries them for the dashboard (an Engine keeps its own).
+        self.switch_log: list[dict[str, Any]] = []
         # Reloads: one runs at a time; those asked for meanwhile share one run after it
         # (it reads the files when it starts: the last edit wins).
         self._reload_last: asyncio.Task[dict[str, Any]] | None = None
@@ -139,7 +142,8 @@ class Daemon:
                     "engines": [row for f in self.fleets for row in f.snapshot()],
                     "fleets": [{"port": f.port, "url": f.url, "default": f.default,
                                 "profiles": list(f.members), "alive": f.alive(),
-                                "down": f.down()} for f in self.fleets]}
+                                "down": f.down()} for f in self.fleets],
+                    "switches": list(self.switch_log)}
         return {"pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
                 "engines": [self.engine.snapshot()]}
 
@@ -215,6 +219,16 @@ class Daemon:
             return all(f.alive() for f in self.fleets)
         r = self.engine.router
         return r is None or r.alive()
+
+    def _startup_budget(self) -> float:
+        """Seconds the start-up loads may take: every initial layout's load timeout (they
+        load one after another), plus a margin for the peers' HELLO and the health gate."""
+        if self.fleets:
+            deps = [f.members[n].dep for f in self.fleets for n in f.initial_names()
+                    if n in f.members]
+        else:
+            deps = [self.initial] if self.initial is not None else []
+        return sum(d.timeouts.load for d in deps) + 30.0 if deps else 0.0
 
     def _ready(self) -> bool:
         if self.fleets:
@@ -312,7 +326,10 @@ class Daemon:
 
     async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
         if self.fleets:
-            return await self._fleet_of(profile).activate(profile)
+            done = await self._fleet_of(profile).activate(profile)
+            if done.get("result") != "noop":
+                self.switch_log = [*self.switch_log[-19:], {**done, "at": time.time()}]
+            return done
         if self.engine.lock.locked():
             raise EngineBusy(f"a switch is already running (to {self.engine.switching}); "
                              "try again when it is done")
@@ -527,6 +544,9 @@ class Daemon:
         readiness: asyncio.Task[bool] | None = None
         presenter: asyncio.Task[None] | None = None
         try:
+            budget = self._startup_budget()
+            if budget > 0:  # under systemd: loads may outlast TimeoutStartSec
+                self.notifier.extend_timeout(budget)
             if self.fleets:
                 for f in self.fleets:
                     await f.start(f.initial_names())

@@ -63,8 +63,13 @@ def test_notify_and_metrics_on_a_real_hydra_up(hydra_up: Any, hydra_env: dict[st
     up = hydra_up("--profile", "demo-ops", "--profiles-dir", str(profiles), "--port", str(port))
 
     msg = note.next(300)
+    extended = []
     while msg.get("READY") != "1":
+        if "EXTEND_TIMEOUT_USEC" in msg:
+            extended.append(int(msg["EXTEND_TIMEOUT_USEC"]))
         msg = note.next(300)
+    # before the load: more time than TimeoutStartSec may give (the demo's load timeout + 30 s)
+    assert extended and extended[0] >= 60_000_000, extended
     # READY=1 only once the layout serves: the head is READY and the external port answers
     # /health 200 at once (a request held while the model loads would time out here)
     assert requests.get(f"http://127.0.0.1:{port}/health", timeout=3).status_code == 200
