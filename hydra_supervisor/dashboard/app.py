@@ -77,6 +77,7 @@ class Dashboard:
         self._heads = HeadTokens()
         self.port: int | None = None  # the metrics server's, once it listens
         self.actions: list[dict[str, Any]] = []  # the last actions and their results
+        self.refused = 0  # requests refused by the checks below (the page shows the count)
 
     def bind(self, loop: asyncio.AbstractEventLoop,
              routes: dict[tuple[str, str], Handler]) -> None:
@@ -140,6 +141,9 @@ class Dashboard:
                path: str) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
         if self._origin(environ) is None:
+            self.refused += 1
+            log.warning("dashboard: refused %s %s: Host %r is not this loopback address",
+                        method, path, environ.get("HTTP_HOST"))
             return self._json(start, 403, {"error": "Host is not this loopback address"})
         if method == "POST" and path in ACTIONS:
             return self._action(environ, start, path)
@@ -183,7 +187,8 @@ class Dashboard:
             return {"snapshot": None, "age_s": None, "now": time.time()}
         return {"snapshot": snap, "age_s": round(age, 3), "now": time.time(),
                 "devices": self._devices.get(), "heads": self._heads.get(snap),
-                "profiles": self._safe_profiles(), "actions": self.actions[-20:]}
+                "profiles": self._safe_profiles(), "actions": self.actions[-20:],
+                "refused": self.refused}
 
     def _safe_profiles(self) -> list[str]:
         try:
@@ -206,6 +211,7 @@ class Dashboard:
                 path: str) -> Iterable[bytes]:
         why = self.check_post(environ)
         if why is not None:
+            self.refused += 1
             log.warning("dashboard: refused POST %s: %s", path, why)
             return self._json(start, 403, {"error": why})
         try:

@@ -129,9 +129,12 @@ class HeadTokens:
     """Each READY head's token counters from its own `/metrics` (llama-server --metrics).
     A head that answers 501 (no --metrics) is asked again only after a while."""
 
-    def __init__(self, timeout: float = 1.0, retry_s: float = 30.0) -> None:
+    def __init__(self, timeout: float = 1.0, retry_s: float = 30.0, every_s: float = 2.0
+                 ) -> None:
         self._timeout = timeout
         self._retry_s = retry_s
+        self._every_s = every_s  # a head logs every /metrics request: not at every poll
+        self._last: tuple[float, dict[str, dict[str, Any]]] = (-1e9, {})
         self._off: dict[str, float] = {}  # url -> when it said "no metrics"
         self._session = requests.Session()
         self._lock = threading.Lock()
@@ -140,13 +143,19 @@ class HeadTokens:
         """{profile: {"metrics": bool, "predicted": n, "prompt": n, "processing": n}}"""
         out: dict[str, dict[str, Any]] = {}
         with self._lock:
-            for head in heads_from_snapshot(snap):
+            heads = heads_from_snapshot(snap)
+            at, last = self._last
+            if time.monotonic() - at < self._every_s and set(last) == {
+                    h.profile or h.engine for h in heads}:
+                return last
+            for head in heads:
                 key = head.profile or head.engine
                 off = self._off.get(head.url)
                 if off is not None and time.monotonic() - off < self._retry_s:
                     out[key] = {"metrics": False}
                     continue
                 out[key] = self._scrape(head.url, head.api_key)
+            self._last = (time.monotonic(), out)
         return out
 
     def _scrape(self, url: str, api_key: str | None) -> dict[str, Any]:

@@ -16,11 +16,48 @@ function el(tag, attrs, ...kids) {
     if (v === undefined || v === null || v === false) continue;
     if (k === "class") e.className = v;
     else if (k === "text") e.textContent = v;
-    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else if (k.startsWith("on")) {
+      // one listener per node that calls the latest handler (patchNode swaps _handlers)
+      e._handlers = { ...(e._handlers || {}), [k.slice(2)]: v };
+      e._key = (e._key || "") + k;
+      e.addEventListener(k.slice(2), (ev) => e._handlers[k.slice(2)](ev));
+    }
     else e.setAttribute(k, v === true ? "" : v);
   }
   for (const k of kids) if (k !== null && k !== undefined) e.append(k instanceof Node ? k : String(k));
   return e;
+}
+
+// Put `fresh` children into `box`, changing only what differs: a row re-rendered every second
+// keeps its nodes (a click that spans a poll still lands on the same button).
+function patchChildren(box, fresh) {
+  const old = [...box.childNodes];
+  fresh.forEach((n, i) => {
+    const o = old[i];
+    if (!o) box.append(n);
+    else if (!patchNode(o, n)) box.replaceChild(n, o);
+  });
+  for (let i = fresh.length; i < old.length; i++) old[i].remove();
+}
+
+function patchNode(o, n) {
+  if (o.nodeType !== n.nodeType || o.nodeName !== n.nodeName) return false;
+  if (o.nodeType === Node.TEXT_NODE) {
+    if (o.nodeValue !== n.nodeValue) o.nodeValue = n.nodeValue;
+    return true;
+  }
+  if (o.nodeType !== Node.ELEMENT_NODE) return false;
+  if (n._handlers || o._handlers) {  // listeners cannot be compared: swap them
+    if (o._key !== n._key) return false;
+    o._handlers = n._handlers;
+  }
+  // (style goes through CSSOM: the page's CSP forbids setting a style attribute)
+  for (const a of [...o.attributes]) if (a.name !== "style" && !n.hasAttribute(a.name)) o.removeAttribute(a.name);
+  for (const a of [...n.attributes]) if (a.name !== "style" && o.getAttribute(a.name) !== a.value) o.setAttribute(a.name, a.value);
+  if (o.style.cssText !== n.style.cssText) o.style.cssText = n.style.cssText;
+  if ("disabled" in o && o.disabled !== n.disabled) o.disabled = n.disabled;
+  patchChildren(o, [...n.childNodes]);
+  return true;
 }
 
 function fmtBytes(n) {
@@ -267,7 +304,7 @@ function renderPorts(st, rows) {
     out.push(el("div", { class: "port", "data-port": p.port }, head, table));
   }
   if (!snap.fleets) out.push(singleSwitch(st, rows[0]));
-  box.replaceChildren(...out);
+  patchChildren(box, out);
 }
 
 function profileRow(st, r, def) {
@@ -335,7 +372,7 @@ function renderDevices(st, rows) {
   if (!d.gpus || !d.gpus.length) {
     out.push(el("p", { class: "note", text: `No GPU here (inventory: ${d.source || "?"}): hydra's processes run on the CPU; their memory is host memory (RSS).` }));
   }
-  box.replaceChildren(...out);
+  patchChildren(box, out);
 }
 
 function memBlock(title, total, used, hydra, plan, note, procs, val, what) {
@@ -392,7 +429,7 @@ function renderProcesses(st, rows) {
     }
   }
   if (!out.length) out.push(el("tr", {}, el("td", { colspan: 12, class: "muted", text: "No process runs." })));
-  tb.replaceChildren(...out);
+  patchChildren(tb, out);
 }
 
 const PHASE_COLORS = ["#60a5fa", "#f59e0b", "#34d399", "#a78bfa", "#f472b6", "#22d3ee", "#fb923c", "#94a3b8"];
@@ -405,6 +442,9 @@ function colorOf(name) {
 function renderSwitches(rows) {
   const all = [];
   for (const r of rows) for (const s of r.switches || []) all.push({ ...s, profile: r.profile });
+  // between a port's profiles: the daemon's log (with times), newest last
+  for (const s of (lastState && lastState.snapshot && lastState.snapshot.switches) || []) all.push(s);
+  all.sort((a, b) => (a.at || 0) - (b.at || 0));
   const box = $("switches");
   if (!all.length) { box.replaceChildren(el("p", { class: "muted", text: "No switch yet." })); return; }
   const out = all.slice(-8).reverse().map((s) => {
@@ -425,19 +465,22 @@ function renderSwitches(rows) {
     }
     return el("div", { class: "sw" },
       el("div", {}, el("b", { text: `${s.from || "–"} → ${s.to || "–"}` }), " ", badge(s.result),
-        el("span", { class: "muted", text: ` ${Number(s.total_s || 0).toFixed(1)} s` })),
+        el("span", { class: "muted", text: ` ${Number(s.total_s || 0).toFixed(1)} s${s.at ? ` · ${fmtTime(s.at)}` : ""}` }),
+        s.cut ? el("span", { class: "muted", text: ` · ${s.cut} request${s.cut === 1 ? "" : "s"} cut` }) : null),
       bar, text,
       s.error ? el("div", { class: "err", text: `${s.failed_phase ? s.failed_phase + ": " : ""}${s.error}` }) : null);
   });
-  box.replaceChildren(...out);
+  patchChildren(box, out);
 }
 
 // -- logs -------------------------------------------------------------------------------------
 
-const logState = { name: null, cursor: null, pid: null, timer: null };
+const logState = { name: null, cursor: null, pid: null, gone: false, timer: null };
 
+let logNames = [];
 function updateLogChoices(rows) {
   const names = rows.flatMap((r) => (r.processes || []).map((p) => p.name));
+  logNames = names;
   const sel = $("log-select");
   const have = [...sel.options].map((o) => o.value);
   if (names.join() !== have.join()) {
@@ -451,7 +494,7 @@ $("log-select").addEventListener("change", (e) => chooseLog(e.target.value));
 
 function chooseLog(name) {
   if (logState.name === name) return;
-  logState.name = name; logState.cursor = null; logState.pid = null;
+  logState.name = name; logState.cursor = null; logState.pid = null; logState.gone = false;
   $("log-select").value = name;
   $("log").replaceChildren();
   pollLog();
@@ -468,22 +511,39 @@ function appendLog(text, cls) {
 async function pollLog() {
   clearTimeout(logState.timer);
   const name = logState.name;
-  if (name) {
+  if (name && !logNames.includes(name)) {
+    // its profile stopped: the log stays as it was, with a line that says so
+    if (!logState.gone) appendLog(`\n──── ${name} is not running (its profile stopped) ────\n`, "mark");
+    logState.gone = true;
+    $("log-info").textContent = `${name} is not running`;
+    $("log-info").dataset.pid = "";
+  } else if (name) {
     try {
       const q = new URLSearchParams({ name });
       if (logState.cursor) q.set("cursor", logState.cursor);
       const r = await fetch(`/api/log?${q}`, { cache: "no-store" });
       const d = await r.json();
       if (name === logState.name && r.ok) {
-        if (logState.pid !== null && d.pid !== logState.pid) {
-          appendLog(`\n──── ${name} restarted: now pid ${d.pid ?? "–"} ────\n`, "mark");
-        } else if (d.restarted) {
-          appendLog(`\n──── ${name}: a new log file ────\n`, "mark");
+        // markers: the process went away, came back under a new pid, or its file was renewed
+        // (the file and the pid are read a moment apart: a new file may show up before its pid)
+        const was = logState.pid;
+        const newPid = d.pid && was && d.pid !== was;
+        if (d.restarted) {
+          appendLog(`\n──── ${name}: a new run${d.pid && d.pid !== was ? `, pid ${d.pid}` : ""} ────\n`, "mark");
+          logState.newFile = true;
+        } else if (newPid && !logState.newFile) {
+          appendLog(`\n──── ${name} restarted: now pid ${d.pid} ────\n`, "mark");
+        } else if (!d.pid && was && !logState.gone) {
+          appendLog(`\n──── ${name} is not running (was pid ${was}) ────\n`, "mark");
+          logState.gone = true;
+        }
+        if (d.pid && d.pid !== was) {
+          if (newPid && logState.newFile && !d.restarted) appendLog(`──── (that run is pid ${d.pid}) ────\n`, "mark");
+          logState.pid = d.pid; logState.gone = false; logState.newFile = false;
         }
         if (d.skipped) appendLog("\n[… skipped …]\n", "mark");
         if (d.text) appendLog(d.text);
         if (d.cursor) logState.cursor = d.cursor;
-        logState.pid = d.pid;
         $("log-info").textContent = `${d.path}${d.pid ? ` · following pid ${d.pid}` : ""}`;
         $("log-info").dataset.pid = d.pid ?? "";
       } else if (!r.ok) {
