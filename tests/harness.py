@@ -5,7 +5,6 @@ Shared by the pytest fixtures (conftest.py) and bench/faults.py. Every wait has 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -75,8 +74,19 @@ def run_hydra(env: dict[str, str], *args: str, timeout: float = 60.0
 
 
 def status_json(env: dict[str, str]) -> dict[str, Any]:
-    res = run_hydra(env, "status", "--json")
-    return dict(json.loads(res.stdout))
+    """What `hydra status --json` prints, read in process: a poll costs a socket round trip,
+    not an interpreter start that takes CPU from the llama-server the test waits for."""
+    from hydra_supervisor import control_client
+    from hydra_supervisor.state import StateDir
+
+    state = StateDir(Path(env["HYDRA_STATE_DIR"]))
+    try:
+        _, live = control_client.call(control_client.socket_path(state.root), "GET", "/status",
+                                      timeout=10)
+        return dict(live)
+    except (control_client.NotRunning, OSError):
+        return {"running": False, "supervisor": state.running_supervisor(),
+                "status": state.read_status_checked(), "abnormal_end": state.abnormal_end()}
 
 
 def descendants(pid: int) -> list[psutil.Process]:
