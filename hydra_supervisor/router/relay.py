@@ -659,10 +659,9 @@ class Router:
         """When a new connection can be taken: now while the silent queue has room or holds a
         connection silent past ``evict_after``; else when its oldest gets there (until then new
         connections wait in the kernel's backlog, which loses nothing)."""
-        if len(pending) < self._pending_cap:
+        if len(pending) < self._pending_cap or not pending.by_src:
             return now
-        oldest = pending.first()
-        return now if oldest is None else oldest.accepted + self._evict_after
+        return pending.oldest_of_largest().accepted + self._evict_after
 
     def _evict_silent(self, sel: selectors.BaseSelector, q: _Queues, victim: Conn,
                       why: str, counter: str) -> None:
@@ -687,10 +686,8 @@ class Router:
                 # Full of silent connections: evict the oldest of the address with the most of
                 # them (a flood evicts its own), but only one silent past `evict_after`: a
                 # client that connected a moment ago is about to speak.
-                victim: Conn | None = q.pending.oldest_of_largest()
-                if victim is not None and now - victim.accepted < self._evict_after:
-                    victim = q.pending.first()
-                if victim is None or now - victim.accepted < self._evict_after:
+                victim = q.pending.oldest_of_largest()
+                if now - victim.accepted < self._evict_after:
                     return True  # wait in the backlog: _room_at says when to look again
                 self._evict_silent(sel, q, victim, "evicted: silent while the queue was full",
                                    "silent_evicted")
