@@ -22,11 +22,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import click
 import requests
 
+from hydra_supervisor import benchplot
 from hydra_supervisor.clickutil import exits_2
 from hydra_supervisor.config import Mode, find_node_file, find_profile, load_node, load_profile
 from hydra_supervisor.errors import HydraError
@@ -278,8 +280,11 @@ def _print(report: Report) -> None:
 @click.option("--profiles-dir", default=None, help="extra directory of profiles")
 @click.option("--url", default=None,
               help="base URL to bench (default: the profile's external port)")
-@click.option("--concurrency", "-c", type=click.IntRange(1, 256), default=1, show_default=True,
-              help="requests in flight at once")
+@click.option("--concurrency", "-c", default="1", show_default=True, metavar="N[,N...]",
+              help="requests in flight at once (1..256); a list such as 1,4,16 runs a sweep")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="write a chart of tokens/s and TTFT against concurrency, router against "
+                   "direct: .html (self-contained) or .png (rendered by a headless chromium)")
 @click.option("--requests", "-n", "n_requests", type=click.IntRange(1, 100000), default=8,
               show_default=True, help="requests in all")
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 20), default=128, show_default=True,
@@ -298,8 +303,8 @@ def _print(report: Report) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @exits_2
 def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: str | None,
-          concurrency: int, n_requests: int, max_tokens: int, prompt_words: int,
-          ignore_eos: bool, expect_items: tuple[str, ...], no_expect: bool,
+          concurrency: str, plot: Path | None, n_requests: int, max_tokens: int,
+          prompt_words: int, ignore_eos: bool, expect_items: tuple[str, ...], no_expect: bool,
           api_key: str | None, timeout: float, as_json: bool) -> None:
     """Benchmark a serving profile: streaming chat requests, llama-server's own prefill and
     decode speed, time to first token; fails when the profile's expect: is missed."""
@@ -308,6 +313,13 @@ def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: st
     if prof.mode is Mode.PEER:
         raise HydraError(f"profile {prof.name} is a peer (it lends a device over ggml-RPC and "
                          "serves no HTTP); bench the head's profile on its host instead")
+    levels = benchplot.parse_levels(concurrency)
+    if len(levels) > 1 or plot is not None:
+        _sweep(prof.name, prof.model or prof.name, url, levels, plot, n_requests=n_requests,
+               max_tokens=max_tokens, prompt_words=prompt_words, ignore_eos=ignore_eos,
+               api_key=api_key, timeout=timeout, as_json=as_json,
+               fallback=f"http://{client_host(prof.host)}:{prof.port}")
+        return
     target = (url or f"http://{client_host(prof.host)}:{prof.port}").rstrip("/")
     expect = {} if no_expect else {**prof.expect, **parse_expect(expect_items)}
     _check_serving(target, prof.name, timeout=min(timeout, 10.0))
@@ -315,9 +327,9 @@ def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: st
                             prompt_words=prompt_words, max_tokens=max_tokens,
                             ignore_eos=ignore_eos, timeout=timeout, api_key=api_key)
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="bench") as pool:
+    with ThreadPoolExecutor(max_workers=levels[0], thread_name_prefix="bench") as pool:
         samples = list(pool.map(run, range(n_requests)))
-    report = summarize(samples, url=target, profile=prof.name, concurrency=concurrency,
+    report = summarize(samples, url=target, profile=prof.name, concurrency=levels[0],
                        wall_s=time.monotonic() - t0)
     check_expect(report, expect)
     if as_json:
@@ -325,6 +337,57 @@ def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: st
     else:
         _print(report)
     sys.exit(0 if report.passed else 1)
+
+
+def _sweep(profile: str, model: str, url: str | None, levels: list[int], plot: Path | None, *,
+           n_requests: int, max_tokens: int, prompt_words: int, ignore_eos: bool,
+           api_key: str | None, timeout: float, as_json: bool, fallback: str) -> None:
+    """Each concurrency level through the router and straight to the head (when hydra serves
+    the profile here); a level runs max(--requests, level) requests. Report only: a sweep
+    checks no expect: (its thresholds are single-stream goals). Exit 1 when a request failed."""
+    router, direct = benchplot.live_urls(profile)
+    if router:
+        model = profile  # several profiles on a port are routed by the profile's name
+    legs = [("router", (url or router or fallback).rstrip("/"))]
+    if direct:
+        legs.append(("direct", direct))
+    elif not as_json:
+        click.echo(f"no direct leg: hydra here does not serve {profile} (hydra up -p {profile})",
+                   err=True)
+    for _, target in legs:
+        _check_serving(target, profile, timeout=min(timeout, 10.0))
+    points, reports = [], []
+    for level in levels:
+        for leg, target in legs:
+            run = functools.partial(run_one, target, model=model, prompt_words=prompt_words,
+                                    max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                    timeout=timeout, api_key=api_key)
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(max_workers=level, thread_name_prefix="bench") as pool:
+                samples = list(pool.map(run, range(max(n_requests, level))))
+            rep = summarize(samples, url=target, profile=profile, concurrency=level,
+                            wall_s=time.monotonic() - t0)
+            rep.passed = rep.failed == 0 and rep.ok > 0
+            reports.append(rep)
+            points.append(benchplot.point(rep, leg))
+            if not as_json:
+                click.echo(f"{leg:7} c={level:<4} {rep.ok}/{rep.requests} ok  "
+                           f"{rep.throughput_tps:8.1f} tokens/s  TTFT p50 "
+                           f"{_fmt(rep.ttft_ms['p50'], ' ms')}  decode p50 "
+                           f"{_fmt(rep.decode_tps['p50'], ' t/s')}")
+                for line in rep.errors:
+                    click.echo(f"  {line}", err=True)
+    if plot is not None:
+        benchplot.write(plot, points, f"hydra bench {profile}: router vs direct")
+        if not as_json:
+            click.echo(f"wrote {plot}")
+    passed = all(r.passed for r in reports)
+    if as_json:
+        click.echo(json.dumps({"profile": profile, "points": points, "passed": passed,
+                               "reports": [asdict(r) for r in reports]}, indent=2))
+    else:
+        click.echo("PASS" if passed else "FAIL")
+    sys.exit(0 if passed else 1)
 
 
 def _check_serving(url: str, profile: str, timeout: float) -> None:

@@ -78,7 +78,7 @@ function fmtDur(s) {
 }
 
 function fmtTime(t) {
-  return new Date(t * 1000).toLocaleTimeString();
+  return new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 }
 
 const GOOD = new Set(["READY", "running", "serving", "ok", "alive"]);
@@ -180,11 +180,16 @@ class RateChart {
       cursor: { drag: { x: false, y: false } },
       scales: {
         // always the last WINDOW_S seconds: the axis reads as clock times from the start
-        x: { time: true, range: () => { const t = this.xs.length ? this.xs[this.xs.length - 1] : Date.now() / 1000; return [t - WINDOW_S, t]; } },
+        // from the first sample (at least a minute) to now, at most WINDOW_S
+        x: { time: true, range: () => {
+          const t = this.xs.length ? this.xs[this.xs.length - 1] : Date.now() / 1000;
+          const first = this.xs.length ? this.xs[0] : t;
+          return [Math.min(t - 60, Math.max(first, t - WINDOW_S)), t];
+        } },
         y: { range: (u, lo, hi) => [0, Math.max(1, (hi || 0) * 1.15)] },
       },
       axes: [{ stroke: "#6b7280", grid: { stroke: "#eef1f4" }, space: 60,
-          values: (u, v) => v.map((x) => new Date(x * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" })) },
+          values: (u, v) => v.map((x) => new Date(x * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false })) },
         { stroke: "#6b7280", grid: { stroke: "#eef1f4" }, size: 46,
           values: (u, v) => v.map((x) => (x >= 10 ? x.toFixed(0) : x.toFixed(1))) }],
       series: [{}, ...this.names.map((n, i) => ({
@@ -392,8 +397,10 @@ function memBlock(title, total, used, hydra, plan, note, procs, val, what) {
     el("div", { class: "note", text: note + (per ? ` — ${per}` : "") }));
 }
 
+const SIGNALS = { 1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM" };
 function lastExit(x) {
   if (x === null || x === undefined) return "–";
+  if (typeof x === "number") return x < 0 ? `killed by ${SIGNALS[-x] || `signal ${-x}`}` : `exit code ${x}`;
   if (typeof x !== "object") return String(x);
   const parts = [];
   if (x.code !== undefined && x.code !== null) parts.push(`code ${x.code}`);
