@@ -23,6 +23,8 @@ import pytest
 
 from tests.harness import REPO, make_env, run_hydra, status_json, wait_until
 
+pytestmark = pytest.mark.slow  # real hydra up with llama-server processes
+
 # llama-server's reply "model" is the profile that served it (hydra passes --alias NAME), so
 # each reply names the llama-server process it came from.
 
