@@ -198,3 +198,84 @@ def test_hydra_restart_does_not_sit_through_the_backoff(hydra_up, hydra_env):
     assert res.returncode == 0, res.stderr
     assert time.monotonic() - t0 < 60
     assert _chat(_port(hydra_env)).status_code == 200
+
+
+def test_a_reload_whose_drain_runs_out_resends_requests_without_a_response_byte(
+        hydra_up, hydra_env, tmp_path):
+    """One slot busy with a long stream past the 30 s drain; four requests queued behind it in
+    llama-server (no response byte yet). The reload cuts the stream (partly answered: an SSE
+    error event ends it) and sends the four again to the restarted head: 200, not 503."""
+    import threading
+
+    prof = _profile(tmp_path)
+    prof.write_text(prof.read_text().replace("  parallel: 2\n", "  parallel: 1\n"))
+    up = hydra_up("--profile", str(prof), "--port", "0")
+    up.wait_ready()
+    port = _port(hydra_env)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    stream_text: list[str] = []
+
+    def long_stream() -> None:
+        body = {"messages": [{"role": "user", "content": "Tell a long story"}],
+                "max_tokens": 20000, "ignore_eos": True, "stream": True}
+        with requests.post(url, json=body, stream=True, timeout=300) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                stream_text.append(line or "")
+
+    codes: list[int] = []
+
+    def queued() -> None:
+        codes.append(_chat(port).status_code)
+
+    s = threading.Thread(target=long_stream)
+    s.start()
+    wait_until(lambda: len(stream_text) > 2, 60, "the long stream under way")
+    qs = [threading.Thread(target=queued) for _ in range(4)]
+    for t in qs:
+        t.start()
+    time.sleep(1.0)
+    assert codes == []  # queued behind the busy slot
+    prof.write_text(prof.read_text().replace("  threads: 1\n", "  threads: 2\n"))
+    res = run_hydra(hydra_env, "reload", "--json", timeout=300)
+    rep = json.loads(res.stdout)
+    for t in qs:
+        t.join(120)
+    s.join(60)
+    assert rep["result"] == "ok", rep
+    assert rep["cut"] == 1, rep
+    assert any("4 without a response byte sent again" in n for n in rep["notes"]), rep["notes"]
+    assert codes == [200] * 4, codes
+    assert any("error" in line for line in stream_text[-3:]), stream_text[-3:]
+    print(f"\ndrain ran out: phases {rep['phases']}; notes {rep['notes']}")
+
+
+def test_a_bad_reload_among_several_profiles_rolls_back_fast(hydra_up, hydra_env, tmp_path):
+    for name in ("one", "two"):
+        text = (REPO / "profiles" / "demo.yaml").read_text().replace("profile: demo\n",
+                                                                      f"profile: {name}\n")
+        (tmp_path / f"{name}.yaml").write_text(text)
+    up = hydra_up("-p", "one", "-p", "two", "--profiles-dir", str(tmp_path), "--port", "0")
+    up.wait_ready()
+    port = int(status_json(hydra_env)["daemon"]["fleets"][0]["port"])
+
+    def ask(model: str) -> int:
+        return requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                             json={"model": model, "max_tokens": 2,
+                                   "messages": [{"role": "user", "content": "Hi"}]}
+                             ).status_code
+
+    assert ask("one") == 200 and ask("two") == 200
+    _bad_edit(tmp_path / "two.yaml")
+    t0 = time.monotonic()
+    res = run_hydra(hydra_env, "reload", "--json", timeout=120)
+    took = time.monotonic() - t0
+    rep = json.loads(res.stdout)
+    assert res.returncode == 1 and rep["result"] == "rolled_back", rep
+    assert "failed, rolled back" in rep["reloaded"]["two"] and BAD_LINE in rep["error"], rep
+    assert took < FAST_S, f"{took:.1f}s"
+    print(f"\nbad reload of one profile of two: rolled back in {took:.2f}s")
+    models = {m["id"]: m for m in requests.get(f"http://127.0.0.1:{port}/v1/models",
+                                               timeout=30).json()["data"]}
+    assert models["two"]["state"] == "running" and models["one"]["state"] == "running"
+    assert ask("two") == 200 and ask("one") == 200
+    assert up.proc.poll() is None
