@@ -289,6 +289,14 @@ async def _present_fleets(d: daemon.Daemon) -> None:
                   f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
                   "\"content\":\"Hello\"}]}'", markup=False)
         out.print(f"  curl {f.url}/v1/models", markup=False)
+    _present_dashboard(d)
+
+
+def _present_dashboard(d: daemon.Daemon) -> None:
+    """The dashboard's address, when --metrics-port serves it (docs/dashboard.md)."""
+    if d.metrics is not None and d.dashboard is not None:
+        out.print(f"  dashboard: http://127.0.0.1:{d.metrics.port}/ (this host only)",
+                  markup=False)
 
 
 async def _run_daemon(state: StateDir, opts: daemon.Options, dep: Any) -> int:
@@ -346,6 +354,7 @@ async def _present(d: daemon.Daemon) -> None:
               "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'", markup=False)
     out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "
               "another terminal)", markup=False)
+    _present_dashboard(d)
 
 
 def _load_bar(pid: int | None, model_bytes: int, width: int = 20) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import REPO, free_port, status_json, wait_until
+from tests.harness import REPO, free_port, run_hydra, status_json, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -197,6 +197,21 @@ def test_dashboard_in_a_real_browser(hydra_up, hydra_env, tmp_path):
             assert not errors, sorted(set(errors))  # no script error, CSP violation, 4xx
         finally:
             browser.close()
+
+    # hydra bench draws: a sweep through the router and straight to the head, as a .png
+    # (the chart page rendered by the same headless Chromium).
+    plot = tmp_path / "bench.png"
+    res = run_hydra(hydra_env, "bench", "-p", "demo-moe-combine", "--profiles-dir",
+                    str(tmp_path / "profiles"), "--concurrency", "1,2", "--requests", "2",
+                    "--max-tokens", "8", "--prompt-words", "10", "--plot", str(plot), "--json",
+                    timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads(res.stdout)
+    assert {(p["leg"], p["concurrency"]) for p in rep["points"]} == {
+        ("router", 1), ("direct", 1), ("router", 2), ("direct", 2)}
+    assert all(p["ok"] == p["requests"] and p["throughput_tps"] > 0 for p in rep["points"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    timings["bench"] = time.monotonic() - t0
     print("timings (s since start):", {k: round(v, 1) for k, v in timings.items()})
 
 
