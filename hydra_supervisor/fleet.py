@@ -550,7 +550,8 @@ class Fleet:
         """A running profile whose layout went FATAL is failed (its route already answers
         503 with the reason; the next request after the cooldown loads it again)."""
         sup = m.engine.sup
-        if m.phase is not Phase.RUNNING or sup is None or not sup.fatal:
+        if m.phase is not Phase.RUNNING or sup is None or not sup.fatal \
+                or m.engine.lock.locked():  # a change that failed fast: its rollback runs
             return False
         m.phase = Phase.FAILED
         m.error = sup.fatal

@@ -396,3 +396,39 @@ def test_a_cut_without_requeue_still_answers_503() -> None:
     finally:
         r.stop()
         old.close()
+
+
+def test_a_failed_change_of_a_running_profile_is_not_marked_failed_while_it_rolls_back(
+        tmp_path: Path) -> None:
+    """A profile's new layout fails fast (its supervisor ends FATAL at once); the fleet must not
+    take that for the running profile going FATAL: the engine rolls back and it serves on."""
+    from tests.test_fleet_policy import FleetFake
+
+    class Breaks(FleetFake):
+        async def run(self) -> None:
+            if "--bad" in self.plan.head.args:
+                self.head.to(State.FATAL, "exited during start-up (exit 1)")
+                self.fatal = f"head: exited during start-up (exit 1): {BAD_ARG}"
+                return
+            await super().run()
+
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)))
+    f.make_supervisor = Breaks
+    for m in f.members.values():
+        m.engine.make_supervisor = Breaks  # type: ignore[assignment]
+
+    async def body() -> None:
+        a = f.members["a"]
+        assert a.phase is Phase.RUNNING
+        bad = fdep("a", 30200, gpu0=4)
+        assert bad.plan.router is not None
+        bad = replace(bad, plan=replace(bad.plan, engines=tuple(  # plandiff: ALL (a switch)
+            replace(e, args=(*e.args, "--bad")) for e in bad.plan.engines),
+            router=replace(bad.plan.router, rpc=("127.0.0.1", 50999))))
+        rep = await f.apply_to("a", bad)
+        assert rep.result == "rolled_back" and BAD_ARG in (rep.error or ""), rep
+        await asyncio.sleep(fleet_mod.TICK * 2)  # a tick would have marked it failed
+        assert a.phase is Phase.RUNNING and a.error is None
+        assert a.engine.state_word() == "serving"
+
+    run(f, body)
