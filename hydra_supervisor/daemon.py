@@ -130,7 +130,7 @@ class Daemon:
         # (it reads the files when it starts: the last edit wins).
         self._reload_last: asyncio.Task[dict[str, Any]] | None = None
         self._reload_next: asyncio.Task[dict[str, Any]] | None = None
-        self.last_change_error: str | None = None  # the STATUS= line says it until a success
+        self.last_change_error: str | None = None  # a reload refused before it ran (STATUS=)
         self.engine.listeners.append(self._changed)
 
     # -- status ---------------------------------------------------------------------------------
@@ -198,9 +198,20 @@ class Daemon:
     def _status_line(self, snap: dict[str, Any]) -> str:
         """systemd's STATUS=: the snapshot, and the last change that failed (until one works)."""
         text = notify.status_text(snap)
-        if self.last_change_error:
-            text = f"{text}; last change failed: {self.last_change_error}"
+        why = self.last_change_error or self._change_failed()
+        if why:
+            text = f"{text}; last change failed: {why}"
         return text
+
+    def _change_failed(self) -> str | None:
+        """The error of an engine's last change (switch, reload, CONFIGURE, restart) when it
+        failed; a later change that works clears it."""
+        engines = [self.engine, *(m.engine for f in self.fleets for m in f.members.values())]
+        for eng in engines:
+            rep = eng.switches[-1] if eng.switches else None
+            if rep is not None and rep.result in ("rolled_back", "failed"):
+                return f"{rep.to}: {rep.error}"
+        return None
 
     def _on_request(self, rec: dict[str, Any]) -> None:
         """The router's per-request record (a router thread): counted in the metrics."""
@@ -371,10 +382,7 @@ class Daemon:
             self.last_change_error = f"reload: {exc}"
             self._changed()
             raise
-        failed = res.get("result") not in ("ok", "noop")
-        self.last_change_error = (f"reload: {res.get('error')}" if failed
-                                  else None if res.get("result") == "ok"
-                                  else self.last_change_error)
+        self.last_change_error = None  # planned: a failed start is in the engine's report
         self._changed()
         return res
 

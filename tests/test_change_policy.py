@@ -231,18 +231,31 @@ def test_reloads_during_a_reload_are_coalesced_and_the_last_edit_wins(tmp_path: 
     asyncio.run(asyncio.wait_for(body(), 20))
 
 
-def test_a_failed_reload_is_said_on_the_status_line_until_one_works(tmp_path: Path) -> None:
+def test_a_failed_change_is_said_on_the_status_line_until_one_works(tmp_path: Path) -> None:
+    from hydra_supervisor.engine import SwitchReport
+
     async def body() -> None:
         d = Daemon(StateDir(tmp_path / "state"), Options(profile=None), None)
-        res: dict[str, Any] = {"result": "rolled_back", "error": f"head: {BAD_ARG}"}
+        outcome: list[Any] = []
 
         async def once() -> dict[str, Any]:
-            return dict(res)
+            what = outcome.pop(0)
+            if isinstance(what, Exception):
+                raise what
+            d.engine.switches.append(what)  # what the engine records for a change
+            return what.to_json()
 
         d._reload_once = once  # type: ignore[method-assign]
+        outcome.append(SwitchReport(to="p", frm="p", result="rolled_back",
+                                    error=f"head: exited (exit 1): {BAD_ARG}"))
         await d.reload()
-        assert BAD_ARG in d._status_line(d.snapshot())
-        res.update(result="ok", error=None)
+        assert f"last change failed: p: head: exited (exit 1): {BAD_ARG}" in \
+            d._status_line(d.snapshot())
+        outcome.append(HydraError("p.yaml:3: unknown key 'thraeds'"))
+        with pytest.raises(HydraError):
+            await d.reload()
+        assert "last change failed: reload: p.yaml:3" in d._status_line(d.snapshot())
+        outcome.append(SwitchReport(to="p", frm="p", result="ok"))
         await d.reload()
         assert "failed" not in d._status_line(d.snapshot())
 
