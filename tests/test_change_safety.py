@@ -279,3 +279,21 @@ def test_a_bad_reload_among_several_profiles_rolls_back_fast(hydra_up, hydra_env
     assert models["two"]["state"] == "running" and models["one"]["state"] == "running"
     assert ask("two") == 200 and ask("one") == 200
     assert up.proc.poll() is None
+
+
+def test_a_switch_to_a_router_false_profile_is_refused_before_the_old_layout_stops(
+        hydra_up, hydra_env, tmp_path):
+    direct = tmp_path / "direct.yaml"
+    direct.write_text((REPO / "profiles" / "demo.yaml").read_text()
+                      .replace("profile: demo\n", "profile: direct\n") + "router: false\n")
+    up = hydra_up("--profile", "demo", "--port", "0")
+    up.wait_ready()
+    pid = _head(hydra_env)["pid"]
+    t0 = time.monotonic()
+    res = run_hydra(hydra_env, "switch", str(direct), timeout=60)
+    assert res.returncode == 2, res
+    assert "router: false" in res.stderr and "cannot be switched to" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 10
+    assert _head(hydra_env)["pid"] == pid  # nothing stopped
+    assert _chat(_port(hydra_env)).status_code == 200
+    assert not status_json(hydra_env)["daemon"]["engines"][0]["switches"]
