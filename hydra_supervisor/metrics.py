@@ -573,6 +573,13 @@ class _SilentHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a scrape every 15 s would fill hydra's log
 
+    def get_environ(self) -> dict[str, Any]:
+        env = super().get_environ()
+        # both ends of the connection: the dashboard asks the kernel which user is the peer
+        env["hydra.peer"] = self.client_address
+        env["hydra.local"] = self.connection.getsockname()
+        return env
+
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True

@@ -16,10 +16,17 @@ import pytest
 
 from hydra_supervisor import benchplot
 from hydra_supervisor.dashboard import Dashboard, Publisher
+from hydra_supervisor.dashboard import app as dash_app
 from hydra_supervisor.dashboard.feed import read_log
 from hydra_supervisor.errors import HydraError
 
 PORT = "9123"
+
+
+@pytest.fixture(autouse=True)
+def _peer_is_me(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's answer for who owns the client's socket: this test's user."""
+    monkeypatch.setattr(dash_app, "peer_uid", lambda peer, local: os.getuid())
 
 
 def _dash() -> Dashboard:
@@ -29,7 +36,9 @@ def _dash() -> Dashboard:
 def _environ(method: str = "POST", path: str = "/api/reload", **headers: str) -> dict[str, Any]:
     env: dict[str, Any] = {"REQUEST_METHOD": method, "PATH_INFO": path, "SERVER_PORT": PORT,
                            "HTTP_HOST": f"127.0.0.1:{PORT}", "wsgi.input": io.BytesIO(b"{}"),
-                           "CONTENT_LENGTH": "2", "CONTENT_TYPE": "application/json"}
+                           "CONTENT_LENGTH": "2", "CONTENT_TYPE": "application/json",
+                           "hydra.peer": ("127.0.0.1", 40000),
+                           "hydra.local": ("127.0.0.1", int(PORT))}
     for k, v in headers.items():
         key = k.upper()
         env[key if key in ("CONTENT_TYPE",) else f"HTTP_{key}"] = v
@@ -133,6 +142,12 @@ def test_the_publisher_takes_a_fresh_snapshot_on_the_loop_and_serves_it():
         pub.bind(loop)
         snap, age = pub.get(max_age=0)
         assert snap == {"n": 1} and age < 1 and on_loop == [True]
+
+        async def on_the_loop() -> Any:  # asked on the loop's own thread: taken there
+            return pub.get(max_age=0)
+
+        snap, _ = asyncio.run_coroutine_threadsafe(on_the_loop(), loop).result(5)
+        assert snap == {"n": 2} and on_loop == [True, True]
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
@@ -179,3 +194,17 @@ def test_bench_plot_levels_and_a_self_contained_page(tmp_path: Path):
     png = tmp_path / "b.png"
     benchplot.write(png, points, "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_another_local_user_is_refused_and_named_users_pass(monkeypatch: pytest.MonkeyPatch):
+    other = os.getuid() + 4242
+    monkeypatch.setattr(dash_app, "peer_uid", lambda peer, local: other)
+    d = _dash()
+    status, _, body = _call(d, _environ("GET", "/"))
+    assert status.startswith("403") and f"uid {other}".encode() in body
+    assert d.token.encode() not in body
+    monkeypatch.setattr(dash_app, "peer_uid", lambda peer, local: None)  # cannot be told
+    assert _call(d, _environ("GET", "/api/state"))[0].startswith("403")
+    monkeypatch.setenv("HYDRA_DASHBOARD_USERS", f"root, {other}, no-such-user-here")
+    monkeypatch.setattr(dash_app, "peer_uid", lambda peer, local: other)
+    assert _call(_dash(), _environ("GET", "/"))[0].startswith("200")

@@ -10,7 +10,8 @@ Routes (all on the loopback metrics address; `/metrics` passes through untouched
   POST /api/reload                /
 
 Security (docs/dashboard.md): served on loopback only (MetricsServer refuses anything else);
-every route checks Host is this loopback address (DNS rebinding); every POST must come from
+every route checks Host is this loopback address (DNS rebinding) and that the connecting
+socket belongs to hydra's user (or root, or HYDRA_DASHBOARD_USERS); every POST must come from
 the page's own origin (Origin, or Referer without it), carry the per-start token in
 X-Hydra-Token, and be JSON (a cross-site form cannot send it without a CORS preflight, which is
 never answered). Responses forbid framing and carry a strict Content-Security-Policy.
@@ -24,6 +25,8 @@ import hmac
 import json
 import logging
 import mimetypes
+import os
+import pwd
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Iterable
@@ -39,6 +42,7 @@ from hydra_supervisor.dashboard.feed import (
     process_logs,
     read_log,
 )
+from hydra_supervisor.wire.trust import peer_uid
 
 log = logging.getLogger("hydra.dashboard")
 
@@ -55,6 +59,23 @@ SECURITY_HEADERS = [("Content-Security-Policy", CSP), ("X-Frame-Options", "DENY"
                     ("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "same-origin"),
                     ("Cache-Control", "no-store")]
 ACTION_TIMEOUT_S = 1800.0  # a switch loads a model: minutes on a big one
+
+
+def allowed_uids() -> frozenset[int]:
+    """hydra's own uid, root, and HYDRA_DASHBOARD_USERS (comma-separated names or uids)."""
+    uids = {os.getuid(), 0}
+    for item in os.environ.get("HYDRA_DASHBOARD_USERS", "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.isdigit():
+            uids.add(int(item))
+            continue
+        try:
+            uids.add(pwd.getpwnam(item).pw_uid)
+        except KeyError:
+            log.warning("HYDRA_DASHBOARD_USERS: no user %r; ignored", item)
+    return frozenset(uids)
 
 
 def _static_root() -> Path:
@@ -78,6 +99,7 @@ class Dashboard:
         self.port: int | None = None  # the metrics server's, once it listens
         self.actions: list[dict[str, Any]] = []  # the last actions and their results
         self.refused = 0  # requests refused by the checks below (the page shows the count)
+        self.uids = allowed_uids()
 
     def bind(self, loop: asyncio.AbstractEventLoop,
              routes: dict[tuple[str, str], Handler]) -> None:
@@ -101,6 +123,21 @@ class Dashboard:
         return app
 
     # -- checks ---------------------------------------------------------------------------------
+
+    def check_user(self, environ: dict[str, Any]) -> str | None:
+        """Why this connection's user may not use the dashboard (None: it may). Loopback is
+        every user of the host: the kernel says who owns the client's socket (/proc/net/tcp,
+        as the wire protocol checks it), and only hydra's user, root and HYDRA_DASHBOARD_USERS
+        pass."""
+        peer, local = environ.get("hydra.peer"), environ.get("hydra.local")
+        if peer is None or local is None:
+            return "cannot tell which user connected"
+        uid = peer_uid(peer, local)
+        if uid is None:
+            return "cannot tell which user connected (not a socket of this host?)"
+        if uid not in self.uids:
+            return f"uid {uid} is not hydra's user (HYDRA_DASHBOARD_USERS adds users)"
+        return None
 
     def _origin(self, environ: dict[str, Any]) -> str | None:
         """http://HOST:PORT when the Host header names this loopback listener, else None
@@ -145,6 +182,11 @@ class Dashboard:
             log.warning("dashboard: refused %s %s: Host %r is not this loopback address",
                         method, path, environ.get("HTTP_HOST"))
             return self._json(start, 403, {"error": "Host is not this loopback address"})
+        who = self.check_user(environ)
+        if who is not None:
+            self.refused += 1
+            log.warning("dashboard: refused %s %s: %s", method, path, who)
+            return self._json(start, 403, {"error": f"the dashboard is hydra's user's: {who}"})
         if method == "POST" and path in ACTIONS:
             return self._action(environ, start, path)
         if method not in ("GET", "HEAD"):
@@ -199,9 +241,9 @@ class Dashboard:
     def _log(self, start: StartResponse, name: str, cursor: str | None) -> Iterable[bytes]:
         snap, _ = self.publisher.get(max_age=2.0)
         logs = process_logs(snap or {})
-        if name not in logs:
-            return self._json(start, 404, {"error": f"no process {name!r} in the status",
-                                           "known": sorted(logs)})
+        if name not in logs:  # stopped with its profile (or never was): nothing to follow
+            return self._json(start, 200, {"name": name, "gone": True, "known": sorted(logs),
+                                           "error": f"no process {name!r} runs now"})
         path, pid = logs[name]
         reply = read_log(path, cursor)
         reply.update(name=name, pid=pid, path=str(path))

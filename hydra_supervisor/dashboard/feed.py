@@ -69,6 +69,12 @@ class Publisher:
         if latest is not None and now - latest[0] <= max_age:
             return latest[1], now - latest[0]
         loop = self._loop
+        if loop is not None and _running_loop() is loop:
+            # asked on the loop's own thread (a start-up check): take it here; waiting for
+            # the loop from its own thread would only time out
+            snap = self._take()
+            self.put(snap)
+            return snap, 0.0
         if loop is not None and not loop.is_closed():
             with self._lock:  # one refresh at a time, shared by every waiting request
                 fut = self._pending
@@ -85,6 +91,13 @@ class Publisher:
         if latest is None:
             return None, float("inf")
         return latest[1], time.monotonic() - latest[0]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

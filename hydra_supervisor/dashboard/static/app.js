@@ -519,41 +519,20 @@ async function pollLog() {
   clearTimeout(logState.timer);
   const name = logState.name;
   if (name && !logNames.includes(name)) {
-    // its profile stopped: the log stays as it was, with a line that says so
-    if (!logState.gone) appendLog(`\n──── ${name} is not running (its profile stopped) ────\n`, "mark");
-    logState.gone = true;
-    $("log-info").textContent = `${name} is not running`;
-    $("log-info").dataset.pid = "";
+    markGone(name);
   } else if (name) {
     try {
       const q = new URLSearchParams({ name });
       if (logState.cursor) q.set("cursor", logState.cursor);
       const r = await fetch(`/api/log?${q}`, { cache: "no-store" });
       const d = await r.json();
-      if (name === logState.name && r.ok) {
-        // markers: the process went away, came back under a new pid, or its file was renewed
-        // (the file and the pid are read a moment apart: a new file may show up before its pid)
-        const was = logState.pid;
-        const newPid = d.pid && was && d.pid !== was;
-        if (d.restarted) {
-          appendLog(`\n──── ${name}: a new run${d.pid && d.pid !== was ? `, pid ${d.pid}` : ""} ────\n`, "mark");
-          logState.newFile = true;
-        } else if (newPid && !logState.newFile) {
-          appendLog(`\n──── ${name} restarted: now pid ${d.pid} ────\n`, "mark");
-        } else if (!d.pid && was && !logState.gone) {
-          appendLog(`\n──── ${name} is not running (was pid ${was}) ────\n`, "mark");
-          logState.gone = true;
-        }
-        if (d.pid && d.pid !== was) {
-          if (newPid && logState.newFile && !d.restarted) appendLog(`──── (that run is pid ${d.pid}) ────\n`, "mark");
-          logState.pid = d.pid; logState.gone = false; logState.newFile = false;
-        }
-        if (d.skipped) appendLog("\n[… skipped …]\n", "mark");
-        if (d.text) appendLog(d.text);
-        if (d.cursor) logState.cursor = d.cursor;
-        $("log-info").textContent = `${d.path}${d.pid ? ` · following pid ${d.pid}` : ""}`;
-        $("log-info").dataset.pid = d.pid ?? "";
-      } else if (!r.ok) {
+      if (name !== logState.name) {
+        // another process was chosen meanwhile
+      } else if (d.gone) {
+        markGone(name);
+      } else if (r.ok) {
+        showLog(name, d);
+      } else {
         $("log-info").textContent = d.error || `HTTP ${r.status}`;
       }
     } catch (e) {
@@ -561,6 +540,39 @@ async function pollLog() {
     }
   }
   logState.timer = setTimeout(pollLog, POLL_MS);
+}
+
+function markGone(name) {
+  // its profile stopped: the log stays as it was, with a line that says so
+  if (!logState.gone) appendLog(`\n──── ${name} is not running (its profile stopped) ────\n`, "mark");
+  logState.gone = true;
+  $("log-info").textContent = `${name} is not running`;
+  $("log-info").dataset.pid = "";
+}
+
+function showLog(name, d) {
+  // markers: the process went away, came back under a new pid, or its file was renewed
+  // (the file and the pid are read a moment apart: a new file may show up before its pid)
+  const was = logState.pid;
+  const newPid = d.pid && was && d.pid !== was;
+  if (d.restarted) {
+    appendLog(`\n──── ${name}: a new run${d.pid && d.pid !== was ? `, pid ${d.pid}` : ""} ────\n`, "mark");
+    logState.newFile = true;
+  } else if (newPid && !logState.newFile) {
+    appendLog(`\n──── ${name} restarted: now pid ${d.pid} ────\n`, "mark");
+  } else if (!d.pid && was && !logState.gone) {
+    appendLog(`\n──── ${name} is not running (was pid ${was}) ────\n`, "mark");
+    logState.gone = true;
+  }
+  if (d.pid && d.pid !== was) {
+    if (newPid && logState.newFile && !d.restarted) appendLog(`──── (that run is pid ${d.pid}) ────\n`, "mark");
+    logState.pid = d.pid; logState.gone = false; logState.newFile = false;
+  }
+  if (d.skipped) appendLog("\n[… skipped …]\n", "mark");
+  if (d.text) appendLog(d.text);
+  if (d.cursor) logState.cursor = d.cursor;
+  $("log-info").textContent = `${d.path}${d.pid ? ` · following pid ${d.pid}` : ""}`;
+  $("log-info").dataset.pid = d.pid ?? "";
 }
 
 poll();
