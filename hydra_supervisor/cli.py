@@ -893,10 +893,11 @@ def logs(engine: str, lines: int, follow: bool) -> None:
         names = sorted(p.stem for p in state.logs.glob("*.log"))
         raise HydraError(f"no log for engine '{engine}' in {state.logs}; "
                          f"engines with logs: {', '.join(names) or '(none)'}")
-    sys.stdout.writelines(line + "\n" for line in logfiles.tail(path, lines))
+    shown, mark = logfiles.tail_at(path, lines)
+    sys.stdout.writelines(line + "\n" for line in shown)
     sys.stdout.flush()
     if follow:
-        for line in logfiles.follow(path):
+        for line in logfiles.follow(path, start=mark):
             sys.stdout.write(line)
             sys.stdout.flush()
 

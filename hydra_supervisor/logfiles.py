@@ -142,14 +142,14 @@ class Rotator:
 # -- reading back --------------------------------------------------------------------------------
 
 
-def _last_lines(path: Path, n: int) -> list[str]:
-    """The last `n` lines of a file, read from its end."""
+def _last_lines(path: Path, n: int, upto: int | None = None) -> list[str]:
+    """The last `n` lines of a file (of its first `upto` bytes), read from the end."""
     if n <= 0:
         return []
     try:
         with path.open("rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            end = fh.tell()
+            end = fh.seek(0, os.SEEK_END) if upto is None else min(upto,
+                                                                   fh.seek(0, os.SEEK_END))
             block = b""
             pos = end
             while pos > 0 and block.count(b"\n") <= n:
@@ -165,10 +165,23 @@ def _last_lines(path: Path, n: int) -> list[str]:
 def tail(log: Path, n: int) -> list[str]:
     """The last `n` lines of a child's output: the live file, topped up from NAME.log.1 when a
     rotation has just emptied it."""
-    lines = _last_lines(log, n)
+    return tail_at(log, n)[0]
+
+
+Mark = tuple[int, int, int]  # (st_dev, st_ino, offset): where a reader of a file stopped
+
+
+def tail_at(log: Path, n: int) -> tuple[list[str], Mark | None]:
+    """`tail`, and where in the live file it stopped: `follow(start=...)` goes on from there,
+    so `hydra logs -f` neither loses nor repeats a line written in between."""
+    try:
+        st = os.stat(log)
+    except OSError:
+        st = None
+    lines = _last_lines(log, n, upto=st.st_size if st else None)
     if len(lines) < n:
         lines = _last_lines(rotated(log, 1), n - len(lines)) + lines
-    return lines
+    return lines, (st.st_dev, st.st_ino, st.st_size) if st else None
 
 
 def _ident(path: Path) -> tuple[int, int] | None:
@@ -179,9 +192,10 @@ def _ident(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def follow(log: Path, *, poll: float = 0.2, stop: Callable[[], bool] = lambda: False
-           ) -> Iterator[str]:
-    """Yield what is appended to `log` from now on, across rotations and restarts (tail -F).
+def follow(log: Path, *, poll: float = 0.2, stop: Callable[[], bool] = lambda: False,
+           start: Mark | None = None) -> Iterator[str]:
+    """Yield what is appended to `log` from now on (from `start`, where `tail_at` stopped, when
+    that is still the file under the name), across rotations and restarts (tail -F).
 
     - a restart moves the file to NAME.log.1 and starts a new one: the old file (still open
       here) is read to its end, then the new one from its start;
@@ -211,6 +225,8 @@ def follow(log: Path, *, poll: float = 0.2, stop: Callable[[], bool] = lambda: F
                     fh = log.open("rb")
                     ident = (os.fstat(fh.fileno()).st_dev, os.fstat(fh.fileno()).st_ino)
                     pos = fh.seek(0, os.SEEK_END) if first else 0
+                    if first and start is not None and start[:2] == ident:
+                        pos = min(start[2], pos)
                     fh.seek(pos)
                 first = False
                 if fh is None:

@@ -608,3 +608,28 @@ def test_the_tail_status_json_shows_spans_a_size_rotation(tmp_path):
     assert logfiles.tail(log, 5) == [f"n {i}" for i in range(7, 12)]
     assert logfiles.tail(log, 2) == ["n 10", "n 11"]
     assert logfiles.tail(tmp_path / "none.log", 3) == []
+
+
+def test_follow_goes_on_where_the_tail_stopped(tmp_path):
+    """`hydra logs -f`: a line written between the tail and the follow is neither lost nor
+    shown twice."""
+    log = tmp_path / "head.log"
+    fd = os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    _write(fd, 0, 3)
+    shown, mark = logfiles.tail_at(log, 2)
+    assert shown == ["n 1", "n 2"] and mark is not None
+    _write(fd, 3, 2)  # after the tail, before the follow opens the file
+    done = threading.Event()
+    got: list[str] = []
+
+    def reader() -> None:
+        got.extend(logfiles.follow(log, poll=0.02, stop=done.is_set, start=mark))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    _write(fd, 5, 1)
+    wait_until(lambda: len(got) >= 3, 5, "the followed lines")
+    done.set()
+    t.join(5)
+    os.close(fd)
+    assert got == ["n 3\n", "n 4\n", "n 5\n"]
