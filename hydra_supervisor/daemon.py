@@ -98,11 +98,15 @@ class Daemon:
         use_router = plan is None or plan.router is not None
         self.notifier = notify.Notifier.from_env()
         # The dashboard (dashboard/) beside /metrics: it reads the snapshot published below.
-        self.dashboard = (Dashboard(Publisher(self.snapshot),
+        # Threads (metrics scrapes, the page) read snapshots taken on the loop, never the
+        # loop's live objects: a scrape that walked an Engine while the loop appended a
+        # switch report failed with "deque mutated during iteration".
+        self.publisher = Publisher(self.snapshot)
+        self.dashboard = (Dashboard(self.publisher,
                                     profiles=lambda: list(known_profiles(opts.profiles_dir)))
                           if opts.metrics_port else None)
         self.metrics = (metrics.MetricsServer("127.0.0.1", opts.metrics_port,
-                                              snapshot=self.snapshot,
+                                              snapshot=self._published,
                                               wrap=self.dashboard.wrap if self.dashboard
                                               else None)
                         if opts.metrics_port else None)
@@ -187,10 +191,16 @@ class Daemon:
         raise HydraError(f"profile {profile} is not served by this hydra (it serves {served}); "
                          "the set of profiles is fixed at `hydra up -p A -p B ...`")
 
+    def _published(self) -> dict[str, Any]:
+        """A snapshot for another thread: taken on the loop (fresh within 0.5 s)."""
+        snap, _ = self.publisher.get(max_age=0.5)
+        if snap is None:
+            raise RuntimeError("no status snapshot yet (hydra is starting)")
+        return snap
+
     def _changed(self) -> None:
         snap = self.snapshot()  # one snapshot (processes, NVML) for both records
-        if self.dashboard is not None:
-            self.dashboard.publisher.put(snap)
+        self.publisher.put(snap)
         with contextlib.suppress(OSError):
             self.state.write_status(self.legacy_status(snap))
         self.notifier.status(self._status_line(snap))
@@ -541,6 +551,7 @@ class Daemon:
                                                          hydra=self.engine.hydra_upstream))
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
+        self.publisher.bind(loop)
         if self.dashboard is not None:
             self.dashboard.bind(loop, self.routes())  # actions: the control API's handlers
         if self.metrics is not None:
