@@ -7,6 +7,7 @@ const TOKEN = document.querySelector('meta[name="hydra-token"]').content;
 const POLL_MS = 1000;
 const WINDOW_S = 180;           // the charts' span (since the page opened)
 const LOG_MAX_CHARS = 200000;   // the log view keeps this much
+const RATE_S = 5;               // rates are averages over this many seconds
 
 const $ = (id) => document.getElementById(id);
 
@@ -159,10 +160,17 @@ class RateChart {
       this.build();
     }
     for (const n of this.names) {
-      const v = counters[n], p = this.prev[n];
+      // the rate over the last RATE_S seconds (one poll's difference is 0 or 1 request)
+      const v = counters[n];
       let rate = null;
-      if (v !== null && v !== undefined && p && t > p.t) rate = v >= p.v ? (v - p.v) / (t - p.t) : 0;
-      if (v !== null && v !== undefined) this.prev[n] = { t, v };
+      if (v === null || v === undefined) {
+        this.prev[n] = [];
+      } else {
+        const hist = (this.prev[n] || []).filter((h) => h.t >= t - RATE_S && h.v <= v);
+        if (hist.length && t > hist[0].t) rate = (v - hist[0].v) / (t - hist[0].t);
+        hist.push({ t, v });
+        this.prev[n] = hist;
+      }
       this.ys[n].push(rate);
     }
     this.xs.push(t);
