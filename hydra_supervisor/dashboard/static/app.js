@@ -308,7 +308,9 @@ function renderPorts(st, rows) {
     const head = el("div", { class: "port-head" },
       el("a", { href: p.url, text: `port ${p.port}` }),
       p.down ? badge("port down") : badge("alive"),
-      el("span", { class: "muted", text: p.down || `${p.url}  ·  ${p.rows.length} profile${p.rows.length === 1 ? "" : "s"}, routed by the request's "model"` }));
+      el("span", { class: "muted", text: p.down || (snap.fleets
+        ? `${p.url}  ·  ${p.rows.length} profile${p.rows.length === 1 ? "" : "s"}, routed by the request's "model"`
+        : `${p.url}  ·  one profile at a time (switch it below)`) }));
     const tbody = el("tbody");
     for (const r of p.rows) tbody.append(profileRow(st, r, p.def));
     const table = el("table", { class: "grid" },
@@ -376,11 +378,19 @@ function renderDevices(st, rows) {
     out.push(memBlock(`host memory${devs ? ` (CPU devices: ${devs})` : ""}`, h.total, h.used, rss,
       planned.host, `${h.cores || "?"} cores · used = MemTotal − MemAvailable, the whole machine`, cpuProcs, (p) => p.rss_bytes, "RSS"));
   }
-  for (const g of d.gpus || []) {
-    const gp = procs.filter((p) => p.gpu_bytes);
+  const gpus = d.gpus || [];
+  for (const g of gpus) {
+    // a process's GPU memory is NVML's per-process total (all its GPUs): attributed to this GPU
+    // by the process's device name (gpuN / cudaN), or to the only GPU there is
+    const gp = procs.filter((p) => p.gpu_bytes && (gpus.length === 1 || p.device === `gpu${g.index}` || p.device === `cuda${g.index}`));
     const mine = gp.reduce((a, p) => a + (p.gpu_bytes || 0), 0);
-    const plan = planned[`gpu${g.index}`] ?? planned[`cuda${g.index}`];
-    out.push(memBlock(`GPU ${g.index} · ${g.model}`, g.total, g.used, mine, plan, "NVML", gp, (p) => p.gpu_bytes, "GPU"));
+    const plan = planned[`cuda${g.index}`];
+    out.push(memBlock(`GPU ${g.index} · ${g.model}`, g.total, g.used, mine, plan, `${d.source || "NVML"}: used by every process on it`, gp, (p) => p.gpu_bytes, "GPU"));
+  }
+  for (const [k, v] of Object.entries(planned)) {
+    if (!k.startsWith("remote:")) continue;
+    out.push(el("div", { class: "dev" }, el("div", { class: "dev-name", text: `remote peer ${k.slice(7)}` }),
+      el("div", { class: "legend", text: `planned by hydra ${fmtBytes(v)} · its memory is not visible from this host` })));
   }
   if (!d.gpus || !d.gpus.length) {
     out.push(el("p", { class: "note", text: `No GPU here (inventory: ${d.source || "?"}): hydra's processes run on the CPU; their memory is host memory (RSS).` }));
