@@ -7,11 +7,15 @@ and requests after that served.
 cgroup v1's freezer leaves the peer in state D (what a wedged driver looks like; SIGKILL waits
 for the thaw, so hydra reports it unkillable and moves the new peer to another port); cgroup
 v2's stops it in S (SIGKILL works). Each is run where this machine lets the test use it (root,
-a writable hierarchy) and skipped with the reason otherwise."""
+a writable hierarchy) and skipped with the reason otherwise. A remote peer (`endpoint:`, a
+ggml-rpc-server hydra did not start, whose CPU it cannot see) frozen the same way is lost at
+stall_timeout too (its kernel still completes hydra's one TCP connect), and the head comes
+back once it answers HELLO again after the thaw."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +28,7 @@ import pytest
 import requests
 
 from tests.fault_scenarios import _engines, _serving
-from tests.harness import free_port, wait_until
+from tests.harness import free_port, free_port_range, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -187,3 +191,102 @@ def test_frozen_peer_with_requests_in_flight_restarts_the_pair(
         assert "survived SIGKILL" in log
         assert new_peer["port"] != peer["port"]
     freezer.freeze(False)
+
+
+@pytest.fixture
+def any_freezer() -> Iterator[Freezer]:
+    why = []
+    for kind in ("v2", "v1"):
+        fz = _freezer(kind)
+        if not isinstance(fz, str):
+            break
+        why.append(fz)
+    else:
+        pytest.skip("; ".join(why))
+    try:
+        yield fz
+    finally:
+        fz.remove()
+
+
+def test_frozen_remote_peer_is_lost_and_the_head_returns_after_the_thaw(
+        any_freezer: Freezer, hydra_up, hydra_env, tmp_path: Path) -> None:
+    from hydra_supervisor import binaries
+    from hydra_supervisor.paths import repo_root
+
+    rpc_port = free_port_range(1)[0]
+    node = Path(hydra_env["HYDRA_NODE"])
+    node.write_text(node.read_text() + f"devices:\n  far: {{endpoint: '127.0.0.1:{rpc_port}'}}\n")
+    def start_remote() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([str(binaries.find("ggml-rpc-server").path), "-H", "127.0.0.1",
+                                 "-p", str(rpc_port), "-t", "1"], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def listening() -> bool:
+            return any(c.laddr and c.laddr.port == rpc_port and c.status == "LISTEN"
+                       and c.pid == proc.pid for c in psutil.net_connections("tcp"))
+        wait_until(listening, 30, "the remote peer to listen")
+        return proc
+
+    remote = start_remote()
+    try:
+        base = (repo_root() / "profiles" / "demo-combine.yaml").read_text()
+        prof = tmp_path / "remote-stall.yaml"
+        prof.write_text(base.replace("peers: [cpu-peer]", "peers: [far]") + POLICY)
+        port = free_port()
+        up = hydra_up("--profile", str(prof), "--port", str(port))
+        up.wait_ready(180)
+        head = next(e for e in _engines(hydra_env) if e["role"] == "head")
+        done: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            try:
+                with requests.post(f"http://127.0.0.1:{port}/completion", stream=True,
+                                   timeout=120, json={"prompt": "Once upon a time",
+                                                      "n_predict": 2000, "stream": True}) as r:
+                    for _ in r.iter_lines():
+                        started.set()
+                    done.append(str(r.status_code))
+            except requests.RequestException as exc:
+                done.append(type(exc).__name__)
+            started.set()
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert started.wait(60), "the stream did not start"
+        any_freezer.add(remote.pid)
+        any_freezer.freeze(True)
+        t0 = time.monotonic()
+
+        def lost() -> bool:
+            return any(e["state"] != "READY" for e in _engines(hydra_env))
+        wait_until(lost, BOUND + 10, "hydra to notice the frozen remote peer", interval=0.05)
+        took = time.monotonic() - t0
+        assert STALL - INTERVAL <= took <= BOUND, f"noticed after {took:.1f}s"
+        time.sleep(2.0)  # away a while: HELLO re-probes time out meanwhile, no crash loop
+        assert up.proc.poll() is None
+        any_freezer.freeze(False)
+        # Thawed, ggml-rpc-server answers the head it was serving — whose socket is gone — and
+        # dies of SIGPIPE: llama.cpp's own behaviour. Its host's service manager restarts it.
+        try:
+            fate = f"exited {remote.wait(5)} after the thaw; restarted"
+            remote = start_remote()
+        except subprocess.TimeoutExpired:
+            fate = "survived the thaw"
+
+        def back() -> bool:
+            es = _engines(hydra_env)
+            return all(e["state"] == "READY" for e in es) and \
+                next(e for e in es if e["role"] == "head")["pid"] != head["pid"]
+        wait_until(back, 120, "the head back once the remote peer answers HELLO")
+        t.join(60)
+        assert sum(_serving(port) for _ in range(3)) == 3
+        log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+        assert "without a byte" in log, log[-3000:]
+        print(f"\nremote peer frozen (cgroup {any_freezer.kind}): noticed after {took:.1f}s; "
+              f"it {fate}; head back after {time.monotonic() - t0:.1f}s; stream: {done}")
+    finally:
+        any_freezer.freeze(False)
+        remote.send_signal(signal.SIGKILL)
+        remote.wait(10)
