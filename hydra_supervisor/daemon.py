@@ -227,13 +227,17 @@ class Daemon:
         """The router's per-request record (a router thread): counted in the metrics."""
         if self.metrics is None:
             return
+        # Labelled by what served it, as the router saw it (its port, its route), never by
+        # a guess from the request's model.
+        port = int(rec.get("port") or 0)
         if self.fleets:
-            model = rec.get("model")
-            f = next((f for f in self.fleets if model in f.lookup), self.fleets[0])
-            self.metrics.observe_request(rec, f.name_for(model))
+            profile = rec.get("route") or ""  # "": answered by the router itself (404, …)
+            self.metrics.observe_request(
+                rec, f"port-{port}/{profile}" if profile else f"port-{port}", profile)
             return
         dep = self.engine.dep
-        self.metrics.observe_request(rec, dep.profile if dep else f"port {self.engine.port}")
+        self.metrics.observe_request(rec, f"port-{port or self.engine.port}",
+                                     dep.profile if dep else "")
 
     def _router_alive(self) -> bool:
         if self.fleets:

@@ -80,9 +80,10 @@ class SwitchReport:
     cut: int = 0
     total_s: float = 0.0
     restarted: list[str] = field(default_factory=list)
+    seq: int = 0  # 1, 2, … per engine, set when it is recorded (metrics count by it)
 
     def to_json(self) -> dict[str, Any]:
-        return {"to": self.to, "from": self.frm, "result": self.result,
+        return {"seq": self.seq, "to": self.to, "from": self.frm, "result": self.result,
                 "phases": {k: round(v, 3) for k, v in self.phases.items()},
                 "total_s": round(self.total_s, 3), "error": self.error,
                 "failed_phase": self.failed_phase, "log_tail": self.log_tail,
@@ -148,6 +149,7 @@ class Engine:
         self.lock = asyncio.Lock()
         self.switching: str | None = None
         self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
+        self._switch_count = 0  # every switch recorded so far (the deque keeps the last 20)
         self.listeners: list[Callable[[], None]] = []  # told on every change (status, notify)
         self.hydra_upstream: Addr | Handoff | None = None  # the wire server, when it runs
         self.unkillable: list[str] = []  # children that survived SIGKILL (D state), reported
@@ -593,6 +595,8 @@ class Engine:
         """A switch or head restart is over (whatever its result): record and announce it."""
         self.switching = None
         phase.done()
+        self._switch_count += 1
+        report.seq = self._switch_count
         self.switches.append(report)
         self._log_report(report)
         for fn in self.listeners:

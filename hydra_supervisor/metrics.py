@@ -377,17 +377,28 @@ class _SwitchTally:
                 tuple(sorted((s.get("phases") or {}).items())), s.get("error"))
 
     def update(self, switches: Sequence[Mapping[str, Any]]) -> None:
+        if switches and all(isinstance(s.get("seq"), int) for s in switches):
+            # Reports numbered by the engine: count those after the last one counted.
+            seen = self.last[0] if self.last is not None and len(self.last) == 1 else 0
+            for s in switches:
+                if s["seq"] > seen:
+                    self._count(s)
+            self.last = (max(s["seq"] for s in switches),)
+            return
         keys = [self._key(s) for s in switches]
         start = 0
         if self.last is not None and self.last in keys:
             start = len(keys) - keys[::-1].index(self.last)
         for s in switches[start:]:
-            self.results[str(s.get("result"))] += 1
-            for phase, secs in _phases(s).items():
-                self.phase_count[phase] += 1
-                self.phase_sum[phase] = self.phase_sum.get(phase, 0.0) + secs
+            self._count(s)
         if keys:
             self.last = keys[-1]
+
+    def _count(self, s: Mapping[str, Any]) -> None:
+        self.results[str(s.get("result"))] += 1
+        for phase, secs in _phases(s).items():
+            self.phase_count[phase] += 1
+            self.phase_sum[phase] = self.phase_sum.get(phase, 0.0) + secs
 
 
 def _phases(switch: Mapping[str, Any]) -> dict[str, float]:
@@ -539,26 +550,33 @@ class RequestMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "hydra_http_requests", "HTTP requests through the router, by status and outcome",
-            ["engine", "method", "endpoint", "status", "outcome", "model"], registry=registry)
+            ["engine", "profile", "method", "endpoint", "status", "outcome", "model"],
+            registry=registry)
         self.duration = Histogram(
             "hydra_http_request_duration_seconds",
             "HTTP request duration through the router, first byte in to last byte out",
-            ["engine", "endpoint", "outcome"], buckets=DURATION_BUCKETS, registry=registry)
+            ["engine", "profile", "endpoint", "outcome"], buckets=DURATION_BUCKETS,
+            registry=registry)
         self.bytes = Counter(
             "hydra_http_request_bytes", "HTTP bytes through the router (in: request body, "
             "out: response)", ["engine", "direction"], registry=registry)
 
-    def observe(self, record: Mapping[str, Any], engine: str | None = None) -> None:
+    def observe(self, record: Mapping[str, Any], engine: str | None = None,
+                profile: str | None = None) -> None:
+        """``engine``: the label every other series of that port uses (``port-N``, or
+        ``port-N/PROFILE`` with several profiles); ``profile``: the one that served it (the
+        router's route), or ''."""
         eng = str(engine if engine is not None else record.get("engine") or "")
+        prof = str(profile if profile is not None else record.get("route") or "")
         endpoint = endpoint_label(str(record.get("path") or ""))
         outcome = str(record.get("outcome") or "ok")
         status = record.get("status")
-        self.requests.labels(eng, str(record.get("method") or ""), endpoint,
+        self.requests.labels(eng, prof, str(record.get("method") or ""), endpoint,
                              str(status) if status is not None else "none", outcome,
                              str(record.get("model") or "")[:80]).inc()
         d = _num(record.get("duration_s"))
         if d is not None:
-            self.duration.labels(eng, endpoint, outcome).observe(d)
+            self.duration.labels(eng, prof, endpoint, outcome).observe(d)
         for direction in ("in", "out"):
             n = _num(record.get(f"bytes_{direction}"))
             if n:
@@ -626,9 +644,10 @@ class MetricsServer:
         self._thread: threading.Thread | None = None
 
     # -- records from the router
-    def observe_request(self, record: Mapping[str, Any], engine: str | None = None) -> None:
+    def observe_request(self, record: Mapping[str, Any], engine: str | None = None,
+                        profile: str | None = None) -> None:
         """The router's on_request callback (or wrap it: `request_observer(engine)`)."""
-        self.requests.observe(record, engine)
+        self.requests.observe(record, engine, profile)
 
     def request_observer(self, engine: str) -> Callable[[Mapping[str, Any]], None]:
         """A one-argument callback for `Router(on_request=...)` that labels with `engine`."""

@@ -258,9 +258,38 @@ def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
     with pytest.raises(openai.NotFoundError):
         _ask(_client(p2), "front", False)
     assert _ask(_client(p1), "front-moe", True) == "front-moe"
-    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=30) as r:
-        text = r.read().decode()
+    # A request without a model on the second port: counted there, under its own default.
+    req = urllib.request.Request(f"http://127.0.0.1:{p2}/v1/chat/completions",
+                                 data=b'{"messages":[{"role":"user","content":"hi"}],'
+                                      b'"max_tokens":2}',
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert json.load(r)["model"] == "side"
     from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> tuple[str, dict[tuple[str, str], float]]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        served: dict[tuple[str, str], float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if (s.name == "hydra_http_requests_total"
+                        and s.labels.get("endpoint") == "/v1/chat/completions"):
+                    key = (s.labels["engine"], s.labels["profile"])
+                    served[key] = served.get(key, 0.0) + s.value  # summed over model, status
+        return text, served
+
+    # (a request is counted just after its reply is written: wait for the count)
+    def counted() -> tuple[str, dict[tuple[str, str], float]] | None:
+        got = scrape()
+        return got if got[1].get((f"port-{p2}/side", "side")) == 2.0 else None
+
+    try:
+        text, served = wait_until(counted, 30, "the model-less request counted under side")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {scrape()[1]}") from None
+    assert served.get((f"port-{p1}/front-moe", "front-moe")) == 1.0, served
+    assert not any(p == "front" for _, p in served), served  # nothing guessed onto p1's default
 
     samples = {(s.name, s.labels.get("profile"), s.labels.get("state")): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -391,3 +391,26 @@ def test_real_llama_server_metrics_relabelled(tmp_path: Path) -> None:
         # and without the key, llama-server refuses: the scrape says so instead of failing
         with MetricsServer(snapshot=lambda: snap, scrape_timeout=30) as ms:
             assert value(scrape(ms.url), "hydra_head_scrape_up", **key) == 0
+
+
+def test_identical_switch_reports_counted_once_each_by_their_seq() -> None:
+    """Two switches with the same content (two identical rollbacks) are two switches; a
+    scrape between them and after them counts 2, not what a content match guesses (one switch
+    moved hydra_switches_total by 21 when reports were matched by their content)."""
+    same = {"to": "b", "from": "a", "result": "rolled_back", "phases": {"start": 0.5},
+            "total_s": 0.5, "error": "boom"}
+    reports: list[dict[str, Any]] = []
+    snap = {"engines": [{"name": "main", "port": 8080, "switches": reports}]}
+    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+        reports.append({**same, "seq": 1})
+        first = scrape(ms.url)
+        reports.append({**same, "seq": 2})
+        second = scrape(ms.url)
+        for seq in range(3, 43):  # 40 more, the list keeps the last 20
+            reports.append({**same, "seq": seq})
+            del reports[:-20]
+        third = scrape(ms.url)
+    assert value(first, "hydra_switches_total", engine="main", result="rolled_back") == 1
+    assert value(second, "hydra_switches_total", engine="main", result="rolled_back") == 2
+    # 40 after the last scrape, 20 of them still listed: the 20 others were never seen
+    assert value(third, "hydra_switches_total", engine="main", result="rolled_back") == 22

@@ -107,9 +107,13 @@ class Record:
     model: str | None = None
     outcome: str = "ok"
     reason: str = ""
+    route: str | None = None  # the route (profile) the router's table chose; None: no table
+    port: int = 0  # the external port it came in on
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {
+            "route": self.route,
+            "port": self.port,
             "method": self.method,
             "path": self.path,
             "status": self.status,
@@ -346,7 +350,7 @@ class HttpSession:
         else:
             self.keep = b"close" not in conn_tokens
         rec = Record(ev.method.decode("latin-1"), request_defaults.path_of(ev.target),
-                     time.monotonic())
+                     time.monotonic(), port=self.r.port)
         try:
             done = self._serve(ev, rec, lent_host)
         except _ClientGone as e:
@@ -438,6 +442,7 @@ class HttpSession:
 
     def _routed(self, fwd: _Outgoing, rec: Record, route: Route) -> bool:
         """A request the table sent to `route`: its limiter, then its gate, then upstream."""
+        rec.route = route.name
         route.started()
         lim = route.limiter
         try:
