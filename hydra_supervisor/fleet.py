@@ -24,6 +24,7 @@ and hands work to the loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -55,6 +56,8 @@ from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import Supervisor
 
 log = logging.getLogger("hydra")
+# How long a router thread waits for the loop to take a request's load (it is then held).
+_DEMAND_WAIT_S = 5.0
 
 FAIL_COOLDOWN = 10.0  # a profile whose load failed answers 503 this long before a retry
 FAIL_COOLDOWN_MAX = 300.0  # ... doubled after each failure in a row, up to this
@@ -325,16 +328,46 @@ class Fleet:
         return self.lookup.get(model, model)
 
     def _demand(self, m: Member) -> None:
-        """A request for a stopped or failed profile (a router thread): load it."""
+        """A request for a stopped or failed profile (a router thread): the loop decides and
+        acts (the fleet is the only writer of its routes' gates, on the loop's thread); this
+        thread waits for that, bounded, so that the request meets the gate as the loop left it
+        (held for the load, or still answering the failure during its cooldown)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # (tests route from the loop's own thread: it cannot wait for itself)
+            self._demand_now(m.name, later=True)
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._demand_on_loop(m.name), loop)
+        try:
+            fut.result(_DEMAND_WAIT_S)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            log.warning("profile %s: the loop did not take its load request within %gs",
+                        m.name, _DEMAND_WAIT_S)
+
+    async def _demand_on_loop(self, name: str) -> None:
+        self._demand_now(name)
+
+    def _demand_now(self, name: str, later: bool = False) -> None:
+        """(The loop's thread.) The gate is set at once; the load starts now or, ``later``,
+        on the loop's next turn."""
+        m = self.members.get(name)
+        if m is None:
+            return
         if m.phase is Phase.FAILED:
             if self.clock() - m.failed_at < m.cooldown:
                 return  # its route answers 503 with the failure until the cooldown is over
             # Before the request reaches the gate: it must wait for the load, not get the 503.
             m.route.gate.set_unavailable(None)
             m.route.gate.hold(f"loading profile {m.name} (on request, after a failure)")
-        loop = self.loop
-        if loop is not None:
-            loop.call_soon_threadsafe(self._want, m.name)
+        if later and self.loop is not None:
+            self.loop.call_soon(self._want, name)
+        else:
+            self._want(name)
 
     # -- loading and unloading -------------------------------------------------------------------
 
@@ -443,9 +476,9 @@ class Fleet:
         log.error("profile %s failed to load: %s", m.name, error)
         with contextlib.suppress(LayoutFailed, HydraError, OSError):
             await m.engine.stop_layout(f"load of {m.name} failed")
-        m.phase = Phase.FAILED
+        m.failed_at = self.clock()  # before the phase: whoever reads FAILED reads its time
         m.error = error
-        m.failed_at = self.clock()
+        m.phase = Phase.FAILED
         m.fails += 1
         m.route.gate.set_unavailable(f"profile {m.name} failed to load: {error}",
                                      retry_after=int(m.cooldown))
@@ -553,9 +586,9 @@ class Fleet:
         if m.phase is not Phase.RUNNING or sup is None or not sup.fatal \
                 or m.engine.lock.locked():  # a change that failed fast: its rollback runs
             return False
-        m.phase = Phase.FAILED
-        m.error = sup.fatal
         m.failed_at = self.clock()
+        m.error = sup.fatal
+        m.phase = Phase.FAILED
         self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
         log.error("profile %s failed: %s", m.name, sup.fatal)
         self.pool.room_changed.set()
