@@ -9,10 +9,11 @@ head up and /health 200 from hydra's own child), then wait for the first event a
 
   head exits            its peers are checked first (a dead, frozen or unreachable peer makes it
                         a peer loss); otherwise restart the head only
-  peer lost             exited, frozen (process stopped), or stalled (requests in flight get no
-                        byte while neither the head nor its local peers make CPU progress, D
-                        state included; a remote peer that no longer completes a TCP connect
-                        then) — noticed in every state of the head
+  peer lost             exited, frozen (process stopped; or in state D without CPU progress
+                        for stall_timeout while its head serves), or stalled (requests in flight
+                        get no byte while neither the head nor its local peers make CPU
+                        progress, D state included; a remote peer that no longer completes a
+                        TCP connect then) — noticed in every state of the head
                         (loading, backing off, serving): on_peer_loss restart: stop the head,
                         restart the peer(s), HELLO, head; degrade: SOLO head meanwhile, back to
                         COMBINE once SOLO served stable_after and the peers were stable as long;
@@ -298,6 +299,7 @@ class Supervisor:
         self._shutdown: asyncio.Task[None] | None = None
         self._spawned: set[int] = set()
         self._connect_probed: dict[str, int] = {}  # remote peer -> head pid it was probed under
+        self._in_d: dict[str, tuple[int, float, float]] = {}  # peer -> (pid, since, CPU) in D
         self.procs = [
             ManagedProcess(spec=spec, binary=deployment.binaries.get(spec.program, spec.program),
                            log_path=state.log_path(spec.name), policy=deployment.policy,
@@ -641,6 +643,24 @@ class Supervisor:
                 return f"frozen (process stopped, state {st.state or 'T'}, {now - since:.0f}s)"
         else:
             frozen_since.pop(peer.name, None)
+        return self._stuck_in_d(peer.name, peer.child.pid, st, now)
+
+    def _stuck_in_d(self, name: str, pid: int, st: process.ProcStat, now: float) -> str | None:
+        """A local peer in uninterruptible sleep (state D: a wedged driver) with no CPU progress
+        for stall_timeout while its head serves is frozen, requests in flight or not: an idle
+        ggml-rpc-server waits in S. Not while the head loads (a peer may read its tensor cache
+        from a slow disk then, in D most of the time)."""
+        if st.state not in _NO_PROGRESS or self.head is None or \
+                self.head.state is not State.READY:
+            self._in_d.pop(name, None)
+            return None
+        seen = self._in_d.get(name)
+        if seen is None or seen[0] != pid or st.cpu - seen[2] >= 0.01 * max(now - seen[1], 1e-3):
+            self._in_d[name] = (pid, now, st.cpu)
+            return None
+        h = self.timeouts.health
+        if now - seen[1] >= (h.stall_timeout or h.hang_timeout):
+            return f"frozen (state D, no CPU progress for {now - seen[1]:.0f}s)"
         return None
 
     async def _watch_peers(self, peers: list[ManagedProcess]) -> tuple[list[ManagedProcess], str]:
