@@ -691,7 +691,9 @@ class Supervisor:
         loss (PeerLost) rather than the head's failure."""
         frozen: dict[str, float] = {}
         lost = [(p, why) for p in self.peers if (why := self._peer_problem(p, frozen))]
-        if not lost:
+        if lost:  # peers killed together are one incident, also when the head saw it first
+            await self._gather_more_losses(lost, frozen)
+        else:
             # a peer killed together with the head may not be reaped yet: wait a little
             alive = [p.child.wait() for p in self.peers if p.spec.managed and p.alive and p.child]
             if alive:
