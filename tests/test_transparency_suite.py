@@ -26,6 +26,7 @@ def _suite_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("llama_suite", SCRIPT)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
