@@ -72,22 +72,12 @@ def error_body(status: int, message: str, kind: str = "unavailable_error") -> by
     return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
 
 
-def http_error_response(
-    status: int, reason: str, message: str, retry_after: int | None = None
-) -> bytes:
-    """A complete HTTP/1.1 error response whose body matches llama-server's error JSON."""
-    body = json.dumps(
-        {"error": {"code": status, "message": message, "type": "unavailable_error"}}
-    ).encode()
-    retry = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
-        "Content-Type: application/json; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        f"{retry}"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    return head + body
+def http_error_response(status: int, message: str, retry_after: int | None = None) -> bytes:
+    """A complete error response that closes the connection (the acceptor's and the byte
+    relay's replies), with llama-server's error JSON."""
+    extra = [(b"Retry-After", str(retry_after).encode())] if retry_after is not None else []
+    return _json_response(status, error_body(status, message),
+                          [*extra, (b"Connection", b"close")])
 
 
 def sse_error_event(message: str) -> bytes:

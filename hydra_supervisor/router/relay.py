@@ -97,6 +97,14 @@ PUMPS = ("splice", "copy")
 HTTP_MODES = ("aware", "raw")
 
 
+def _unwatch(sel: selectors.BaseSelector, conn: Conn) -> None:
+    """Stop selecting on ``conn`` (already gone from the selector, or closed: nothing to do)."""
+    try:
+        sel.unregister(conn.client)
+    except (KeyError, ValueError, OSError):
+        pass
+
+
 class _Queues:
     """What the acceptor holds between its runs: silent connections (``pending``), classified
     ones waiting for a relay slot (``waiting``), and refused ones lingering until the client's
@@ -637,10 +645,7 @@ class Router:
                     self.name, conn.id, fmt_addr(conn.peer), type(e).__name__, e,
                     exc_info=log.isEnabledFor(logging.DEBUG))
         q.forget(conn)
-        try:
-            sel.unregister(conn.client)
-        except (KeyError, ValueError, OSError):
-            pass
+        _unwatch(sel, conn)
         self._drop(conn, f"acceptor error: {type(e).__name__}: {e}", "conn_error")
 
     def _tick(self, now: float) -> None:
@@ -650,10 +655,7 @@ class Router:
 
     def _unpend(self, sel: selectors.BaseSelector, pending: Pending, conn: Conn) -> None:
         pending.remove(conn)
-        try:
-            sel.unregister(conn.client)
-        except (KeyError, ValueError, OSError):
-            pass
+        _unwatch(sel, conn)
 
     def _room_at(self, pending: Pending, now: float) -> float:
         """When a new connection can be taken: now while the silent queue has room or holds a
@@ -671,7 +673,7 @@ class Router:
         victim.note(why)
         self.count_refused(counter, why)
         self._linger(sel, q, victim, http_error_response(
-            503, "Service Unavailable", "hydra router: too many connections waiting, try again",
+            503, "hydra router: too many connections waiting, try again",
             DEFAULT_RETRY_AFTER))
 
     def _accept_batch(self, sel: selectors.BaseSelector, q: _Queues) -> bool:
@@ -722,7 +724,7 @@ class Router:
                 self.count_refused("silent_source_limit", conn.src)
                 conn.client.setblocking(False)
                 self._linger(sel, q, conn, http_error_response(
-                    503, "Service Unavailable",
+                    503,
                     "hydra router: too many connections waiting from your address, try again",
                     DEFAULT_RETRY_AFTER))
                 return
@@ -767,10 +769,7 @@ class Router:
 
     def _unlinger(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn) -> None:
         q.forget(conn)
-        try:
-            sel.unregister(conn.client)
-        except (KeyError, ValueError, OSError):
-            pass
+        _unwatch(sel, conn)
         self._drop(conn, conn.reason or "closed", None)
 
     def _read_prefix(self, sel: selectors.BaseSelector, conn: Conn, q: _Queues) -> None:
@@ -866,7 +865,7 @@ class Router:
         if conn.kind is Kind.HTTP:
             try:
                 conn.client.send(http_error_response(
-                    503, "Service Unavailable", "hydra router: out of threads, try again",
+                    503, "hydra router: out of threads, try again",
                     DEFAULT_RETRY_AFTER))
             except OSError:
                 pass
@@ -923,7 +922,7 @@ class Router:
         if conn.kind is Kind.HTTP:
             try:
                 conn.client.send(
-                    http_error_response(503, "Service Unavailable", "hydra router: too busy",
+                    http_error_response(503, "hydra router: too busy",
                                         DEFAULT_RETRY_AFTER)
                 )
             except OSError:
@@ -1200,7 +1199,7 @@ class Router:
         try:
             client.settimeout(_LINGER_DRAIN_S)
             client.sendall(
-                http_error_response(503, "Service Unavailable", f"hydra router: {reason}",
+                http_error_response(503, f"hydra router: {reason}",
                                     DEFAULT_RETRY_AFTER)
             )
             client.shutdown(socket.SHUT_WR)
