@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from tests.harness import Up, make_env
+from tests.wire_fakes import FakeSlots, StubControl
 
 
 @pytest.fixture
@@ -39,3 +40,17 @@ def hydra_up(hydra_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
         up.kill_everything()
         gone, alive = psutil.wait_procs(children, timeout=5)
         assert not alive, f"processes outlived hydra up: {alive}"
+
+
+@pytest.fixture
+def fake_slots(tmp_path: Path) -> Iterator[FakeSlots]:
+    """A stand-in llama-server's /slots (the wire server's STATE_* ops)."""
+    f = FakeSlots(tmp_path)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def control(tmp_path: Path, fake_slots: FakeSlots) -> StubControl:
+    """A stand-in engine for the wire server, its head at `fake_slots`."""
+    return StubControl(tmp_path, head=fake_slots.addr)

@@ -20,18 +20,6 @@ from tests.wire_fakes import FakeSlots, StubControl
 
 
 @pytest.fixture
-def fake_slots(tmp_path: Path) -> Iterator[FakeSlots]:
-    f = FakeSlots(tmp_path)
-    yield f
-    f.close()
-
-
-@pytest.fixture
-def control(tmp_path: Path, fake_slots: FakeSlots) -> StubControl:
-    return StubControl(tmp_path, head=fake_slots.addr)
-
-
-@pytest.fixture
 def server(control: StubControl) -> Iterator[WireServer]:
     s = WireServer(control=control, port=0)
     s.start()

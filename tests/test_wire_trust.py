@@ -27,7 +27,7 @@ from hydra_supervisor.wire import tiers, trust
 from hydra_supervisor.wire.server import WireServer
 from hydra_supervisor.wire.trust import Trust, peer_uid
 from tests import wire_client as wc
-from tests.wire_fakes import FakeSlots, StubControl
+from tests.wire_fakes import StubControl
 
 HOST = "127.0.0.1"
 OTHER_USER = "hydrat20"  # the second local user the root-only tests create
@@ -131,18 +131,6 @@ def test_token_file_is_private_and_kept(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------- refusals (any user, any machine)
-
-
-@pytest.fixture
-def fake_slots(tmp_path: Path) -> Iterator[FakeSlots]:
-    f = FakeSlots(tmp_path)
-    yield f
-    f.close()
-
-
-@pytest.fixture
-def control(tmp_path: Path, fake_slots: FakeSlots) -> StubControl:
-    return StubControl(tmp_path, head=fake_slots.addr)
 
 
 def _stack(control: StubControl, policy: Trust,
