@@ -362,37 +362,22 @@ class SnapshotCollector(Collector):
 
 class _SwitchTally:
     """Cumulative switch counts from a snapshot that keeps only the last N switch reports (the
-    Engine's deque): each scrape adds the reports after the last one it saw, so the counters
-    never go down. (More than N switches between two scrapes: the oldest are not counted.)"""
+    Engine's deque). The engine numbers its reports (``seq``: 1, 2, …), so each scrape adds
+    those numbered after the last one it counted and the counters never go down. (More than N
+    switches between two scrapes: the oldest are not counted.)"""
 
     def __init__(self) -> None:
-        self.last: tuple[Any, ...] | None = None
+        self.last_seq = 0
         self.results: Tally[str] = Tally()
         self.phase_count: Tally[str] = Tally()
         self.phase_sum: dict[str, float] = {}
 
-    @staticmethod
-    def _key(s: Mapping[str, Any]) -> tuple[Any, ...]:
-        return (s.get("to"), s.get("from"), s.get("result"), s.get("total_s"),
-                tuple(sorted((s.get("phases") or {}).items())), s.get("error"))
-
     def update(self, switches: Sequence[Mapping[str, Any]]) -> None:
-        if switches and all(isinstance(s.get("seq"), int) for s in switches):
-            # Reports numbered by the engine: count those after the last one counted.
-            seen = self.last[0] if self.last is not None and len(self.last) == 1 else 0
-            for s in switches:
-                if s["seq"] > seen:
-                    self._count(s)
-            self.last = (max(s["seq"] for s in switches),)
-            return
-        keys = [self._key(s) for s in switches]
-        start = 0
-        if self.last is not None and self.last in keys:
-            start = len(keys) - keys[::-1].index(self.last)
-        for s in switches[start:]:
-            self._count(s)
-        if keys:
-            self.last = keys[-1]
+        seqs = [s["seq"] for s in switches if isinstance(s.get("seq"), int)]
+        for s in switches:
+            if isinstance(s.get("seq"), int) and s["seq"] > self.last_seq:
+                self._count(s)
+        self.last_seq = max([self.last_seq, *seqs])
 
     def _count(self, s: Mapping[str, Any]) -> None:
         self.results[str(s.get("result"))] += 1

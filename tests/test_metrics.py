@@ -134,10 +134,11 @@ def make_snapshot(head_port: int) -> dict[str, Any]:
                 "fds": {"nofile": 65536, "budget": 60000, "relays": 4},
             },
             "switches": [
-                {"to": "demo", "result": "ok", "phases": {"hold": 0.25, "drain": 0.5,
+                {"seq": 1, "to": "demo", "result": "ok", "phases": {"hold": 0.25, "drain": 0.5,
                                                           "start": 3.0}, "total_s": 3.75,
                  "error": None},
-                {"to": "moe", "result": "rolled_back", "phases": {"hold": 0.25, "start": 9.0},
+                {"seq": 2, "to": "moe", "result": "rolled_back",
+                 "phases": {"hold": 0.25, "start": 9.0},
                  "total_s": 12.0, "error": "head exited 1"},
             ],
         }],
@@ -210,7 +211,8 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         after = copy.deepcopy(snap)
         eng = after["engines"][0]
         eng["processes"][0].update(restarts=3, last_exit=-6, state="STARTING")
-        eng["switches"].append({"to": "demo", "result": "ok", "phases": {"start": 2.0},
+        eng["switches"].append({"seq": 3, "to": "demo", "result": "ok",
+                                "phases": {"start": 2.0},
                                 "total_s": 2.5, "error": None})
         eng["state"] = "starting"
         live["snap"] = after
@@ -242,7 +244,8 @@ def test_older_flat_router_counters() -> None:
 def test_switch_counts_survive_a_bounded_report_list() -> None:
     """The Engine keeps the last 20 reports; the counters must not drop when old ones go."""
     def report(i: int) -> dict[str, Any]:
-        return {"to": f"p{i % 2}", "from": None, "result": "ok" if i % 3 else "rolled_back",
+        return {"seq": i + 1, "to": f"p{i % 2}", "from": None,
+                "result": "ok" if i % 3 else "rolled_back",
                 "phases": {"start": 1.0}, "total_s": 1.0 + i / 1000, "error": None}
 
     reports: list[dict[str, Any]] = []
