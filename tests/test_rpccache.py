@@ -1,0 +1,311 @@
+"""rpccache: FNV-1a 64, the cache dir, prefill; and against a real remote load, that prefill
+writes exactly the files ggml-rpc-server -c writes, and that a pre-filled first load is sent
+hashes only (bytes counted by a relay between llama-server and ggml-rpc-server)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hydra_supervisor import rpccache, synth
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.install import BuildOptions, bin_dir
+from tests.helpers_synth import llama_server_bin, log_tail, running_server
+
+MiB = 1024 * 1024
+# Big enough that every FFN matrix (12288 x 512 F16 = 12 MiB) and both embeddings (32000 x 512
+# F16 = 31 MiB) are over the 10 MiB threshold, small enough to load in seconds: 145 MB.
+BIG = dict(n_layers=2, n_embd=512, n_ff=12288, n_head=4, n_head_kv=2, ctx=512, seed=3)
+TINY = dict(n_layers=2, n_embd=64, n_ff=128, n_head=2, n_head_kv=1, ctx=256)
+PORT_DEADLINE_S = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hash memo and the compiled hash live under hydra's cache dir: one per test session.
+    own = tmp_path_factory.getbasetemp() / "hydra-rpccache"
+    monkeypatch.setattr(rpccache, "_own_dir", lambda: own)
+
+
+def _vocab_or_skip() -> None:
+    try:
+        synth.vocab_path("llama-spm")
+    except HydraError as err:
+        pytest.skip(f"pinned llama.cpp source not fetched: {err}")
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+
+def test_fnv1a64_vectors_and_chaining() -> None:
+    # Published FNV-1a 64 test vectors.
+    assert rpccache.fnv1a64(b"") == 0xCBF29CE484222325
+    assert rpccache.fnv1a64(b"a") == 0xAF63DC4C8601EC8C
+    assert rpccache.fnv1a64(b"foobar") == 0x85944171F73967E8
+    data = np.random.default_rng(1).integers(0, 256, 50_000, dtype=np.uint8)
+    whole = rpccache.fnv1a64(data)
+    assert whole == rpccache.fnv1a64_py(data.tobytes())
+    assert rpccache.fnv1a64(data[20_000:], rpccache.fnv1a64(data[:20_000])) == whole
+    assert rpccache.cache_file_name(0xAB) == "00000000000000ab"
+
+
+def test_default_cache_dir_follows_rpc_server() -> None:
+    assert rpccache.default_cache_dir({"LLAMA_CACHE": "/x", "XDG_CACHE_HOME": "/y",
+                                       "HOME": "/h"}) == Path("/x/rpc")
+    assert rpccache.default_cache_dir({"LLAMA_CACHE": "", "XDG_CACHE_HOME": "/y",
+                                       "HOME": "/h"}) == Path("/y/llama.cpp/rpc")
+    assert rpccache.default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/llama.cpp/rpc")
+
+
+def test_prefill_writes_hash_files_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _vocab_or_skip()
+    model = synth.write_dense(tmp_path / "tiny.gguf", **TINY)  # type: ignore[arg-type]
+    # Lower the threshold so the tiny model's matrices count (the embeddings are ~4 MiB).
+    monkeypatch.setattr(rpccache, "HASH_THRESHOLD", 10_000)
+    cdir = tmp_path / "cache"
+    seen: list[tuple[int, int]] = []
+    res = rpccache.prefill(model, cdir, progress=lambda d, t: seen.append((d, t)))
+    plan = rpccache.plan(model)
+    assert res.tensors == plan.tensors > 4
+    assert res.written == len(plan.unique()) and res.cached_already == 0
+    assert res.bytes_written == sum(e.size for e in plan.unique().values())
+    assert seen and seen[-1][0] == seen[-1][1]
+    raw = model.read_bytes()
+    for e in plan.entries:
+        assert e.size > 10_000
+        body = (cdir / e.file_name).read_bytes()
+        assert body == raw[e.offset:e.offset + e.size]
+        assert rpccache.fnv1a64(body) == e.hash
+    assert sorted(os.listdir(cdir)) == sorted(plan.unique())  # no temp file left behind
+
+    again = rpccache.prefill(model, cdir)
+    assert (again.written, again.cached_already, again.bytes_written) == (0, res.written, 0)
+
+    # A short file (a crash mid-write by the server, which writes in place) is replaced.
+    victim = cdir / plan.entries[0].file_name
+    victim.write_bytes(b"short")
+    st = rpccache.status(model, cdir)
+    assert st.missing == (victim.name,) and not st.complete
+    fixed = rpccache.prefill(model, cdir)
+    assert fixed.written == 1 and victim.stat().st_size == plan.entries[0].size
+    assert rpccache.status(model, cdir).complete
+
+
+def test_plan_memo_reads_no_tensor_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _vocab_or_skip()
+    model = synth.write_dense(tmp_path / "tiny.gguf", **TINY)  # type: ignore[arg-type]
+    monkeypatch.setattr(rpccache, "HASH_THRESHOLD", 10_000)
+    first = rpccache.plan(model)
+
+    def boom(*_a: object, **_k: object) -> int:
+        raise AssertionError("hashed again although the file did not change")
+
+    monkeypatch.setattr(rpccache, "_hash_extent", boom)
+    assert rpccache.plan(model) == first
+    os.utime(model, ns=(time.time_ns(), time.time_ns() + 10**9))  # a changed file is re-hashed
+    with pytest.raises(AssertionError, match="hashed again"):
+        rpccache.plan(model)
+
+
+def test_missing_model_is_a_hydra_error(tmp_path: Path) -> None:
+    with pytest.raises(HydraError, match="not found"):
+        rpccache.prefill(tmp_path / "nope.gguf", tmp_path / "c")
+
+
+# -- against the real binaries ------------------------------------------------------------------
+
+
+def _rpc_server_bin() -> Path | None:
+    p = bin_dir(BuildOptions()) / "ggml-rpc-server"
+    return p if p.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if llama_server_bin() is None or _rpc_server_bin() is None:
+        pytest.skip("llama-server / ggml-rpc-server not built (hydra install-llama)")
+    _vocab_or_skip()
+    return synth.write_dense(tmp_path_factory.mktemp("rpcc") / "big.gguf", **BIG)  # type: ignore[arg-type]
+
+
+class CountingRelay:
+    """A TCP relay that counts the bytes going each way (one connection at a time is enough:
+    llama-server opens one to each rpc-server)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.up = 0  # client -> server
+        self.down = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            server = socket.create_connection(self.target, timeout=10)
+            for s in (client, server):
+                s.settimeout(0.2)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for a, b, way in ((client, server, "up"), (server, client, "down")):
+                t = threading.Thread(target=self._pump, args=(a, b, way), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, a: socket.socket, b: socket.socket, way: str) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    data = a.recv(1 << 20)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                b.sendall(data)
+                with self.lock:
+                    setattr(self, way, getattr(self, way) + len(data))
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=5)
+        self.sock.close()
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + PORT_DEADLINE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"ggml-rpc-server exited with {proc.returncode}:\n"
+                                 f"{log_tail(log)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"ggml-rpc-server not listening after {PORT_DEADLINE_S}s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def rpc_server(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
+    """A ggml-rpc-server -c whose LLAMA_CACHE is a temp dir: (port, cache dir, log)."""
+    binary = _rpc_server_bin()
+    assert binary is not None
+    llama_cache = tmp_path / "llama-cache"
+    port = _free_port()
+    log = tmp_path / "rpc.log"
+    env = {**os.environ, "LLAMA_CACHE": str(llama_cache), "GGML_NO_BACKTRACE": "1"}
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-c", "-t", "1"],
+                                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env)
+    try:
+        _wait_port(port, proc, log)
+        # The server creates its cache dir at start: the one default_cache_dir names.
+        assert rpccache.default_cache_dir(env) == llama_cache / "rpc"
+        assert (llama_cache / "rpc").is_dir(), sorted(os.listdir(tmp_path))
+        yield port, llama_cache / "rpc", log
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _remote_load(model: Path, rpc_port: int, tmp_path: Path, tag: str) -> int:
+    """Load `model` in a CPU llama-server with every layer on the rpc device, through a
+    counting relay; answer one completion; return the bytes llama-server sent the peer."""
+    binary = llama_server_bin()
+    assert binary is not None
+    relay = CountingRelay(("127.0.0.1", rpc_port))
+    try:
+        with running_server(binary, model, tmp_path / f"head-{tag}.log",
+                            extra=("--rpc", f"127.0.0.1:{relay.port}", "-ngl", "99")) as srv:
+            out = srv.post("/completion", {"prompt": "Hello", "n_predict": 2})
+            assert "content" in out
+        return relay.up
+    finally:
+        relay.close()
+
+
+def _listing(d: Path) -> dict[str, tuple[int, int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in sorted(d.iterdir())}
+
+
+def test_prefill_matches_a_real_remote_load(big_model: Path, rpc_server: tuple[int, Path, Path],
+                                            tmp_path: Path) -> None:
+    port, server_cache, _log = rpc_server
+    assert server_cache.is_dir() and not any(server_cache.iterdir())
+    sent = _remote_load(big_model, port, tmp_path, "cold")
+
+    plan = rpccache.plan(big_model)
+    ours = tmp_path / "prefilled"
+    rpccache.prefill(big_model, ours)
+    theirs = {p.name: p for p in server_cache.iterdir()}
+    mine = {p.name: p for p in ours.iterdir()}
+    # The server cached every tensor the head put on it over 10 MiB; the token embedding stays
+    # on the head's CPU (llama.cpp keeps the input layer on the host), so only prefill has it.
+    by_name = {e.name: e.file_name for e in plan.entries}
+    assert set(mine) - set(theirs) == {by_name["token_embd.weight"]}
+    assert set(theirs) <= set(mine) and len(theirs) == len(plan.entries) - 1
+    for name, path in theirs.items():
+        assert path.read_bytes() == mine[name].read_bytes(), name
+    # A cold load sends every weight on the peer: at least all the cached tensors' bytes.
+    on_peer = sum(e.size for e in plan.entries if e.name != "token_embd.weight")
+    print(f"\ncold load: {sent:,} bytes to the peer; {len(theirs)} files written by the server, "
+          f"{on_peer:,} bytes; prefill wrote {len(mine)}: the same + token_embd.weight")
+    assert sent > on_peer
+
+
+def test_prefilled_first_load_sends_hashes_only(big_model: Path,
+                                                rpc_server: tuple[int, Path, Path],
+                                                tmp_path: Path) -> None:
+    port, server_cache, _log = rpc_server
+    res = rpccache.prefill(big_model, server_cache)
+    assert res.written == res.tensors == 8 and res.bytes_written > 100 * MiB
+    before = _listing(server_cache)
+    sent = _remote_load(big_model, port, tmp_path, "prefilled")
+    assert _listing(server_cache) == before  # nothing written: every lookup was a hit
+    plan = rpccache.plan(big_model)
+    small = sum(n for _name, _f, _o, n in rpccache.tensor_extents(big_model)
+                if n <= rpccache.HASH_THRESHOLD)
+    # What crosses is the tensors under the threshold plus graphs and activations (~100 KB
+    # here); every big tensor is a 56-byte hash request.
+    print(f"\npre-filled first load: {sent:,} bytes to the peer (tensors <= 10 MiB: {small:,}; "
+          f"model {big_model.stat().st_size:,}); prefill {res.bytes_written:,} bytes in "
+          f"{res.seconds:.2f} s")
+    assert sent < small + 4 * MiB, (sent, small, plan.bytes)
+    assert sent < plan.bytes / 20
