@@ -868,12 +868,15 @@ def install_llama(cuda: bool, cuda_archs: str, jobs: int | None) -> None:
 
 @main.command()
 @node_opt
+@click.option("--peers", is_flag=True,
+              help="check the node file's remote peers instead: reachability, RTT, build "
+                   "identity, free memory")
 @friendly
-def doctor(node_file: str | None) -> None:
+def doctor(node_file: str | None, peers: bool) -> None:
     """Check binaries, RPC support, models and devices; say how to fix what is missing."""
     from hydra_supervisor import doctor as doc
 
-    ok = doc.run(out, node_file)
+    ok = doc.run(out, node_file, peers=peers)
     sys.exit(0 if ok else 1)
 
 

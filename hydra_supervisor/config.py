@@ -136,6 +136,9 @@ class DeviceDecl:
     cpu: bool = False
     endpoint: str | None = None
     memory_mib: int | None = None  # override the inventory (remote peers must say it)
+    # A remote peer whose llama.cpp build differs from this host's is refused (buildid.py)
+    # unless this is set: for operators who know the two builds are compatible.
+    allow_build_mismatch: bool = False
 
 
 @dataclass(frozen=True)
@@ -405,6 +408,7 @@ DEVICE_SCHEMA: dict[str, Checker] = {
     "cpu": _type(bool, "true"),
     "endpoint": _type(str, "host:port"),
     "memory_mib": _type(int, "MiB"),
+    "allow_build_mismatch": _type(bool, "true or false"),
 }
 
 NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
@@ -502,6 +506,9 @@ def load_node(path: Path | None) -> Node:
             probs.append((p, "give exactly one of cuda, cpu, endpoint"))
         if "endpoint" in dev and ":" not in dev["endpoint"]:
             probs.append((p + ("endpoint",), f"expected host:port, got {dev['endpoint']!r}"))
+        if "allow_build_mismatch" in dev and "endpoint" not in dev:
+            probs.append((p + ("allow_build_mismatch",), "only for a remote peer (a device "
+                          "with endpoint:); local devices always run this host's build"))
         problems += probs
         if not probs:
             devices[name] = DeviceDecl(name=name, **dev)
@@ -599,6 +606,7 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
     _raise(src, problems)
     merged = _merge(node.defaults, checked)
     merged = _merge(merged, dict(overrides or {}))
+    _check_peer_trust(src, merged, data, overrides or {}, node)
     name = merged.pop("profile", path.stem)
     restart = merged.pop("restart", {})
     health = merged.pop("health", {})
@@ -609,6 +617,43 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
         health=HealthPolicy(**health),
         **merged,
     )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a bind address that only this host can reach (127.0.0.0/8, ::1, localhost);
+    "0.0.0.0", "::", "" (every interface) and other names are not."""
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_peer_trust(src: Sourced, merged: Mapping[str, Any], data: Mapping[str, Any],
+                      overrides: Mapping[str, Any], node: Node) -> None:
+    """A `mode: peer` profile lends a device over ggml-RPC, which has no authentication: bound
+    beyond loopback it must say who may use it (an explicit `rpc_allow`), never fall back to a
+    default (docs/multi-host.md "Trust")."""
+    if merged.get("mode") is not Mode.PEER:
+        return
+    host = str(merged.get("host", Profile.host))
+    if is_loopback_host(host) or "rpc_allow" in data or "rpc_allow" in overrides:
+        return
+    if "host" in overrides:
+        origin = "--host on the command line"
+    elif "host" in data:
+        origin = "its host: key"
+    else:
+        origin = f"the node file's defaults ({node.source})"
+    where = src.where(("host",) if "host" in data else ("mode",))
+    raise ConfigError(
+        f"{where}: mode: peer lends a device over ggml-RPC, which has no authentication, and "
+        f"this profile binds {host!r} ({origin}), beyond loopback, without an rpc_allow: "
+        f"add the networks of the head hosts that may use it to {src.file}, e.g. "
+        f"`rpc_allow: [127.0.0.0/8, 192.168.122.0/24]` (only those sources get ggml-RPC and "
+        f"Hydra frames through the router; see docs/multi-host.md), or bind 127.0.0.1 and "
+        f"reach it through a tunnel")
 
 
 def with_overrides(profile: Profile, **changes: Any) -> Profile:

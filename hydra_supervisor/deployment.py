@@ -71,7 +71,7 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     if keep is not None:
         ours |= {e.port for e in keep.engines if e.managed}
     layout.check_ports(lay.plan, ours)
-    layout.check_remote_peers(lay.plan)
+    layout.check_remote_peers(lay.plan, node=lay.node)
     prof = lay.profile
     plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir,
                                                            swa_full=prof.keep_slots)

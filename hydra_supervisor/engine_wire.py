@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import binaries, config, deployment, models
+from hydra_supervisor import binaries, buildid, config, deployment, models
 from hydra_supervisor.config import Mode, Profile
 from hydra_supervisor.engine import Engine, SwitchReport
 from hydra_supervisor.errors import HydraError
@@ -126,6 +126,8 @@ class EngineWire:
                                                    "restarts", "device", "port")}
                           for row in snap["processes"]],
             "build": self.build(),
+            # this host's build identity; on a mode: peer host the free memory it lends
+            **buildid.info_section(getattr(dep, "layout", None)),
             "capabilities": {"ops": ["STATE_GET", "STATE_PUT", "STATE_META", "CONFIGURE",
                                      "INFO", "PREFILL", "SET_EXPERT_MODE"],
                              "not_implemented": ["DECODE", "SWAP_QUANT", "PIPELINE_ATTACH"],

