@@ -37,11 +37,11 @@ if TYPE_CHECKING:
         control,
         daemon,
         deployment,
-        fleet_setup,
         guard,
         install,
         layout,
     )
+    from hydra_supervisor.serve import setup as serve_setup
 else:
     # Imported on first use: a client command (`hydra --version`, `hydra status`) must not pay
     # for the daemon's imports (prometheus, gguf/numpy, requests): ~0.7 s on a small machine.
@@ -52,10 +52,10 @@ else:
     control = lazy_module("hydra_supervisor.control")
     daemon = lazy_module("hydra_supervisor.daemon")
     deployment = lazy_module("hydra_supervisor.deployment")
-    fleet_setup = lazy_module("hydra_supervisor.fleet_setup")
     guard = lazy_module("hydra_supervisor.guard")
     install = lazy_module("hydra_supervisor.install")
     layout = lazy_module("hydra_supervisor.layout")
+    serve_setup = lazy_module("hydra_supervisor.serve.setup")
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.ports import client_host, host_port
 from hydra_supervisor.state import StateDir
@@ -171,7 +171,6 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     node = config.load_node(config.find_node_file(node_file))
     if not profiles and not idle:
         profiles = node.profiles
-    profile = profiles[0] if len(profiles) == 1 else None
     state = StateDir.default()
     tightened = state.secure(_file_policy(node))
     _setup_logging(state, verbose)
@@ -182,12 +181,8 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
             " ..." if len(tightened) > 5 else "")
     try:
         with state.lock():
-            if len(profiles) > 1:
-                code = _up_fleet(state, list(profiles), node_file, profiles_dir, port, host,
-                                 metrics_port)
-            else:
-                code = _up_locked(state, None if idle else (profile or "demo"), node_file,
-                                  profiles_dir, port, host, metrics_port)
+            code = _up_locked(state, [] if idle else list(profiles or ("demo",)), node_file,
+                              profiles_dir, port, host, metrics_port)
     except KeyboardInterrupt:
         logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
         err.print("interrupted before serving; nothing left running", markup=False)
@@ -227,69 +222,84 @@ def _guarded(state: StateDir, name: str, source: str, run: Callable[[], int]) ->
             keeper.wait(5)
 
 
-def _up_locked(state: StateDir, name: str | None, node_file: str | None,
+def _up_locked(state: StateDir, names: list[str], node_file: str | None,
                profiles_dir: str | None, port: int | None, host: str | None,
                metrics_port: int | None) -> int:
+    """One profile, none (`names` empty) or several: the ports and the node serve_setup
+    builds, run by one Daemon."""
     _preflight(state)
-    dep = None
-    if name is not None:
-        dep = deployment.prepare(name, node_file=node_file, profiles_dir=profiles_dir,
-                                 overrides=_overrides(port, host),
-                                 slot_dir=daemon.slot_dir(state))
-        if dep.plan.port == 0 and dep.plan.router is None:
-            raise HydraError(f"{dep.plan.source}: port 0 (any free port) needs hydra's router, "
-                             "and this profile has router: false",
-                             hint="give a port number: hydra up --port N")
-    opts = daemon.Options(profile=name, node_file=node_file, profiles_dir=profiles_dir,
-                          overrides=_overrides(port, host), host=host or "127.0.0.1",
-                          port=8080 if port is None else port, metrics_port=metrics_port)
-    return _guarded(state, name or "-", dep.plan.source if dep else "-",
-                    lambda: asyncio.run(_run_daemon(state, opts, dep)))
+    overrides = _overrides(port, host)
+    opts = daemon.Options(profile=names[0] if len(names) == 1 else None, node_file=node_file,
+                          profiles_dir=profiles_dir, overrides=overrides,
+                          host=host or "127.0.0.1", port=8080 if port is None else port,
+                          metrics_port=metrics_port, profiles=names if len(names) > 1 else [])
+    source = "-"
+    if len(names) > 1:
+        ports, node = serve_setup.build(state, names, node_file=node_file,
+                                        profiles_dir=profiles_dir, overrides=overrides,
+                                        slot_dir=daemon.slot_dir(state))
+    else:
+        dep = None
+        if names:
+            dep = deployment.prepare(names[0], node_file=node_file, profiles_dir=profiles_dir,
+                                     overrides=overrides, slot_dir=daemon.slot_dir(state))
+            if dep.plan.port == 0 and dep.plan.router is None:
+                raise HydraError(f"{dep.plan.source}: port 0 (any free port) needs hydra's "
+                                 "router, and this profile has router: false",
+                                 hint="give a port number: hydra up --port N")
+            source = dep.plan.source
+        ports, node = serve_setup.single(
+            state, dep, host=opts.host, port=opts.port,
+            profiles=lambda: list(config.known_profiles(profiles_dir)))
+    return _guarded(state, ",".join(names) or "-", source,
+                    lambda: asyncio.run(_run_daemon(state, opts, ports, node)))
 
 
-def _up_fleet(state: StateDir, names: list[str], node_file: str | None,
-              profiles_dir: str | None, port: int | None, host: str | None,
-              metrics_port: int | None) -> int:
-    """Several profiles: each port a Fleet routed by model (fleet.py, docs/routing.md)."""
-    _preflight(state)
-    fleets = fleet_setup.build(state, names, node_file=node_file, profiles_dir=profiles_dir,
-                               overrides=_overrides(port, host), slot_dir=daemon.slot_dir(state))
-    opts = daemon.Options(profile=None, node_file=node_file, profiles_dir=profiles_dir,
-                          overrides=_overrides(port, host), metrics_port=metrics_port,
-                          profiles=names)
-    return _guarded(state, ",".join(names), "-",
-                    lambda: asyncio.run(_run_fleets(state, opts, fleets)))
-
-
-async def _run_fleets(state: StateDir, opts: daemon.Options, fleets: Any) -> int:
-    d = daemon.Daemon(state, opts, None, fleets=fleets)
-    code = await d.run(on_start=_present_fleets)
+async def _run_daemon(state: StateDir, opts: daemon.Options, ports: Any, node: Any) -> int:
+    d = daemon.Daemon(state, opts, ports, node)
+    code = await d.run(on_start=_present)
     if d.unkillable:
         err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
         return exits.UNKILLABLE
+    if code == exits.FAILED:
+        err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
+        for row in d.snapshot()["engines"]:
+            for proc in row["processes"]:
+                if proc.get("log_tail"):
+                    err.print(f"last lines of {proc['log']}:", markup=False)
+                    for line in proc["log_tail"]:
+                        err.print(f"  {line}", markup=False)
     return code
 
 
-async def _present_fleets(d: daemon.Daemon) -> None:
-    """`hydra up` with several profiles: one line per port once the start-up loads are over."""
-    while not all(f.ready() for f in d.fleets):
-        await asyncio.sleep(0.2)
-    for f in d.fleets:
-        rows = [f"{m.name}{'*' if m.name == f.default else ''} ({f.state_of(m)})"
-                for m in f.members.values()]
-        out.print(f"ready: {f.url} serves {', '.join(rows)}; the request's model picks the "
-                  "profile (* = the default)", markup=False)
-        for m in f.members.values():
-            if m.error:
-                err.print(f"  {m.name} failed to load: {m.error} (`hydra logs "
-                          f"{m.name}.head`; the next request for it tries again)",
-                          markup=False)
-        m = next((m for m in f.members.values() if not m.error), f.members[f.default])
-        out.print(f"  curl {f.url}/v1/chat/completions -H 'Content-Type: application/json' "
-                  f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
-                  "\"content\":\"Hello\"}]}'", markup=False)
-        out.print(f"  curl {f.url}/v1/models", markup=False)
+async def _present(d: daemon.Daemon) -> None:
+    """What `hydra up` shows in its terminal: per port, progress while loading, then how to
+    use it."""
+    for p in d.ports:
+        if p.by_model:
+            await _present_by_model(p)
+        else:
+            await _present_one(p)
     _present_dashboard(d)
+
+
+async def _present_by_model(f: Any) -> None:
+    """A port serving several profiles: one line once the start-up loads are over."""
+    while not f.ready():
+        await asyncio.sleep(0.2)
+    rows = [f"{x.name}{'*' if x.name == f.default else ''} ({f.state_of(x)})"
+            for x in f.lanes.values()]
+    out.print(f"ready: {f.url} serves {', '.join(rows)}; the request's model picks the "
+              "profile (* = the default)", markup=False)
+    for x in f.lanes.values():
+        if x.error:
+            err.print(f"  {x.name} failed to load: {x.error} (`hydra logs "
+                      f"{x.name}.head`; the next request for it tries again)", markup=False)
+    m = next((x for x in f.lanes.values() if not x.error), f.lanes[f.default])
+    out.print(f"  curl {f.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
+              "\"content\":\"Hello\"}]}'", markup=False)
+    out.print(f"  curl {f.url}/v1/models", markup=False)
 
 
 def _present_dashboard(d: daemon.Daemon) -> None:
@@ -299,38 +309,21 @@ def _present_dashboard(d: daemon.Daemon) -> None:
                   markup=False)
 
 
-async def _run_daemon(state: StateDir, opts: daemon.Options, dep: Any) -> int:
-    d = daemon.Daemon(state, opts, dep)
-    code = await d.run(on_start=_present)
-    if d.unkillable:
-        err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
-        return exits.UNKILLABLE
-    if code == exits.FAILED:
-        err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
-        snap = d.engine.snapshot()
-        for row in snap["processes"]:
-            if row.get("log_tail"):
-                err.print(f"last lines of {row['log']}:", markup=False)
-                for line in row["log_tail"]:
-                    err.print(f"  {line}", markup=False)
-    return code
-
-
-async def _present(d: daemon.Daemon) -> None:
-    """What `hydra up` shows in its terminal: progress while loading, then how to use it."""
-    eng = d.engine
-    sup = eng.sup
-    if sup is None:
-        out.print(f"ready: hydra at {eng.url} with no profile loaded; load one with "
-                  f"`hydra switch NAME` (profiles: {', '.join(eng.profiles())})", markup=False)
+async def _present_one(p: Any) -> None:
+    """A port with one profile: progress while it loads, then how to use it."""
+    lane = p.only()
+    sup = lane.sup if lane is not None else None
+    if lane is None or sup is None:
+        out.print(f"ready: hydra at {p.url} with no profile loaded; load one with "
+                  f"`hydra switch NAME` (profiles: {', '.join(p.profiles())})", markup=False)
         return
     plan = sup.plan
-    lay = eng.dep.layout if eng.dep is not None else None
+    lay = lane.dep.layout
     model_bytes = lay.model.file_size if lay is not None and lay.model is not None else 0
     what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
     # A status string is always read as markup; a reason such as "RPC0[127.0.0.1:30052]" is not.
     with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as spin:
-        while eng.state_word() == "starting":
+        while lane.state_now().value == "loading":
             cur = next((p for p in sup.procs if p.state.value != "READY"), None)
             if cur is not None:
                 bar = _load_bar(cur.pid, model_bytes) if cur.spec.role.value == "head" else ""
@@ -338,23 +331,22 @@ async def _present(d: daemon.Daemon) -> None:
                                  f"{cur.reason or 'starting'} {bar}"
                                  f"({time.monotonic() - cur.since:.0f}s)"))
             await asyncio.sleep(0.2)
-    if eng.state_word() not in ("serving", "degraded"):
+    if lane.state_now().value not in ("serving", "degraded"):
         return
     if plan.router and not plan.router.http:
         r = plan.router
         out.print(f"ready: {plan.profile} serves {plan.engines[0].device} over ggml-RPC at "
-                  f"{host_port(r.host, eng.port)} (from {', '.join(r.allow)})")
+                  f"{host_port(r.host, p.port)} (from {', '.join(r.allow)})")
         out.print(f"  on the head's host: llama-server -m MODEL --rpc "
-                  f"{host_port(client_host(r.host), eng.port)} ...   "
-                  f"(or a node file device: {{endpoint: HOST:{eng.port}}})")
+                  f"{host_port(client_host(r.host), p.port)} ...   "
+                  f"(or a node file device: {{endpoint: HOST:{p.port}}})")
         return
-    url = eng.url
+    url = p.url
     out.print(f"ready: {plan.profile} serving {sup.model_label} at {url}", markup=False)
     out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
               "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'", markup=False)
     out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "
               "another terminal)", markup=False)
-    _present_dashboard(d)
 
 
 def _load_bar(pid: int | None, model_bytes: int, width: int = 20) -> str:

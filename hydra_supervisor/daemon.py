@@ -1,10 +1,11 @@
-"""The running hydra: one per state dir. Lock, signals, control socket, the Engine, exit codes.
+"""The running hydra: one per state dir. Lock, signals, control socket, its ports, exit codes.
 
 `hydra up` builds a Daemon and runs it; everything a running hydra does is reached through it:
 - the state-dir lock (a second hydra in the same state dir is refused and told who holds it);
 - signals, whose handlers only enqueue: TERM/INT stop (a second INT stops at once), HUP reloads;
 - the control API (control.py) on `STATE/control.sock`, served from memory;
-- the Engine that owns the external port, and status.json as the crash record.
+- the ports (serve/port.py: each external address with its lanes) and the node (serve/node.py:
+  the devices' room), and status.json as the crash record.
 
 Exit codes (docs/supervision.md): 0 stopped on request; 1 the running layout went FATAL (its
 reason is in status.json and hydra.log); 2 bad input before anything started.
@@ -18,17 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import control, control_client, deployment, exits, metrics, notify, portwatch
+from hydra_supervisor import (
+    control,
+    control_client,
+    deployment,
+    exits,
+    gpumem,
+    metrics,
+    notify,
+    portwatch,
+)
 from hydra_supervisor.config import (
     Profile,
     find_node_file,
@@ -39,10 +48,13 @@ from hydra_supervisor.config import (
 )
 from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.deployment import Deployment
-from hydra_supervisor.engine import Engine, EngineBusy, RestartFailed, SwitchTimeouts
 from hydra_supervisor.engine_wire import EngineWire
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.fleet import Fleet
+from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.node import Node
+from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.reports import Busy, RestartFailed, SwitchTimeouts
+from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
 
 log = logging.getLogger("hydra")
@@ -84,23 +96,19 @@ class Options:
 
 
 class Daemon:
-    def __init__(self, state: StateDir, opts: Options, initial: Deployment | None,
-                 fleets: list[Fleet] | None = None) -> None:
-        """`fleets`: a node serving several profiles (each port a Fleet routed by model);
-        otherwise the one Engine runs `initial` (or nothing: a model-less start)."""
+    def __init__(self, state: StateDir, opts: Options, ports: list[Port], node: Node) -> None:
+        """`ports`: every external address this hydra serves (setup.build makes them): one
+        port with one lane for one profile, with none for `--no-profile`, with a lane per
+        profile routed by model for several."""
         self.state = state
         self.opts = opts
-        self.initial = initial
-        self.fleets = fleets or []
-        plan = initial.plan if initial else None
-        host = plan.host if plan else opts.host
-        port = plan.port if plan else opts.port
-        use_router = plan is None or plan.router is not None
+        self.ports = ports
+        self.node = node
         self.notifier = notify.Notifier.from_env()
         # The dashboard (dashboard/) beside /metrics: it reads the snapshot published below.
         # Threads (metrics scrapes, the page) read snapshots taken on the loop, never the
-        # loop's live objects: a scrape that walked an Engine while the loop appended a
-        # switch report failed with "deque mutated during iteration".
+        # loop's live objects: a scrape that walked a lane while the loop appended a switch
+        # report failed with "deque mutated during iteration".
         self.publisher = Publisher(self.snapshot)
         self.dashboard = (Dashboard(self.publisher,
                                     profiles=lambda: list(known_profiles(opts.profiles_dir)))
@@ -110,16 +118,10 @@ class Daemon:
                                               wrap=self.dashboard.wrap if self.dashboard
                                               else None)
                         if opts.metrics_port else None)
-        router_kwargs = {"on_request": self._on_request} if self.metrics else {}
-        for f in self.fleets:
-            f.router_kwargs.update(router_kwargs)
-            f.listeners.append(self._changed)
-        self.engine = Engine(state, host, port, use_router=use_router and not self.fleets,
-                             allow=tuple(plan.router.allow) if plan and plan.router
-                             else ("127.0.0.0/8", "::1/128"),
-                             profiles=lambda: list(known_profiles(opts.profiles_dir)),
-                             switch_timeouts=opts.switch_timeouts,
-                             router_kwargs=router_kwargs)
+        for p in self.ports:
+            if self.metrics:
+                p.router_kwargs["on_request"] = self._on_request
+            p.listeners.append(self._changed)
         self.stop_event = asyncio.Event()
         self.stop_reason = "stop requested"
         self.ended: str | None = None  # why the run ended, once it has (the crash record)
@@ -127,38 +129,51 @@ class Daemon:
         self.ctl: control.ControlServer | None = None
         self.wire: EngineWire | None = None
         self._ints = 0
-        # The last switches between a port's profiles (fleet.activate's reports, newest last):
-        # the snapshot carries them for the dashboard (an Engine keeps its own).
+        # The last switches between the profiles of a port that routes by model (the node's
+        # activate reports, newest last): the snapshot carries them for the dashboard.
         self.switch_log: list[dict[str, Any]] = []
         # Reloads: one runs at a time; those asked for meanwhile share one run after it
         # (it reads the files when it starts: the last edit wins).
         self._reload_last: asyncio.Task[dict[str, Any]] | None = None
         self._reload_next: asyncio.Task[dict[str, Any]] | None = None
         self.last_change_error: str | None = None  # a reload refused before it ran (STATUS=)
-        self.engine.listeners.append(self._changed)
+
+    # -- what it serves ---------------------------------------------------------------------------
+
+    @property
+    def by_model(self) -> list[Port]:
+        """The ports that serve several profiles, routed by model."""
+        return [p for p in self.ports if p.by_model]
+
+    @property
+    def single(self) -> Port | None:
+        """The port of a hydra started with one profile (or none), else None."""
+        return self.ports[0] if self.ports and not self.ports[0].by_model else None
+
+    def lanes(self) -> list[Lane]:
+        return [lane for p in self.ports for lane in p.lanes.values()]
 
     # -- status ---------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        if self.fleets:
-            return {"pid": os.getpid(), "started": self.started,
-                    "state_dir": str(self.state.root),
-                    "engines": [row for f in self.fleets for row in f.snapshot()],
-                    "fleets": [{"port": f.port, "url": f.url, "default": f.default,
-                                "profiles": list(f.members), "alive": f.alive(),
-                                "down": f.down()} for f in self.fleets],
-                    "switches": list(self.switch_log)}
-        return {"pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
-                "engines": [self.engine.snapshot()]}
+        running = any(lane.sup is not None for lane in self.lanes())
+        gpu = gpumem.used_by_pid() if running else {}  # one NVML session for every lane
+        snap: dict[str, Any] = {
+            "pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
+            "engines": [row for p in self.ports for row in p.snapshot(gpu)]}
+        if self.by_model:
+            snap["fleets"] = [p.port_row() for p in self.by_model]
+            snap["switches"] = list(self.switch_log)
+        return snap
 
     @property
     def unkillable(self) -> list[str]:
-        return [*self.engine.unkillable, *(u for f in self.fleets for u in f.unkillable)]
+        return [u for p in self.ports for u in p.unkillable]
 
     def legacy_status(self, snap: dict[str, Any]) -> dict[str, Any]:
-        """The single-engine view (`status` in `hydra status --json`, and status.json), from
-        the snapshot just taken."""
-        if self.fleets:
+        """The one-row view (`status` in `hydra status --json`, and status.json), from the
+        snapshot just taken."""
+        if self.by_model:
             return self._fleet_status(snap)
         e = snap["engines"][0]
         return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
@@ -171,23 +186,23 @@ class Daemon:
     def _fleet_status(self, snap: dict[str, Any]) -> dict[str, Any]:
         """status.json of a node serving several profiles: every profile's processes."""
         rows = snap["engines"]
-        states = {r["profile"]: r["state"] for r in rows}
-        running = [n for n, st in states.items() if st == "running"]
+        words = {r["profile"]: r["state"] for r in rows}
+        serving = [n for n, st in words.items() if st in ("serving", "degraded", "recovering")]
         down = [d for f in snap["fleets"] if (d := f["down"])]
-        return {"pid": os.getpid(), "profile": ",".join(states), "source": "-",
+        return {"pid": os.getpid(), "profile": ",".join(words), "source": "-",
                 "mode": "profiles", "model": None,
-                "url": ", ".join(f.url for f in self.fleets),
-                "state": "port down" if down else "serving" if running else "idle",
+                "url": ", ".join(p.url for p in self.by_model),
+                "state": "port down" if down else "serving" if serving else "idle",
                 "down": "; ".join(down) or None, "fatal": None, "degraded": None,
-                "updated": time.time(), "stopped": self.ended, "profiles": states,
+                "updated": time.time(), "stopped": self.ended, "profiles": words,
                 "unkillable": list(self.unkillable),
                 "engines": [p for r in rows for p in r["processes"]]}
 
-    def _fleet_of(self, profile: str) -> Fleet:
-        for f in self.fleets:
-            if profile in f.members:
-                return f
-        served = ", ".join(n for f in self.fleets for n in f.members)
+    def _lane_named(self, profile: str) -> Lane:
+        for p in self.by_model:
+            if profile in p.lanes:
+                return p.lanes[profile]
+        served = ", ".join(lane.name for lane in self.lanes())
         raise HydraError(f"profile {profile} is not served by this hydra (it serves {served}); "
                          "the set of profiles is fixed at `hydra up -p A -p B ...`")
 
@@ -214,61 +229,54 @@ class Daemon:
         return text
 
     def _change_failed(self) -> str | None:
-        """The error of an engine's last change (switch, reload, CONFIGURE, restart) when it
+        """The error of a lane's last change (switch, reload, CONFIGURE, restart) when it
         failed; a later change that works clears it."""
-        engines = [self.engine, *(m.engine for f in self.fleets for m in f.members.values())]
-        for eng in engines:
-            rep = eng.switches[-1] if eng.switches else None
+        for lane in self.lanes():
+            rep = lane.switches[-1] if lane.switches else None
             if rep is not None and rep.result in ("rolled_back", "failed"):
                 return f"{rep.to}: {rep.error}"
         return None
 
     def _on_request(self, rec: dict[str, Any]) -> None:
-        """The router's per-request record (a router thread): counted in the metrics."""
+        """The router's per-request record (a router thread): counted in the metrics,
+        labelled by what served it as the router saw it (its port, its route)."""
         if self.metrics is None:
             return
-        # Labelled by what served it, as the router saw it (its port, its route), never by
-        # a guess from the request's model.
         port = int(rec.get("port") or 0)
-        if self.fleets:
-            profile = rec.get("route") or ""  # "": answered by the router itself (404, …)
-            self.metrics.observe_request(
-                rec, f"port-{port}/{profile}" if profile else f"port-{port}", profile)
-            return
-        dep = self.engine.dep
-        self.metrics.observe_request(rec, f"port-{port or self.engine.port}",
-                                     dep.profile if dep else "")
+        route = str(rec.get("route") or "")  # "": answered by the router itself (404, …)
+        if route == "none":
+            route = ""
+        by_model = any(p.port == port and p.by_model for p in self.ports)
+        label = f"port-{port}/{route}" if by_model and route else f"port-{port}"
+        self.metrics.observe_request(rec, label, route)
 
     def _router_alive(self) -> bool:
-        if self.fleets:
-            return all(f.alive() for f in self.fleets)
-        r = self.engine.router
-        return r is None or r.alive()
+        return all(p.alive() for p in self.ports)
 
     def _startup_budget(self) -> float:
         """Seconds the start-up loads may take: every initial layout's load timeout (they
         load one after another), plus a margin for the peers' HELLO and the health gate."""
-        if self.fleets:
-            deps = [f.members[n].dep for f in self.fleets for n in f.initial_names()
-                    if n in f.members]
-        else:
-            deps = [self.initial] if self.initial is not None else []
+        deps = [p.lanes[n].dep for p in self.ports
+                for n in (p.initial_names() if p.by_model else list(p.lanes))]
         return sum(d.timeouts.load for d in deps) + 30.0 if deps else 0.0
 
     def _ready(self) -> bool:
-        if self.fleets:
-            return all(f.ready() and f.alive() for f in self.fleets)
-        return self.engine.state_word() in ("serving", "idle", "degraded")
+        for p in self.ports:
+            if not (p.ready() and p.alive()):
+                return False
+            lane = p.only()
+            if lane is not None and lane.state_now() not in (LaneState.SERVING,
+                                                             LaneState.DEGRADED):
+                return False
+        return True
 
     def check_ports(self) -> bool:
         """One tick of the port watch (the loop's thread): a router that is not accepting
         connections is noticed, said (status.json, STATUS=) and restarted (portwatch.py).
         True when a port went down or came back."""
         changed = False
-        for f in self.fleets:
-            changed = f.check_port() or changed
-        if not self.fleets:
-            changed = self.engine.check_port() or changed
+        for p in self.ports:
+            changed = p.check_port() or changed
         if changed:
             self._changed()
         return changed
@@ -299,7 +307,7 @@ class Daemon:
     async def _guard(self, coro: Coroutine[Any, Any, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         try:
             return 200, await coro
-        except EngineBusy as exc:
+        except Busy as exc:
             return 409, {"error": str(exc)}
         except RestartFailed as exc:  # not bad input: it failed (exit 1), hydra serves on
             return 500, {"error": str(exc)}
@@ -313,18 +321,20 @@ class Daemon:
         return await self._guard(self.switch(name, body.get("profiles_dir")))
 
     async def _r_restart(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        name = str(body.get("engine", ""))
-        if self.fleets:
-            return await self._guard(self._restart_in_fleet(name))
-        return await self._guard(self.engine.restart(name))
+        return await self._guard(self.restart(str(body.get("engine", ""))))
 
-    async def _restart_in_fleet(self, name: str) -> dict[str, Any]:
-        for f in self.fleets:
-            for m in f.members.values():
-                if m.engine.sup is not None and any(p.name == name for p in m.engine.sup.procs):
-                    return await m.engine.restart(name)
-        running = [p.name for f in self.fleets for m in f.members.values()
-                   if m.engine.sup is not None for p in m.engine.sup.procs]
+    async def restart(self, name: str) -> dict[str, Any]:
+        """`hydra restart NAME`: the lane running that process restarts it."""
+        for lane in self.lanes():
+            if lane.sup is not None and any(p.name == name for p in lane.sup.procs):
+                return await lane.restart(name)
+        single = self.single
+        if single is not None and single.only() is not None:
+            return await single.lanes[next(iter(single.lanes))].restart(name)  # names them
+        if single is not None:
+            raise HydraError("no profile is running on this hydra: nothing to restart")
+        running = [p.name for lane in self.lanes() if lane.sup is not None
+                   for p in lane.sup.procs]
         raise HydraError(f"no running process '{name}'; running: {', '.join(running) or 'none'}")
 
     async def _r_reload(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -338,35 +348,57 @@ class Daemon:
 
     def _prepare(self, profile: str, profiles_dir: str | None,
                  name: str | None = None) -> Deployment:
-        """Validate and plan on the engine's own address; ports of the running layout kept.
-        `name`: the profile keeps this name whatever its file says now (a reload)."""
-        eng = self.engine
-        running = eng.dep.plan if eng.dep else None
+        """Validate and plan on the single port's own address; ports of the running layout
+        kept. `name`: the profile keeps this name whatever its file says now (a reload)."""
+        port = self.single
+        assert port is not None
+        lane = port.only()
+        running = lane.dep.plan if lane is not None and lane.sup is not None else None
         keep_name = {"profile": name} if name else {}
         return deployment.prepare(
             profile, node_file=self.opts.node_file,
             profiles_dir=profiles_dir or self.opts.profiles_dir,
-            overrides={"host": eng.host, "port": eng.port, **keep_name}, keep=running,
-            external=eng.port, slot_dir=slot_dir(self.state))
+            overrides={"host": port.host, "port": port.port, **keep_name}, keep=running,
+            external=port.port, slot_dir=slot_dir(self.state))
 
     async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
-        if self.fleets:
-            done = await self._fleet_of(profile).activate(profile)
-            if done.get("result") != "noop":
+        port = self.single
+        if port is None:
+            report = await self.node.activate(self._lane_named(profile))
+            done = report.to_json()
+            if report.result != "noop":
                 self.switch_log = [*self.switch_log[-19:], {**done, "at": time.time()}]
             return done
-        if self.engine.lock.locked():
-            raise EngineBusy(f"a switch is already running (to {self.engine.switching}); "
-                             "try again when it is done")
+        lane = port.only()
+        if lane is not None and lane.lock.locked():
+            raise Busy(f"a switch is already running (to {lane.switching}); "
+                       "try again when it is done")
         t0 = time.monotonic()
         # Planning reads files and probes ports: off the loop, so status stays live.
         dep = await asyncio.to_thread(self._prepare, profile, profiles_dir)
         plan_s = time.monotonic() - t0
-        report = await self.engine.switch(dep)  # refuses at once what the port cannot serve
+        self._check_servable(port, dep)
+        report = await port.switch_to(dep)
         report.phases = {"plan": plan_s, **report.phases}
         report.total_s += plan_s
         self.opts.profile = profile if report.result == "ok" else self.opts.profile
         return report.to_json()
+
+    @staticmethod
+    def _check_servable(port: Port, dep: Deployment) -> None:
+        """Refuse, before anything stops, a layout this port cannot run: a `router: false`
+        profile (its llama-server would bind the port the router holds), or a profile with a
+        router on a port whose llama-server binds it itself."""
+        if port.use_router and dep.plan.router is None:
+            raise HydraError(
+                f"profile {dep.profile} has `router: false` (llama-server binds the external "
+                f"port itself), but this hydra's router holds port {port.port}: it cannot be "
+                "switched to, reloaded into or served beside other profiles; remove "
+                f"`router: false`, or stop hydra and start it with `hydra up -p {dep.profile}`")
+        if not port.use_router and dep.plan.router is not None:
+            raise HydraError("this hydra was started with `router: false` (llama-server binds "
+                             "the external port itself); switching to a profile with a router "
+                             "needs a restart of hydra")
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the running profile and apply the difference as a switch (none: no-op).
@@ -396,21 +428,23 @@ class Daemon:
             self.last_change_error = f"reload: {exc}"
             self._changed()
             raise
-        self.last_change_error = None  # planned: a failed start is in the engine's report
+        self.last_change_error = None  # planned: a failed start is in the lane's report
         self._changed()
         return res
 
     async def _reload_once(self) -> dict[str, Any]:
-        if self.fleets:
-            return await self._reload_fleets()
-        eng = self.engine
-        if eng.dep is None:
+        port = self.single
+        if port is None:
+            return await self._reload_lanes()
+        lane = port.only()
+        if lane is None or lane.sup is None:
             return {"result": "noop", "reason": "no profile is loaded"}
-        ref = eng.dep.plan.source
-        name = eng.dep.profile
+        ref = lane.dep.plan.source
+        name = lane.name
         new = await asyncio.to_thread(self._prepare, ref, None, name)  # the name stays
-        skipped = await asyncio.to_thread(self._not_applied, ref, name, eng.host, eng.port)
-        report = await eng.apply(new)
+        skipped = await asyncio.to_thread(self._not_applied, ref, name, port.host, port.port)
+        self._check_servable(port, new)
+        report = await lane.apply(new)
         if skipped:
             log.warning("reload of %s: not applied: %s", name, "; ".join(skipped))
         if report.result == "noop":
@@ -422,7 +456,6 @@ class Daemon:
         out["not_applied"] = skipped
         out["notes"] = [*out.get("notes", []), *(f"not applied: {k}" for k in skipped)]
         return out
-
     def _not_applied(self, ref: str, name: str, host: str, port: int) -> list[str]:
         """Keys of the re-read profile a running hydra cannot apply: its name and its
         external address (host, port) stay as they are; each is named with what it says."""
@@ -446,24 +479,25 @@ class Daemon:
                        "to move it)")
         return out
 
-    async def _reload_fleets(self) -> dict[str, Any]:
-        """Re-read every profile; a running one whose plan changed restarts what changed
-        (plandiff), a stopped one uses the new plan at its next load."""
+    async def _reload_lanes(self) -> dict[str, Any]:
+        """Re-read every profile of the ports that route by model; a serving lane whose plan
+        changed restarts what changed (plandiff), a stopped one uses the new plan at its next
+        load."""
         done: dict[str, str] = {}
         errors: list[str] = []
         skipped: list[str] = []
-        for f in self.fleets:
-            for m in f.members.values():
-                skip = await asyncio.to_thread(self._not_applied, m.dep.plan.source, m.name,
-                                               f.host, f.port)
-                skipped += [f"{m.name}: {k}" for k in skip]
+        for p in self.by_model:
+            for lane in list(p.lanes.values()):
+                skip = await asyncio.to_thread(self._not_applied, lane.dep.plan.source,
+                                               lane.name, p.host, p.port)
+                skipped += [f"{lane.name}: {k}" for k in skip]
                 try:
-                    new = await asyncio.to_thread(self._prepare_member, f, m)
+                    new = await asyncio.to_thread(self._prepare_lane, p, lane)
                     if new is not None:
-                        done[m.name] = await f.replace(m, new)
+                        done[lane.name] = await p.replace(lane, new)
                 except HydraError as exc:  # one profile's failure leaves the others' reload
-                    done[m.name] = f"failed, rolled back: {exc}"
-                    errors.append(f"{m.name}: {exc}")
+                    done[lane.name] = f"failed, rolled back: {exc}"
+                    errors.append(f"{lane.name}: {exc}")
         if skipped:
             log.warning("reload: not applied: %s", "; ".join(skipped))
         if not done:
@@ -474,16 +508,18 @@ class Daemon:
         return {"result": "rolled_back" if errors else "ok", "reloaded": done,
                 "error": "; ".join(errors) or None, "not_applied": skipped}
 
-    def _prepare_member(self, f: Fleet, m: Any) -> tuple[Any, Deployment] | None:
-        dep = deployment.prepare(m.dep.plan.source, node_file=self.opts.node_file,
+    def _prepare_lane(self, p: Port, lane: Lane) -> tuple[Profile, Deployment] | None:
+        dep = deployment.prepare(lane.dep.plan.source, node_file=self.opts.node_file,
                                  profiles_dir=self.opts.profiles_dir,
-                                 overrides={"host": f.host, "port": f.port,
-                                            "profile": m.name},  # its name is fixed
-                                 keep=m.dep.plan, external=f.port,
+                                 overrides={"host": p.host, "port": p.port,
+                                            "profile": lane.name},  # its name is fixed
+                                 keep=lane.dep.plan, external=p.port,
                                  slot_dir=slot_dir(self.state),
-                                 reserved=f.pool.planned_ports(but=m))
-        prof = dep.layout.profile if dep.layout is not None else m.profile
-        return (prof, dep) if f.differs(m, prof, dep) else None
+                                 reserved=self.node.planned_ports(but=lane))
+        prof = dep.layout.profile if dep.layout is not None else lane.profile
+        if prof is None:
+            return None
+        return (prof, dep) if p.differs(lane, prof, dep) else None
 
     def request_stop(self, reason: str) -> None:
         if not self.stop_event.is_set():
@@ -497,12 +533,9 @@ class Daemon:
         self._ints += 1
         if self._ints >= 2:
             log.warning("second SIGINT: killing every child at once")
-            if self.engine.sup is not None:
-                self.engine.sup.kill_all_now()
-            for f in self.fleets:
-                for m in f.members.values():
-                    if m.engine.sup is not None:
-                        m.engine.sup.kill_all_now()
+            for lane in self.lanes():
+                if lane.sup is not None:
+                    lane.sup.kill_all_now()
             self.request_stop("SIGINT twice: killed at once")
             return
         self.request_stop("SIGINT (Ctrl-C)")
@@ -534,25 +567,12 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self._on_int)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
-        self.engine.open()
-        if self.initial is not None and self.engine.router is not None:
-            self.initial = deployment.bound_to(self.initial, self.engine.port)
-        for f in self.fleets:
-            f.open()
-        # The wire protocol speaks to one engine: with several profiles, the first port's
-        # default profile (docs/routing.md).
-        if self.fleets:
-            f0 = self.fleets[0]
-            self.wire = EngineWire(f0.members[f0.default].engine, loop, self.opts.node_file,
-                                   apply=functools.partial(f0.apply_to, f0.default))
-            f0.set_hydra_upstream(self.wire.start())
-        else:
-            self.wire = EngineWire(self.engine, loop, self.opts.node_file)
-            if self.engine.router is not None:
-                self.engine.hydra_upstream = self.wire.start()
-                # reachable at once, also before (or without) a profile: INFO says what runs
-                self.engine.router.set_upstreams(replace(self.engine.router.upstreams,
-                                                         hydra=self.engine.hydra_upstream))
+        for p in self.ports:
+            p.open()
+        # The wire protocol addresses a lane: the first port's default lane (docs/routing.md);
+        # reachable at once, also before (or without) a profile: INFO says what runs.
+        self.wire = EngineWire(self.ports[0], loop, self.opts.node_file)
+        self.ports[0].set_hydra_upstream(self.wire.start())
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
         self.publisher.bind(loop)
@@ -570,11 +590,8 @@ class Daemon:
             budget = self._startup_budget()
             if budget > 0:  # under systemd: loads may outlast TimeoutStartSec
                 self.notifier.extend_timeout(budget)
-            if self.fleets:
-                for f in self.fleets:
-                    await f.start(f.initial_names())
-            else:
-                await self.engine.start(self.initial)
+            for p in self.ports:
+                await p.start()
             self._changed()
             readiness = asyncio.create_task(notify.ready_when(
                 self.notifier, self._ready, lambda: notify.status_text(self.snapshot()),
@@ -591,15 +608,13 @@ class Daemon:
                                    if t is not None), return_exceptions=True)
             if self.metrics is not None:
                 self.metrics.stop()
-            await self.engine.shutdown(self.stop_reason)
-            await asyncio.gather(*(f.shutdown(self.stop_reason) for f in self.fleets))
+            await asyncio.gather(*(p.shutdown(self.stop_reason) for p in self.ports))
             self.ended = self.stop_reason
             self._changed()
             self.ctl.stop()
             self.wire.stop()
-            self.engine.close()
-            for f in self.fleets:
-                f.close()
+            for p in self.ports:
+                p.close()
             log.warning("stopped: %s", self.stop_reason)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -607,23 +622,26 @@ class Daemon:
         return EXIT_INTERRUPTED if self._ints > 1 else code
 
     async def _wait(self) -> int:
-        """Until a stop is asked for, or the running layout goes FATAL (exit 1)."""
-        if self.fleets:  # a profile that fails is marked failed; the others keep serving
-            await self.stop_event.wait()
-            return EXIT_OK
+        """Until a stop is asked for, or the layout of a port's one lane goes FATAL (exit 1);
+        among several profiles a failed one is marked failed and the others keep serving."""
         while not self.stop_event.is_set():
-            task = self.engine.task
+            lane = self.single.only() if self.single is not None else None
+            task = lane.task if lane is not None else None
             waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.stop_event.wait())]
             if task is not None:
                 waits.append(asyncio.ensure_future(asyncio.shield(task)))
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            # (re-checked every second: a switch may give a port its first lane)
+            done, pending = await asyncio.wait(waits, timeout=1.0,
+                                               return_when=asyncio.FIRST_COMPLETED)
             for p in pending:
                 p.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             if self.stop_event.is_set():
                 break
-            sup = self.engine.sup
-            if task is self.engine.task and not self.engine.lock.locked():
+            if lane is None or task is None or not task.done():
+                continue
+            sup = lane.sup
+            if task is lane.task and not lane.lock.locked():
                 if sup is not None and sup.fatal:
                     self.stop_reason = f"FATAL: {sup.fatal}"
                     return EXIT_FATAL
@@ -631,4 +649,3 @@ class Daemon:
                     break
             await asyncio.sleep(0.05)  # a switch replaced the task: wait on the new one
         return EXIT_OK
-

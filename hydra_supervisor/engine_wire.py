@@ -1,6 +1,8 @@
-"""The Engine as the wire server sees it (wire.control.EngineControl), and the wire server's life.
+"""A port's wire lane as the wire server sees it (wire.control.EngineControl), and its life.
 
-The wire server runs on its own threads; everything here that changes the engine hands a
+The wire protocol addresses a lane: the default lane of the first port (the one profile of a
+hydra started with one). The wire server runs on its own threads; everything here that changes
+the lane hands a
 coroutine to the daemon's event loop and waits for it (asyncio.run_coroutine_threadsafe), so
 processes are still only spawned from the loop's thread. What is read on every request (info,
 busy, head_http, slot_dir) reads plain attributes and never waits on the switch lock.
@@ -8,7 +10,7 @@ busy, head_http, slot_dir) reads plain attributes and never waits on the switch 
 CONFIGURE by tier (wire.tiers has the one table of keys):
 - T1 settings become request-body defaults in the router (no process restarts);
 - T2/T3 settings make a new profile (tiers.apply_to_profile), planned on the engine's own
-  address with its ports kept, and applied by Engine.apply: the head alone restarts when only
+  address with its ports kept, and applied by the lane's apply: the head alone restarts when only
   its flags change, otherwise the whole layout, peers before head;
 - T4 keys, and keys that name files, are refused by the wire server before they reach us; a
   `model` must be an alias the node file (or hydra) knows, never a path.
@@ -23,15 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hydra_supervisor import binaries, buildid, config, deployment, models
 from hydra_supervisor.config import Mode, Profile
-from hydra_supervisor.engine import Engine, SwitchReport
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.reports import SwitchReport
 from hydra_supervisor.wire import tiers, trust
 from hydra_supervisor.wire.control import ConfigureRefused
 from hydra_supervisor.wire.server import WireServer
@@ -40,16 +43,11 @@ CALL_TIMEOUT = 3600.0
 
 
 class EngineWire:
-    """EngineControl over an Engine; `node_file` is the node the daemon plans with."""
+    """EngineControl over a port's wire lane; `node_file` is the node the daemon plans with."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
-                 node_file: str | None,
-                 apply: Callable[[deployment.Deployment], Awaitable[SwitchReport]] | None = None
-                 ) -> None:
-        """`apply`: how a new Deployment is run (default: the engine's own apply; a profile
-        among several runs it through its Fleet, which keeps its own record of the plan)."""
-        self.engine = engine
-        self.apply = apply or engine.apply
+    def __init__(self, port: Port, loop: asyncio.AbstractEventLoop,
+                 node_file: str | None) -> None:
+        self.port = port
         self.loop = loop
         self.node_file = node_file
         self.defaults: dict[str, Any] = {}  # T1 request defaults in force
@@ -63,7 +61,7 @@ class EngineWire:
     def start(self) -> WireServer:
         """Start the wire server and return it: the router hands "YH" connections to it
         (Upstreams.hydra); it has no port of its own."""
-        path, token = trust.ensure_token(self.engine.state.root)
+        path, token = trust.ensure_token(self.port.state.root)
         self.token_path = path
         self.server = WireServer(control=self, trust=trust.Trust(token=token),
                                  reads=self.wire_reads)
@@ -83,7 +81,8 @@ class EngineWire:
     # -- what is read on every request ----------------------------------------------------------
 
     def _profile(self) -> Profile | None:
-        dep = self.engine.dep
+        lane = self.port.wire_lane()
+        dep = lane.dep if lane is not None else None
         lay = dep.layout if dep is not None else None
         return lay.profile if lay is not None else None
 
@@ -104,9 +103,9 @@ class EngineWire:
         return self._build
 
     def info(self) -> dict[str, Any]:
-        eng = self.engine
-        snap = eng.snapshot()
-        dep = eng.dep
+        lane = self.port.wire_lane()
+        snap = self._row(lane)
+        dep = lane.dep if lane is not None else None
         prof = self._profile()
         plan = dep.plan if dep is not None else None
         return {
@@ -136,6 +135,10 @@ class EngineWire:
             "request_defaults": dict(self.defaults),
         }
 
+    def _row(self, lane: Lane | None) -> dict[str, Any]:
+        """The lane's status row (the port's, when it has no lane)."""
+        return self.port.row(lane, {})
+
     def _expert_modes(self) -> list[str]:
         prof = self._profile()
         if prof is None:
@@ -145,11 +148,13 @@ class EngineWire:
         return ["solo"]
 
     def busy(self) -> bool:
-        return self.engine.lock.locked()
+        lane = self.port.wire_lane()
+        return lane is not None and lane.lock.locked()
 
     def head_http(self) -> tuple[str, int] | None:
-        dep, sup = self.engine.dep, self.engine.sup
-        if dep is None or sup is None or sup.head is None:
+        lane = self.port.wire_lane()
+        sup = lane.sup if lane is not None else None
+        if sup is None or sup.head is None:
             return None
         if sup.head.state.value != "READY":
             return None
@@ -157,11 +162,11 @@ class EngineWire:
         return ("127.0.0.1" if spec.host in ("0.0.0.0", "", "::") else spec.host, spec.port)
 
     def slot_dir(self) -> Path:
-        path = self.engine.state.root / "slots"
+        path = self.port.state.root / "slots"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    # -- what changes the engine ----------------------------------------------------------------
+    # -- what changes the lane ------------------------------------------------------------------
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT)
@@ -175,13 +180,12 @@ class EngineWire:
         meta: dict[str, Any] = {"restarted": []}
         if t1:
             self.defaults.update(t1)
-            if self.engine.router is not None:
-                self.engine.router.set_request_defaults(tiers.request_defaults(self.defaults))
+            self.port.set_request_defaults(tiers.request_defaults(self.defaults))
             meta["request_defaults"] = tiers.request_defaults(self.defaults)
         if rest:
             prof = self._profile()
             if prof is None:
-                raise ConfigureRefused("no profile is loaded on this engine: nothing to "
+                raise ConfigureRefused("no profile is loaded on this port: nothing to "
                                        "reconfigure (hydra switch NAME first)")
             new = tiers.apply_to_profile(prof, rest)
             rep = self._apply(new)
@@ -209,14 +213,15 @@ class EngineWire:
                 f"a model is named by alias: {', '.join(sorted(known)) or 'none defined'}")
 
     def _apply(self, prof: Profile) -> SwitchReport:
-        eng = self.engine
+        port = self.port
+        lane = port.wire_lane()
+        running = lane.dep.plan if lane is not None and lane.sup is not None else None
 
         def prepare() -> deployment.Deployment:
-            # planned on the address the engine holds (a profile read with port 0 included)
-            here = replace(prof, host=eng.host, port=eng.port)
+            # planned on the address the port holds (a profile read with port 0 included)
+            here = replace(prof, host=port.host, port=port.port)
             return deployment.prepare(prof.name, node_file=self.node_file,
-                                      keep=eng.dep.plan if eng.dep else None,
-                                      external=eng.port, profile=here,
+                                      keep=running, external=port.port, profile=here,
                                       slot_dir=self.slot_dir())
 
         async def go() -> SwitchReport:
@@ -225,7 +230,9 @@ class EngineWire:
             except HydraError as exc:
                 raise ConfigureRefused(str(exc)) from exc
             try:
-                return await self.apply(dep)
+                if lane is None:
+                    return await port.switch_to(dep)
+                return await port.apply_to(lane.name, dep)
             except HydraError as exc:
                 raise ConfigureRefused(str(exc)) from exc
 
@@ -235,7 +242,7 @@ class EngineWire:
     def set_expert_mode(self, mode: str) -> dict[str, Any]:
         prof = self._profile()
         if prof is None:
-            raise ConfigureRefused("no profile is loaded on this engine")
+            raise ConfigureRefused("no profile is loaded on this port")
         want_solo = mode == "solo"
         if want_solo == (prof.mode is Mode.SOLO):
             return {"mode": mode, "changed": False}

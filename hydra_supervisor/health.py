@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hydra_supervisor import rpcproto
+
+if TYPE_CHECKING:
+    from hydra_supervisor.router.gate import Gate
 
 
 def _self_connected(writer: asyncio.StreamWriter) -> bool:
@@ -78,14 +81,20 @@ async def hello(host: str, port: int, timeout: float = 3.0) -> rpcproto.Version 
         return None
 
 
-def flights(router: Any) -> tuple[int, float | None] | None:
-    """The head's HTTP requests as its router sees them: how many are in flight and the seconds
+class Gated(Protocol):
+    """What carries a head's HTTP traffic: its lane's route (router/routes.py), with its gate."""
+
+    @property
+    def gate(self) -> Gate: ...
+
+
+def flights(traffic: Gated | None) -> tuple[int, float | None] | None:
+    """The head's HTTP requests as its route sees them: how many are in flight and the seconds
     since a byte last moved on any of them (the kernel's count, router/gate.py `quiet_for`;
     None while none has its upstream socket yet). None: no router to ask (router: false)."""
-    route = getattr(router, "route", None)  # a profile on a shared port: its own route's gate
-    gate = getattr(route if route is not None else router, "gate", None)
-    if gate is None:
+    if traffic is None:
         return None
+    gate = traffic.gate
     n = gate.inflight()
     return (n, gate.quiet_for() if n else None)
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra_supervisor import health, llamaerr, logfiles, process
+from hydra_supervisor.health import Gated as Traffic
 from hydra_supervisor.backoff import Backoff
 from hydra_supervisor.config import PeerLoss, RestartPolicy
 from hydra_supervisor.deployment import Deployment
@@ -132,7 +133,7 @@ class Seams:
     slots_busy: Callable[[str, int, float], Awaitable[bool | None]] = health.slots_busy
     # What hydra sees without asking a process: the router's requests in flight (how many,
     # seconds since a byte moved) and whether a remote peer's endpoint completes a connect.
-    flights: Callable[[Any], tuple[int, float | None] | None] = health.flights
+    flights: Callable[[Traffic | None], tuple[int, float | None] | None] = health.flights
     connect: Callable[[str, int, float], Awaitable[str | None]] = health.tcp_connect
     proc_stat: Callable[[int], process.ProcStat | None] = process.group_stat
     owns_port: Callable[[int, int], bool | None] = process.owns_port
@@ -284,8 +285,13 @@ class Supervisor:
         self.stop_reason: str | None = None  # why the run ended (stop asked, FATAL, bug)
         self.unkillable: list[str] = []
         self.recovery: asyncio.Future[bool] | None = None
-        self.router: Any = None  # the profile's Router, whose upstreams follow a moved process
-        # Called on every transition (the Engine holds its router while the head is not READY).
+        # The lane's traffic, read by the stall rule (its gate's flights; health.flights);
+        # None: no router in front (router: false).
+        self.traffic: Traffic | None = None
+        # Told when a process moves to another port because another process took its own:
+        # (kind "http" | "rpc", the old address, the new port). The lane re-points its route.
+        self.on_upstream_moved: Callable[[str, tuple[str, int], int], None] | None = None
+        # Called on every transition (the lane holds its route while the head is not READY).
         self.listeners: list[Callable[[ManagedProcess], None]] = []
         # When set, called instead of writing status.json (the daemon owns that file then).
         self.on_publish: Callable[[], None] | None = None
@@ -409,15 +415,14 @@ class Supervisor:
                     spec.port, new)
 
     def _move_upstream(self, kind: str, old: EngineSpec, new_port: int) -> None:
-        if self.router is None:
-            return
-        up = self.router.upstreams
-        if getattr(up, kind) == (old.host, old.port):
-            self.router.set_upstreams(dataclasses.replace(up, **{kind: (old.host, new_port)}))
+        if self.on_upstream_moved is not None:
+            self.on_upstream_moved(kind, (old.host, old.port), new_port)
 
     # -- one process ------------------------------------------------------------------------
 
     async def _spawn(self, mp: ManagedProcess) -> None:
+        if mp.spec.program == "ggml-rpc-server" and self.plan.meta.get("prefill"):
+            await self._prefill_rpc_cache(mp)  # a peer profile's `prefill:` (rpccache.py)
         self._free_port(mp)
         mp.to(State.STARTING, "spawning")
         argv = [mp.binary, *mp.spec.args]
@@ -444,6 +449,34 @@ class Supervisor:
         except OSError as exc:
             log.warning("cannot write pidfile for %s: %s", mp.name, exc)
         mp.note(f"spawned pid {mp.child.pid}")
+
+    async def _prefill_rpc_cache(self, mp: ManagedProcess) -> None:
+        """Before a peer host's ggml-rpc-server starts: write the weights of the local GGUFs its
+        profile names in `prefill:` into the cache dir that process will use (-c: LLAMA_CACHE
+        or ~/.cache/llama.cpp/rpc, from its own env), so a head with the same GGUF sends only
+        hashes. In a thread (hashing a big model takes seconds to minutes); cheap once done
+        (hashes memoised, files present kept). A model that fails is logged and skipped: the
+        rpc-server serves without its cache, the head then sends those weights."""
+        import threading
+
+        from hydra_supervisor import rpccache
+
+        if "-c" not in mp.spec.args:
+            return
+        cdir = rpccache.default_cache_dir({**os.environ, **mp.spec.env_dict()})
+        mp.to(State.STARTING, f"filling its tensor cache {cdir}")
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+
+        def note(text: str) -> None:  # from the thread: progress in status, as a reason
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(mp.note, text)
+
+        try:
+            await asyncio.to_thread(rpccache.prefill_all, self.plan.meta["prefill"], cdir,
+                                    note=note, stop=stop)
+        finally:
+            stop.set()  # cancelled (a stop): the thread ends at its next chunk
 
     async def _spawn_safely(self, argv: list[str], env: dict[str, str], log_path: Path
                             ) -> process.Child:
@@ -1037,7 +1070,7 @@ class Supervisor:
                 # No router flights to judge by (router: false, or a request sent to the
                 # head's own port): /slots says whether one is in flight — a head blocked on
                 # its peer may not answer it, and then this fallback judges nothing.
-                seen = self.seams.flights(self.router)
+                seen = self.seams.flights(self.traffic)
                 if self.peers and not self.degraded and idle_since is not None and \
                         (seen is None or not seen[0]) and await self.seams.slots_busy(
                             host, spec.port, policy.interval):
@@ -1078,7 +1111,7 @@ class Supervisor:
         endpoint that no longer completes a TCP connect is lost at once. One such connect per
         remote peer per head run: it waits in the rpc-server's backlog (two places) until the
         head lets go."""
-        seen = self.seams.flights(self.router)
+        seen = self.seams.flights(self.traffic)
         if seen is None:
             return None
         n, quiet = seen

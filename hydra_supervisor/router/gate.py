@@ -100,6 +100,10 @@ class Gate:
     def held_reason(self) -> str | None:
         return self._held_reason
 
+    def unavailable_reason(self) -> str | None:
+        with self._cond:
+            return self._unavailable[0] if self._unavailable is not None else None
+
     def held(self) -> int:
         with self._cond:
             return self._held

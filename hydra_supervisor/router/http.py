@@ -414,7 +414,7 @@ class HttpSession:
                 self._refuse(rec, refusal)
                 return True
             return self._forward(fwd, rec, None)
-        if rec.model is None and req.method == b"POST":
+        if rec.model is None and req.method == b"POST" and self.r.route_by_model:
             rec.model, readable = request_defaults.model_in(body)
             if not readable:
                 # llama-server would read this body (a JSON parser without a depth limit);

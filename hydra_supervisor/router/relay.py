@@ -226,6 +226,9 @@ class Router:
         # Routing by model (router/routes.py): None sends every HTTP request to `upstreams.http`
         # through `gate`; a table picks a Route (its own gate and upstream) per request.
         self.table: RouteTable | None = None
+        # Whether the table picks by the request's `model` (the body is read for it); a port
+        # with one lane routes every request to it without reading bodies.
+        self.route_by_model = True
         self._routes: list[Route] = []
         self.pool = UpstreamPool(self._connect)
 

@@ -12,15 +12,17 @@ No sockets here; every method is thread-safe (session threads call them).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra_supervisor.router.gate import Gate, Refusal
+from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate, Refusal
 
 Addr = tuple[str, int]
+log = logging.getLogger("hydra.router")
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,10 @@ class Limiter:
 
 @dataclass
 class Route:
-    """One profile's lane through a shared router."""
+    """One lane's way through its port's router: its gate, its HTTP upstream, its limiter.
+
+    The lane that owns it (serve/lane.py) is the only writer of its gate and upstream; router
+    session threads read them. `where` names the port in log lines."""
 
     name: str
     gate: Gate
@@ -93,7 +98,40 @@ class Route:
     limiter: Limiter | None = None
     last_used: float = field(default_factory=time.monotonic)  # monotonic: request start/end
     requests: int = 0
+    where: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.where} / {self.name}" if self.where else self.name
+
+    def hold(self, reason: str) -> None:
+        """Park new requests of this lane until release() (bounded: gate.py)."""
+        same = self.gate.held_reason == reason
+        self.gate.hold(reason)
+        if not same:
+            log.info("router %s: holding new requests (%s)", self.label, reason)
+
+    def release(self) -> None:
+        held = self.gate.held()
+        self.gate.release()
+        log.info("router %s: released (%d requests were held)", self.label, held)
+
+    def set_unavailable(self, reason: str | None, retry_after: int = DEFAULT_RETRY_AFTER) -> None:
+        """New (and parked) requests get 503 `reason` with Retry-After; None clears."""
+        if reason != self.gate.unavailable_reason():
+            log.info("router %s: %s", self.label,
+                     f"unavailable: {reason}" if reason is not None else "available")
+        self.gate.set_unavailable(reason, retry_after)
+
+    def wait_idle(self, timeout: float) -> int:
+        return self.gate.wait_idle(timeout)
+
+    def cut_inflight(self, reason: str, requeue: bool = False) -> int:
+        n = self.gate.cut_inflight(reason, requeue)
+        if n:
+            log.info("router %s: cut %d in-flight requests (%s)", self.label, n, reason)
+        return n
 
     def touch(self) -> None:
         with self._lock:

@@ -1,15 +1,19 @@
-"""Build the Fleets for `hydra up -p A -p B ...` (or a node file's `profiles:` list).
+"""Build the ports and the node for `hydra up`: one profile, none, or several.
+
+One profile (or `--no-profile`): one port, with one lane (or none), on the profile's address.
+Several (`hydra up -p A -p B ...`, or a node file's `profiles:` list):
 
 Every profile is read, resolved and checked first (a bad one stops `hydra up` before anything
 starts, with its file and line); each gets ports no other profile of this hydra has planned.
-Profiles that name the same external address share it, routed by model (one Fleet per
+Profiles that name the same external address share it, routed by model (one Port per
 address); the node file's `default_profile` (else the first profile given for that address)
-answers requests without a model. All Fleets share one Pool: the devices' capacity, measured
-before anything loads, and every profile, so room is made node-wide.
+answers requests without a model. Every port shares one Node: the devices' capacity, measured
+before anything loads, and every lane, so room is made node-wide.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +21,30 @@ from hydra_supervisor import deployment, fleetplan
 from hydra_supervisor.config import find_node_file, load_node
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.fleet import Fleet, Pool
+from hydra_supervisor.serve.node import Node
+from hydra_supervisor.serve.port import DEFAULT_ALLOW, Port
 from hydra_supervisor.state import StateDir
+
+
+def single(state: StateDir, dep: Deployment | None, *, host: str, port: int,
+           profiles: Callable[[], list[str]]) -> tuple[list[Port], Node]:
+    """One profile (`dep`), or none: a port with one lane, or none, on its address."""
+    plan = dep.plan if dep is not None else None
+    lay = dep.layout if dep is not None else None
+    node = Node(fleetplan.capacity_of(lay.devices) if lay is not None else {})
+    p = Port(state, plan.host if plan else host, plan.port if plan else port, node=node,
+             allow=tuple(plan.router.allow) if plan and plan.router else DEFAULT_ALLOW,
+             use_router=plan is None or plan.router is not None, profiles=profiles)
+    if dep is not None:
+        p.plan_lane(lay.profile if lay is not None else None, dep)
+    return [p], node
 
 
 def build(state: StateDir, names: list[str], *, node_file: str | None,
           profiles_dir: str | None, overrides: dict[str, Any],
-          slot_dir: Path | None) -> list[Fleet]:
-    node = load_node(find_node_file(node_file))
+          slot_dir: Path | None) -> tuple[list[Port], Node]:
+    """Several profiles: a port per address, a lane per profile, routed by model."""
+    node_cfg = load_node(find_node_file(node_file))
     deps: list[Deployment] = []
     reserved: set[int] = set()
     for name in names:
@@ -47,24 +67,24 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
         reserved |= {e.port for e in plan.engines if e.managed}
         deps.append(dep)
     first = deps[0].layout
-    pool = Pool(fleetplan.capacity_of(first.devices) if first is not None else {})
+    node = Node(fleetplan.capacity_of(first.devices) if first is not None else {})
     groups: dict[tuple[str, int], list[Deployment]] = {}
     for dep in deps:
         groups.setdefault((dep.plan.host, dep.plan.port), []).append(dep)
     served = [d.profile for d in deps]
-    if node.default_profile and node.default_profile not in served:
-        raise HydraError(f"{node.source}: default_profile {node.default_profile} is not among "
-                         f"the profiles served ({', '.join(served)})")
-    fleets = []
+    if node_cfg.default_profile and node_cfg.default_profile not in served:
+        raise HydraError(f"{node_cfg.source}: default_profile {node_cfg.default_profile} is "
+                         f"not among the profiles served ({', '.join(served)})")
+    ports = []
     for (host, port), items in groups.items():
         here = [d.profile for d in items]
-        default = node.default_profile if node.default_profile in here else here[0]
+        default = node_cfg.default_profile if node_cfg.default_profile in here else here[0]
         router = items[0].plan.router
         assert router is not None
-        members = []
+        p = Port(state, host, port, node=node, by_model=True, allow=tuple(router.allow))
+        p.default = default
         for d in items:
             assert d.layout is not None  # prepare() always records the layout
-            members.append((d.layout.profile, d))
-        fleets.append(Fleet(state, host, port, members, default=default, pool=pool,
-                            allow=tuple(router.allow)))
-    return fleets
+            p.plan_lane(d.layout.profile, d)
+        ports.append(p)
+    return ports, node

@@ -1,0 +1,843 @@
+"""One profile on a port: its route, its Deployment and the last good one, its Supervisor.
+
+A Lane is the only writer of its route's gate (hold, release, unavailable) and upstream. Its
+operations, each answered with a SwitchReport (reports.py) or a plain result:
+
+  start(dep)       run a layout and follow it through restarts (hydra up with one profile)
+  load(why)        make room on the node, start, wait until it serves (on demand, at start)
+  unload(why)      hold, drain (bounded), stop; with `cut`, what is still in flight is cut
+  switch(dep)      hold, drain, stop, wait for the GPU memory, start the new layout, gate,
+                   release; on failure the last good layout comes back
+  apply(dep)       a changed plan: nothing, the head alone, or everything (plandiff)
+  restart(name)    a planned restart of one process (a peer restarts its pair)
+
+While its head is not READY the lane holds its requests; it releases them when the head is
+READY again. Everything here runs on the event-loop thread (router threads call `demand`,
+which posts to the loop). Behaviour that differs for a port started with one profile (exit
+when the layout goes FATAL; processes named without the profile) is a flag, not a path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psutil
+
+from hydra_supervisor import fleetplan, gpumem, llamaerr, plandiff
+from hydra_supervisor.config import Profile
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.ports import client_host
+from hydra_supervisor.router.routes import Addr, Route
+from hydra_supervisor.serve import states
+from hydra_supervisor.serve.reports import (
+    Busy,
+    LayoutFailed,
+    Phases,
+    RestartFailed,
+    SwitchReport,
+    SwitchTimeouts,
+)
+from hydra_supervisor.serve.states import LaneState
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import Fatal, ManagedProcess, State, Supervisor
+from hydra_supervisor.wire import slots
+
+if TYPE_CHECKING:
+    from hydra_supervisor.serve.node import Node
+
+log = logging.getLogger("hydra")
+
+SLOT_TIMEOUT = 120.0  # one slot's save or restore (a long context on a slow disk)
+FAIL_COOLDOWN = 10.0  # a lane whose load failed answers 503 this long before a retry
+FAIL_COOLDOWN_MAX = 300.0  # ... doubled after each failure in a row, up to this
+
+
+class PortSide(Protocol):
+    """What a lane needs of its port."""
+
+    port: int
+    host: str
+
+    @property
+    def url(self) -> str: ...
+
+    def lane_changed(self, lane: Lane) -> None: ...
+
+    def set_rpc(self, addr: Addr | None) -> None: ...
+
+
+def namespaced(dep: Deployment) -> Deployment:
+    """Process names prefixed with the profile (`demo.head`), so the profiles of one hydra
+    keep apart in the state dir's pids/ and logs/ and in `hydra restart` / `hydra logs`."""
+    name = dep.profile
+
+    def ren(e: Any) -> Any:
+        return e if e.name.startswith(f"{name}.") else replace(e, name=f"{name}.{e.name}")
+
+    plan = replace(dep.plan, engines=tuple(ren(e) for e in dep.plan.engines))
+    return replace(dep, plan=plan,
+                   solo_head=ren(dep.solo_head) if dep.solo_head is not None else None)
+
+
+def needs_of(dep: Deployment) -> dict[str, int]:
+    """Bytes per physical device the plan needs."""
+    lay = dep.layout
+    return fleetplan.needs_of([(p.device, p.need_bytes) for p in dep.plan.placements],
+                              lay.devices if lay is not None else {})
+
+
+class Lane:
+    def __init__(self, port: PortSide, dep: Deployment, route: Route, *, state: StateDir,
+                 profile: Profile | None = None, node: Node | None = None,
+                 switch_timeouts: SwitchTimeouts | None = None,
+                 make_supervisor: Callable[[Deployment, StateDir], Supervisor] = Supervisor,
+                 clock: Callable[[], float] = time.monotonic,
+                 exit_on_fatal: bool = False, prefix_names: bool = False) -> None:
+        self.port = port
+        self.route = route
+        self.state = state
+        self.node = node
+        self.switch_timeouts = switch_timeouts or SwitchTimeouts()
+        self.make_supervisor = make_supervisor  # seam: policy tests run fake supervisors
+        self.clock = clock
+        # One profile on its port: its FATAL ends hydra (exit 1), its processes are named
+        # without the profile ("head"), and a switch replaces its profile.
+        self.exit_on_fatal = exit_on_fatal
+        self.prefix_names = prefix_names
+        self.dep = self.own(dep)
+        self.profile = profile if profile is not None else _profile_of(dep)
+        self.needs = needs_of(self.dep)
+        self.last_good: Deployment | None = None
+        self.sup: Supervisor | None = None
+        self.task: asyncio.Task[None] | None = None  # the running supervisor
+        self.job: asyncio.Task[Any] | None = None  # a load or unload in progress
+        self.lock = asyncio.Lock()  # one change at a time
+        self.phase = LaneState.STOPPED
+        self.switching: str | None = None
+        self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
+        self._switch_count = 0
+        self.unkillable: list[str] = []
+        self.loaded_at: float | None = None
+        self.error: str | None = None
+        self.failed_at = float("-inf")
+        self.fails = 0  # loads that failed in a row
+        self.loads = 0
+        self.unloads = 0
+        self.why = "not loaded yet"
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    # -- who it is ------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.dep.profile
+
+    def profile_or_name(self) -> tuple[str, tuple[str, ...]]:
+        """(name, aliases): what the port's model lookup knows this lane by."""
+        return self.name, self.aliases
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return tuple(getattr(self.profile, "aliases", ()) or ())
+
+    @property
+    def on_demand(self) -> bool:
+        return bool(getattr(self.profile, "on_demand", True))
+
+    @property
+    def ttl(self) -> float | None:
+        return getattr(self.profile, "ttl", None) or None
+
+    @property
+    def min_resident(self) -> float:
+        return float(getattr(self.profile, "min_resident", 30.0))
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(e.device for e in self.dep.plan.engines))
+
+    @property
+    def cooldown(self) -> float:
+        """How long a failed lane answers 503 before a request loads it again: doubled after
+        each failure in a row, so a broken profile costs less and less."""
+        return min(FAIL_COOLDOWN * 2 ** max(0, self.fails - 1), FAIL_COOLDOWN_MAX)
+
+    def own(self, dep: Deployment) -> Deployment:
+        """A Deployment as this lane runs it: on the port's address, processes named after the
+        profile when the port serves several."""
+        from hydra_supervisor import deployment  # (deployment imports layout: keep it lazy)
+
+        if self.prefix_names:
+            dep = namespaced(dep)
+        if dep.plan.router is not None:
+            dep = deployment.bound_to(dep, self.port.port)
+        return dep
+
+    def _to(self, phase: LaneState) -> None:
+        states.check(self.phase, phase)
+        self.phase = phase
+
+    # -- the gate ---------------------------------------------------------------------------------
+
+    def _set_upstream(self, dep: Deployment) -> None:
+        spec = dep.plan.router
+        self.route.http = spec.http if spec is not None else None
+        if spec is not None and spec.rpc is not None:
+            self.port.set_rpc(spec.rpc)  # a peer-only lane (mode: peer) lends ggml-RPC
+
+    def _on_transition(self, mp: ManagedProcess) -> None:
+        sup = self.sup
+        if sup is None or mp not in sup.procs:
+            return
+        self.sync_gate()
+
+    def _on_upstream_moved(self, kind: str, old: Addr, new_port: int) -> None:
+        """The supervisor moved a process whose port another process took."""
+        if kind == "http" and self.route.http == old:
+            self.route.http = (old[0], new_port)
+        elif kind == "rpc":
+            self.port.set_rpc((old[0], new_port))
+
+    async def _before_head_swap(self, to: str) -> None:
+        """The supervisor returns a degraded head to COMBINE: a planned swap, so hold new
+        requests and let the SOLO head finish what it serves (bounded) before it stops."""
+        self.route.hold(f"returning to {to.upper()} now that the peer is back")
+        left = await asyncio.to_thread(self.route.wait_idle, self.switch_timeouts.drain)
+        if left:
+            n = self.route.cut_inflight(f"cut by the return to {to} after "
+                                        f"{self.switch_timeouts.drain:.0f}s of draining",
+                                        requeue=True)
+            log.warning("return to %s: %d in-flight requests cut after the drain", to, n)
+
+    def _changed(self) -> None:
+        self.port.lane_changed(self)
+
+    def sync_gate(self) -> None:
+        """Hold new requests while the running head is not READY; release when it is."""
+        r, sup = self.route, self.sup
+        if sup is None or self.switching:
+            return  # a change holds and releases itself
+        if sup.fatal:
+            r.set_unavailable(f"profile {sup.plan.profile} failed: {sup.fatal}", retry_after=30)
+            r.release()
+            return
+        head = sup.head
+        if head is None:  # a peer-only lane (mode: peer): ggml-RPC only, never HTTP
+            r.set_unavailable(f"port {self.port.port} lends {sup.plan.engines[0].device} over "
+                              "ggml-RPC (mode: peer); it serves no HTTP", retry_after=3600)
+            r.release()
+            return
+        if head.state is State.READY:
+            r.set_unavailable(None)
+            r.release()
+        else:
+            r.hold(self._hold_reason(head))
+
+    @staticmethod
+    def _hold_reason(head: ManagedProcess) -> str:
+        if head.state is State.STARTING:
+            return f"loading model ({head.reason})" if head.reason else "loading model"
+        state = head.state.value.lower()
+        return f"head {state}: {head.reason}" if head.reason else f"head {state}"
+
+    def stopped_gate(self) -> None:
+        """What a request for a lane that is not loaded meets."""
+        if self.on_demand:
+            self.route.set_unavailable(None)
+            self.route.hold(f"profile {self.name} is not loaded; loading it on request")
+        else:
+            self.route.set_unavailable(
+                f"profile {self.name} is not loaded ({self.why}) and loads only with "
+                f"`hydra switch {self.name}` (on_demand: false)", retry_after=30)
+
+    # -- running one deployment ----------------------------------------------------------------
+
+    def _launch(self, dep: Deployment, fail_fast: bool = False) -> Supervisor:
+        """Run `dep`. `fail_fast` (a change): its first failed start ends the run at once
+        (no backoff) so the caller can roll back."""
+        sup = self.make_supervisor(dep, self.state)
+        sup.fail_fast = fail_fast
+        sup.traffic = self.route
+        sup.on_upstream_moved = self._on_upstream_moved
+        sup.listeners.append(self._on_transition)
+        sup.on_publish = self._changed
+        sup.before_head_swap = self._before_head_swap
+        self.sup = sup
+        self.dep = dep
+        self._set_upstream(dep)
+        self.task = asyncio.create_task(self._run(sup))
+        return sup
+
+    async def _run(self, sup: Supervisor) -> None:
+        try:
+            await sup.run()
+        finally:
+            self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
+        if sup is self.sup:
+            self.sync_gate()
+            self._changed()
+
+    async def _ready(self, sup: Supervisor, timeout: float) -> None:
+        """Wait until every process of `sup` is READY; a failure before that raises at once
+        (a change does not sit through a crash loop: it rolls back)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if sup.first_ready.is_set() and all(p.state is State.READY for p in sup.procs):
+                return
+            bad = next((p for p in sup.procs
+                        if p.state in (State.BACKOFF, State.FATAL)), None)
+            if bad is not None or sup.fatal or (self.task is not None and self.task.done()):
+                who = bad or next((p for p in sup.procs if p.state is not State.READY),
+                                  sup.procs[-1])
+                msg = sup.fatal or f"{who.name}: {who.reason or 'stopped'}"
+                line = llamaerr.from_log(getattr(who, "log_path", None))
+                raise LayoutFailed(llamaerr.with_line(msg, line), who.log_tail())
+            if time.monotonic() >= deadline:
+                who = next((p for p in sup.procs if p.state is not State.READY), sup.procs[-1])
+                raise LayoutFailed(f"{who.name} not ready within {timeout:.0f}s "
+                                   f"({who.state.value}: {who.reason})", who.log_tail())
+            await asyncio.sleep(0.05)
+
+    async def wait_ready(self, timeout: float) -> None:
+        if self.sup is None:
+            raise LayoutFailed("nothing is running", [])
+        await self._ready(self.sup, timeout)
+
+    async def _stop_current(self, reason: str) -> list[int]:
+        """Stop the running layout; returns the pids it had (to wait for their GPU memory)."""
+        sup, task = self.sup, self.task
+        if sup is None:
+            return []
+        pids = [p.pid for p in sup.procs if p.pid is not None]
+        sup.request_stop(reason)
+        if task is not None:
+            await task
+        self.sup = None
+        self.task = None
+        log.info("stopped %s (%s)", sup.plan.profile, reason)
+        return pids
+
+    async def stop_layout(self, reason: str) -> list[int]:
+        """Stop the running layout (the caller drained it) and wait until its GPU memory is
+        released. Returns pids whose memory was not released."""
+        pids = await self._stop_current(reason)
+        return await gpumem.wait_released(pids, self.switch_timeouts.gpu_free)
+
+    async def start(self) -> None:
+        """hydra up with one profile: run the layout and follow it (the supervisor restarts
+        what dies, with backoff); requests are held until the head is ready."""
+        self._to(LaneState.SERVING)
+        self.route.set_unavailable(None)
+        self.route.hold(f"loading model for profile {self.name}")
+        self.loads += 1
+        self.loaded_at = self.clock()
+        self.last_good = self.dep
+        self._launch(self.dep)
+        self.sync_gate()
+
+    # -- loading and unloading (several profiles on a node) ---------------------------------------
+
+    async def load(self, why: str, force: bool = False) -> bool:
+        """Make room, start the layout, wait until it serves. False: it failed (its held
+        requests got the reason; the others keep serving). `force` (hydra switch): it may stop
+        others even after a failed load."""
+        try:
+            self._to(LaneState.LOADING)
+            self.error = None
+            self.route.set_unavailable(None)
+            self.route.hold(f"loading profile {self.name} ({why})")
+            self._changed()
+            t0 = self.clock()
+            try:
+                if self.node is not None:
+                    await self.node.room_for(self, force)
+                self.loads += 1
+                log.info("loading profile %s (%s)", self.name, why)
+                self.route.set_unavailable(None)
+                self.route.hold(f"loading model for profile {self.name}")
+                self._launch(self.dep)
+                self.sync_gate()
+                await self.wait_ready(self.dep.timeouts.load + self.dep.timeouts.peer)
+            except (LayoutFailed, HydraError, OSError) as exc:
+                await self._fail(str(exc), getattr(exc, "tail", []))
+                return False
+            self._to(LaneState.SERVING)
+            self.fails = 0
+            self.loaded_at = self.clock()
+            self.last_good = self.dep
+            self.route.touch()  # a fresh load counts as a use (LRU)
+            log.info("profile %s serving after %.2fs (%s)", self.name, self.clock() - t0, why)
+            self.sync_gate()
+            if self.node is not None:
+                self.node.room_changed.set()  # a loader waiting on this one may decide now
+            return True
+        finally:
+            self.job = None
+            self._changed()
+
+    async def _fail(self, error: str, tail: list[str]) -> None:
+        # The supervisor's reason says what it would do next ("; restart 1 in 1.0s"); a lane
+        # does not retry on its own, so that part goes. llama.cpp's own error line says why.
+        error = re.sub(r"; restart \d+ in [0-9.]+s$", "", error)
+        why = llamaerr.error_line(tail) or next(
+            (line.strip() for line in reversed(tail) if line.strip()), None)
+        error = llamaerr.with_line(error, why)
+        log.error("profile %s failed to load: %s", self.name, error)
+        with contextlib.suppress(LayoutFailed, HydraError, OSError):
+            await self.stop_layout(f"load of {self.name} failed")
+        self.failed_at = self.clock()  # before the phase: whoever reads FAILED reads its time
+        self.error = error
+        self._to(LaneState.FAILED)
+        self.fails += 1
+        self.route.set_unavailable(f"profile {self.name} failed to load: {error}",
+                                   retry_after=int(self.cooldown))
+        self.route.release()
+        if self.node is not None:
+            self.node.room_changed.set()
+
+    def went_fatal(self) -> bool:
+        """A serving lane whose layout went FATAL is failed (its route already answers 503
+        with the reason; on demand, the next request after the cooldown loads it again)."""
+        sup = self.sup
+        if self.phase is not LaneState.SERVING or sup is None or not sup.fatal \
+                or self.lock.locked():  # a change that failed fast: its rollback runs
+            return False
+        self.failed_at = self.clock()
+        self.error = sup.fatal
+        self._to(LaneState.FAILED)
+        self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
+        log.error("profile %s failed: %s", self.name, sup.fatal)
+        if self.node is not None:
+            self.node.room_changed.set()
+        return True
+
+    async def unload(self, why: str, cut: bool = False) -> int | None:
+        """Drain (bounded) and stop a serving lane; how many requests were cut, or None when it
+        was not stopped. Without `cut`, requests still in flight after the drain keep it
+        serving (None); with it, they are cut."""
+        if self.phase is not LaneState.SERVING or self.lock.locked():
+            return None  # a reload or `hydra restart` is restarting its processes
+        self._to(LaneState.UNLOADING)
+        self._changed()
+        self.route.hold(f"profile {self.name} is stopping ({why})")
+        drain = self.switch_timeouts.drain
+        left = await asyncio.to_thread(self.route.wait_idle, drain)
+        if left and not cut:
+            log.warning("profile %s not stopped (%s): %d requests still running after %.0fs",
+                        self.name, why, left, drain)
+            self._to(LaneState.SERVING)
+            self.sync_gate()
+            self._changed()
+            return None
+        cut_n = 0
+        if left:
+            cut_n = self.route.cut_inflight(f"cut: profile {self.name} stopped ({why}) after "
+                                            f"{drain:.0f}s of draining")
+        await self.stop_layout(why)
+        self._to(LaneState.STOPPED)
+        self.loaded_at = None
+        self.unloads += 1
+        self.why = why
+        self.stopped_gate()
+        log.info("profile %s stopped (%s)", self.name, why)
+        if self.node is not None:
+            self.node.room_changed.set()
+        self._changed()
+        return cut_n
+
+    # -- switch ---------------------------------------------------------------------------------
+
+    def _check_free(self) -> None:
+        if self.lock.locked():
+            raise Busy(f"a switch is already running on port {self.port.port} "
+                       f"(to {self.switching}); try again when it is done")
+
+    async def switch(self, dep: Deployment) -> SwitchReport:
+        """Replace the running layout with `dep` (a port with one lane: any profile)."""
+        self._check_free()
+        async with self.lock:
+            return await self._switch(self.own(dep))
+
+    async def _switch(self, dep: Deployment) -> SwitchReport:
+        old = self.dep if self.sup is not None else None
+        report = SwitchReport(to=dep.profile, frm=old.profile if old else None)
+        phase = Phases(report)
+        self.switching = dep.profile
+        self._to(LaneState.SWITCHING)
+        r = self.route
+        started_new = False
+        try:
+            with phase("hold"):
+                r.hold(f"switching to profile {dep.profile}")
+            with phase("drain"):
+                await self._drain(report, dep.profile)
+            saved: dict[int, str] = {}
+            if old is not None and old.keep_slots:
+                with phase("save_slots"):
+                    saved = await self._save_slots(old)
+            with phase("stop"):
+                pids = await self._stop_current(f"switch to {dep.profile}")
+            with phase("gpu_free"):
+                left_pids = await gpumem.wait_released(pids, self.switch_timeouts.gpu_free)
+                if left_pids:
+                    report.notes.append(f"GPU memory of pids {left_pids} not released within "
+                                        f"{self.switch_timeouts.gpu_free:.0f}s")
+            report.restarted = [e.name for e in dep.plan.in_start_order()]
+            with phase("start"):
+                self._adopt(dep)
+                sup = self._launch(dep, fail_fast=True)
+                started_new = True
+                await self._ready(sup, dep.timeouts.load + dep.timeouts.peer
+                                  + self.switch_timeouts.gate_extra)
+            if saved:
+                with phase("restore_slots"):
+                    await self._restore_slots(old, dep, saved, report)
+            with phase("release"):
+                self.last_good = dep
+                self.switching = None
+                self._to(LaneState.SERVING)
+                self.loaded_at = self.clock()
+                self.sync_gate()
+            report.result = "ok"
+        except (LayoutFailed, HydraError, OSError) as exc:
+            report.failed_phase = phase.current
+            report.error = str(exc)
+            report.log_tail = getattr(exc, "tail", [])
+            log.error("switch to %s failed in phase %s: %s", dep.profile, phase.current, exc)
+            await self._rollback(old, report, phase, started_new)
+        except asyncio.CancelledError:
+            # hydra is stopping mid-switch: whatever runs is stopped by the caller's shutdown.
+            report.result = "failed"
+            report.error = "hydra stopped during the switch"
+            raise
+        finally:
+            self._finish(report, phase)
+        return report
+
+    def _adopt(self, dep: Deployment) -> None:
+        """The lane now runs `dep` (a switch may change its profile: the port re-indexes)."""
+        renamed = dep.profile != self.dep.profile
+        self.dep = dep
+        self.needs = needs_of(dep)
+        self.profile = _profile_of(dep) or self.profile
+        if renamed:
+            self.route.name = dep.profile
+            self._changed()
+
+    async def apply(self, dep: Deployment) -> SwitchReport:
+        """Run `dep` in place of the running layout, restarting only what changes (plandiff):
+        nothing (a no-op), the head alone (its peers keep running), or everything (a switch).
+        A different external address is refused."""
+        self._check_free()
+        dep = self.own(dep)
+        cur, sup = self.dep, self.sup
+        if sup is None:
+            return await self.switch(dep)
+        d = plandiff.diff(cur.plan, dep.plan)
+        if d.change is plandiff.Change.REFUSED:
+            raise HydraError(d.reason)
+        if d.change is plandiff.Change.NONE and cur.policy == dep.policy \
+                and cur.timeouts == dep.timeouts:
+            rep = SwitchReport(to=dep.profile, frm=cur.profile, result="noop")
+            rep.notes.append("nothing changes")
+            return rep
+        if d.change is not plandiff.Change.HEAD:
+            rep = await self.switch(dep)
+            rep.restarted = list(d.restart)
+            return rep
+        async with self.lock:
+            return await self._restart_head(cur, dep, sup, d.restart)
+
+    async def _restart_head(self, old: Deployment, dep: Deployment, sup: Supervisor,
+                            names: tuple[str, ...]) -> SwitchReport:
+        report = SwitchReport(to=dep.profile, frm=old.profile, restarted=list(names))
+        phase = Phases(report)
+        self.switching = dep.profile
+        self._to(LaneState.SWITCHING)
+        r = self.route
+        try:
+            with phase("hold"):
+                r.hold(f"restarting the head of {dep.profile} with new settings")
+            with phase("drain"):
+                await self._drain(report, dep.profile)
+            saved = await self._save_slots(old)
+            with phase("restart_head"):
+                sup.adopt_head(dep)
+                self._adopt(dep)
+                # fail fast: the first failed start of the new head ends the change (no
+                # backoff), and the supervisor waits for the rollback below
+                await sup.restart(names[0], fail_fast=True)
+                await self._ready(sup, dep.timeouts.load)
+            await self._restore_slots(old, dep, saved, report)
+            self.last_good = dep
+            report.result = "ok"
+        except (LayoutFailed, HydraError, OSError, Fatal) as exc:
+            report.failed_phase = phase.current
+            report.error = str(exc)
+            report.log_tail = getattr(exc, "tail", []) or self._tail_of(sup, names[0])
+            log.error("restart of %s with new settings failed in phase %s: %s",
+                      dep.profile, phase.current, exc)
+            try:
+                with phase("rollback"):
+                    sup.adopt_head(old)
+                    self._adopt(old)
+                    await sup.restart(names[0], fail_fast=True)
+                    await self._ready(sup, old.timeouts.load)
+                    report.result = "rolled_back"
+            except (LayoutFailed, HydraError, OSError, Fatal) as exc2:
+                # the old head did not come back in place: the last good layout afresh
+                log.error("the old head of %s did not come back in place (%s); starting "
+                          "the last good layout again", old.profile, exc2)
+                await self._rollback(old, report, phase, started_new=True)
+        finally:
+            if self.phase is LaneState.SWITCHING:
+                self._to(LaneState.SERVING)
+            self._finish(report, phase)
+            self.sync_gate()
+        return report
+
+    @staticmethod
+    def _tail_of(sup: Supervisor, name: str) -> list[str]:
+        mp = next((p for p in sup.procs if p.name == name), None)
+        return mp.log_tail() if mp is not None else []
+
+    def _head_addr(self) -> tuple[str, int] | None:
+        sup = self.sup
+        if sup is None or sup.head is None or sup.head.state is not State.READY:
+            return None
+        spec = sup.head.spec
+        return (client_host(spec.host), spec.port)
+
+    async def _save_slots(self, dep: Deployment | None) -> dict[int, str]:
+        """keep_slots: save every slot of the running head before it stops."""
+        if dep is None or not dep.keep_slots:
+            return {}
+        addr = self._head_addr()
+        if addr is None:
+            return {}
+        try:
+            return await asyncio.to_thread(slots.save_all, addr, f"keep-{dep.profile}",
+                                           SLOT_TIMEOUT)
+        except (slots.SlotError, OSError) as exc:
+            log.warning("keep_slots: could not save the slots of %s: %s", dep.profile, exc)
+            return {}
+
+    async def _restore_slots(self, old: Deployment | None, new: Deployment,
+                             saved: dict[int, str], report: SwitchReport) -> None:
+        """keep_slots: restore the saved slots into the new head when it runs the same model."""
+        if not saved:
+            return
+        try:
+            addr = self._head_addr()
+            if old is None or addr is None or old.plan.model_path != new.plan.model_path \
+                    or not new.keep_slots:
+                report.notes.append("saved slots not restored: the new layout runs another "
+                                    "model or does not keep slots")
+                return
+            res = await asyncio.to_thread(slots.restore_all, addr, saved, SLOT_TIMEOUT)
+            ok = {k: v for k, v in res.items() if isinstance(v, int)}
+            report.notes.append(f"keep_slots: restored {len(ok)} of {len(saved)} slots "
+                                f"({sum(ok.values())} tokens)")
+        except (slots.SlotError, OSError) as exc:
+            report.notes.append(f"keep_slots: restore failed: {exc}")
+        finally:
+            for name in saved.values():
+                with contextlib.suppress(OSError):
+                    (self.state.root / "slots" / name).unlink()
+
+    async def _drain(self, report: SwitchReport, target: str) -> None:
+        r = self.route
+        left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
+        if left:
+            # Those without a response byte are sent again to the new layout once it serves
+            # (held meanwhile, as after a crash); only partial responses are cut.
+            report.cut = r.cut_inflight(f"cut by the switch to {target} after "
+                                        f"{self.switch_timeouts.drain:.0f}s of draining",
+                                        requeue=True)
+            resent = max(0, left - report.cut)
+            report.notes.append(f"{left} requests still in flight after the "
+                                f"{self.switch_timeouts.drain:.0f}s drain: {report.cut} cut "
+                                f"(partly answered), {resent} without a response byte sent "
+                                "again to the new layout")
+
+    async def _rollback(self, old: Deployment | None, report: SwitchReport, phase: Phases,
+                        started_new: bool) -> None:
+        with phase("rollback"):
+            if started_new:
+                await self._stop_current(f"switch to {report.to} failed")
+            back = self.last_good or old
+            if back is None:
+                report.result = "failed"
+                self.switching = None
+                self.error = report.error
+                self.failed_at = self.clock()
+                self._to(LaneState.FAILED)
+                self.route.set_unavailable(f"profile {report.to} failed: {report.error}",
+                                           retry_after=30)
+                self.route.release()
+                return
+            try:
+                self._adopt(back)
+                sup = self._launch(back)
+                await self._ready(sup, back.timeouts.load + back.timeouts.peer)
+                report.result = "rolled_back"
+            except LayoutFailed as exc:
+                report.result = "failed"
+                report.error = f"{report.error}; the rollback to {back.profile} failed too: {exc}"
+            self.switching = None
+            if self.phase is LaneState.SWITCHING:
+                self._to(LaneState.SERVING)
+            self.sync_gate()
+
+    def _finish(self, report: SwitchReport, phase: Phases) -> None:
+        """A change is over (whatever its result): record and announce it."""
+        self.switching = None
+        if self.phase is LaneState.SWITCHING:
+            self._to(LaneState.SERVING if self.sup is not None else LaneState.FAILED)
+        phase.done()
+        self.record(report)
+
+    def record(self, report: SwitchReport) -> None:
+        """Keep a finished change's report (status, metrics count them by seq) and log it."""
+        self._switch_count += 1
+        report.seq = self._switch_count
+        self.switches.append(report)
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in report.phases.items())
+        log.info("switch %s -> %s: %s in %.2fs (%s)%s", report.frm, report.to, report.result,
+                 report.total_s, phases, f"; {report.error}" if report.error else "")
+        self._changed()
+
+    # -- restart one process ------------------------------------------------------------------
+
+    async def restart(self, name: str) -> dict[str, Any]:
+        sup = self.sup
+        if sup is None:
+            raise HydraError(f"profile {self.name} is not running: nothing to restart")
+        names = [p.name for p in sup.procs]
+        if name not in names:
+            raise HydraError(f"no engine '{name}' in profile {sup.plan.profile}; "
+                             f"engines: {', '.join(names)}")
+        if self.lock.locked():
+            raise Busy(f"a switch is running on port {self.port.port}; try again after it")
+        async with self.lock:
+            t0 = time.monotonic()
+            dep = self.dep
+            saved = await self._save_slots(dep)
+            try:
+                await sup.restart(name, fail_fast=True)
+                await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
+            except (LayoutFailed, Fatal) as exc:
+                raise RestartFailed(await self._restart_failed(name, sup, dep, exc)) from exc
+            rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile)
+            await self._restore_slots(dep, dep, saved, rep)
+            return {"engine": name, "profile": sup.plan.profile,
+                    "seconds": round(time.monotonic() - t0, 3), "notes": rep.notes}
+
+    async def _restart_failed(self, name: str, sup: Supervisor, dep: Deployment,
+                              exc: Exception) -> str:
+        """`hydra restart NAME` failed its first start: no backoff; the last good layout is
+        started again from scratch (the switch's rollback). Returns the error to reply."""
+        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, error=str(exc),
+                           failed_phase="restart")
+        rep.log_tail = getattr(exc, "tail", []) or self._tail_of(sup, name)
+        phase = Phases(rep)
+        self.switching = sup.plan.profile
+        self._to(LaneState.SWITCHING)
+        log.error("restart of %s failed: %s", name, exc)
+        try:
+            await self._rollback(dep, rep, phase, started_new=True)
+        finally:
+            self._finish(rep, phase)
+        if rep.result == "rolled_back":
+            return (f"restart of {name} failed: {exc}; the last good layout was started "
+                    "again and serves")
+        return f"restart of {name} failed: {rep.error}"
+
+    async def shutdown(self, reason: str) -> None:
+        """Stop the running layout. The Supervisor stays as the record of the last run (its
+        FATAL reason, the processes' last states) for the final status.json."""
+        if self.sup is not None:
+            self.sup.request_stop(reason)
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def state_now(self) -> LaneState:
+        """The published state: the phase, refined by the processes while it runs."""
+        sup = self.sup
+        if self.switching:
+            return LaneState.SWITCHING
+        if self.phase is not LaneState.SERVING or sup is None:
+            return self.phase
+        if sup.fatal:
+            return LaneState.FAILED
+        if sup.degraded:
+            return LaneState.DEGRADED
+        if all(p.state is State.READY for p in sup.procs):
+            return LaneState.SERVING  # a peer-only lane (mode: peer) has no head
+        if not sup.first_ready.is_set():
+            return LaneState.LOADING
+        return LaneState.RECOVERING
+
+    def process_rows(self, gpu: dict[int, int]) -> list[dict[str, Any]]:
+        """The supervisor's rows plus memory: resident (host) and GPU (NVML) per process."""
+        sup = self.sup
+        if sup is None:
+            return []
+        rows = []
+        for p in sup.procs:
+            row = p.row()
+            pid = row.get("pid")
+            row["rss_bytes"] = None
+            if pid:
+                with contextlib.suppress(psutil.Error):
+                    row["rss_bytes"] = psutil.Process(pid).memory_info().rss
+            row["gpu_bytes"] = gpu.get(pid) if pid else None
+            rows.append(row)
+        return rows
+
+    def requests_last_min(self) -> int | None:
+        """Requests of this lane in about the last minute, from its route's counter sampled at
+        each snapshot (status --watch asks every second; None until two samples exist)."""
+        now = time.monotonic()
+        total = self.route.requests
+        if not self._samples or now - self._samples[-1][0] >= 1.0:
+            self._samples.append((now, total))
+        while self._samples and now - self._samples[0][0] > 60.0:
+            self._samples.popleft()
+        if not self._samples or now - self._samples[0][0] < 1.0:
+            return None
+        return total - self._samples[0][1]
+
+    def lane_row(self) -> dict[str, Any]:
+        """Lane facts for the snapshot (the port adds its own)."""
+        st = self.route.stats()
+        now = self.clock()
+        return {
+            "phase": self.phase.value, "aliases": list(self.aliases),
+            "on_demand": self.on_demand, "ttl": self.ttl, "min_resident": self.min_resident,
+            "concurrency": getattr(self.profile, "concurrency", None),
+            "queue": getattr(self.profile, "queue", None),
+            "devices": list(self.devices),
+            "needs_mib": {k: round(v / fleetplan.MIB) for k, v in self.needs.items()},
+            "loads": self.loads, "unloads": self.unloads, "error": self.error, "why": self.why,
+            "resident_s": round(now - self.loaded_at, 1) if self.loaded_at is not None else None,
+            "idle_s": st["idle_s"], "requests": st["requests"], "held": st["held"],
+            "held_reason": st["held_reason"], "inflight": st["inflight"],
+            "running": st["running"], "waiting": st["waiting"]}
+
+
+def _profile_of(dep: Deployment) -> Profile | None:
+    lay = dep.layout
+    return lay.profile if lay is not None else None

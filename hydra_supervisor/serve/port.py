@@ -1,0 +1,553 @@
+"""One external address: its Router, its lanes by name and alias, the model → lane lookup.
+
+A port started with one profile is a port with one lane, `--no-profile` a port with none,
+several profiles (`hydra up -p A -p B`) a port with a lane each, routed by the request's
+`model` (`by_model`). The router asks `select` where each HTTP request goes:
+
+- by model: the OpenAI `model` (a lane's name or alias; none: the default lane) picks the lane;
+  `GET /v1/models` is answered here; an unknown model gets 404 naming the known ones; a
+  request for a stopped lane loads it (unless `on_demand: false`) and waits, held, until it
+  serves;
+- one lane: every request goes to it (llama-server answers /v1/models itself, under the
+  profile's name: the resolver passes `--alias`); none: 503 naming `hydra switch NAME`.
+
+Everything here runs on the event loop, except `select` (router threads), which only reads
+and posts work to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from hydra_supervisor import gpumem, plandiff
+from hydra_supervisor.config import Profile
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.ports import host_port, url_for
+from hydra_supervisor.portwatch import PortWatch
+from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.router.conn import Addr, Handoff
+from hydra_supervisor.router.gate import Gate
+from hydra_supervisor.router.routes import Limiter, LocalReply, Route
+from hydra_supervisor.serve import states
+from hydra_supervisor.serve.lane import Lane, needs_of
+from hydra_supervisor.serve.node import TICK, Node
+from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
+from hydra_supervisor.serve.states import LaneState
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import Supervisor
+
+log = logging.getLogger("hydra")
+_DEMAND_WAIT_S = 5.0  # how long a router thread waits for the loop to take a request's load
+MODEL_PATHS = ("/v1/models", "/models")
+DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
+
+
+class Port:
+    def __init__(self, state: StateDir, host: str, port: int, *, node: Node,
+                 by_model: bool = False, allow: tuple[str, ...] = DEFAULT_ALLOW,
+                 use_router: bool = True,
+                 profiles: Callable[[], list[str]] | None = None,
+                 switch_timeouts: SwitchTimeouts | None = None,
+                 router_kwargs: dict[str, Any] | None = None, load_wait: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 make_router: Callable[..., Router] = Router,
+                 make_supervisor: Callable[..., Any] | None = None) -> None:
+        self.state = state
+        self.host = host
+        self.port = port
+        self.node = node
+        self.by_model = by_model
+        self.allow = allow
+        self.use_router = use_router
+        self.profiles = profiles or (lambda: [])
+        self.switch_timeouts = switch_timeouts or SwitchTimeouts()
+        self.router_kwargs = dict(router_kwargs or {})
+        self.load_wait = load_wait
+        self.clock = clock
+        self.make_router = make_router
+        self.make_supervisor = make_supervisor or Supervisor
+        self.lanes: dict[str, Lane] = {}
+        self.lookup: dict[str, str] = {}  # model name or alias -> lane
+        self.default: str | None = None
+        self.router: Router | None = None
+        self.watch: PortWatch | None = None
+        self.hydra_upstream: Addr | Handoff | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.started = asyncio.Event()  # the start-up loads are over (served or not)
+        self.listeners: list[Callable[[], None]] = []
+        self._tick_task: asyncio.Task[None] | None = None
+        self._boot: asyncio.Task[None] | None = None
+        self._created = int(time.time())
+        self._rpc: Addr | None = None
+        # Where requests go while the port has no lane (503 naming `hydra switch NAME`).
+        self._none = Route("none", Gate(120.0, 1024), where=f"port {port}")
+        self._pending: list[tuple[Profile | None, Deployment]] = []
+
+    # -- lanes ----------------------------------------------------------------------------------
+
+    def plan_lane(self, profile: Profile | None, dep: Deployment) -> None:
+        """A lane to make when the port opens (its route needs the router)."""
+        self._pending.append((profile, dep))
+
+    def _new_route(self, name: str, profile: Profile | None) -> Route:
+        conc = getattr(profile, "concurrency", None)
+        queue = int(getattr(profile, "queue", 32))
+        if self.router is not None:
+            route = self.router.new_route(name, conc, queue)
+        else:  # router: false: llama-server holds the port; the route only records
+            route = Route(name, Gate(120.0, 1024),
+                          limiter=Limiter(name, conc, queue) if conc else None)
+        route.where = f"port {self.port}"
+        return route
+
+    def add_lane(self, profile: Profile | None, dep: Deployment) -> Lane:
+        name = dep.profile
+        route = self._new_route(name, profile)
+        lane = Lane(self, dep, route, state=self.state, profile=profile, node=self.node,
+                    switch_timeouts=self.switch_timeouts, make_supervisor=self.make_supervisor,
+                    clock=self.clock, exit_on_fatal=not self.by_model,
+                    prefix_names=self.by_model)
+        if self.by_model:
+            # A request that loads its lane waits for the whole load (a big model on a slow
+            # disk takes minutes), not just the router's usual hold; a failed load answers it
+            # at once anyway.
+            route.gate.hold_timeout = max(route.gate.hold_timeout, lane.dep.timeouts.load
+                                          + lane.dep.timeouts.peer + self.load_wait)
+        self.lookup = self._names([*(x.profile_or_name() for x in self.lanes.values()),
+                                   (lane.name, lane.aliases)])
+        self.lanes[lane.name] = lane
+        self.node.add(lane)
+        if self.default is None:
+            self.default = lane.name
+        return lane
+
+    def _names(self, labels: list[tuple[str, tuple[str, ...]]]) -> dict[str, str]:
+        """Model name or alias -> lane; a name two lanes claim is refused."""
+        seen: dict[str, str] = {}
+        for name, aliases in labels:
+            for label in (name, *aliases):
+                other = seen.get(label)
+                if other is not None and other != name:
+                    raise HydraError(f"model name '{label}' is claimed by profiles {other} and "
+                                     f"{name} on port {self.port}: give each a name of "
+                                     "its own (aliases:)")
+                seen[label] = name
+        return seen
+
+    def only(self) -> Lane | None:
+        """The lane of a port that serves one profile (None: none yet, or several)."""
+        if self.by_model or not self.lanes:
+            return None
+        return next(iter(self.lanes.values()))
+
+    def wire_lane(self) -> Lane | None:
+        """The lane the Hydra wire protocol addresses: the default lane."""
+        return self.lanes.get(self.default) if self.default is not None else None
+
+    def lane_changed(self, lane: Lane) -> None:
+        """A lane changed (state, processes, or its profile after a switch)."""
+        if lane.name not in self.lanes or self.lanes[lane.name] is not lane:
+            old = next((n for n, x in self.lanes.items() if x is lane), None)
+            if old is not None:  # a switch gave the lane another profile
+                self.lanes = {(lane.name if n == old else n): x for n, x in self.lanes.items()}
+                if self.default == old:
+                    self.default = lane.name
+                self.lookup = self._names([x.profile_or_name() for x in self.lanes.values()])
+                self.node.rename(lane, old)
+        if self.by_model:
+            lane.went_fatal()
+        self._announce()
+
+    def _announce(self) -> None:
+        for fn in self.listeners:
+            fn()
+
+    # -- the port ---------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Bind the external port (the router). Without a router the head binds it itself."""
+        if self.use_router:
+            self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
+                                           name=f"port {self.port}", **self.router_kwargs)
+            self.router.route_by_model = self.by_model
+            self.router.table = self.select
+            self._idle_message()  # before the port opens: no request sees a port without one
+            self.router.start()
+            self.port = self.router.port  # --port 0: the port the kernel gave us
+            self.watch = PortWatch(host_port(self.host, self.port), self.router)
+        self._none.where = f"port {self.port}"
+        for profile, dep in self._pending:
+            lane = self.add_lane(profile, dep)
+            if self.by_model:
+                lane.stopped_gate()
+        self._pending = []
+
+    def _idle_message(self) -> None:
+        names = ", ".join(self.profiles()) or "(none found)"
+        self._none.set_unavailable(
+            f"no profile is loaded on this hydra: run `hydra switch NAME` (profiles: {names})",
+            retry_after=10)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.active = False  # down on purpose from now on
+        if self.router is not None:
+            self.router.stop()
+
+    @property
+    def url(self) -> str:
+        """http://, or ggml-rpc:// for a port that only lends a device (mode: peer)."""
+        lane = self.only()
+        plan = lane.dep.plan if lane is not None else None
+        if plan is not None and plan.router is not None and not plan.router.http:
+            return url_for(self.host, self.port, scheme="ggml-rpc")
+        return url_for(self.host, self.port)
+
+    def alive(self) -> bool:
+        return self.router is None or self.router.alive()
+
+    def down(self) -> str | None:
+        """Why the port refuses every connection (its router's acceptor is not running)."""
+        return self.watch.down() if self.watch is not None else None
+
+    def check_port(self) -> bool:
+        """The daemon's tick: restart a router that stopped accepting (portwatch.py); True
+        when the port went down or came back."""
+        return self.watch.check() if self.watch is not None else False
+
+    def _upstreams(self) -> Upstreams:
+        return Upstreams(rpc=self._rpc, hydra=self.hydra_upstream)
+
+    def set_rpc(self, addr: Addr | None) -> None:
+        """ggml-RPC through this port (a lane that lends a device: mode: peer)."""
+        self._rpc = addr
+        if self.router is not None:
+            self.router.set_upstreams(self._upstreams())
+
+    def set_hydra_upstream(self, addr: Addr | Handoff | None) -> None:
+        """The wire protocol's server (YH frames on this port)."""
+        self.hydra_upstream = addr
+        if self.router is not None:
+            self.router.set_upstreams(self._upstreams())
+
+    def set_request_defaults(self, d: dict[str, Any]) -> None:
+        if self.router is not None:
+            self.router.set_request_defaults(d)  # T1 defaults are the port's
+
+    # -- routing (router threads) ------------------------------------------------------------------
+
+    def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
+        if not self.by_model:
+            lane = self.only()
+            return lane.route if lane is not None else self._none
+        if method == "GET" and path in MODEL_PATHS:
+            return LocalReply(200, self.models_json())
+        if not model and method in ("GET", "HEAD"):
+            idle = self._idle_default(path)
+            if idle is not None:
+                return idle
+        name = self.default if not model else self.lookup.get(model)
+        if name is None:
+            known = ", ".join(sorted(self.lookup))
+            return LocalReply(404, {"error": {
+                "code": 404, "type": "not_found_error",
+                "message": f"model '{model}' is not served here; known models: {known}"}},
+                counter="unknown_model")
+        lane = self.lanes[name]
+        if lane.on_demand and lane.phase in (LaneState.STOPPED, LaneState.FAILED):
+            self._demand(lane)
+        return lane.route
+
+    def _idle_default(self, path: str) -> LocalReply | None:
+        """A GET without a model while the default lane is not loaded (a health checker, a
+        monitor): answered here, so polling does not load (or keep loaded) a profile."""
+        lane = self.lanes[self.default] if self.default is not None else None
+        if lane is None or lane.phase not in (LaneState.STOPPED, LaneState.FAILED):
+            return None
+        words = {n: self.state_of(x) for n, x in self.lanes.items()}
+        if path == "/health":
+            return LocalReply(200, {"status": "ok", "profiles": words})
+        if path == "/slots":
+            return LocalReply(200, [])
+        return LocalReply(503, {"error": {
+            "code": 503, "type": "unavailable_error",
+            "message": f"the default profile {lane.name} is not loaded ({lane.error or lane.why}); "
+                       "a request naming a model loads it (GET /v1/models lists them)"}},
+            counter="default_not_loaded")
+
+    def _demand(self, lane: Lane) -> None:
+        """A request for a stopped or failed lane (a router thread): the loop decides and acts
+        (the lane is the only writer of its gate, on the loop's thread); this thread waits for
+        that, bounded, so that the request meets the gate as the loop left it (held for the
+        load, or still answering the failure during its cooldown)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # (tests route from the loop's own thread: it cannot wait for itself)
+            self._demand_now(lane.name, later=True)
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._demand_on_loop(lane.name), loop)
+        try:
+            fut.result(_DEMAND_WAIT_S)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            log.warning("profile %s: the loop did not take its load request within %gs",
+                        lane.name, _DEMAND_WAIT_S)
+
+    async def _demand_on_loop(self, name: str) -> None:
+        self._demand_now(name)
+
+    def _demand_now(self, name: str, later: bool = False) -> None:
+        """(The loop's thread.) The gate is set at once; the load starts now or, ``later``, on
+        the loop's next turn."""
+        lane = self.lanes.get(name)
+        if lane is None:
+            return
+        if lane.phase is LaneState.FAILED:
+            if self.clock() - lane.failed_at < lane.cooldown:
+                return  # its route answers 503 with the failure until the cooldown is over
+            # Before the request reaches the gate: it must wait for the load, not get the 503.
+            lane.route.set_unavailable(None)
+            lane.route.hold(f"loading profile {lane.name} (on request, after a failure)")
+        if later and self.loop is not None:
+            self.loop.call_soon(self._want, name)
+        else:
+            self._want(name)
+
+    def _want(self, name: str) -> None:
+        lane = self.lanes[name]
+        if lane.job is None and lane.phase in (LaneState.STOPPED, LaneState.FAILED):
+            lane.job = asyncio.create_task(lane.load("on request"))
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def start(self, initial: list[str] | None = None) -> None:
+        """Start serving: one lane is started and followed; among several, the default and
+        every `on_demand: false` lane load (as far as they fit together)."""
+        self.loop = asyncio.get_running_loop()
+        lane = self.only()
+        if not self.by_model:
+            if lane is not None:
+                await lane.start()
+            self.started.set()
+            return
+        self._tick_task = asyncio.create_task(self._ticks())
+        self._boot = asyncio.create_task(self._start_loads(
+            initial if initial is not None else self.initial_names()))
+
+    def initial_names(self) -> list[str]:
+        """Loaded at start: the default lane, then every `on_demand: false` one."""
+        rest = [n for n, x in self.lanes.items() if not x.on_demand and n != self.default]
+        return [*([self.default] if self.default else []), *rest]
+
+    async def _start_loads(self, names: list[str]) -> None:
+        try:
+            for name in names:
+                lane = self.lanes[name]
+                if lane.phase is not LaneState.STOPPED:
+                    continue
+                fits = self.node.fits_now(lane)
+                if fits.verdict.name != "FITS" and name != self.default:
+                    lane.why = f"did not fit at start ({fits.reason})"
+                    log.info("profile %s not loaded at start: %s", name, fits.reason)
+                    lane.stopped_gate()
+                    continue
+                lane.job = asyncio.current_task()
+                await lane.load("at start")
+        finally:
+            self.started.set()
+            self._announce()
+
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            now = self.clock()
+            for lane in list(self.lanes.values()):
+                if lane.job is not None:
+                    continue
+                if lane.phase is LaneState.STOPPED and lane.on_demand and lane.route.gate.held():
+                    self._want(lane.name)  # requests parked while it was being stopped
+                elif lane.phase is LaneState.SERVING and lane.ttl is not None \
+                        and not lane.lock.locked():
+                    st = lane.route.stats()
+                    idle = now - lane.route.last_used
+                    if idle >= lane.ttl and not st["inflight"] and not st["held"] \
+                            and not st["waiting"]:
+                        task = asyncio.create_task(
+                            lane.unload(f"idle {idle:.0f}s (ttl {lane.ttl:g}s)"))
+                        lane.job = task
+                        task.add_done_callback(functools.partial(_clear_job, lane))
+                elif lane.went_fatal():
+                    self._announce()
+
+    def ready(self) -> bool:
+        return self.started.is_set()
+
+    async def switch_to(self, dep: Deployment) -> SwitchReport:
+        """A port with one lane (or none): run `dep` in its place (any profile)."""
+        lane = self.only()
+        if lane is None:
+            profile = dep.layout.profile if dep.layout is not None else None
+            lane = self.add_lane(profile, dep)
+        return await lane.switch(dep)
+
+    async def apply_to(self, name: str, dep: Deployment) -> SwitchReport:
+        """A new Deployment for a serving lane (the wire protocol's CONFIGURE and
+        SET_EXPERT_MODE): run through its apply (plandiff)."""
+        lane = self.lanes[name]
+        if self.by_model and lane.phase is not LaneState.SERVING:
+            raise HydraError(f"profile {name} is {lane.state_now().value}: nothing to "
+                             "reconfigure")
+        return await lane.apply(dep)
+
+    def differs(self, lane: Lane, prof: Profile, dep: Deployment) -> bool:
+        """Whether a re-read profile changes anything of `lane` (its plan, policies, knobs)."""
+        new = lane.own(dep)
+        d = plandiff.diff(lane.dep.plan, new.plan)
+        same_addr = replace(prof, host=lane.profile.host, port=lane.profile.port) \
+            if lane.profile is not None else prof
+        return (d.change is not plandiff.Change.NONE or same_addr != lane.profile
+                or new.policy != lane.dep.policy or new.timeouts != lane.dep.timeouts)
+
+    async def replace(self, lane: Lane, new: tuple[Profile, Deployment]) -> str:
+        """A reload of one lane among several: a serving lane restarts what changed (plandiff:
+        the head alone, or everything); a stopped one uses the new plan at its next load."""
+        prof, dep = new[0], lane.own(new[1])
+        me = asyncio.current_task()
+        while lane.job is not None and lane.job is not me:  # a load or an unload: let it finish
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(lane.job)
+        lane.job = me  # no ttl unload, eviction or load of it meanwhile
+        try:
+            lookup = self._names([(prof.name, prof.aliases) if x is lane else
+                                  x.profile_or_name() for x in self.lanes.values()])
+            did = "not loaded: the new settings apply at its next load"
+            if lane.phase is LaneState.SERVING:
+                rep = await lane.apply(dep)
+                if rep.result not in ("ok", "noop"):
+                    raise HydraError(f"reload of {lane.name}: {rep.result}: {rep.error}")
+                did = (f"restarted {', '.join(rep.restarted)} in {rep.total_s:.2f}s"
+                       if rep.result == "ok" else "routing settings only, nothing restarted")
+            lane.dep, lane.profile = dep, prof
+            lane.fails = 0  # new settings: a failed lane may make room for itself again
+            self.lookup = lookup
+            lane.needs = needs_of(dep)
+            lane.route.limiter = (Limiter(lane.name, prof.concurrency, prof.queue)
+                                  if prof.concurrency else None)
+            if lane.phase is LaneState.STOPPED:
+                lane.stopped_gate()
+            self._announce()
+            return did
+        finally:
+            lane.job = None
+
+    async def shutdown(self, reason: str) -> None:
+        for t in (self._tick_task, self._boot):
+            if t is not None:
+                t.cancel()
+        jobs = [x.job for x in self.lanes.values() if x.job is not None
+                and x.job is not asyncio.current_task()]
+        for t in jobs:
+            t.cancel()
+        await asyncio.gather(*(t for t in (self._tick_task, self._boot, *jobs)
+                               if t is not None), return_exceptions=True)
+        await asyncio.gather(*(x.shutdown(reason) for x in self.lanes.values()),
+                             return_exceptions=True)
+
+    @property
+    def unkillable(self) -> list[str]:
+        return [u for x in self.lanes.values() for u in x.unkillable]
+
+    # -- status -----------------------------------------------------------------------------------
+
+    def state_of(self, lane: Lane) -> str:
+        if self.down():
+            return states.PORT_DOWN  # no request reaches any lane here (phase: its own)
+        return lane.state_now().value
+
+    def models_json(self) -> dict[str, Any]:
+        data = []
+        for lane in self.lanes.values():
+            data.append({
+                "id": lane.name, "object": "model", "created": self._created,
+                "owned_by": "hydra", "state": self.state_of(lane),
+                "status": {"value": states.MODEL_STATUS[lane.state_now()]},
+                "aliases": list(lane.aliases), "default": lane.name == self.default,
+                "devices": list(lane.devices), "mode": lane.dep.plan.mode,
+                "model": lane.dep.model_label, "on_demand": lane.on_demand,
+                "error": lane.error})
+        return {"object": "list", "data": data}
+
+    def _router_stats(self, lane: Lane | None) -> dict[str, Any] | None:
+        if self.router is None:
+            return None
+        st = self.router.stats()
+        if lane is not None and not self.by_model:
+            st["held"] = lane.route.gate.held()  # the port's one lane: its gate is the port's
+            st["inflight"] = lane.route.gate.inflight()
+        if self.watch is not None:
+            st.update(self.watch.counts())
+        return st
+
+    def row(self, lane: Lane | None, gpu: dict[int, int]) -> dict[str, Any]:
+        """One status row: a lane (or, for a port with none, the port itself)."""
+        sup = lane.sup if lane is not None else None
+        dep = lane.dep if lane is not None else None
+        if lane is None:
+            word = states.PORT_DOWN if self.down() else states.IDLE
+        else:
+            word = self.state_of(lane)
+        row: dict[str, Any] = {
+            "name": f"port-{self.port}/{lane.name}" if self.by_model and lane is not None
+            else f"port-{self.port}",  # stable across switches (metric labels)
+            "profile": dep.profile if dep is not None else None,
+            "source": dep.plan.source if dep is not None else None,
+            "mode": dep.plan.mode if dep is not None else None,
+            "model": dep.model_label if dep is not None else None,
+            "host": self.host, "port": self.port, "url": self.url, "state": word,
+            "down": self.down(),
+            "switching": lane.switching if lane is not None else None,
+            "fatal": sup.fatal if sup is not None else None,
+            "degraded": sup.degraded if sup is not None else None,
+            "processes": lane.process_rows(gpu) if lane is not None else [],
+            "requests_last_min": lane.requests_last_min() if lane is not None else None,
+            "router": self._router_stats(lane),
+            "switches": [s.to_json() for s in lane.switches] if lane is not None else [],
+        }
+        if self.by_model and lane is not None:
+            row["fleet"] = {"port": self.port, "default": lane.name == self.default,
+                            **lane.lane_row()}
+        return row
+
+    def snapshot(self, gpu: dict[int, int] | None = None) -> list[dict[str, Any]]:
+        """A row per lane; the port's router counters ride on the first row only (they are the
+        port's, not a lane's: metrics must not count them once per lane)."""
+        if gpu is None:
+            running = any(x.sup is not None for x in self.lanes.values())
+            gpu = gpumem.used_by_pid() if running else {}
+        if not self.lanes:
+            return [self.row(None, gpu)]
+        rows = [self.row(lane, gpu) for lane in self.lanes.values()]
+        for row in rows[1:]:
+            row["router"] = None
+        return rows
+
+    def port_row(self) -> dict[str, Any]:
+        return {"port": self.port, "url": self.url, "default": self.default,
+                "profiles": list(self.lanes), "alive": self.alive(), "down": self.down()}
+
+
+def _clear_job(lane: Lane, _task: asyncio.Task[Any]) -> None:
+    lane.job = None

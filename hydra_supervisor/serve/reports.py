@@ -1,0 +1,88 @@
+"""What a lane's operations answer with: one report type for switch, apply, reload, restart.
+
+Also the errors those operations raise, and the timeouts of a change."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra_supervisor.errors import HydraError
+
+
+class Busy(HydraError):
+    """A change (switch, reload, restart, load) is already running on this lane."""
+
+
+class RestartFailed(HydraError):
+    """`hydra restart NAME` did not bring the process back (the layout was started again)."""
+
+
+class LayoutFailed(Exception):
+    """A layout did not become ready; the message says which process and why."""
+
+    def __init__(self, message: str, tail: list[str]) -> None:
+        super().__init__(message)
+        self.tail = tail
+
+
+@dataclass(frozen=True)
+class SwitchTimeouts:
+    drain: float = 30.0  # in-flight requests may finish this long, then they are cut
+    gpu_free: float = 30.0  # the old processes' GPU memory must be released within this
+    gate_extra: float = 0.0  # added to the new layout's own load timeout
+
+
+@dataclass
+class SwitchReport:
+    """What a change did, phase by phase; the API reply and hydra.log carry it."""
+
+    to: str
+    frm: str | None
+    result: str = "running"  # ok | rolled_back | failed | noop
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    failed_phase: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    cut: int = 0
+    total_s: float = 0.0
+    restarted: list[str] = field(default_factory=list)
+    seq: int = 0  # 1, 2, … per lane, set when it is recorded (metrics count by it)
+    reason: str | None = None  # a noop's why (already serving, nothing changed)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "seq": self.seq, "to": self.to, "from": self.frm, "result": self.result,
+            "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            "total_s": round(self.total_s, 3), "error": self.error,
+            "failed_phase": self.failed_phase, "log_tail": self.log_tail,
+            "notes": self.notes, "cut": self.cut, "restarted": self.restarted}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
+
+
+class Phases:
+    """Times each phase of a change (monotonic) into a report."""
+
+    def __init__(self, report: SwitchReport) -> None:
+        self.report = report
+        self.t0 = time.monotonic()
+        self.current: str | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.current = name
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.report.phases[name] = self.report.phases.get(name, 0.0) + \
+                time.monotonic() - start
+
+    def done(self) -> None:
+        self.report.total_s = time.monotonic() - self.t0
