@@ -1,0 +1,342 @@
+"""Across hosts (issue 22): hosts are network namespaces joined by a bridge with 1 Gbit links
+(tests/netns.py), each running its own `hydra up` with its own state dir.
+
+- a head host uses a peer host's lent CPU (`mode: peer`, through the peer's router) for a dense
+  COMBINE and for MoE experts, and serves real completions through its own router;
+- a source off the peer's `rpc_allow` (a third host) is refused at the peer's router;
+- faults, with requests sent during each: the peer host's hydra killed and brought back, the
+  peer's rpc-server alone killed, the peer's link cut, its packets dropped (a blackhole route):
+  detected within BOUND_S, the head back per `on_peer_loss`, every request that had not started
+  served after recovery, nothing left running in any namespace after `hydra down` on both.
+
+Skipped, with the reason printed, where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+from hydra_supervisor import rpcproto
+from tests.harness import HYDRA, REPO, Up, make_env, run_hydra, status_json, wait_until
+from tests.netns import Hosts, why_unavailable
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PEER_PORT, HEAD_PORT = 8090, 8080
+# Both hosts run this machine's one build; where that build is unstamped (build 0, commit
+# unknown) the build-identity check (issue 22, its own tests) cannot tell builds apart and
+# refuses: the node file says so explicitly here, as an operator would.
+OVERRIDE = (", allow_build_mismatch: true"
+            if "allow_build_mismatch" in (REPO / "hydra_supervisor" / "config.py").read_text()
+            else "")
+INTERVAL, STALL = 0.5, 3.0
+# Detection bound, from the fault to the head leaving READY (docs/multi-host.md): a peer that
+# exits or refuses is seen at the head's next RPC call (it aborts) or at once; one that drops
+# packets at the stall rule's connect: freeze grace (1 s) + 2 x interval + CONNECT_TIMEOUT (3 s)
+# = 5 s; plus 3 s for this test's polling and a busy 2-core machine.
+BOUND_S = 8.0
+POLICY = f"""
+restart: {{backoff_initial: 0.5, backoff_max: 2, max_failures: 8, window: 180, stable_after: 3}}
+health: {{interval: {INTERVAL}, hang_timeout: 10, stall_timeout: {STALL}}}
+"""
+
+
+def skip_unless_netns() -> None:
+    why = why_unavailable()
+    if why:
+        # printed past pytest's capture, so CI output says why these tests did not run
+        print(f"\nSKIP tests/test_multihost.py: {why}", file=sys.__stderr__)
+        pytest.skip(why)
+
+
+@pytest.fixture
+def net() -> Iterator[Hosts]:
+    skip_unless_netns()
+    with Hosts(["head", "peer", "client"]) as hosts:
+        yield hosts
+
+
+class NsUp(Up):
+    """`hydra up` inside one host's namespace (the pid is hydra's: `ip netns exec` execs)."""
+
+    def __init__(self, net: Hosts, host: str, env: dict[str, str], args: list[str],
+                 tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.env = env
+        self.out = (tmp / "up.out").open("a+")
+        self.err = (tmp / "up.err").open("a+")
+        self.proc = subprocess.Popen(net.argv(host, [*HYDRA, "up", *args]), env=env,
+                                     stdout=self.out, stderr=self.err, cwd=REPO)
+        self.children: list[psutil.Process] = []
+
+
+@dataclass
+class Pair:
+    """A peer host lending its CPU and a head host using it (the profiles below)."""
+
+    net: Hosts
+    tmp: Path
+    peer_env: dict[str, str] = field(default_factory=dict)
+    head_env: dict[str, str] = field(default_factory=dict)
+    peer: NsUp | None = None
+    head: NsUp | None = None
+
+    def __post_init__(self) -> None:
+        for host in ("peer", "head"):
+            (self.tmp / host).mkdir(parents=True, exist_ok=True)
+        self.peer_env = make_env(self.tmp / "peer")
+        # the peer host's own rpc cache (-c): cold on its first load, warm after
+        self.peer_env["LLAMA_CACHE"] = str(self.tmp / "peer" / "llama-cache")
+        self.head_env = make_env(self.tmp / "head", "devices:\n  far: {endpoint: '"
+                                 f"{self.net.addr('peer')}:{PEER_PORT}'{OVERRIDE}}}\n")
+        (self.tmp / "peer" / "lend.yaml").write_text(
+            "profile: lend\nmode: peer\nhead: cpu-peer\nhost: 0.0.0.0\n"
+            f"port: {PEER_PORT}\nrpc_allow: ['{self.net.addr('head')}/32']\n"
+            "server_args: {threads: 1}\n")
+
+    def start_peer(self) -> dict[str, Any]:
+        self.peer = NsUp(self.net, "peer", self.peer_env,
+                         ["--profile", str(self.tmp / "peer" / "lend.yaml")], self.tmp / "peer")
+        return self.peer.wait_ready(60)
+
+    def start_head(self, body: str, name: str = "far", policy: str = "restart",
+                   timeout: float = 240) -> dict[str, Any]:
+        prof = self.tmp / "head" / f"{name}.yaml"
+        prof.write_text(f"profile: {name}\n{body}peers: [far]\nhost: 0.0.0.0\n"
+                        f"port: {HEAD_PORT}\non_peer_loss: {policy}\n{POLICY}")
+        self.head = NsUp(self.net, "head", self.head_env, ["--profile", str(prof)],
+                         self.tmp / "head")
+        return self.head.wait_ready(timeout)
+
+    def url(self, path: str) -> str:
+        return f"http://{self.net.addr('head')}:{HEAD_PORT}{path}"
+
+    def complete(self, n: int = 8, timeout: float = 180) -> requests.Response:
+        """One completion from the client host, through the head's router."""
+        return self.net.call("client", lambda: requests.post(
+            self.url("/completion"), json={"prompt": "Once upon a time", "n_predict": n},
+            timeout=timeout))
+
+    def engines(self, env: dict[str, str]) -> list[dict[str, Any]]:
+        st = status_json(env)
+        return list((st.get("status") or {}).get("engines") or [])
+
+    def down_both(self) -> None:
+        """`hydra down` on both hosts, then: nothing left running in any namespace."""
+        for up, env in ((self.head, self.head_env), (self.peer, self.peer_env)):
+            if up is not None and up.proc.poll() is None:
+                res = run_hydra(env, "down", timeout=90)
+                assert res.returncode == 0, res.stdout + res.stderr
+                up.proc.wait(30)
+        for host in ("head", "peer"):
+            wait_until(lambda h=host: not self.net.pids(h), 15,
+                       f"no process left in {host}'s namespace", interval=0.2)
+
+    def cleanup(self) -> None:
+        for up in (self.head, self.peer):
+            if up is not None:
+                if up.proc.poll() is None:
+                    up.stop()
+                up.kill_everything()
+
+
+@pytest.fixture
+def pair(net: Hosts, tmp_path: Path) -> Iterator[Pair]:
+    p = Pair(net, tmp_path)
+    try:
+        yield p
+    finally:
+        p.cleanup()
+
+
+DENSE = ("model: gemma3-270m\nmode: combine\nhead: cpu\nsplit: [9, 9]\n"
+         "server_args: {ctx-size: 2048, parallel: 4, log-verbosity: 4, threads: 1,"
+         " chat-template: gemma, no-jinja: true, n-predict: 32}\n")
+MOE = ("model: synth-moe\nmode: combine\nhead: cpu\nmoe_split: experts\n"
+       "server_args: {ctx-size: 1024, parallel: 4, log-verbosity: 4, threads: 1, n-predict: 32}\n")
+
+
+def _head_log(pair: Pair) -> str:
+    return (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" / "head.log").read_text(
+        errors="replace")
+
+
+def test_head_host_serves_dense_and_moe_on_a_peer_hosts_cpu(pair: Pair) -> None:
+    net = pair.net
+    st = pair.start_peer()
+    assert st["status"]["url"].endswith(f":{PEER_PORT}")
+    endpoint = f"{net.addr('peer')}:{PEER_PORT}"
+
+    # A source off rpc_allow (the client host) is closed without a byte at the peer's router.
+    def hello_from_client() -> bytes:
+        with socket.create_connection((net.addr("peer"), PEER_PORT), timeout=5) as s:
+            s.sendall(rpcproto.HELLO_REQUEST)
+            s.settimeout(5)
+            return s.recv(64)
+    assert net.call("client", hello_from_client) == b""
+    # ...while the head host's HELLO is answered through it (no head holds the peer yet).
+    assert net.call("head", lambda: rpcproto.probe(net.addr("peer"), PEER_PORT)).compatible()
+
+    pair.start_head(DENSE, "far-dense")
+    remote, head = pair.engines(pair.head_env)
+    assert not remote["managed"] and remote["port"] == PEER_PORT and remote["pid"] is None
+    r = pair.complete(8)
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 8, r.text
+    log = _head_log(pair)
+    assert f"RPC0[{endpoint}] model buffer size" in log
+    assert "offloaded 10/19 layers" in log
+
+    # The same peer host, now for MoE experts (the head let go of it when it stopped).
+    assert pair.head is not None
+    pair.head.stop()
+    pair.start_head(MOE, "far-moe")
+    r = pair.complete(8)
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 8, r.text
+    sizes = re.findall(rf"RPC0\[{re.escape(endpoint)}\] model buffer size = +([\d.]+) MiB",
+                       _head_log(pair))
+    # exactly the expert tensors: 8 layers x 3 x (8 experts x 256 x 256) f16 = 24 MiB
+    assert sizes and float(sizes[-1]) == pytest.approx(24.0, abs=0.1), "experts not on the peer"
+    pair.down_both()
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+
+class Clients:
+    """Requests sent from the client host while a fault lasts: each records its outcome."""
+
+    def __init__(self, pair: Pair) -> None:
+        self.pair = pair
+        self.results: list[str] = []
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def send(self, n: int = 1) -> None:
+        for _ in range(n):
+            def one() -> None:
+                try:
+                    r = requests.post(self.pair.url("/completion"), timeout=300,
+                                      json={"prompt": "Hello", "n_predict": 4})
+                    ok = r.status_code == 200 and r.json().get("tokens_predicted") == 4
+                    out = "ok" if ok else f"HTTP {r.status_code} {r.text[:200]}"
+                except requests.RequestException as exc:
+                    out = type(exc).__name__
+                with self.lock:
+                    self.results.append(out)
+            self.threads.append(self.pair.net.thread("client", one))
+
+    def join(self, timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a held request never finished"
+        return list(self.results)
+
+
+def _stream(pair: Pair, started: threading.Event, outcome: list[str]) -> threading.Thread:
+    """A long streamed completion in flight when the fault hits (it had started: it may be
+    cut; what matters is that it ends)."""
+    def body() -> None:
+        try:
+            with requests.post(pair.url("/completion"), stream=True, timeout=120,
+                               json={"prompt": "Once upon a time", "n_predict": 1000,
+                                     "stream": True}) as r:
+                for _ in r.iter_lines():
+                    started.set()
+                outcome.append(str(r.status_code))
+        except requests.RequestException as exc:
+            outcome.append(type(exc).__name__)
+        started.set()
+    return pair.net.thread("client", body)
+
+
+def _rpc_server_pid(pair: Pair) -> int:
+    (peer,) = pair.engines(pair.peer_env)
+    return int(peer["pid"])
+
+
+FAULTS = ["peer-hydra-killed", "rpc-server-killed", "link-cut", "blackhole"]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("fault", FAULTS)
+def test_peer_host_fault_is_detected_and_recovered(pair: Pair, fault: str) -> None:
+    net = pair.net
+    pair.start_peer()
+    pair.start_head(DENSE, "far-dense")
+    head_pid = next(e for e in pair.engines(pair.head_env) if e["role"] == "head")["pid"]
+    r = pair.complete(4)
+    assert r.status_code == 200, r.text
+
+    started, stream_out = threading.Event(), []  # type: ignore[var-annotated]
+    stream = _stream(pair, started, stream_out)
+    assert started.wait(60), "the stream did not start"
+    clients = Clients(pair)
+
+    t0 = time.monotonic()
+    if fault == "peer-hydra-killed":
+        assert pair.peer is not None
+        pair.peer.proc.send_signal(signal.SIGKILL)
+        pair.peer.proc.wait(10)
+    elif fault == "rpc-server-killed":
+        psutil.Process(_rpc_server_pid(pair)).kill()
+    elif fault == "link-cut":
+        net.cut("peer")
+    elif fault == "blackhole":
+        # the peer host stops answering: what it sends the head is dropped (silence, not a
+        # refusal, seen from the head)
+        net.blackhole("peer", "head")
+    clients.send(2)  # sent during the fault, before it is noticed
+
+    def noticed() -> bool:
+        es = pair.engines(pair.head_env)
+        return bool(es) and any(e["state"] != "READY" for e in es)
+    wait_until(noticed, 60, "the head host to notice the fault", interval=0.05)
+    detected = time.monotonic() - t0
+    clients.send(2)  # sent while the head host is recovering: held by its router
+
+    time.sleep(1.0)  # the peer away a while (not the assertion's reason: that is below)
+    if fault == "peer-hydra-killed":
+        # the peer host's hydra, brought back (as its service manager would)
+        assert pair.peer is not None
+        pair.peer.out.close()
+        pair.peer.err.close()
+        pair.start_peer()
+    elif fault == "link-cut":
+        net.restore("peer")
+    elif fault == "blackhole":
+        net.unblackhole("peer", "head")
+    t_restored = time.monotonic()
+
+    def back() -> bool:
+        es = pair.engines(pair.head_env)
+        return bool(es) and all(e["state"] == "READY" for e in es) and \
+            next(e for e in es if e["role"] == "head")["pid"] != head_pid
+    wait_until(back, 240, "the head host serving again with a new head")
+    recovered = time.monotonic() - t0
+    results = clients.join(240)
+    stream.join(130)
+    r = pair.complete(4)
+    hydra_log = (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+    print(f"\n{fault}: noticed after {detected:.1f}s; serving again {recovered:.1f}s after the "
+          f"fault ({time.monotonic() - t_restored:.1f}s after the restore); requests sent "
+          f"during the fault: {results}; the stream in flight: {stream_out}")
+    assert detected <= BOUND_S, f"noticed after {detected:.1f}s (bound {BOUND_S}s)"
+    assert results == ["ok"] * 4, (results, hydra_log[-3000:])
+    assert r.status_code == 200, r.text
+    assert "peer loss" in hydra_log or "peer" in hydra_log
+    pair.down_both()
