@@ -99,6 +99,7 @@ class _LazyGroup(click.Group):
 
     lazy = {"bench": "hydra_supervisor.bench_cmd:bench",
             "systemd": "hydra_supervisor.systemd_cmd:systemd",
+            "cache": "hydra_supervisor.cache_cmd:cache",
             "configure": "hydra_supervisor.wire.cli_configure:configure_command"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -125,6 +125,10 @@ class Profile:
     min_resident: float = 30.0
     concurrency: int | None = None
     queue: int = 32
+    # mode: peer -- models (aliases or paths, resolved like `model:`) whose weights this host
+    # writes into its ggml-rpc-server's -c cache before starting it, so a head with the same
+    # GGUF sends only hashes (rpccache.py).
+    prefill: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -401,6 +405,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "min_resident": _seconds,
     "concurrency": _count,
     "queue": _whole,
+    "prefill": _str_list,
 }
 
 DEVICE_SCHEMA: dict[str, Checker] = {
@@ -603,6 +608,11 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
         problems.append((("split",), "used only with mode: combine, and this profile is "
                          "mode: solo (every layer on its head): remove split, or set "
                          "mode: combine with peers"))
+    if "prefill" in data and data.get("mode") != Mode.PEER.value:
+        # Only a peer host runs a ggml-rpc-server whose cache it fills; a head sends weights.
+        problems.append((("prefill",), "used only with mode: peer (it fills this host's "
+                         "ggml-rpc-server cache so a head elsewhere need not send the weights); "
+                         "remove it, or put it in the peer host's profile"))
     _raise(src, problems)
     merged = _merge(node.defaults, checked)
     merged = _merge(merged, dict(overrides or {}))

@@ -92,6 +92,10 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     if profile.mode is Mode.PEER:
         plan = resolver.resolve_peer_engine(profile, devs,
                                             pick(1, {profile.port}, node.rpc_ports, kept_peers))
+        if profile.prefill:  # the GGUFs the supervisor writes into the rpc-server's cache
+            from hydra_supervisor import rpccache
+            plan = replace(plan, meta={**plan.meta, rpccache.PLAN_KEY: rpccache.resolve_prefill(
+                profile.prefill, node, path.parent, profile.source)})
     else:
         model_path = models.resolve_model(profile.model, node, path.parent)
         info = inspect(model_path)

@@ -46,8 +46,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from hydra_supervisor.config import Node
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.paths import cache_dir as hydra_cache_dir
 
@@ -70,6 +72,8 @@ _CHUNK = 64 * 1024 * 1024
 _INDEX_VERSION = 1
 _SPLIT_RE = re.compile(r"^(?P<prefix>.*)-00001-of-(?P<count>\d{5})\.gguf$")
 _TMP_PREFIX = ".hydra-prefill-"
+# Plan.meta key under which layout.build puts a peer profile's resolved `prefill:` paths.
+PLAN_KEY = "prefill"
 
 # progress(bytes of tensor data handled so far, bytes in all)
 Progress = Callable[[int, int], None]
@@ -457,7 +461,8 @@ def _write_entry(cdir: Path, e: CacheEntry) -> None:
 def prefill(gguf: Path, cache_dir: Path, progress: Progress | None = None) -> PrefillResult:
     """Write `<cache_dir>/<hash>` for every tensor of `gguf` over the threshold, so a
     ggml-rpc-server -c using `cache_dir` is sent hashes only. Files already there with the right
-    size are kept. `progress(done, total)` in bytes: hashing first, then the copies."""
+    size are kept. `progress(done, total)` counts bytes of work, monotonic: every tensor's bytes
+    once hashed (instant when the memo is valid), then once copied or found in the cache."""
     t0 = time.monotonic()
     cdir = Path(cache_dir)
     try:
@@ -465,24 +470,29 @@ def prefill(gguf: Path, cache_dir: Path, progress: Progress | None = None) -> Pr
     except OSError as exc:
         raise HydraError(f"rpc cache: cannot create {cdir}: {exc.strerror}") from exc
     # The hashing pass reads every tensor once; the copy pass reads only the missing ones.
-    p = plan(Path(gguf), progress)
-    unique = p.unique()
-    todo = [e for fname, e in unique.items() if not _has(cdir / fname, e.size)]
-    total = sum(e.size for e in todo)
-    done = 0
-    for e in todo:
-        try:
-            _write_entry(cdir, e)
-        except OSError as exc:
-            raise HydraError(f"rpc cache: cannot write {cdir / e.file_name} ({e.name}): "
-                             f"{exc.strerror or exc}") from exc
+    p = plan(Path(gguf), (lambda d, t: progress(d, 2 * t)) if progress else None)
+    done, total = p.bytes, 2 * p.bytes
+    seen: set[str] = set()
+    found = written = bytes_written = 0
+    for e in p.entries:
+        if e.file_name not in seen:  # equal tensors share one file
+            seen.add(e.file_name)
+            if _has(cdir / e.file_name, e.size):
+                found += 1
+            else:
+                try:
+                    _write_entry(cdir, e)
+                except OSError as exc:
+                    raise HydraError(f"rpc cache: cannot write {cdir / e.file_name} ({e.name}): "
+                                     f"{exc.strerror or exc}") from exc
+                written += 1
+                bytes_written += e.size
         done += e.size
         if progress:
             progress(done, total)
-    return PrefillResult(tensors=p.tensors, cached_already=len(unique) - len(todo),
-                         written=len(todo), bytes_written=total,
-                         seconds=time.monotonic() - t0, bytes_total=p.bytes,
-                         cache_dir=str(cdir))
+    return PrefillResult(tensors=p.tensors, cached_already=found, written=written,
+                         bytes_written=bytes_written, seconds=time.monotonic() - t0,
+                         bytes_total=p.bytes, cache_dir=str(cdir))
 
 
 def describe(result: PrefillResult) -> str:
@@ -493,3 +503,61 @@ def describe(result: PrefillResult) -> str:
             f"{result.cached_already} file(s) already cached, {result.written} written "
             f"({result.bytes_written / mib:.1f} MiB) in {result.seconds:.1f} s{rate}"
             f" -> {result.cache_dir}")
+
+
+# -- hydra's side: the peer profile's `prefill:` ------------------------------------------------
+
+
+def resolve_prefill(refs: Sequence[str], node: Node, profile_dir: Path | None,
+                    source: str) -> tuple[str, ...]:
+    """A peer profile's `prefill:` entries as GGUF paths, resolved as `model:` is
+    (models.resolve_model); a miss names the profile file."""
+    from hydra_supervisor import models
+
+    out = []
+    for ref in refs:
+        try:
+            out.append(str(models.resolve_model(ref, node, profile_dir)))
+        except HydraError as exc:
+            raise HydraError(f"{source}: prefill: {exc.message}", hint=exc.hint) from exc
+    return tuple(out)
+
+
+def prefill_all(paths: Sequence[str], cache_dir: Path, *,
+                note: Callable[[str], None] | None = None,
+                stop: threading.Event | None = None,
+                every_s: float = 2.0) -> list[PrefillResult]:
+    """Prefill each GGUF in turn (run it in a thread); `note(text)` is called with progress at
+    most every `every_s` seconds and with each result; a set `stop` ends it between chunks. A
+    model that cannot be read or written is logged and skipped: the cache only saves transfer,
+    the rpc-server serves without it."""
+    results = []
+    for path in paths:
+        name = Path(path).name
+        last = 0.0
+
+        def progress(done: int, total: int, name: str = name) -> None:
+            nonlocal last
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            now = time.monotonic()
+            if note and total and now - last >= every_s:
+                last = now
+                note(f"filling its tensor cache from {name}: {100 * done // total}%")
+
+        try:
+            res = prefill(Path(path), cache_dir, progress)
+        except _Stopped:
+            break
+        except HydraError as exc:
+            log.warning("rpc cache: %s not pre-filled: %s", name, exc)
+            continue
+        log.info("rpc cache: %s: %s", name, describe(res))
+        if note:
+            note(f"tensor cache from {name}: {res.cached_already + res.written} file(s) ready")
+        results.append(res)
+    return results
+
+
+class _Stopped(Exception):
+    pass

@@ -4,6 +4,7 @@ hashes only (bytes counted by a relay between llama-server and ggml-rpc-server).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -309,3 +310,97 @@ def test_prefilled_first_load_sends_hashes_only(big_model: Path,
           f"{res.seconds:.2f} s")
     assert sent < small + 4 * MiB, (sent, small, plan.bytes)
     assert sent < plan.bytes / 20
+
+
+@pytest.mark.slow
+def test_hydra_peer_profile_prefills_its_rpc_server(big_model: Path, tmp_path: Path) -> None:
+    """`prefill:` in a mode: peer profile: hydra fills the cache dir its ggml-rpc-server uses
+    (LLAMA_CACHE from the profile's env) before starting it, and a head loading the same GGUF
+    through hydra's router sends hashes only."""
+    from tests.harness import Up, free_port, make_env
+
+    env = make_env(tmp_path)
+    llama_cache = tmp_path / "llama-cache"
+    prof = tmp_path / "lend.yaml"
+    prof.write_text(f"mode: peer\nhead: cpu-peer\nenv: {{LLAMA_CACHE: '{llama_cache}'}}\n"
+                    f"prefill: ['{big_model}']\n")
+    port = free_port()
+    up = Up(env, ["--profile", str(prof), "--port", str(port)], tmp_path)
+    try:
+        up.wait_ready()
+        cdir = llama_cache / "rpc"
+        plan = rpccache.plan(big_model)
+        assert sorted(os.listdir(cdir)) == sorted(plan.unique()), up.output()
+        before = _listing(cdir)
+        sent = _remote_load(big_model, port, tmp_path, "via-hydra")
+        assert _listing(cdir) == before
+        small = sum(n for _name, _f, _o, n in rpccache.tensor_extents(big_model)
+                    if n <= rpccache.HASH_THRESHOLD)
+        print(f"\nthrough hydra's router, pre-filled by hydra: {sent:,} bytes to the peer")
+        assert sent < small + 4 * MiB
+        assert "tensor cache" in up.output() + "".join(
+            p.read_text(errors="replace") for p in (tmp_path / "state").rglob("*.log"))
+    finally:
+        up.stop()
+        up.kill_everything()
+
+
+def test_prefill_key_is_checked(tmp_path: Path) -> None:
+    from hydra_supervisor import config
+    from hydra_supervisor.errors import ConfigError
+
+    node = config.load_node(None)
+    solo = tmp_path / "solo.yaml"
+    solo.write_text("model: gemma3-270m\nprefill: [x.gguf]\n")
+    with pytest.raises(ConfigError, match=r"solo\.yaml:2.*prefill.*only with mode: peer"):
+        config.load_profile(solo, node)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: peer\nhead: cpu-peer\nprefill: {a: 1}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:3.*prefill.*list"):
+        config.load_profile(bad, node)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("mode: peer\nhead: cpu-peer\nprefill: one.gguf\n")
+    assert config.load_profile(ok, node).prefill == ("one.gguf",)
+
+
+def test_layout_resolves_prefill_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hydra_supervisor import layout
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    node = tmp_path / "node.yaml"
+    node.write_text("rpc_ports: [41000, 41007]\ninternal_ports: [41008, 41015]\n")
+    prof = tmp_path / "lend.yaml"
+    prof.write_text("mode: peer\nhead: cpu-peer\nprefill: [m.gguf]\n")
+    lay = layout.build(str(prof), node_file=str(node), check_ports=False)
+    assert lay.plan.meta[rpccache.PLAN_KEY] == (str(tmp_path / "m.gguf"),)
+    prof.write_text("mode: peer\nhead: cpu-peer\nprefill: [missing.gguf]\n")
+    with pytest.raises(HydraError, match=r"lend\.yaml: prefill: model file not found"):
+        layout.build(str(prof), node_file=str(node), check_ports=False)
+
+
+def test_cache_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from hydra_supervisor.cli import main
+
+    _vocab_or_skip()
+    model = synth.write_dense(tmp_path / "tiny.gguf", **TINY)  # type: ignore[arg-type]
+    monkeypatch.setattr(rpccache, "HASH_THRESHOLD", 10_000)
+    (tmp_path / "node.yaml").write_text("rpc_ports: [41000, 41007]\n")
+    monkeypatch.setenv("HYDRA_NODE", str(tmp_path / "node.yaml"))
+    cdir = tmp_path / "c"
+    run = CliRunner().invoke
+    res = run(main, ["cache", "status", str(model), "--dir", str(cdir)])
+    assert res.exit_code == 1 and "0/8 file(s) cached" in res.output, res.output
+    res = run(main, ["cache", "prefill", str(model), "--dir", str(cdir)])
+    assert res.exit_code == 0 and "8 written" in res.output, res.output
+    res = run(main, ["cache", "status", str(model), "--dir", str(cdir), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)[0]["complete"] is True
+    # --profile: the peer profile's env picks the dir, its prefill: list the models.
+    prof = tmp_path / "lend.yaml"
+    prof.write_text(f"mode: peer\nhead: cpu-peer\nenv: {{LLAMA_CACHE: '{tmp_path / 'lc'}'}}\n"
+                    f"prefill: [tiny.gguf]\n")
+    res = run(main, ["cache", "prefill", "--profile", str(prof)])
+    assert res.exit_code == 0 and str(tmp_path / "lc" / "rpc") in res.output, res.output
+    res = run(main, ["cache", "status", "nope.gguf"])
+    assert res.exit_code == 2 and "model file not found" in res.output
