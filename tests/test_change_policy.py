@@ -1,6 +1,7 @@
-"""Every change is a switch (issue 20), fast: the Engine and the real Supervisor on fake
-children (tests/fake_children.py), the Fleet on fake supervisors, the router's gate and HTTP
-leg on sockets.
+"""Every change is a switch (issue 20), fast: a port's lane and the real Supervisor on fake
+children (tests/fake_children.py), a port of several lanes on fake supervisors, the router's
+gate and HTTP leg on sockets. (Issue 18: the Engine is a Port with one lane, the Fleet a Port
+routed by model; serve/.)
 
 - a head-only change (reload, CONFIGURE), a switch and `hydra restart` fail fast on the first
   failed start (no backoff, no retry) and roll back; the supervisor never gives up over it, and
@@ -25,19 +26,24 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor import fleet as fleet_mod
 from hydra_supervisor import process
 from hydra_supervisor.daemon import Daemon, Options
 from hydra_supervisor.deployment import Deployment
-from hydra_supervisor.engine import Engine, SwitchTimeouts
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.fleet import Phase
 from hydra_supervisor.llamaerr import error_line
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.serve import lane as lane_mod
+from hydra_supervisor.serve import node as node_mod
+from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.node import Node
+from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
+from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import State, Supervisor
 from tests.fake_children import Behaviour, FakeWorld, deployment
-from tests.test_engine_policy import BEHAVIOUR, FakeRouter
+from tests.test_engine_policy import BEHAVIOUR, FakeRoute, FakeRouter
+from tests.test_engine_policy import dep as edep
 from tests.test_fleet_policy import fdep, make, prof, route, run, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,9 +51,11 @@ pytestmark = pytest.mark.timeout(60)
 BAD_ARG = 'error while handling argument "--cache-type-k": Unsupported cache type: bogus'
 
 
-def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]]) -> Engine:
-    """An Engine whose supervisors are real, on fake children; spawn number n of process NAME
-    in bad_logs[NAME] writes llama.cpp's bad-argument line (and usage text) to its log."""
+async def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]], first: Deployment
+                  ) -> Port:
+    """A port with one lane (`first`, started) whose supervisors are real, on fake children;
+    spawn number n of process NAME in bad_logs[NAME] writes llama.cpp's bad-argument line (and
+    usage text) to its log."""
     counts: dict[str, int] = {}
 
     async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path
@@ -63,12 +71,20 @@ def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]]) -> Engine:
         return await w.spawn(argv, env, log)
 
     seams = dataclasses.replace(w.seams(), spawn=spawn)
-    eng = Engine(StateDir(tmp / "state"), "127.0.0.1", 8080,
-                 make_supervisor=lambda d, st: Supervisor(d, st, seams=seams),
-                 make_router=FakeRouter,  # type: ignore[arg-type]
-                 switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+    eng = Port(StateDir(tmp / "state"), "127.0.0.1", 8080, node=Node({}),
+               make_supervisor=lambda d, st: Supervisor(d, st, seams=seams),
+               make_router=FakeRouter,  # type: ignore[arg-type]
+               switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+    eng.plan_lane(None, first)
     eng.open()
+    await eng.start()
     return eng
+
+
+def _lane(eng: Port) -> Lane:
+    lane = eng.only()
+    assert lane is not None
+    return lane
 
 
 def _with_head_flag(dep: Deployment, *flag: str) -> Deployment:
@@ -84,16 +100,16 @@ def test_head_only_change_fails_fast_rolls_back_and_the_supervisor_keeps_serving
         w = FakeWorld()
         ok, bad = Behaviour(load=0.5), Behaviour(load=0.2, exit_at_load=1)
         w.behaviours["head"] = [ok, bad, ok]
-        eng = _engine(tmp_path, w, {"head": [2]})
         old = deployment(1)
-        await eng.start(old)
-        sup = eng.sup
+        eng = await _engine(tmp_path, w, {"head": [2]}, old)
+        lane = _lane(eng)
+        sup = lane.sup
         assert sup is not None
         await asyncio.wait_for(sup.first_ready.wait(), 10)
         await w.wait_for(lambda: all(p.state is State.READY for p in sup.procs))
         peer_pid = sup.procs[0].pid
         t0 = time.monotonic()
-        rep = await eng.apply(_with_head_flag(old, "--cache-type-k", "bogus"))
+        rep = await lane.apply(_with_head_flag(old, "--cache-type-k", "bogus"))
         took = time.monotonic() - t0
         assert rep.result == "rolled_back", rep
         assert rep.failed_phase == "restart_head"
@@ -102,13 +118,13 @@ def test_head_only_change_fails_fast_rolls_back_and_the_supervisor_keeps_serving
         # one failed start, no backoff: the bad head ran once, the old one came back at once
         assert w.spawned("head") == ["head"] * 3
         assert took * w.scale < 5.0, f"{took * w.scale:.1f} policy seconds"
-        assert eng.sup is sup and sup.fatal is None and not sup.stopping.is_set()
-        assert eng.dep is old and "bogus" not in sup.head.spec.args  # type: ignore[union-attr]
+        assert lane.sup is sup and sup.fatal is None and not sup.stopping.is_set()
+        assert lane.dep is old and "bogus" not in sup.head.spec.args  # type: ignore[union-attr]
         assert all(p.state is State.READY for p in sup.procs)
         assert sup.procs[0].pid == peer_pid  # the peer was never touched
-        assert eng.state_word() == "serving"
-        router = eng.router
-        assert isinstance(router, FakeRouter) and router.held is None
+        assert lane.state_now().value == "serving"
+        route = lane.route  # the lane's gate (the old FakeRouter's own)
+        assert isinstance(route, FakeRoute) and route.held is None
         # the supervisor still restarts a crash as usual (not fail-fast any more)
         w.behaviours["head"] = [ok]
         live = w.live("head")
@@ -124,21 +140,21 @@ def test_head_only_change_fails_fast_rolls_back_and_the_supervisor_keeps_serving
 def test_a_switch_fails_fast_without_a_retry(tmp_path: Path) -> None:
     async def body() -> None:
         w = FakeWorld()
-        eng = _engine(tmp_path, w, {"head": [2]})
         w.behaviours["head"] = [Behaviour(load=0.3), Behaviour(load=0.2, exit_at_load=1),
                                 Behaviour(load=0.3)]
         old = deployment(0)
-        await eng.start(old)
-        assert eng.sup is not None
-        await asyncio.wait_for(eng.sup.first_ready.wait(), 10)
+        eng = await _engine(tmp_path, w, {"head": [2]}, old)
+        lane = _lane(eng)
+        assert lane.sup is not None
+        await asyncio.wait_for(lane.sup.first_ready.wait(), 10)
         new = replace(_with_head_flag(old, "-ctk", "bogus"),
                       plan=replace(_with_head_flag(old, "-ctk", "bogus").plan, profile="new"))
-        rep = await eng.switch(new)
+        rep = await eng.switch_to(new)
         assert rep.result == "rolled_back" and rep.failed_phase == "start", rep
         assert BAD_ARG in (rep.error or "")
         assert (rep.error or "").count("head:") == 1  # named once
         assert w.spawned("head") == ["head"] * 3  # old, new once (no retry), old again
-        assert eng.dep is old and eng.state_word() == "serving"
+        assert lane.dep is old and lane.state_now().value == "serving"
         await eng.shutdown("test")
 
     asyncio.run(asyncio.wait_for(body(), 50))
@@ -147,19 +163,20 @@ def test_a_switch_fails_fast_without_a_retry(tmp_path: Path) -> None:
 def test_hydra_restart_fails_fast_and_starts_the_layout_again(tmp_path: Path) -> None:
     async def body() -> None:
         w = FakeWorld()
-        eng = _engine(tmp_path, w, {"head": [2]})
         ok = Behaviour(load=0.3)
         w.behaviours["head"] = [ok, Behaviour(load=0.2, exit_at_load=1), ok]
-        await eng.start(deployment(0))
-        assert eng.sup is not None
-        await asyncio.wait_for(eng.sup.first_ready.wait(), 10)
+        eng = await _engine(tmp_path, w, {"head": [2]}, deployment(0))
+        lane = _lane(eng)
+        assert lane.sup is not None
+        await asyncio.wait_for(lane.sup.first_ready.wait(), 10)
         with pytest.raises(HydraError) as info:
-            await eng.restart("head")
+            await lane.restart("head")
         msg = str(info.value)
         assert "restart of head failed" in msg and BAD_ARG in msg, msg
         assert "started again and serves" in msg
         assert w.spawned("head") == ["head"] * 3
-        assert eng.state_word() == "serving" and eng.sup is not None and not eng.sup.fatal
+        assert lane.state_now().value == "serving" and lane.sup is not None \
+            and not lane.sup.fatal
         await eng.shutdown("test")
 
     asyncio.run(asyncio.wait_for(body(), 50))
@@ -168,18 +185,21 @@ def test_hydra_restart_fails_fast_and_starts_the_layout_again(tmp_path: Path) ->
 def test_router_false_target_is_refused_before_anything_stops(tmp_path: Path) -> None:
     async def body() -> None:
         w = FakeWorld()
-        eng = _engine(tmp_path, w, {})
-        await eng.start(deployment(0))
-        sup = eng.sup
+        eng = await _engine(tmp_path, w, {}, deployment(0))
+        lane = _lane(eng)
+        sup = lane.sup
         assert sup is not None
         await asyncio.wait_for(sup.first_ready.wait(), 10)
         target = replace(deployment(0), plan=replace(deployment(0, router=False).plan,
                                                      profile="own-port"))
-        for call in (eng.switch, eng.apply):
+        for call in (eng.switch_to, lane.apply):
             with pytest.raises(HydraError, match="router: false"):
+                # the daemon asks this before a switch and a reload (the Engine's switch
+                # and apply did themselves)
+                Daemon._check_servable(eng, target)
                 await call(target)
-        assert eng.sup is sup and not sup.stopping.is_set() and w.spawned("head") == ["head"]
-        assert not eng.switches  # nothing ran, nothing to report
+        assert lane.sup is sup and not sup.stopping.is_set() and w.spawned("head") == ["head"]
+        assert not lane.switches  # nothing ran, nothing to report
         await eng.shutdown("test")
 
     asyncio.run(asyncio.wait_for(body(), 50))
@@ -200,9 +220,20 @@ def test_llama_error_line_prefers_the_cause() -> None:
 # -- reloads during a reload ------------------------------------------------------------------
 
 
+def _daemon(tmp: Path, first: Deployment | None) -> tuple[Daemon, Port]:
+    """A Daemon over one port (no router: nothing binds), with a lane for `first` (not
+    started) or none."""
+    node = Node({})
+    port = Port(StateDir(tmp / "state"), "127.0.0.1", 8080, node=node, use_router=False)
+    if first is not None:
+        port.plan_lane(None, first)
+    port.open()
+    return Daemon(StateDir(tmp / "state"), Options(profile=None), [port], node), port
+
+
 def test_reloads_during_a_reload_are_coalesced_and_the_last_edit_wins(tmp_path: Path) -> None:
     async def body() -> None:
-        d = Daemon(StateDir(tmp_path / "state"), Options(profile=None), None)
+        d, _ = _daemon(tmp_path, None)  # hydra up --no-profile: a port with no lane
         edits = ["v1"]  # the profile file; each run reads it when it starts
         runs: list[str] = []
 
@@ -232,17 +263,16 @@ def test_reloads_during_a_reload_are_coalesced_and_the_last_edit_wins(tmp_path: 
 
 
 def test_a_failed_change_is_said_on_the_status_line_until_one_works(tmp_path: Path) -> None:
-    from hydra_supervisor.engine import SwitchReport
-
     async def body() -> None:
-        d = Daemon(StateDir(tmp_path / "state"), Options(profile=None), None)
+        d, port = _daemon(tmp_path, edep("p"))  # the lane's reports are what it reads
+        lane = _lane(port)
         outcome: list[Any] = []
 
         async def once() -> dict[str, Any]:
             what = outcome.pop(0)
             if isinstance(what, Exception):
                 raise what
-            d.engine.switches.append(what)  # what the engine records for a change
+            lane.switches.append(what)  # what the lane records for a change
             return what.to_json()
 
         d._reload_once = once  # type: ignore[method-assign]
@@ -267,35 +297,37 @@ def test_a_failed_change_is_said_on_the_status_line_until_one_works(tmp_path: Pa
 
 def test_a_failed_profile_does_not_evict_a_healthy_one_each_time_it_is_asked_for(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fleet_mod, "FAIL_COOLDOWN", 0.2)
+    monkeypatch.setattr(lane_mod, "FAIL_COOLDOWN", 0.2)
     f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
              (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
+        # (the Fleet's phase RUNNING is the lane's SERVING)
+        a, b = f.lanes["a"], f.lanes["b"]
         BEHAVIOUR["b"] = "crash"
         route(f, "b")  # its first try may evict a (it never failed before)
-        await until(lambda: b.phase is Phase.FAILED)
+        await until(lambda: b.phase is LaneState.FAILED)
         assert b.fails == 1 and a.unloads == 1
         route(f, "a")
-        await until(lambda: a.phase is Phase.RUNNING)
+        await until(lambda: a.phase is LaneState.SERVING)
         # Asked for again after its cooldown: it does not stop a to try again.
         for n in (2, 3):
             await asyncio.sleep(b.cooldown + 0.05)
             route(f, "b")
             await until(lambda n=n: b.fails == n)  # type: ignore[misc]
-            assert b.phase is Phase.FAILED and a.phase is Phase.RUNNING and a.unloads == 1
+            assert b.phase is LaneState.FAILED and a.phase is LaneState.SERVING
+            assert a.unloads == 1
             refusal = b.route.gate.refusal_now()
             assert refusal is not None and "does not stop a" in refusal.message
         assert b.cooldown == pytest.approx(0.8)  # doubled after each failure in a row
         assert b.loads == 1  # only the first try started anything
         # `hydra switch b` may stop a (and rolls back when b fails again)
-        rep = await f.activate("b")
-        assert rep["result"] == "rolled_back" and a.phase is Phase.RUNNING
+        rep = await f.node.activate(b)
+        assert rep.result == "rolled_back" and a.phase is LaneState.SERVING
         # fixed: its next load may evict again, and a success resets the count
         BEHAVIOUR["b"] = "ok"
-        rep = await f.activate("b")
-        assert rep["result"] == "ok" and b.fails == 0
+        rep = await f.node.activate(b)
+        assert rep.result == "ok" and b.fails == 0
 
     run(f, body)
 
@@ -413,8 +445,8 @@ def test_a_cut_without_requeue_still_answers_503() -> None:
 
 def test_a_failed_change_of_a_running_profile_is_not_marked_failed_while_it_rolls_back(
         tmp_path: Path) -> None:
-    """A profile's new layout fails fast (its supervisor ends FATAL at once); the fleet must not
-    take that for the running profile going FATAL: the engine rolls back and it serves on."""
+    """A profile's new layout fails fast (its supervisor ends FATAL at once); the port must not
+    take that for the serving lane going FATAL: the lane rolls back and it serves on."""
     from tests.test_fleet_policy import FleetFake
 
     class Breaks(FleetFake):
@@ -427,12 +459,12 @@ def test_a_failed_change_of_a_running_profile_is_not_marked_failed_while_it_roll
 
     f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)))
     f.make_supervisor = Breaks
-    for m in f.members.values():
-        m.engine.make_supervisor = Breaks  # type: ignore[assignment]
+    for m in f.lanes.values():
+        m.make_supervisor = Breaks  # type: ignore[assignment]
 
     async def body() -> None:
-        a = f.members["a"]
-        assert a.phase is Phase.RUNNING
+        a = f.lanes["a"]
+        assert a.phase is LaneState.SERVING
         bad = fdep("a", 30200, gpu0=4)
         assert bad.plan.router is not None
         bad = replace(bad, plan=replace(bad.plan, engines=tuple(  # plandiff: ALL (a switch)
@@ -440,8 +472,8 @@ def test_a_failed_change_of_a_running_profile_is_not_marked_failed_while_it_roll
             router=replace(bad.plan.router, rpc=("127.0.0.1", 50999))))
         rep = await f.apply_to("a", bad)
         assert rep.result == "rolled_back" and BAD_ARG in (rep.error or ""), rep
-        await asyncio.sleep(fleet_mod.TICK * 2)  # a tick would have marked it failed
-        assert a.phase is Phase.RUNNING and a.error is None
-        assert a.engine.state_word() == "serving"
+        await asyncio.sleep(node_mod.TICK * 2)  # a tick would have marked it failed
+        assert a.phase is LaneState.SERVING and a.error is None
+        assert a.state_now().value == "serving"
 
     run(f, body)

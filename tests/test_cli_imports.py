@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 HEAVY = ("numpy", "gguf", "prometheus_client", "requests", "asyncio",
-         "hydra_supervisor.daemon", "hydra_supervisor.engine", "hydra_supervisor.router.relay")
+         "hydra_supervisor.daemon", "hydra_supervisor.serve.port", "hydra_supervisor.router.relay")
 
 
 def _loaded_after(code: str) -> set[str]:

@@ -398,10 +398,26 @@ class Port:
     async def switch_to(self, dep: Deployment) -> SwitchReport:
         """A port with one lane (or none): run `dep` in its place (any profile)."""
         lane = self.only()
+        made = lane is None
         if lane is None:
             profile = dep.layout.profile if dep.layout is not None else None
             lane = self.add_lane(profile, dep)
-        return await lane.switch(dep)
+        rep = await lane.switch(dep)
+        if made and lane.sup is None:
+            # The first switch of a port with no lane failed and had nothing to roll back to:
+            # the port has no lane again (idle; its 503 names `hydra switch NAME`), as the
+            # Engine left it, not a failed lane of a profile nobody runs.
+            self._drop(lane)
+        return rep
+
+    def _drop(self, lane: Lane) -> None:
+        del self.lanes[lane.name]
+        if self.node.lanes.get(lane.name) is lane:
+            del self.node.lanes[lane.name]
+        if self.default == lane.name:
+            self.default = next(iter(self.lanes), None)
+        self.lookup = self._names([x.profile_or_name() for x in self.lanes.values()])
+        self._announce()
 
     async def apply_to(self, name: str, dep: Deployment) -> SwitchReport:
         """A new Deployment for a serving lane (the wire protocol's CONFIGURE and
