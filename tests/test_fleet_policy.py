@@ -1,6 +1,7 @@
-"""The Fleet's policy with fake supervisors (fast, no processes): routing by model, on-demand
-load, room made by evicting the least recently used profile after a drain (never cut),
-min_resident, ttl, failed loads, `hydra switch` (activate) with rollback.
+"""The policy of a port that routes by model (serve/: Port, Lane, Node) with fake supervisors
+(fast, no processes): routing by model, on-demand load, room made by evicting the least
+recently used profile after a drain (never cut), min_resident, ttl, failed loads,
+`hydra switch` (the node's activate) with rollback.
 
 The router is real (port 0) so the gates are real; requests are simulated by calling
 `select` (what a router thread does) and by flights on a route's gate.
@@ -18,15 +19,18 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor import fleet as fleet_mod
 from hydra_supervisor.config import Profile
+from hydra_supervisor.daemon import Daemon, Options
 from hydra_supervisor.deployment import Deployment, Timeouts
 from hydra_supervisor.devices import Device, Kind
-from hydra_supervisor.engine import EngineBusy, SwitchTimeouts
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.fleet import Fleet, Phase, Pool
 from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
 from hydra_supervisor.router.routes import LocalReply, Route
+from hydra_supervisor.serve import lane as lane_mod
+from hydra_supervisor.serve.node import Node
+from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.reports import Busy, SwitchTimeouts
+from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import State
 from tests.test_engine_policy import BEHAVIOUR, STARTED, FakeSupervisor
@@ -52,7 +56,9 @@ def fdep(name: str, port: int, **gib: float) -> Deployment:
                 engines=(head,), placements=places,
                 router=RouterSpec("127.0.0.1", 0, ("127.0.0.1", port), None, ()))
     return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=5.0, peer=1.0),
-                      layout=SimpleNamespace(devices=DEVICES))
+                      # what a lane reads of its layout.Layout: devices, and the profile
+                      # (None here: the test gives the lane its Profile)
+                      layout=SimpleNamespace(devices=DEVICES, profile=None))
 
 
 def prof(name: str, **kw: Any) -> Profile:
@@ -68,18 +74,25 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def make(tmp_path: Path, *members: tuple[Profile, Deployment], default: str = "a",
-         drain: float = 0.2) -> Fleet:
+         drain: float = 0.2) -> Port:
     BEHAVIOUR.clear()
     STARTED.clear()
-    f = Fleet(StateDir(tmp_path), "127.0.0.1", 0, list(members), default=default,
-              pool=Pool({"cuda0": 24 * GIB, "cuda1": 16 * GIB}), allow=("127.0.0.0/8",),
-              switch_timeouts=SwitchTimeouts(drain=drain, gpu_free=0.1), load_wait=5.0,
-              make_supervisor=FleetFake)
-    f.open()
+    node = Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0)
+    f = Port(StateDir(tmp_path), "127.0.0.1", 0, node=node, by_model=True,
+             allow=("127.0.0.0/8",), switch_timeouts=SwitchTimeouts(drain=drain, gpu_free=0.1),
+             load_wait=5.0, make_supervisor=FleetFake)
+    f.default = default
+    for prof_, dep_ in members:
+        f.plan_lane(prof_, dep_)
+    try:
+        f.open()
+    except BaseException:
+        f.close()  # a refused port does not keep its router running
+        raise
     return f
 
 
-def run(f: Fleet, body: Callable[[], Any], initial: list[str] | None = None) -> None:
+def run(f: Port, body: Callable[[], Any], initial: list[str] | None = None) -> None:
     async def go() -> None:
         await f.start(["a"] if initial is None else initial)
         await asyncio.wait_for(f.started.wait(), 5)
@@ -92,7 +105,7 @@ def run(f: Fleet, body: Callable[[], Any], initial: list[str] | None = None) -> 
     asyncio.run(go())
 
 
-def route(f: Fleet, model: str | None) -> Route:
+def route(f: Port, model: str | None) -> Route:
     sel = f.select(model, "POST", "/v1/chat/completions")
     assert isinstance(sel, Route), sel
     return sel
@@ -103,17 +116,18 @@ def test_routing_by_name_alias_and_default(tmp_path: Path) -> None:
              (prof("b"), fdep("b", 30201, gpu1=4)))
 
     async def body() -> None:
-        assert route(f, "a") is f.members["a"].route
-        assert route(f, "alpha") is f.members["a"].route
-        assert route(f, None) is f.members["a"].route  # no model: the default
-        assert route(f, "b") is f.members["b"].route
+        assert route(f, "a") is f.lanes["a"].route
+        assert route(f, "alpha") is f.lanes["a"].route
+        assert route(f, None) is f.lanes["a"].route  # no model: the default
+        assert route(f, "b") is f.lanes["b"].route
         missing = f.select("gpt-4", "POST", "/v1/chat/completions")
         assert isinstance(missing, LocalReply) and missing.status == 404
         assert "known models: a, alpha, b" in missing.body["error"]["message"]
         models = f.select(None, "GET", "/v1/models")
         assert isinstance(models, LocalReply) and models.status == 200
         ids = {d["id"]: d for d in models.body["data"]}
-        assert ids["a"]["state"] == "running" and ids["a"]["aliases"] == ["alpha"]
+        # (the fleet's "running" is "serving" now)
+        assert ids["a"]["state"] == "serving" and ids["a"]["aliases"] == ["alpha"]
         assert ids["a"]["default"] is True and ids["a"]["devices"] == ["gpu0"]
 
     run(f, body)
@@ -123,17 +137,17 @@ def test_stopped_profile_loads_on_request_and_holds_it_meanwhile(tmp_path: Path)
     f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
 
     async def body() -> None:
-        b = f.members["b"]
-        assert b.phase is Phase.STOPPED
+        b = f.lanes["b"]
+        assert b.phase is LaneState.STOPPED
         assert "not loaded; loading it on request" in (b.route.gate.held_reason or "")
         route(f, "b")
-        await until(lambda: b.phase is Phase.RUNNING)
+        await until(lambda: b.phase is LaneState.SERVING)
         assert b.route.gate.held_reason is None and b.route.gate.refusal_now() is None
         assert b.loads == 1
         # a kept running: they fit side by side (different GPUs)
-        assert f.members["a"].phase is Phase.RUNNING
+        assert f.lanes["a"].phase is LaneState.SERVING
         states = {d["id"]: d["state"] for d in f.models_json()["data"]}
-        assert states == {"a": "running", "b": "running"}
+        assert states == {"a": "serving", "b": "serving"}  # (was "running")
 
     run(f, body)
 
@@ -143,10 +157,10 @@ def test_on_demand_false_answers_503_naming_hydra_switch(tmp_path: Path) -> None
              (prof("b", on_demand=False), fdep("b", 30201, gpu0=30)))
 
     async def body() -> None:
-        b = f.members["b"]
+        b = f.lanes["b"]
         route(f, "b")
         await asyncio.sleep(0.3)
-        assert b.phase is Phase.STOPPED and b.loads == 0
+        assert b.phase is LaneState.STOPPED and b.loads == 0
         refusal = b.route.gate.refusal_now()
         assert refusal is not None and refusal.status == 503
         assert "hydra switch b" in refusal.message
@@ -160,19 +174,19 @@ def test_eviction_of_the_lru_after_drain_then_min_resident_bounds_ping_pong(
              (prof("b", min_resident=0.6), fdep("b", 30201, gpu0=20)))
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
+        a, b = f.lanes["a"], f.lanes["b"]
         route(f, "b")
-        await until(lambda: b.phase is Phase.RUNNING)
-        assert a.phase is Phase.STOPPED and a.unloads == 1
+        await until(lambda: b.phase is LaneState.SERVING)
+        assert a.phase is LaneState.STOPPED and a.unloads == 1
         assert "making room for b" in a.why
         # a at once: b must stay min_resident (0.6 s) first; a waits, held, with the reason
         t0 = time.monotonic()
         route(f, "a")
         await until(lambda: "min_resident" in (a.route.gate.held_reason or ""))
-        assert b.phase is Phase.RUNNING
-        await until(lambda: a.phase is Phase.RUNNING)
+        assert b.phase is LaneState.SERVING
+        await until(lambda: a.phase is LaneState.SERVING)
         assert time.monotonic() - t0 >= 0.5
-        assert b.phase is Phase.STOPPED
+        assert b.phase is LaneState.STOPPED
         assert a.loads == 2 and b.loads == 1
 
     run(f, body)
@@ -183,15 +197,15 @@ def test_eviction_never_cuts_in_flight_requests(tmp_path: Path) -> None:
              (prof("b"), fdep("b", 30201, gpu0=20)), drain=0.1)
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
+        a, b = f.lanes["a"], f.lanes["b"]
         flight = a.route.gate.begin()  # a request a is answering
         route(f, "b")
         await asyncio.sleep(0.6)  # several drains of 0.1 s gave up
-        assert a.phase in (Phase.RUNNING, Phase.UNLOADING) and b.phase is Phase.LOADING
+        assert a.phase in (LaneState.SERVING, LaneState.UNLOADING) and b.phase is LaneState.LOADING
         assert flight.cut is None
         a.route.gate.end(flight)
-        await until(lambda: b.phase is Phase.RUNNING)
-        assert a.phase is Phase.STOPPED and flight.cut is None
+        await until(lambda: b.phase is LaneState.SERVING)
+        assert a.phase is LaneState.STOPPED and flight.cut is None
 
     run(f, body)
 
@@ -201,14 +215,14 @@ def test_ttl_unloads_an_idle_profile_and_the_next_request_loads_it(tmp_path: Pat
              (prof("b", ttl=0.3), fdep("b", 30201, gpu1=4)))
 
     async def body() -> None:
-        b = f.members["b"]
+        b = f.lanes["b"]
         route(f, "b")
-        await until(lambda: b.phase is Phase.RUNNING)
-        await until(lambda: b.phase is Phase.STOPPED)
+        await until(lambda: b.phase is LaneState.SERVING)
+        await until(lambda: b.phase is LaneState.STOPPED)
         assert b.unloads == 1 and "ttl 0.3s" in b.why
-        assert f.members["a"].phase is Phase.RUNNING  # no ttl: stays
+        assert f.lanes["a"].phase is LaneState.SERVING  # no ttl: stays
         route(f, "b")
-        await until(lambda: b.phase is Phase.RUNNING)
+        await until(lambda: b.phase is LaneState.SERVING)
         assert b.loads == 2
 
     run(f, body)
@@ -218,39 +232,39 @@ def test_ttl_waits_for_in_flight_requests(tmp_path: Path) -> None:
     f = make(tmp_path, (prof("a", ttl=0.2), fdep("a", 30200, gpu0=4)))
 
     async def body() -> None:
-        a = f.members["a"]
+        a = f.lanes["a"]
         flight = a.route.gate.begin()
         await asyncio.sleep(0.6)
-        assert a.phase is Phase.RUNNING
+        assert a.phase is LaneState.SERVING
         a.route.gate.end(flight)
         a.route.touch()
-        await until(lambda: a.phase is Phase.STOPPED)
+        await until(lambda: a.phase is LaneState.STOPPED)
 
     run(f, body)
 
 
 def test_failed_load_answers_held_requests_and_leaves_the_others(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fleet_mod, "FAIL_COOLDOWN", 0.3)
+    monkeypatch.setattr(lane_mod, "FAIL_COOLDOWN", 0.3)
     f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
+        a, b = f.lanes["a"], f.lanes["b"]
         BEHAVIOUR["b"] = "crash"
         route(f, "b")
-        await until(lambda: b.phase is Phase.FAILED)
+        await until(lambda: b.phase is LaneState.FAILED)
         refusal = b.route.gate.refusal_now()
         assert refusal is not None and "profile b failed to load" in refusal.message
         assert "exit 1" in (b.error or "")
-        assert a.phase is Phase.RUNNING and a.route.gate.refusal_now() is None
+        assert a.phase is LaneState.SERVING and a.route.gate.refusal_now() is None
         route(f, "b")  # within the cooldown: no new attempt
         await asyncio.sleep(0.05)
-        assert b.phase is Phase.FAILED and b.loads == 1
+        assert b.phase is LaneState.FAILED and b.loads == 1
         await asyncio.sleep(0.3)
         BEHAVIOUR["b"] = "ok"
         route(f, "b")  # after it: tried again, and the request is held, not refused
         assert b.route.gate.refusal_now() is None
-        await until(lambda: b.phase is Phase.RUNNING)
+        await until(lambda: b.phase is LaneState.SERVING)
         assert b.loads == 2 and b.error is None
 
     run(f, body)
@@ -261,9 +275,9 @@ def test_never_fits_fails_with_the_sizes(tmp_path: Path) -> None:
              (prof("huge"), fdep("huge", 30201, gpu1=40)))
 
     async def body() -> None:
-        h = f.members["huge"]
+        h = f.lanes["huge"]
         route(f, "huge")
-        await until(lambda: h.phase is Phase.FAILED)
+        await until(lambda: h.phase is LaneState.FAILED)
         assert "does not fit this node even alone" in (h.error or "")
         assert not [s for s in STARTED if s.plan.profile == "huge"]
 
@@ -275,21 +289,25 @@ def test_activate_stops_sharers_and_rolls_back_on_failure(tmp_path: Path) -> Non
              (prof("b"), fdep("b", 30201, gpu0=20)), (prof("c"), fdep("c", 30202, gpu1=4)))
 
     async def body() -> None:
-        a, b, c = (f.members[n] for n in "abc")
+        a, b, c = (f.lanes[n] for n in "abc")
         route(f, "c")
-        await until(lambda: c.phase is Phase.RUNNING)
-        rep = await f.activate("b")
+        await until(lambda: c.phase is LaneState.SERVING)
+        rep = (await f.node.activate(b)).to_json()
         assert rep["result"] == "ok" and rep["from"] == "a"
-        assert a.phase is Phase.STOPPED and b.phase is Phase.RUNNING
-        assert c.phase is Phase.RUNNING  # on another GPU: untouched
-        assert (await f.activate("b"))["result"] == "noop"
+        assert a.phase is LaneState.STOPPED and b.phase is LaneState.SERVING
+        assert c.phase is LaneState.SERVING  # on another GPU: untouched
+        assert (await f.node.activate(b)).to_json()["result"] == "noop"
         BEHAVIOUR["a"] = "crash"
         BEHAVIOUR["c"] = "crash"
-        rep = await f.activate("a")
+        rep = (await f.node.activate(a)).to_json()
         assert rep["result"] == "rolled_back" and rep["failed_phase"] == "start"
-        assert b.phase is Phase.RUNNING and a.phase is Phase.FAILED
-        with pytest.raises(HydraError, match="not served on port"):
-            await f.activate("zzz")
+        assert b.phase is LaneState.SERVING and a.phase is LaneState.FAILED
+        # A name no lane has: the daemon's `hydra switch` looks the lane up (the node's
+        # activate takes a lane); its words were "not served on port".
+        d = Daemon(f.state, Options(profile=None, profiles=["a", "b", "c"]), [f], f.node)
+        f.listeners.remove(d._changed)
+        with pytest.raises(HydraError, match="profile zzz is not served by this hydra"):
+            await d.switch("zzz")
 
     run(f, body)
 
@@ -300,9 +318,9 @@ def test_activate_refused_while_a_load_runs(tmp_path: Path) -> None:
     async def body() -> None:
         BEHAVIOUR["b"] = "slow"  # never READY: the load waits
         route(f, "b")
-        await until(lambda: f.members["b"].task is not None)
-        with pytest.raises(EngineBusy):
-            await f.activate("b")
+        await until(lambda: f.lanes["b"].job is not None)
+        with pytest.raises(Busy):
+            await f.node.activate(f.lanes["b"])
         models = {d["id"]: d for d in f.models_json()["data"]}
         assert models["b"]["state"] == "loading" and models["b"]["status"] == {"value": "loading"}
         assert models["a"]["status"] == {"value": "loaded"}
@@ -315,15 +333,15 @@ def test_requests_parked_while_a_profile_stopped_bring_it_back(tmp_path: Path) -
              (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
+        a, b = f.lanes["a"], f.lanes["b"]
         route(f, "b")
-        await until(lambda: a.phase is Phase.UNLOADING or b.phase is Phase.RUNNING)
+        await until(lambda: a.phase is LaneState.UNLOADING or b.phase is LaneState.SERVING)
         # a request for a parked in a's gate (it skipped select's trigger): the tick finds it
         result: list[Any] = []
         waiter = asyncio.get_running_loop().run_in_executor(
             None, lambda: result.append(a.route.gate.wait_turn()))
-        await until(lambda: b.phase is Phase.RUNNING)
-        await until(lambda: a.phase is Phase.RUNNING, timeout=5)
+        await until(lambda: b.phase is LaneState.SERVING)
+        await until(lambda: a.phase is LaneState.SERVING, timeout=5)
         await asyncio.wait_for(waiter, 5)
         assert result == [None]  # released to go upstream, not refused
 
@@ -334,15 +352,15 @@ def test_a_profile_going_fatal_at_runtime_is_marked_failed(tmp_path: Path) -> No
     f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
 
     async def body() -> None:
-        a = f.members["a"]
-        sup = a.engine.sup
+        a = f.lanes["a"]
+        sup = a.sup
         assert sup is not None
         sup.fatal = "head: crashed 5 times"
         sup.head.to(State.FATAL, "crashed 5 times")
-        await until(lambda: a.phase is Phase.FAILED)
+        await until(lambda: a.phase is LaneState.FAILED)
         assert a.error == "head: crashed 5 times"
         route(f, "b")
-        await until(lambda: f.members["b"].phase is Phase.RUNNING)
+        await until(lambda: f.lanes["b"].phase is LaneState.SERVING)
 
     run(f, body)
 
@@ -360,28 +378,30 @@ def test_monitoring_gets_do_not_load_a_stopped_default(tmp_path: Path) -> None:
              (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))
 
     async def body() -> None:
-        a = f.members["a"]
+        a = f.lanes["a"]
         assert route(f, None) is a.route  # loaded: GETs go to it
         assert f.select(None, "GET", "/health") is a.route
         route(f, "b")
-        await until(lambda: f.members["b"].phase is Phase.RUNNING and a.phase is Phase.STOPPED)
+        await until(lambda: f.lanes["b"].phase is LaneState.SERVING
+                    and a.phase is LaneState.STOPPED)
         health = f.select(None, "GET", "/health")
         assert isinstance(health, LocalReply) and health.status == 200
-        assert health.body == {"status": "ok", "profiles": {"a": "stopped", "b": "running"}}
+        # (b's word was "running")
+        assert health.body == {"status": "ok", "profiles": {"a": "stopped", "b": "serving"}}
         slots = f.select(None, "GET", "/slots")
         assert isinstance(slots, LocalReply) and slots.body == []
         props = f.select(None, "GET", "/props")
         assert isinstance(props, LocalReply) and props.status == 503
         assert "a request naming a model loads it" in props.body["error"]["message"]
         await asyncio.sleep(0.3)
-        assert a.phase is Phase.STOPPED and a.loads == 1  # none of these loaded it
+        assert a.phase is LaneState.STOPPED and a.loads == 1  # none of these loaded it
         models = f.select(None, "GET", "/v1/models")
         assert isinstance(models, LocalReply)
         status = {d["id"]: d["status"]["value"] for d in models.body["data"]}
         assert status == {"a": "unloaded", "b": "loaded"}
         # a POST without a model is a real request: it loads the default
         route(f, None)
-        await until(lambda: a.phase is Phase.RUNNING)
+        await until(lambda: a.phase is LaneState.SERVING)
 
     run(f, body)
 
@@ -390,8 +410,8 @@ def test_reload_restarts_only_what_changed_and_updates_knobs(tmp_path: Path) -> 
     f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
-        sup = a.engine.sup
+        a, b = f.lanes["a"], f.lanes["b"]
+        sup = a.sup
         assert sup is not None
         # a's head gets a new flag (a head-only change) and a ttl: the head restarts in place
         new = fdep("a", 30200, gpu0=4)
@@ -400,19 +420,19 @@ def test_reload_restarts_only_what_changed_and_updates_knobs(tmp_path: Path) -> 
         assert f.differs(a, prof("a", ttl=60.0), new)
         did = await f.replace(a, (prof("a", ttl=60.0), new))
         assert did.startswith("restarted a.head in ")
-        assert a.engine.sup is sup and sup.restarted == ["a.head"]
+        assert a.sup is sup and sup.restarted == ["a.head"]
         assert a.ttl == 60.0 and "--ctx-size" in a.dep.plan.head.args
-        assert a.phase is Phase.RUNNING
+        assert a.phase is LaneState.SERVING
         # unchanged: nothing to do
         assert not f.differs(a, prof("a", ttl=60.0), new)
         # a stopped profile takes the new plan (and concurrency) at its next load
         b_new = fdep("b", 30201, gpu1=6)
         did = await f.replace(b, (prof("b", concurrency=2, queue=1), b_new))
         assert did == "not loaded: the new settings apply at its next load"
-        assert b.phase is Phase.STOPPED and b.needs == {"cuda1": 6 * GIB}
+        assert b.phase is LaneState.STOPPED and b.needs == {"cuda1": 6 * GIB}
         assert b.route.limiter is not None and b.route.limiter.limit == 2
         route(f, "b")
-        await until(lambda: b.phase is Phase.RUNNING)
+        await until(lambda: b.phase is LaneState.SERVING)
 
     run(f, body)
 
@@ -422,15 +442,15 @@ def test_ttl_and_eviction_leave_a_profile_alone_while_it_restarts(tmp_path: Path
              (prof("b"), fdep("b", 30201, gpu0=20)))
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
-        async with a.engine.lock:  # what a reload or `hydra restart a.head` holds
+        a, b = f.lanes["a"], f.lanes["b"]
+        async with a.lock:  # what a reload or `hydra restart a.head` holds
             await asyncio.sleep(0.6)  # ttl long past
-            assert a.phase is Phase.RUNNING
+            assert a.phase is LaneState.SERVING
             route(f, "b")  # needs a's room: it waits instead of stopping a mid-restart
             await asyncio.sleep(0.4)
-            assert a.phase is Phase.RUNNING and b.phase is Phase.LOADING
-        await until(lambda: b.phase is Phase.RUNNING)
-        assert a.phase is Phase.STOPPED
+            assert a.phase is LaneState.SERVING and b.phase is LaneState.LOADING
+        await until(lambda: b.phase is LaneState.SERVING)
+        assert a.phase is LaneState.STOPPED
 
     run(f, body)
 
@@ -440,11 +460,11 @@ def test_activate_drains_then_cuts_and_counts_what_it_cut(tmp_path: Path) -> Non
              (prof("b"), fdep("b", 30201, gpu0=20)), drain=0.1)
 
     async def body() -> None:
-        flight = f.members["a"].route.gate.begin()  # a request a never finishes
-        rep = await f.activate("b")
+        flight = f.lanes["a"].route.gate.begin()  # a request a never finishes
+        rep = (await f.node.activate(f.lanes["b"])).to_json()
         assert rep["result"] == "ok" and rep["from"] == "a"
         assert rep["cut"] == 1 and flight.cut is not None and "hydra switch b" in flight.cut
-        f.members["a"].route.gate.end(flight)
+        f.lanes["a"].route.gate.end(flight)
 
     run(f, body)
 
@@ -455,15 +475,15 @@ def test_a_profile_restarting_after_a_crash_can_be_evicted_and_held_requests_wai
              (prof("b"), fdep("b", 30201, gpu0=20)))
 
     async def body() -> None:
-        a, b = f.members["a"], f.members["b"]
-        sup = a.engine.sup
+        a, b = f.lanes["a"], f.lanes["b"]
+        sup = a.sup
         assert sup is not None
         sup.head.to(State.BACKOFF, "exit 1; restart in 1.0s")  # crashed, backing off
         assert f.state_of(a) == "recovering"
         assert "head backoff" in (a.route.gate.held_reason or "")  # its requests wait
         route(f, "b")
-        await until(lambda: b.phase is Phase.RUNNING)
-        assert a.phase is Phase.STOPPED and a.unloads == 1
+        await until(lambda: b.phase is LaneState.SERVING)
+        assert a.phase is LaneState.STOPPED and a.unloads == 1
         assert all(p.state is State.STOPPED for p in sup.procs)
 
     run(f, body)

@@ -1,12 +1,13 @@
 """A port whose router is not accepting connections is said everywhere, and hydra restarts it.
 
 When a router's acceptor is not running every connection to the port is refused, whatever runs
-behind it. Then the engine's (or every profile's) state word is "port down" with a reason
-naming the port, `hydra status` exits 1, hydra_router_alive reads 0, the STATUS= line says it
-and the watchdog stops pinging; the daemon's port watch stops and starts the router again, and
-everything returns to serving. A dead acceptor is simulated by stopping the router (alive() is
-then False, as after an acceptor crash); the router itself is otherwise real where it matters
-(fleet, daemon) and a fake where the engine's policy is tested.
+behind it. Then the state word of the port's lane (or of every lane, or of the port without
+a lane) is "port down" with a reason naming the port, `hydra status` exits 1,
+hydra_router_alive reads 0, the STATUS= line says it and the watchdog stops pinging; the
+daemon's port watch stops and starts the router again, and everything returns to serving. A
+dead acceptor is simulated by stopping the router (alive() is then False, as after an acceptor
+crash); the router itself is otherwise real where it matters (by model, daemon) and a fake
+where one lane's port is tested (serve/port.py).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_supervisor import cli, portwatch
+from hydra_supervisor.config import known_profiles
 from hydra_supervisor.daemon import EXIT_PORT_DOWN, Daemon, Options
-from hydra_supervisor.engine import Engine, SwitchTimeouts
-from hydra_supervisor.fleet import Fleet, Phase, Pool
 from hydra_supervisor.metrics import MetricsServer
 from hydra_supervisor.notify import status_text
 from hydra_supervisor.ports import free_port
 from hydra_supervisor.portwatch import PortWatch
+from hydra_supervisor.serve import setup
+from hydra_supervisor.serve.node import Node
+from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.reports import SwitchTimeouts
+from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
 from tests.test_engine_policy import (
     BEHAVIOUR,
@@ -89,52 +94,56 @@ def test_watch_says_down_waits_the_grace_restarts_and_backs_off() -> None:
     assert w.down() is None and not w.check()
 
 
-# -- one profile: the Engine (fake router, fake supervisors) ----------------------------------
+# -- one profile: a port with one lane (fake router, fake supervisors) ------------------------
 
 
 def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: Path) -> None:
     BEHAVIOUR.clear()
     STARTED.clear()
-    eng = Engine(StateDir(tmp_path), "127.0.0.1", 8080, profiles=lambda: ["a"],
-                 make_supervisor=FakeSupervisor,  # type: ignore[arg-type]
-                 make_router=FakeRouter,  # type: ignore[arg-type]
-                 switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+    eng = Port(StateDir(tmp_path), "127.0.0.1", 8080, node=Node({}), profiles=lambda: ["a"],
+               make_supervisor=FakeSupervisor,
+               make_router=FakeRouter,  # type: ignore[arg-type]
+               switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+    eng.plan_lane(None, dep("a"))
     eng.open()
     r = eng.router
     assert isinstance(r, FakeRouter) and eng.watch is not None
     eng.watch.grace = 0.0
 
     async def go() -> None:
-        await eng.start(dep("a"))
-        assert eng.sup is not None
-        await asyncio.wait_for(eng.sup.first_ready.wait(), 5)
-        assert eng.state_word() == "serving" and eng.port_down() is None
+        await eng.start()
+        lane = eng.only()
+        assert lane is not None and lane.sup is not None
+        await asyncio.wait_for(lane.sup.first_ready.wait(), 5)
+        assert eng.state_of(lane) == "serving" and eng.down() is None
         r.running = False  # the acceptor is not running: every connection is refused
-        assert eng.state_word() == "port down"
-        snap = eng.snapshot({})
+        assert eng.state_of(lane) == "port down"
+        snap = eng.snapshot({})[0]
         assert snap["state"] == "port down"
         assert snap["down"] == "router on 127.0.0.1:8080 is not accepting connections"
         assert snap["router"]["alive"] is False
         assert status_text({"engines": [snap]}) == (
             "a: port down (router on 127.0.0.1:8080 is not accepting connections)")
         assert cli.ports_down({"engines": [snap]}) == [snap["down"]]
-        held = r.held
+        # (the gate is the lane's route's now, not the router's)
+        held = (lane.route.gate.held_reason, lane.route.gate.refusal_now())
         assert eng.check_port()  # noticed
         assert eng.check_port()  # grace 0: stopped and started again
         assert [c for c, _ in r.calls[-2:]] == ["stop", "start"]
-        assert eng.state_word() == "serving" and r.held == held  # the gate is as it was
-        snap = eng.snapshot({})
+        assert eng.state_of(lane) == "serving"
+        assert (lane.route.gate.held_reason, lane.route.gate.refusal_now()) == held  # as it was
+        snap = eng.snapshot({})[0]
         assert snap["down"] is None and snap["router"]["recoveries"] == 1
         assert cli.ports_down({"engines": [snap]}) == []
         # Closed on purpose (hydra stopping): that is not a port to bring back.
         await eng.shutdown("test")
         eng.close()
-        assert eng.port_down() is None and not eng.check_port()
+        assert eng.down() is None and not eng.check_port()
 
     asyncio.run(go())
 
 
-# -- several profiles on one port: the Fleet (real router, fake supervisors) ------------------
+# -- several profiles on one port, by model (real router, fake supervisors) -------------------
 
 
 class RowFake(FleetFake):
@@ -152,15 +161,18 @@ def _row(p: Any) -> dict[str, Any]:
             "reason": p.reason}
 
 
-def make_fleet(tmp_path: Path) -> Fleet:
+def make_fleet(tmp_path: Path) -> Port:
     BEHAVIOUR.clear()
     STARTED.clear()
-    return Fleet(StateDir(tmp_path), "127.0.0.1", 0,
-                 [(prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4))],
-                 default="a", pool=Pool({"cuda0": 24 * GIB, "cuda1": 16 * GIB}),
-                 allow=("127.0.0.0/8",),
-                 switch_timeouts=SwitchTimeouts(drain=0.2, gpu_free=0.1), load_wait=5.0,
-                 make_supervisor=RowFake)
+    f = Port(StateDir(tmp_path), "127.0.0.1", 0,
+             node=Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0), by_model=True,
+             allow=("127.0.0.0/8",),
+             switch_timeouts=SwitchTimeouts(drain=0.2, gpu_free=0.1), load_wait=5.0,
+             make_supervisor=RowFake)
+    f.default = "a"
+    f.plan_lane(prof("a"), fdep("a", 30200, gpu0=4))
+    f.plan_lane(prof("b"), fdep("b", 30201, gpu1=4))
+    return f
 
 
 def connects(port: int) -> bool:
@@ -180,8 +192,9 @@ def test_fleet_says_port_down_for_every_profile_and_comes_back(tmp_path: Path) -
     async def go() -> None:
         await f.start(["a"])
         await asyncio.wait_for(f.started.wait(), 5)
-        a, b = f.members["a"], f.members["b"]
-        assert f.state_of(a) == "running" and f.state_of(b) == "stopped"
+        a, b = f.lanes["a"], f.lanes["b"]
+        # (a fleet's "running" is "serving" now, here and below)
+        assert f.state_of(a) == "serving" and f.state_of(b) == "stopped"
         b_hold = b.route.gate.held_reason
         assert f.router is not None
         f.router.stop()  # as if its acceptor had died
@@ -191,14 +204,14 @@ def test_fleet_says_port_down_for_every_profile_and_comes_back(tmp_path: Path) -
         rows = f.snapshot()
         assert [r["state"] for r in rows] == ["port down", "port down"]
         assert [r["down"] for r in rows] == [down, down]
-        assert [r["fleet"]["phase"] for r in rows] == ["running", "stopped"]
+        assert [r["fleet"]["phase"] for r in rows] == ["serving", "stopped"]
         assert rows[0]["router"]["alive"] is False and rows[1]["router"] is None
         assert cli.ports_down({"engines": rows, "fleets": [{"down": f.down()}]}) == [down]
         assert f.check_port()  # noticed
         assert f.check_port()  # restarted
         assert f.alive() and f.down() is None and connects(f.port)
-        assert f.state_of(a) == "running" and f.state_of(b) == "stopped"
-        assert a.phase is Phase.RUNNING and b.route.gate.held_reason == b_hold
+        assert f.state_of(a) == "serving" and f.state_of(b) == "stopped"
+        assert a.phase is LaneState.SERVING and b.route.gate.held_reason == b_hold
         assert f.snapshot()[0]["router"]["recoveries"] == 1
 
     async def main() -> None:
@@ -336,10 +349,13 @@ def statuses(sent: list[dict[str, str]]) -> list[str]:
 
 def test_daemon_one_port(tmp_path: Path, notify_env: Listener) -> None:
     opts = Options(profile=None, port=0, metrics_port=free_port())
-    d = Daemon(state_dir(tmp_path), opts, None)
-    sent = asyncio.run(drive(d, notify_env, lambda: d.engine.router,
-                             lambda: _watch(d.engine.watch), "idle"))
-    down = f"router on 127.0.0.1:{d.engine.port} is not accepting connections"
+    state = state_dir(tmp_path)
+    ports, node = setup.single(state, None, host=opts.host, port=opts.port,  # as hydra up
+                               profiles=lambda: list(known_profiles(opts.profiles_dir)))
+    d = Daemon(state, opts, ports, node)
+    p = ports[0]
+    sent = asyncio.run(drive(d, notify_env, lambda: p.router, lambda: _watch(p.watch), "idle"))
+    down = f"router on 127.0.0.1:{p.port} is not accepting connections"
     st = statuses(sent)
     i = st.index(f"no profile: port down ({down})")
     assert "no profile: idle" in st[i + 1:]  # back
@@ -348,13 +364,14 @@ def test_daemon_one_port(tmp_path: Path, notify_env: Listener) -> None:
 def test_daemon_several_profiles(tmp_path: Path, notify_env: Listener) -> None:
     f = make_fleet(tmp_path)
     opts = Options(profile=None, port=0, metrics_port=free_port(), profiles=["a", "b"])
-    d = Daemon(state_dir(tmp_path), opts, None, fleets=[f])
+    d = Daemon(state_dir(tmp_path), opts, [f], f.node)
+    # (a fleet's "running" is "serving" now)
     sent = asyncio.run(drive(d, notify_env, lambda: f.router, lambda: _watch(f.watch),
-                             "running"))
+                             "serving"))
     down = f"router on 127.0.0.1:{f.port} is not accepting connections"
     st = statuses(sent)
     i = st.index(f"a: port down ({down}); b: port down ({down})")
-    assert any(t.startswith("a: running") for t in st[i + 1:])  # back
+    assert any(t.startswith("a: serving") for t in st[i + 1:])  # back
 
 
 def _watch(w: PortWatch | None) -> PortWatch:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -19,7 +20,6 @@ import pytest
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router import http as router_http
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
-from hydra_supervisor.router.view import RouteView
 from tests.helpers_router import (
     DEADLINE,
     HOST,
@@ -303,23 +303,27 @@ def test_hold_one_route_the_other_serves(rig: Rig) -> None:
     assert rig.a.gate.held() == 0
 
 
-def test_route_view_drives_its_route_only(rig: Rig) -> None:
-    """What a profile's Engine sees: hold/release/set_upstreams apply to its route alone."""
-    view = RouteView(rig.r, rig.b)
-    assert view.port == rig.r.port and view.upstreams.http == rig.up_b.addr
-    view.hold("switching b")
+def test_a_lane_drives_its_route_only(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """What a lane does to its route (RouteView is gone: a lane drives its Route directly):
+    hold/release/its upstream apply to its route alone; `where` names the port in logs."""
+    caplog.set_level(logging.INFO, logger="hydra.router")
+    rig.b.where = f"port {rig.r.port}"  # what a Port sets on the routes it makes
+    assert rig.b.label == f"port {rig.r.port} / b" and rig.b.http == rig.up_b.addr
+    rig.b.hold("switching b")
+    assert f"router port {rig.r.port} / b: holding new requests (switching b)" in caplog.text
     parked = Background(chat, rig.r.port, "b")
-    wait_until(lambda: view.held() == 1, what="the request for b parked")
+    wait_until(lambda: rig.b.gate.held() == 1, what="the request for b parked")
     assert chat(rig.r.port, "a").status == 200
     other = StandIn()
     try:
-        view.set_upstreams(Upstreams(http=other.addr))  # b's new head
+        rig.b.http = other.addr  # b's new head
         assert rig.b.http == other.addr and rig.r.upstreams.http is None
-        view.release()
+        rig.b.release()
         assert parked.result().status == 200
         assert other.requests == 1 and rig.up_b.requests == 0 and rig.up_a.requests == 1
-        wait_until(lambda: view.inflight() == 0, what="b's flight ended")
-        assert view.stats()["route"]["requests"] == 1
+        wait_until(lambda: rig.b.gate.inflight() == 0, what="b's flight ended")
+        assert rig.b.stats()["requests"] == 1
+        assert rig.b.wait_idle(0.01) == 0 and rig.b.cut_inflight("nothing to cut") == 0
     finally:
         other.close()
 

@@ -175,6 +175,11 @@ class Port:
 
     def open(self) -> None:
         """Bind the external port (the router). Without a router the head binds it itself."""
+        planned = {d.profile for _, d in self._pending} | set(self.lanes)
+        if self.by_model and self.default is not None and self.default not in planned:
+            # (as the Fleet did) a default no lane serves would fail every model-less request
+            raise HydraError(f"default profile '{self.default}' is not served on port "
+                             f"{self.port}")
         if self.use_router:
             self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
                                            name=f"port {self.port}", **self.router_kwargs)
