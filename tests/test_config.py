@@ -74,8 +74,8 @@ def test_install_options_key_the_cache():
     from hydra_supervisor.install import BuildOptions, build_dir
 
     cpu, cuda = BuildOptions(), BuildOptions(cuda=True, cuda_archs="86;120")
-    assert build_dir(cpu).name == "11434.0.0-r2-cpu"
-    assert build_dir(cuda).name == "11434.0.0-r2-cuda-86_120"
+    assert build_dir(cpu).name == "11434.0.0-r3-cpu"
+    assert build_dir(cuda).name == "11434.0.0-r3-cuda-86_120"
     assert "-DGGML_RPC=ON" in cpu.cmake_args() and "-DGGML_CUDA=ON" in cuda.cmake_args()
     assert "-DCMAKE_CUDA_ARCHITECTURES=86;120" in cuda.cmake_args()
 
