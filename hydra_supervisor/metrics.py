@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 from hydra_supervisor import __version__
 from hydra_supervisor.ports import client_host
 from hydra_supervisor.router.conn import is_loopback
+from hydra_supervisor.serve import states
 
 log = logging.getLogger("hydra.metrics")
 
@@ -52,13 +53,10 @@ SnapshotFn = Callable[[], Snapshot]
 # for the rest), so a dashboard can alert on `hydra_process_state{state="FATAL"} == 1` before
 # it has ever happened. A state not listed here still gets its series when it shows up.
 PROCESS_STATES = ("STOPPED", "STARTING", "READY", "UNHEALTHY", "STOPPING", "BACKOFF", "FATAL")
-# "port down": the engine's router is not accepting connections (every client is refused).
-ENGINE_STATES = ("serving", "starting", "switching", "recovering", "idle", "degraded", "fatal",
-                 "port down")
-# A profile among several on one port (fleet.py) is one of these (or an ENGINE_STATES word
-# while it runs but restarts a process; "port down" whatever its phase when the port's router
-# is not accepting connections).
-PROFILE_STATES = ("running", "loading", "stopped", "unloading", "failed", "port down")
+# A lane's state (serve/states.py: one vocabulary for status, /v1/models, metrics, notify and
+# wire INFO), or the port's own words: "idle" (no profile loaded) and "port down" (its router
+# is not accepting connections: every client is refused).
+ENGINE_STATES = states.WORDS
 SWITCH_RESULTS = ("ok", "rolled_back", "failed", "noop")
 REQUEST_OUTCOMES = ("ok", "cut", "held_timeout", "error")
 # Request durations: a health check (ms) to a long generation (minutes).
@@ -178,8 +176,7 @@ class SnapshotCollector(Collector):
                 "url": str(e.get("url") or ""),
             })
             current = str(e.get("state") or "")
-            words = PROFILE_STATES if e.get("fleet") else ENGINE_STATES
-            for s in dict.fromkeys([*words, current]):
+            for s in dict.fromkeys([*ENGINE_STATES, current]):
                 if s:
                     state.add_metric([name, profile, s], 1.0 if s == current else 0.0)
         yield info

@@ -161,7 +161,7 @@ class Notifier:
 
 
 def status_text(snapshot: Mapping[str, Any]) -> str:
-    """One STATUS= line from the daemon's status snapshot (contracts shape): per engine its
+    """One STATUS= line from the daemon's status snapshot: per lane (or lane-less port) its
     profile, state and URL, and why when its port is down, or it is degraded or fatal.
     `systemctl status` shows it."""
     parts = []
@@ -169,7 +169,7 @@ def status_text(snapshot: Mapping[str, Any]) -> str:
         what = e.get("profile") or "no profile"
         state = e.get("state") or "?"
         line = f"{what}: {state}"
-        if state in ("serving", "degraded", "running") and e.get("url"):
+        if state in ("serving", "degraded") and e.get("url"):
             line += f" at {e['url']}"
         why = e.get("down") or e.get("fatal") or e.get("degraded")
         if why:
@@ -182,9 +182,9 @@ async def ready_when(notifier: Notifier, is_ready: Callable[[], bool],
                      status: Callable[[], str] | None = None,
                      stop: asyncio.Event | None = None, poll: float = 0.1) -> bool:
     """Send READY=1 (with the current STATUS=) once `is_ready()` holds; False, sending
-    nothing, when `stop` is set first. Run it as a task right after the engines start: the
-    daemon's `is_ready` is e.g. `lambda: all(e.state_word() in ("serving", "idle",
-    "degraded") for e in engines)` ("idle": a model-less start is ready at once)."""
+    nothing, when `stop` is set first. Run it as a task right after the ports start (the
+    daemon's `_ready`: every port's start-up over, and a port's one lane serving or degraded;
+    a port with no lane is ready at once)."""
     stop = stop or asyncio.Event()
     while not is_ready():
         try:

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra_supervisor import health, llamaerr, logfiles, process
-from hydra_supervisor.health import Gated as Traffic
 from hydra_supervisor.backoff import Backoff
 from hydra_supervisor.config import PeerLoss, RestartPolicy
 from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.health import Gated as Traffic
 from hydra_supervisor.plan import EngineSpec, Role
 from hydra_supervisor.ports import client_host, port_free, port_holder
 from hydra_supervisor.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, Version

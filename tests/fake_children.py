@@ -291,11 +291,15 @@ def deployment(n_peers: int = 1, *, remote: bool = False, on_peer_loss: PeerLoss
                       pick_port=pick_rpc, pick_internal_port=pick_internal)
 
 
-class FakeRouter:
-    """Just the part of the Router the supervisor touches: its upstreams."""
+class UpstreamMoves:
+    """The supervisor's typed seam for a moved process (`on_upstream_moved`), recorded: what
+    the lane re-points its route by (serve/lane.py)."""
 
-    def __init__(self, upstreams: Any) -> None:
-        self.upstreams = upstreams
+    def __init__(self, http: tuple[str, int] | None) -> None:
+        self.http = http
+        self.moves: list[tuple[str, tuple[str, int], int]] = []
 
-    def set_upstreams(self, up: Any) -> None:
-        self.upstreams = up
+    def __call__(self, kind: str, old: tuple[str, int], new_port: int) -> None:
+        self.moves.append((kind, old, new_port))
+        if kind == "http" and self.http == old:
+            self.http = (old[0], new_port)

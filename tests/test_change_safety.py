@@ -276,7 +276,7 @@ def test_a_bad_reload_among_several_profiles_rolls_back_fast(hydra_up, hydra_env
     print(f"\nbad reload of one profile of two: rolled back in {took:.2f}s")
     models = {m["id"]: m for m in requests.get(f"http://127.0.0.1:{port}/v1/models",
                                                timeout=30).json()["data"]}
-    assert models["two"]["state"] == "running" and models["one"]["state"] == "running"
+    assert models["two"]["state"] == "serving" and models["one"]["state"] == "serving"
     assert ask("two") == 200 and ask("one") == 200
     assert up.proc.poll() is None
 

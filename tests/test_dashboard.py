@@ -102,7 +102,7 @@ def test_dashboard_in_a_real_browser(hydra_up, hydra_env, tmp_path):
             # Both profiles and their states.
             demo = page.locator('#ports tr[data-profile="demo"]')
             moe = page.locator('#ports tr[data-profile="demo-moe-combine"]')
-            expect(demo.locator("[data-state]")).to_have_text("running")
+            expect(demo.locator("[data-state]")).to_have_text("serving")
             expect(moe.locator("[data-state]")).to_have_text("stopped")
             expect(page.locator('#processes tr[data-process="demo.head"] [data-state]')
                    ).to_have_text("READY")
@@ -160,7 +160,7 @@ def test_dashboard_in_a_real_browser(hydra_up, hydra_env, tmp_path):
 
             # Click "Switch to": the other profile loads and the page shows it.
             moe.locator('button[data-action="switch"]').click()
-            expect(moe.locator("[data-state]")).to_have_text("running", timeout=120_000)
+            expect(moe.locator("[data-state]")).to_have_text("serving", timeout=120_000)
             expect(page.locator('#actions li[data-result="ok"]')).to_contain_text(
                 "switch to demo-moe-combine")
             timings["switch"] = time.monotonic() - t0

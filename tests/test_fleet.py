@@ -69,7 +69,7 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
     up.wait_ready()
     port = _port(hydra_env)
     models = _models(port)
-    assert models["demo"]["state"] == "running" and models["demo"]["default"] is True
+    assert models["demo"]["state"] == "serving" and models["demo"]["default"] is True
     assert models["demo-moe-combine"]["state"] == "stopped"
     assert models["demo-moe-combine"]["devices"] == ["cpu-peer", "cpu"]
 
@@ -80,7 +80,7 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
         assert _ask(client, "demo", stream) == "demo"
         assert _ask(client, "demo-moe-combine", stream) == "demo-moe-combine"
     models = _models(port)
-    assert {m["state"] for m in models.values()} == {"running"}
+    assert {m["state"] for m in models.values()} == {"serving"}
 
     with pytest.raises(openai.NotFoundError, match="known models: demo, demo-moe-combine"):
         _ask(client, "gpt-4", False)
@@ -94,7 +94,7 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
 
     res = run_hydra(hydra_env, "status")
     assert res.returncode == 0, res.stderr
-    assert "demo-moe-combine" in res.stdout and "running" in res.stdout
+    assert "demo-moe-combine" in res.stdout and "serving" in res.stdout
 
     res = run_hydra(hydra_env, "switch", "demo-moe-combine", "--json", timeout=240)
     rep = json.loads(res.stdout)
@@ -140,7 +140,7 @@ def test_ttl_unloads_then_the_next_request_reloads(hydra_up, hydra_env, tmp_path
     assert _ask(client, "demo", True) == "demo"
     wait_until(lambda: _models(port)["brief"]["state"] == "stopped", 60, "ttl unload")
     assert _profiles(hydra_env)["brief"]["processes"] == []
-    assert _models(port)["demo"]["state"] == "running"  # no ttl: stays
+    assert _models(port)["demo"]["state"] == "serving"  # no ttl: stays
     assert _ask(client, "brief", False) == "brief"
     fleet = _profiles(hydra_env)["brief"]["fleet"]
     assert fleet["loads"] == 2 and fleet["unloads"] == 1
@@ -172,7 +172,7 @@ def test_profiles_that_cannot_fit_together_alternate_without_failures(hydra_up, 
         rep = json.loads(res.stdout)
         assert res.returncode == 0 and rep["result"] == "ok" and rep["from"] == "demo", rep
         assert {m: d["state"] for m, d in _models(port).items()} == {
-            "demo": "stopped", "demo-moe-combine": "running"}
+            "demo": "stopped", "demo-moe-combine": "serving"}
         failures: list[str] = []
         served = {"demo": 0, "demo-moe-combine": 0}
         stop = threading.Event()
@@ -205,7 +205,7 @@ def test_profiles_that_cannot_fit_together_alternate_without_failures(hydra_up, 
         loads = sum(p["fleet"]["loads"] for p in profiles.values())
         # Never both at once; a profile stays >= 4 s once loaded, so at most one load per
         # 4 s after the first two (plus the one at start).
-        assert sum(p["state"] == "running" for p in profiles.values()) <= 1
+        assert sum(p["state"] == "serving" for p in profiles.values()) <= 1
         assert loads <= 2 + int(elapsed / 4) + 1, (loads, elapsed)
         assert loads >= 2
     finally:
@@ -253,7 +253,7 @@ def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
     assert fleets[p2]["profiles"] == ["side"] and fleets[p2]["default"] == "side"
     assert set(_models(p1)) == {"front", "front-moe"} and set(_models(p2)) == {"side"}
     # Each port's default loaded at start; a model of the other port is unknown here.
-    assert _models(p2)["side"]["state"] == "running"
+    assert _models(p2)["side"]["state"] == "serving"
     assert _ask(_client(p2), "side", False) == "side"
     with pytest.raises(openai.NotFoundError):
         _ask(_client(p2), "front", False)
@@ -295,7 +295,7 @@ def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     for prof in ("front", "front-moe", "side"):
         assert samples[("hydra_profile_loads_total", prof, None)] == 1.0
-        assert samples[("hydra_engine_state", prof, "running")] == 1.0
+        assert samples[("hydra_engine_state", prof, "serving")] == 1.0
     # The port's router counters once per port, not once per profile.
     routers = [k for k in samples if k[0] == "hydra_router_alive"]
     assert len(routers) == 2, routers

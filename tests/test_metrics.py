@@ -155,7 +155,7 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         assert value(s, "hydra_info", version=__version__, pid="999") == 1
         assert value(s, "hydra_start_time_seconds") == 1_700_000_000.0
         assert value(s, "hydra_engine_state", **e, state="serving") == 1
-        assert value(s, "hydra_engine_state", **e, state="fatal") == 0
+        assert value(s, "hydra_engine_state", **e, state="failed") == 0
         assert value(s, "hydra_engine_info", **e, mode="solo", model="gemma3-270m") == 1
         head = {**e, "process": "head", "role": "head", "device": "cpu"}
         peer = {**e, "process": "peer-gpu1", "role": "peer", "device": "gpu1"}
@@ -214,14 +214,14 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         eng["switches"].append({"seq": 3, "to": "demo", "result": "ok",
                                 "phases": {"start": 2.0},
                                 "total_s": 2.5, "error": None})
-        eng["state"] = "starting"
+        eng["state"] = "loading"
         live["snap"] = after
         s = scrape(ms.url)
         assert value(s, "hydra_process_restarts_total", **head) == 3
         assert value(s, "hydra_process_last_exit_code", **head) == -6
         assert value(s, "hydra_process_state", **head, state="STARTING") == 1
         assert value(s, "hydra_process_state", **head, state="READY") == 0
-        assert value(s, "hydra_engine_state", **e, state="starting") == 1
+        assert value(s, "hydra_engine_state", **e, state="loading") == 1
         assert value(s, "hydra_switches_total", engine="main", result="ok") == 2
         assert value(s, "hydra_switch_last_phase_seconds", engine="main", phase="total") == 2.5
         # the head is no longer READY: not scraped

@@ -18,7 +18,7 @@ from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
 from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import ManagedProcess, State, Supervisor
-from tests.fake_children import Behaviour, FakeRouter, FakeWorld, deployment
+from tests.fake_children import Behaviour, FakeWorld, UpstreamMoves, deployment
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -434,17 +434,17 @@ def test_illegal_transition_ends_fatal_with_reason(tmp_path: Path) -> None:
 
 def test_head_port_taken_moves_and_router_follows(tmp_path: Path) -> None:
     async def body(w: FakeWorld, tmp: Path) -> None:
-        from hydra_supervisor.router import Upstreams
-
         w.squatters[40100] = 4242
         r = Run(w, deployment(1), tmp)
-        r.sup.router = FakeRouter(Upstreams(http=("127.0.0.1", 40100), rpc=None, hydra=None))
+        follow = UpstreamMoves(("127.0.0.1", 40100))
+        r.sup.on_upstream_moved = follow
         r.start()
         await r.all_ready()
         head = r.mp("head")
         assert head.spec.port == 40101 and "--port" in head.spec.args
         assert head.spec.args[head.spec.args.index("--port") + 1] == "40101"
-        assert r.sup.router.upstreams.http == ("127.0.0.1", 40101)
+        assert follow.http == ("127.0.0.1", 40101)
+        assert follow.moves == [("http", ("127.0.0.1", 40100), 40101)]
         await r.stop()
     go(tmp_path, body)
 

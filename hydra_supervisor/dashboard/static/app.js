@@ -82,7 +82,7 @@ function fmtTime(t) {
   return new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 }
 
-const GOOD = new Set(["READY", "running", "serving", "ok", "alive"]);
+const GOOD = new Set(["READY", "serving", "ok", "alive"]);
 const BUSY = new Set(["STARTING", "STOPPING", "loading", "unloading", "switching", "starting",
   "recovering", "pending", "noop"]);
 const BAD = new Set(["FATAL", "BACKOFF", "UNHEALTHY", "failed", "fatal", "degraded", "port down",
@@ -291,7 +291,7 @@ function summaryWord(snap) {
   if (snap.fleets) {
     if (snap.fleets.some((f) => f.down)) return "port down";
     if (rows.some((r) => r.state === "failed")) return "degraded";
-    return rows.some((r) => r.state === "running") ? "serving" : "idle";
+    return rows.some((r) => r.state === "serving") ? "serving" : "idle";
   }
   return rows[0] ? rows[0].state : "–";
 }
@@ -326,17 +326,17 @@ function profileRow(st, r, def) {
   const f = r.fleet || {};
   const name = r.profile || "(none)";
   const devs = f.devices || [...new Set((r.processes || []).map((p) => p.device))];
-  const running = r.state === "running" || r.state === "serving";
+  const running = r.state === "serving";
   let button = null;
   if (r.fleet) {
     button = el("button", {
       type: "button", "data-action": "switch", "data-profile": name, disabled: busy || running || f.phase === "loading",
-      title: "Load this profile (profiles sharing its devices are stopped first)", text: running ? "running" : "Switch to",
+      title: "Load this profile (profiles sharing its devices are stopped first)", text: running ? "serving" : "Switch to",
       onclick: () => act("switch", { profile: name }, `switch to ${name}`),
     });
   }
   const note = r.switching ? `switching to ${r.switching}` : f.error || r.fatal || r.degraded || (r.down) ||
-    (r.state !== "running" ? f.held_reason || f.why : "") || "";
+    (r.state !== "serving" ? f.held_reason || f.why : "") || "";
   const req = f.requests ?? (r.router && r.router.http ? r.router.http.requests : null);
   return el("tr", { "data-profile": name },
     el("td", {}, el("b", { text: name }), def === name ? el("span", { class: "muted", text: " (default)" }) : null),
@@ -367,7 +367,7 @@ function renderDevices(st, rows) {
   const procs = rows.flatMap((r) => (r.processes || []).map((p) => ({ ...p, profile: r.profile })));
   const planned = {};
   for (const r of rows) {
-    if (!r.fleet || !["running", "loading"].includes(r.fleet.phase)) continue;
+    if (!r.fleet || !["serving", "loading"].includes(r.fleet.phase)) continue;
     for (const [k, v] of Object.entries(r.fleet.needs_mib || {})) planned[k] = (planned[k] || 0) + v * 1048576;
   }
   const h = d.host;
