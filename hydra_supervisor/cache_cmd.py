@@ -13,13 +13,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from hydra_supervisor import rpccache
 from hydra_supervisor.clickutil import exits_2
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.lazy import lazy_module
+
+if TYPE_CHECKING:
+    from hydra_supervisor import rpccache
+else:  # numpy and gguf-py load when a command runs, not for `hydra --help`
+    rpccache = lazy_module("hydra_supervisor.rpccache")
 
 _node = click.option("--node", "node_file", default=None,
                      help="node file (default: $HYDRA_NODE, ~/.config/hydra/node.yaml)")
