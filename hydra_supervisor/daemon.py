@@ -231,8 +231,10 @@ class Daemon:
     def _change_failed(self) -> str | None:
         """The error of a lane's last change (switch, reload, CONFIGURE, restart) when it
         failed; a later change that works clears it."""
-        for lane in self.lanes():
-            rep = lane.switches[-1] if lane.switches else None
+        records = [*(lane.switches for lane in self.lanes()),
+                   *(p.reports for p in self.ports if not p.lanes)]
+        for done in records:
+            rep = done[-1] if done else None
             if rep is not None and rep.result in ("rolled_back", "failed"):
                 return f"{rep.to}: {rep.error}"
         return None

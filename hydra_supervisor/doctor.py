@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -71,10 +72,10 @@ def run(out: Console, node_file: str | None, peers: bool = False) -> bool:
         except HydraError as exc:
             _say(out, "  ", ("!", "yellow"), f" {exc}")
     for alias, target in node.models.items():
-        mark = ("✓", "") if models.Path(target).expanduser().is_file() else ("✗ missing", "red")
+        mark = ("✓", "") if Path(target).expanduser().is_file() else ("✗ missing", "red")
         _say(out, "  ", mark, f" {alias}: {target}")
     for d in node.model_dirs:
-        _say(out, f"  dir {d}: {len(list(models.Path(d).expanduser().glob('*.gguf')))} .gguf")
+        _say(out, f"  dir {d}: {len(list(Path(d).expanduser().glob('*.gguf')))} .gguf")
     import resource
 
     from hydra_supervisor.router.limits import raise_nofile

@@ -113,7 +113,7 @@ class Plan:
                 return [enc(v) for v in obj]
             return obj
 
-        data = enc(asdict(self))
+        data: dict[str, Any] = enc(asdict(self))
         for eng, spec in zip(data["engines"], self.engines, strict=True):
             eng["env"] = spec.env_dict()
             eng["endpoint"] = spec.endpoint

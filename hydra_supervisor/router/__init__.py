@@ -11,7 +11,8 @@ why the relay is built the way it is, with the measurements.
 """
 
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
+from hydra_supervisor.router.conn import Upstreams
 from hydra_supervisor.router.limits import raise_nofile
-from hydra_supervisor.router.relay import Router, Upstreams
+from hydra_supervisor.router.relay import Router
 
 __all__ = ["MAX_PREFIX", "Kind", "Router", "Upstreams", "classify", "raise_nofile"]

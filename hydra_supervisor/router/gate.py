@@ -63,7 +63,7 @@ def _silent_for(sock: socket.socket) -> float:
         sent, recv = struct.unpack_from("=I4xI", info, 44)
     except (OSError, struct.error):
         return 0.0  # closed or closing this instant: not a silent request
-    return min(sent, recv) / 1000.0
+    return float(min(sent, recv)) / 1000.0
 
 
 class Gate:

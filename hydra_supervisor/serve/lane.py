@@ -169,7 +169,7 @@ class Lane:
     def cooldown(self) -> float:
         """How long a failed lane answers 503 before a request loads it again: doubled after
         each failure in a row, so a broken profile costs less and less."""
-        return min(FAIL_COOLDOWN * 2 ** max(0, self.fails - 1), FAIL_COOLDOWN_MAX)
+        return float(min(FAIL_COOLDOWN * 2.0 ** max(0, self.fails - 1), FAIL_COOLDOWN_MAX))
 
     def own(self, dep: Deployment) -> Deployment:
         """A Deployment as this lane runs it: on the port's address, processes named after the

@@ -18,6 +18,7 @@ and posts work to the loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -91,6 +92,8 @@ class Port:
         # Where requests go while the port has no lane (503 naming `hydra switch NAME`).
         self._none = Route("none", Gate(120.0, 1024), where=f"port {port}")
         self._pending: list[tuple[Profile | None, Deployment]] = []
+        # Reports of changes that left the port without a lane (a failed first switch).
+        self.reports: collections.deque[SwitchReport] = collections.deque(maxlen=20)
 
     # -- lanes ----------------------------------------------------------------------------------
 
@@ -416,6 +419,7 @@ class Port:
         return rep
 
     def _drop(self, lane: Lane) -> None:
+        self.reports.extend(lane.switches)  # status and STATUS= still say what failed
         del self.lanes[lane.name]
         if self.node.lanes.get(lane.name) is lane:
             del self.node.lanes[lane.name]
@@ -545,7 +549,8 @@ class Port:
             "processes": lane.process_rows(gpu) if lane is not None else [],
             "requests_last_min": lane.requests_last_min() if lane is not None else None,
             "router": self._router_stats(lane),
-            "switches": [s.to_json() for s in lane.switches] if lane is not None else [],
+            "switches": [s.to_json() for s in (lane.switches if lane is not None
+                                                else self.reports)],
         }
         if self.by_model and lane is not None:
             row["fleet"] = {"port": self.port, "default": lane.name == self.default,

@@ -424,7 +424,7 @@ def lookup(key: str) -> KeySpec | None:
 
 
 def clamp_chunk(v: Any) -> int:
-    n = _int(v)
+    n = int(_int(v))
     return max(STATE_CHUNK_MIN, min(STATE_CHUNK_MAX, n))
 
 
