@@ -107,9 +107,11 @@ def cache() -> None:
 @_profile
 @_node
 @_profiles_dir
+@click.option("--verify", is_flag=True,
+              help="re-hash files already there and rewrite any that do not match")
 @exits_2
 def prefill_cmd(models: tuple[str, ...], cache_dir: Path | None, profile: str | None,
-                node_file: str | None, profiles_dir: str | None) -> None:
+                node_file: str | None, profiles_dir: str | None, verify: bool) -> None:
     """Write every weight over 10 MiB of MODEL(s) as <dir>/<FNV-1a 64>, as a remote load would.
 
     A head loading the same GGUF onto this host's ggml-rpc-server -c then sends hashes, not
@@ -118,7 +120,7 @@ def prefill_cmd(models: tuple[str, ...], cache_dir: Path | None, profile: str | 
     paths, cdir = _targets(models, cache_dir, profile, node_file, profiles_dir)
     for path in paths:
         with _bar("hashing + copying") as bar:
-            res = rpccache.prefill(path, cdir, _updater(bar, path.name))
+            res = rpccache.prefill(path, cdir, _updater(bar, path.name), verify=verify)
         click.echo(f"{path.name}: {rpccache.describe(res)}")
 
 
@@ -129,9 +131,11 @@ def prefill_cmd(models: tuple[str, ...], cache_dir: Path | None, profile: str | 
 @_node
 @_profiles_dir
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--verify", is_flag=True, help="also re-hash every file present (reads them all)")
 @exits_2
 def status_cmd(models: tuple[str, ...], cache_dir: Path | None, profile: str | None,
-               node_file: str | None, profiles_dir: str | None, as_json: bool) -> None:
+               node_file: str | None, profiles_dir: str | None, as_json: bool,
+               verify: bool) -> None:
     """How much of MODEL(s) is in the cache: tensors over 10 MiB, files present, bytes.
 
     The first look at a model hashes it (seconds per GB); later ones only stat files while
@@ -140,7 +144,7 @@ def status_cmd(models: tuple[str, ...], cache_dir: Path | None, profile: str | N
     rows = []
     for path in paths:
         with _bar("hashing") as bar:
-            st = rpccache.status(path, cdir, _updater(bar, path.name))
+            st = rpccache.status(path, cdir, _updater(bar, path.name), verify=verify)
         rows.append(st)
     if as_json:
         click.echo(json.dumps([{

@@ -395,21 +395,52 @@ def plan(gguf_path: Path, progress: Progress | None = None) -> CachePlan:
 
 
 def status(gguf_path: Path, cache_dir: Path | None = None,
-           progress: Progress | None = None) -> CacheStatus:
-    """How much of the model's cache is in `cache_dir` (present with the right size)."""
+           progress: Progress | None = None, *, verify: bool = False) -> CacheStatus:
+    """How much of the model's cache is in `cache_dir` (present with the right size; with
+    `verify`, also re-hashed: a file whose bytes do not hash to its name counts as missing)."""
     cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     p = plan(gguf_path, progress)
     unique = p.unique()
     missing = []
     cached_bytes = 0
     for fname, e in unique.items():
-        if _has(cdir / fname, e.size):
+        if _has(cdir / fname, e.size) and (not verify or _hash_file(cdir / fname) == e.hash):
             cached_bytes += e.size
         else:
             missing.append(fname)
     return CacheStatus(gguf=p.gguf, cache_dir=str(cdir), tensors=p.tensors, bytes=p.bytes,
                        files=len(unique), cached=len(unique) - len(missing),
                        cached_bytes=cached_bytes, missing=tuple(missing))
+
+
+def _hash_file(path: Path) -> int:
+    arr = _mapped(str(path))
+    try:
+        return _hash_extent(arr, 0, arr.size)
+    finally:
+        del arr
+
+
+def _sweep_temps(cdir: Path, older_than_s: float = 3600.0) -> None:
+    """Temp files a killed prefill left behind (a live one's mtime moves as it writes)."""
+    now = time.time()
+    for tmp in cdir.glob(_TMP_PREFIX + "*"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > older_than_s:
+                tmp.unlink()
+
+
+def _check_room(cdir: Path, need: int) -> None:
+    try:
+        free = shutil.disk_usage(cdir).free
+    except OSError:
+        return
+    if need > free:
+        gb = 1e9
+        raise HydraError(f"rpc cache: {cdir} needs {need / gb:.1f} GB more for these weights "
+                         f"and its filesystem has {free / gb:.1f} GB free",
+                         hint="free space there, or point the rpc-server elsewhere "
+                              "(LLAMA_CACHE in the peer profile's env:, or --dir)")
 
 
 def _has(path: Path, size: int) -> bool:
@@ -458,11 +489,13 @@ def _write_entry(cdir: Path, e: CacheEntry) -> None:
         raise
 
 
-def prefill(gguf: Path, cache_dir: Path, progress: Progress | None = None) -> PrefillResult:
+def prefill(gguf: Path, cache_dir: Path, progress: Progress | None = None, *,
+            verify: bool = False) -> PrefillResult:
     """Write `<cache_dir>/<hash>` for every tensor of `gguf` over the threshold, so a
     ggml-rpc-server -c using `cache_dir` is sent hashes only. Files already there with the right
     size are kept. `progress(done, total)` counts bytes of work, monotonic: every tensor's bytes
-    once hashed (instant when the memo is valid), then once copied or found in the cache."""
+    once hashed (instant when the memo is valid), then once copied or found in the cache.
+    `verify`: re-hash files already present, and rewrite those whose bytes do not match."""
     t0 = time.monotonic()
     cdir = Path(cache_dir)
     try:
@@ -470,14 +503,22 @@ def prefill(gguf: Path, cache_dir: Path, progress: Progress | None = None) -> Pr
     except OSError as exc:
         raise HydraError(f"rpc cache: cannot create {cdir}: {exc.strerror}") from exc
     # The hashing pass reads every tensor once; the copy pass reads only the missing ones.
+    _sweep_temps(cdir)
     p = plan(Path(gguf), (lambda d, t: progress(d, 2 * t)) if progress else None)
+
+    def present(e: CacheEntry) -> bool:
+        path = cdir / e.file_name
+        return _has(path, e.size) and (not verify or _hash_file(path) == e.hash)
+
+    _check_room(cdir, sum(e.size for e in p.unique().values() if not _has(cdir / e.file_name,
+                                                                          e.size)))
     done, total = p.bytes, 2 * p.bytes
     seen: set[str] = set()
     found = written = bytes_written = 0
     for e in p.entries:
         if e.file_name not in seen:  # equal tensors share one file
             seen.add(e.file_name)
-            if _has(cdir / e.file_name, e.size):
+            if present(e):
                 found += 1
             else:
                 try:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,6 +115,59 @@ def test_plan_memo_reads_no_tensor_data(tmp_path: Path, monkeypatch: pytest.Monk
     os.utime(model, ns=(time.time_ns(), time.time_ns() + 10**9))  # a changed file is re-hashed
     with pytest.raises(AssertionError, match="hashed again"):
         rpccache.plan(model)
+
+
+def test_verify_split_models_room_and_leftovers(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _vocab_or_skip()
+    monkeypatch.setattr(rpccache, "HASH_THRESHOLD", 10_000)
+    # A split model given by its first shard: every shard's tensors.
+    one = synth.write_dense(tmp_path / "m-00001-of-00002.gguf", **TINY)  # type: ignore[arg-type]
+    synth.write_dense(tmp_path / "m-00002-of-00002.gguf", seed=9, **TINY)  # type: ignore[arg-type]
+    plan = rpccache.plan(one)
+    assert {Path(e.file).name for e in plan.entries} == {"m-00001-of-00002.gguf",
+                                                         "m-00002-of-00002.gguf"}
+    cdir = tmp_path / "c"
+    # A temp file a killed prefill left an hour ago goes; a fresh one (a live prefill's) stays.
+    cdir.mkdir()
+    old, live = cdir / ".hydra-prefill-old", cdir / ".hydra-prefill-live"
+    old.write_bytes(b"x")
+    live.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    rpccache.prefill(one, cdir)
+    assert not old.exists() and live.exists()
+    live.unlink()
+    # Same size, other bytes: only verify sees it; prefill --verify rewrites it.
+    victim = cdir / plan.entries[-1].file_name
+    body = bytearray(victim.read_bytes())
+    body[0] ^= 0xFF
+    victim.write_bytes(bytes(body))
+    assert rpccache.status(one, cdir).complete
+    assert rpccache.status(one, cdir, verify=True).missing == (victim.name,)
+    assert rpccache.prefill(one, cdir).written == 0
+    assert rpccache.prefill(one, cdir, verify=True).written == 1
+    assert rpccache.status(one, cdir, verify=True).complete
+    # Not enough room: said before anything is written.
+    monkeypatch.setattr(rpccache.shutil, "disk_usage",
+                        lambda _p: types.SimpleNamespace(total=10, used=0, free=10))
+    with pytest.raises(HydraError, match="GB free"):
+        rpccache.prefill(one, tmp_path / "c2")
+
+
+def test_prefill_all_skips_a_bad_model_and_stops(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _vocab_or_skip()
+    monkeypatch.setattr(rpccache, "HASH_THRESHOLD", 10_000)
+    model = synth.write_dense(tmp_path / "tiny.gguf", **TINY)  # type: ignore[arg-type]
+    notes: list[str] = []
+    out = rpccache.prefill_all([str(tmp_path / "gone.gguf"), str(model)], tmp_path / "c",
+                               note=notes.append, every_s=0.0)
+    assert len(out) == 1 and out[0].written == 8
+    assert any("filling its tensor cache from tiny.gguf" in n for n in notes)
+    assert notes[-1] == "tensor cache from tiny.gguf: 8 file(s) ready"
+    stop = threading.Event()
+    stop.set()
+    assert rpccache.prefill_all([str(model)], tmp_path / "c3", stop=stop) == []
 
 
 def test_missing_model_is_a_hydra_error(tmp_path: Path) -> None:
