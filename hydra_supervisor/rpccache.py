@@ -29,7 +29,7 @@ dense layers when only experts go to the peer): they cost disk, never a wrong lo
 Hashing is sequential by nature (every byte's step needs the last one's result), so Python
 cannot do it at speed: a 10-line C function is compiled with the system's C compiler on first use
 (``cache_dir()/rpccache``), loaded with ctypes, and run on an mmap of the GGUF. Without a
-compiler a pure-Python loop does it, correctly and ~100x slower (warned). Hashes are memoised per
+compiler a pure-Python loop does it, correctly at ~16 MB/s, 60x slower (warned). Hashes are memoised per
 GGUF (real path, size, mtime_ns) under ``cache_dir()/rpccache/index``, so a second prefill or a
 status of an unchanged file reads no tensor data.
 """
@@ -93,7 +93,7 @@ def cache_file_name(h: int) -> str:
 
 
 def fnv1a64_py(data: bytes | bytearray | memoryview, h: int = FNV_OFFSET) -> int:
-    """FNV-1a 64 in pure Python (the reference; ~10 MB/s)."""
+    """FNV-1a 64 in pure Python (the reference; ~16 MB/s here)."""
     for b in bytes(data):
         h = ((h ^ b) * FNV_PRIME) & _MASK
     return h
@@ -148,7 +148,7 @@ def _build_native() -> Any:
         _native = fn
     except (OSError, subprocess.SubprocessError) as exc:
         _native, _native_why = False, str(exc)
-        log.warning("rpccache: hashing in pure Python (~100x slower): %s", exc)
+        log.warning("rpccache: hashing in pure Python (~16 MB/s, 60x slower): %s", exc)
         return None
     return fn
 
