@@ -93,6 +93,11 @@ def run(out: Console, node_file: str | None, peers: bool = False) -> bool:
         mem = f"{dev.free / 2**30:.1f} of {dev.total / 2**30:.1f} GiB free" if dev.total else \
             "memory unknown"
         _say(out, f"  {dev.label}: {mem}")
+    remote = [d.name for d in node.devices.values() if d.endpoint]
+    if remote:
+        _say(out, f"  remote peers {', '.join(remote)}: not probed here (their memory is what "
+                  "the node file says); `hydra doctor --peers` checks reachability, RTT, build "
+                  "identity and free memory")
     return ok
 
 
