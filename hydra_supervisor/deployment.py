@@ -75,8 +75,11 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     prof = lay.profile
     plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir,
                                                            swa_full=prof.keep_slots)
-    timeouts = Timeouts(load=load_timeout_for(lay.model.file_size if lay.model else 0,
-                                              prof.load_timeout),
+    # mode: peer has no model; its `prefill:` GGUFs are hashed and copied before its
+    # rpc-server starts (rpccache.py), within the same budget (60 s + 15 s per GiB).
+    model_bytes = lay.model.file_size if lay.model else sum(
+        Path(p).stat().st_size for p in plan.meta.get("prefill", ()))
+    timeouts = Timeouts(load=load_timeout_for(model_bytes, prof.load_timeout),
                         stop_grace=prof.stop_grace, health=prof.health)
     return Deployment(plan=plan, binaries=bins, policy=prof.restart,
                       on_peer_loss=prof.on_peer_loss, timeouts=timeouts,

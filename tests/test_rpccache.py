@@ -458,3 +458,22 @@ def test_cache_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.exit_code == 0 and str(tmp_path / "lc" / "rpc") in res.output, res.output
     res = run(main, ["cache", "status", "nope.gguf"])
     assert res.exit_code == 2 and "model file not found" in res.output
+
+
+def test_peer_load_budget_covers_the_prefill(tmp_path: Path) -> None:
+    from hydra_supervisor import deployment
+    from tests.harness import free_port_range
+
+    if _rpc_server_bin() is None:
+        pytest.skip("ggml-rpc-server not built (hydra install-llama)")
+    with open(tmp_path / "m.gguf", "wb") as f:
+        f.truncate(2 << 30)  # sparse: 2 GiB of budget, no disk
+    lo, hi = free_port_range(16)
+    node = tmp_path / "node.yaml"
+    node.write_text(f"rpc_ports: [{lo}, {lo + 7}]\ninternal_ports: [{lo + 8}, {hi}]\n")
+    prof = tmp_path / "lend.yaml"
+    prof.write_text("mode: peer\nhead: cpu-peer\nprefill: [m.gguf]\n")
+    dep = deployment.prepare(str(prof), node_file=str(node))
+    assert dep.timeouts.load == pytest.approx(60.0 + 15.0 * 2)
+    prof.write_text("mode: peer\nhead: cpu-peer\n")
+    assert deployment.prepare(str(prof), node_file=str(node)).timeouts.load == 60.0
