@@ -96,6 +96,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
             from hydra_supervisor import rpccache
             plan = replace(plan, meta={**plan.meta, rpccache.PLAN_KEY: rpccache.resolve_prefill(
                 profile.prefill, node, path.parent, profile.source)})
+            plan = replace(plan, notes=(*plan.notes, rpccache.plan_note(plan)))
     else:
         model_path = models.resolve_model(profile.model, node, path.parent)
         info = inspect(model_path)

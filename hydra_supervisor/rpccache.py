@@ -29,9 +29,9 @@ dense layers when only experts go to the peer): they cost disk, never a wrong lo
 Hashing is sequential by nature (every byte's step needs the last one's result), so Python
 cannot do it at speed: a 10-line C function is compiled with the system's C compiler on first use
 (``cache_dir()/rpccache``), loaded with ctypes, and run on an mmap of the GGUF. Without a
-compiler a pure-Python loop does it, correctly at ~16 MB/s, 60x slower (warned). Hashes are memoised per
-GGUF (real path, size, mtime_ns) under ``cache_dir()/rpccache/index``, so a second prefill or a
-status of an unchanged file reads no tensor data.
+compiler a pure-Python loop does it, correctly at ~16 MB/s, 60x slower (warned). Hashes are
+memoised per GGUF (real path, size, mtime_ns) under ``cache_dir()/rpccache/index``, so a second
+prefill or a status of an unchanged file reads no tensor data.
 """
 
 from __future__ import annotations
@@ -602,3 +602,12 @@ def prefill_all(paths: Sequence[str], cache_dir: Path, *,
 
 class _Stopped(Exception):
     pass
+
+
+def plan_note(plan: Any) -> str:
+    """`hydra plan`'s line for a peer plan with `prefill:` (layout.build adds it)."""
+    peer = plan.engines[0]
+    cdir = default_cache_dir({**os.environ, **peer.env_dict()})
+    names = ", ".join(Path(p).name for p in plan.meta.get(PLAN_KEY, ()))
+    return (f"prefill: {names} -> {cdir} (the {peer.name} tensor cache, filled before it "
+            "starts: a head with the same GGUF sends hashes, not weights)")

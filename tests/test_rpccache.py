@@ -427,6 +427,7 @@ def test_layout_resolves_prefill_paths(tmp_path: Path, monkeypatch: pytest.Monke
     prof.write_text("mode: peer\nhead: cpu-peer\nprefill: [m.gguf]\n")
     lay = layout.build(str(prof), node_file=str(node), check_ports=False)
     assert lay.plan.meta[rpccache.PLAN_KEY] == (str(tmp_path / "m.gguf"),)
+    assert any(n.startswith("prefill: m.gguf -> ") for n in lay.plan.notes)
     prof.write_text("mode: peer\nhead: cpu-peer\nprefill: [missing.gguf]\n")
     with pytest.raises(HydraError, match=r"lend\.yaml: prefill: model file not found"):
         layout.build(str(prof), node_file=str(node), check_ports=False)
