@@ -573,7 +573,8 @@ class Daemon:
             p.open()
         # The wire protocol addresses a lane: the first port's default lane (docs/routing.md);
         # reachable at once, also before (or without) a profile: INFO says what runs.
-        self.wire = EngineWire(self.ports[0], loop, self.opts.node_file)
+        self.wire = EngineWire(self.ports[0], loop, self.opts.node_file,
+                               published=self._published)
         self.ports[0].set_hydra_upstream(self.wire.start())
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,12 @@ class EngineWire:
     """EngineControl over a port's wire lane; `node_file` is the node the daemon plans with."""
 
     def __init__(self, port: Port, loop: asyncio.AbstractEventLoop,
-                 node_file: str | None) -> None:
+                 node_file: str | None,
+                 published: Callable[[], dict[str, Any]] | None = None) -> None:
+        """`published`: the daemon's snapshot as published on the loop (INFO reads that on
+        the wire server's threads, never the lanes' live objects)."""
         self.port = port
+        self.published = published
         self.loop = loop
         self.node_file = node_file
         self.defaults: dict[str, Any] = {}  # T1 request defaults in force
@@ -93,12 +98,11 @@ class EngineWire:
                 found = binaries.find("llama-server")
                 line = binaries.version_line(found.path)
                 info = {"llama_server": str(found.path), "version": line}
-                # "version: 11434 (abcdef12)": the build number and the commit
-                parts = line.replace("version:", "").split()
-                if parts:
-                    info["build"] = parts[0]
-                if len(parts) > 1:
-                    info["commit"] = parts[1].strip("()")
+                # "version: 0.6.0-dev (build 11434, commit sdist-…)" (buildid.py parses it)
+                with contextlib.suppress(ValueError):
+                    ident = buildid.parse_version(line)
+                    info["build"] = str(ident.build_number)
+                    info["commit"] = ident.commit
             self._build = info
         return self._build
 
@@ -136,8 +140,19 @@ class EngineWire:
         }
 
     def _row(self, lane: Lane | None) -> dict[str, Any]:
-        """The lane's status row (the port's, when it has no lane)."""
-        return self.port.row(lane, {})
+        """The lane's status row (the port's, when it has no lane), from the published
+        snapshot."""
+        if self.published is not None:
+            with contextlib.suppress(RuntimeError):  # none yet: hydra is starting
+                rows = [r for r in self.published().get("engines") or []
+                        if r.get("port") == self.port.port]
+                mine = [r for r in rows if lane is not None and r.get("profile") == lane.name]
+                if mine or rows:
+                    row: dict[str, Any] = (mine or rows)[0]
+                    return row
+        return {"profile": lane.name if lane is not None else None, "mode": None,
+                "model": None, "state": lane.state_now().value if lane is not None else "idle",
+                "processes": []}
 
     def _expert_modes(self) -> list[str]:
         prof = self._profile()
