@@ -320,6 +320,7 @@ def _listing(d: Path) -> dict[str, tuple[int, int, int]]:
             for p in sorted(d.iterdir())}
 
 
+@pytest.mark.slow
 def test_prefill_matches_a_real_remote_load(big_model: Path, rpc_server: tuple[int, Path, Path],
                                             tmp_path: Path) -> None:
     port, server_cache, _log = rpc_server
@@ -345,6 +346,7 @@ def test_prefill_matches_a_real_remote_load(big_model: Path, rpc_server: tuple[i
     assert sent > on_peer
 
 
+@pytest.mark.slow
 def test_prefilled_first_load_sends_hashes_only(big_model: Path,
                                                 rpc_server: tuple[int, Path, Path],
                                                 tmp_path: Path) -> None:
