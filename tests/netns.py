@@ -67,6 +67,7 @@ class Hosts:
         self.rate = rate
         self.subnet = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
         self._made: list[str] = []
+        self._links = 0
         try:
             self._build()
         except Exception:
@@ -95,25 +96,56 @@ class Hosts:
         self._add_ns(sw)
         _ip("-n", sw, "link", "add", "br0", "type", "bridge")
         _ip("-n", sw, "link", "set", "br0", "up")
-        for i, host in enumerate(self.names):
-            ns = self.ns(host)
-            self._add_ns(ns)
-            port = f"p{i}"
-            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port,
-                "netns", sw)
-            _ip("-n", sw, "link", "set", port, "master", "br0")
-            _ip("-n", sw, "link", "set", port, "up")
-            _ip("-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            if self.rate:
-                # tbf: `rate` on the host's egress; a burst of 1 MB passes veth's 64 KB GSO
-                # segments whole (a burst below a segment drops it).
-                self.run(host, ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                                self.rate, "burst", "1mb", "latency", "50ms"])
+        for host in self.names:
+            self._boot(host)
         for host in self.names:  # the bridge learns; wait until each host reaches the others
             for other in self.names:
                 if other != host:
                     self.wait_reachable(host, other, 10.0)
+
+    def _boot(self, host: str) -> None:
+        """The host's namespace, its link to the bridge, its address and its tbf."""
+        ns, sw = self.ns(host), self.ns("sw")
+        self._add_ns(ns)
+        self._links += 1
+        port = f"p{self._links}"
+        _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port,
+            "netns", sw)
+        _ip("-n", sw, "link", "set", port, "master", "br0")
+        _ip("-n", sw, "link", "set", port, "up")
+        _ip("-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        if self.rate:
+            # tbf: `rate` on the host's egress; a burst of 1 MB passes veth's 64 KB GSO
+            # segments whole (a burst below a segment drops it).
+            self.run(host, ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                            self.rate, "burst", "1mb", "latency", "50ms"])
+
+    def crash(self, host: str) -> None:
+        """The host loses power: its link goes first (so not one FIN or RST leaves it), then
+        everything in it dies and its namespace (sockets included) is deleted."""
+        ns = self.ns(host)
+        self.cut(host)
+        for pid in self.pids(host):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while self.pids(host) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Its name is free at once; the kernel frees the namespace itself (and its veth, down)
+        # only once the dead host's orphaned TCP sockets give up: the rebooted host gets a
+        # new link.
+        _ip("netns", "del", ns)
+        self._made.remove(ns)
+
+    def boot(self, host: str) -> None:
+        """The crashed host back, same address, nothing running, nothing remembered."""
+        self._boot(host)
+        for other in self.names:
+            if other != host:
+                self.wait_reachable(host, other, 10.0)
 
     def wait_reachable(self, src: str, dst: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

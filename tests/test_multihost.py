@@ -340,3 +340,48 @@ def test_peer_host_fault_is_detected_and_recovered(pair: Pair, fault: str) -> No
     assert r.status_code == 200, r.text
     assert "peer loss" in hydra_log or "peer" in hydra_log
     pair.down_both()
+
+
+# The bound on a crashed head host's session at the peer: the peer's router drops a ggml-RPC
+# client that stops acknowledging (TCP keepalive and TCP_USER_TIMEOUT, router/relay.py), so the
+# rpc-server it held serves the next head.
+CRASH_BOUND_S = 60.0
+
+
+def test_head_host_crash_frees_the_peer_for_its_next_head(pair: Pair) -> None:
+    """A head host that loses power sends no FIN and no RST: without a bound at the peer, its
+    rpc-server (one client at a time) would wait on that dead session for ever, and every later
+    head would sit in its backlog."""
+    net = pair.net
+    pair.start_peer()
+    pair.start_head(DENSE, "far-dense")
+    assert pair.complete(4).status_code == 200
+    assert pair.head is not None
+    pair.head.out.close()
+    pair.head.err.close()
+    net.crash("head")
+    pair.head.proc.wait(10)
+    net.boot("head")
+    t0 = time.monotonic()
+    tries = 0
+    while True:
+        # as systemd's Restart=on-failure would: `hydra up` refuses (exit 2) while the peer is
+        # still busy with the dead head's session, and is started again a moment later
+        tries += 1
+        try:
+            pair.start_head(DENSE, "far-dense", timeout=120)
+            break
+        except AssertionError as exc:
+            assert "busy with another client" in str(exc), exc
+            assert time.monotonic() - t0 < CRASH_BOUND_S, f"still refused after {tries} tries"
+            assert pair.head is not None
+            pair.head.out.close()
+            pair.head.err.close()
+            time.sleep(2.0)  # systemd's RestartSec (the loop's deadline is asserted above)
+    took = time.monotonic() - t0
+    r = pair.complete(4)
+    print(f"\nhead host crashed and rebooted: its next hydra ready after {took:.1f}s "
+          f"({tries} starts)")
+    assert r.status_code == 200, r.text
+    assert took <= CRASH_BOUND_S, f"the peer took {took:.1f}s to serve the next head"
+    pair.down_both()

@@ -21,6 +21,12 @@ Addr = tuple[str, int]
 # TCP keepalive on client sockets: a peer host that vanished (power, network) is found in
 # about IDLE + INTVL * CNT = 2 minutes, without timing out a live but quiet ggml-RPC link.
 _KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 60, 10, 6
+# A ggml-RPC client is held tighter: its rpc-server serves one client at a time, so a head host
+# that vanished without a FIN or RST (power lost, cable pulled) would keep every later head in
+# its backlog. Keepalive probes are answered by the head's kernel, however long its process is
+# quiet, so only a host that is gone fails them: dropped after IDLE + INTVL * CNT = 11 s idle,
+# or 15 s after data it sent went unacknowledged (TCP_USER_TIMEOUT).
+_RPC_KEEPIDLE_S, _RPC_KEEPINTVL_S, _RPC_KEEPCNT, _RPC_USER_TIMEOUT_MS = 5, 2, 3, 15000
 
 
 def is_loopback(host: str) -> bool:
@@ -153,13 +159,18 @@ def set_nodelay(sock: socket.socket) -> None:
         pass  # not TCP (tests may hand us a socketpair); nothing to tune
 
 
-def set_keepalive(sock: socket.socket) -> None:
+def set_keepalive(sock: socket.socket, rpc: bool = False) -> None:
+    """TCP keepalive on a client socket; `rpc`: the tighter bound of a ggml-RPC client."""
+    idle, intvl, cnt = ((_RPC_KEEPIDLE_S, _RPC_KEEPINTVL_S, _RPC_KEEPCNT) if rpc
+                        else (_KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT))
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if hasattr(socket, "TCP_KEEPIDLE"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPIDLE_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPINTVL_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPCNT)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, cnt)
+        if rpc and hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _RPC_USER_TIMEOUT_MS)
     except OSError:
         pass
 

@@ -1093,6 +1093,8 @@ class Router:
         if stopping:
             conn.note("router stopped")
             return None
+        if conn.kind is Kind.RPC:  # a head that vanished must not hold the rpc-server
+            set_keepalive(conn.client, rpc=True)
         conn.client.settimeout(None)
         conn.last = time.monotonic()
         try:
