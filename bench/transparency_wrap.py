@@ -8,11 +8,13 @@ runs this script, every test talks to hydra's first-byte router instead of llama
 
 - the real llama-server gets ARGS with ``--port`` replaced by a free internal port and
   ``--host`` by 127.0.0.1 (as hydra runs its head: internal, loopback only);
-- a Router binds the host(s) and port the test asked for, built as ``hydra up`` builds one
-  profile's (hydra_supervisor/engine.py Engine.open/start/_sync_gate): default knobs, the
-  loopback allow list, ``name="port N"``, requests held ("loading model ...") from the moment the
-  port opens until the head answers /health 200, then ``set_unavailable(None)`` + ``release()``;
-  no metrics callback (``hydra up`` without ``--metrics-port``), no request defaults;
+- a Router binds the host(s) and port the test asked for, built as ``hydra up`` builds a port
+  with one profile (hydra_supervisor/serve/port.py Port.open, lane.py Lane.start/sync_gate):
+  default knobs, the loopback allow list, ``name="port N"``, a table that sends every request
+  to the lane's route without reading bodies (``route_by_model = False``), the route's requests
+  held ("loading model ...") from the moment the port opens until the head answers /health
+  200, then ``set_unavailable(None)`` + ``release()``; no metrics callback (``hydra up``
+  without ``--metrics-port``), no request defaults;
 - it looks like llama-server to the test: the port opens at once, SIGTERM/SIGINT/SIGHUP go to
   llama-server, the wrapper exits when llama-server exits, with its exit status (a signal death
   is re-raised), and SIGKILL of the wrapper takes llama-server with it (PR_SET_PDEATHSIG).
@@ -40,9 +42,10 @@ from types import FrameType
 import hydra_supervisor
 from hydra_supervisor.ports import free_port
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.router.routes import Route
 
-# What hydra's Engine passes (engine.py DEFAULT_ALLOW; imported by value so that this script
-# does not depend on engine.py's other imports).
+# What hydra's Port passes (serve/port.py DEFAULT_ALLOW; by value so that this script does not
+# depend on serve/'s other imports).
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
 INTERNAL_HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -93,15 +96,15 @@ def health(port: int, timeout: float = 2.0) -> int | None:
         conn.close()
 
 
-def gate_when_ready(routers: list[Router], proc: subprocess.Popen[bytes], port: int) -> None:
+def gate_when_ready(routes: list[Route], proc: subprocess.Popen[bytes], port: int) -> None:
     """What the supervisor does for the head: /health every 50 ms (250 ms after 5 s) until 200,
-    then the engine opens the gate (Engine._sync_gate on READY)."""
+    then the lane opens its route's gate (Lane.sync_gate on READY)."""
     started = time.monotonic()
     while proc.poll() is None:
         if health(port) == 200:
-            for r in routers:
-                r.set_unavailable(None)
-                r.release()
+            for route in routes:
+                route.set_unavailable(None)
+                route.release()
             return
         time.sleep(0.05 if time.monotonic() - started < 5.0 else 0.25)
 
@@ -135,18 +138,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest, port, hosts = split_args(args)
     internal = free_port(INTERNAL_HOST)
 
-    # The port opens first and holds requests while the model loads (Engine.open, start).
+    # The port opens first and its lane holds requests while the model loads (Port.open,
+    # Lane.start).
     routers: list[Router] = []
+    routes: list[Route] = []
     for host in hosts:
         r = Router(host, port, Upstreams(), allow=DEFAULT_ALLOW, name=f"port {port}")
-        r.set_unavailable("no profile is loaded on this hydra: run `hydra switch NAME` "
-                          "(profiles: suite)", retry_after=10)
+        route = r.new_route("suite", None, 32)
+        route.where = f"port {port}"
+        r.route_by_model = False
+        r.table = lambda _model, _method, _path, _route=route: _route
+        route.set_unavailable(None)
+        route.hold("loading model for profile suite")
+        route.http = (INTERNAL_HOST, internal)
         r.start()
         port = r.port
-        r.set_unavailable(None)
-        r.hold("loading model for profile suite")
-        r.set_upstreams(Upstreams(http=(INTERNAL_HOST, internal)))
         routers.append(r)
+        routes.append(route)
 
     env = dict(os.environ)
     if "AIP_HTTP_PORT" in env:  # llama-server's Vertex AI mode listens there instead
@@ -161,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
 
-    threading.Thread(target=gate_when_ready, args=(routers, proc, internal),
+    threading.Thread(target=gate_when_ready, args=(routes, proc, internal),
                      daemon=True).start()
     while True:
         try:
