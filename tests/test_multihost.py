@@ -385,3 +385,78 @@ def test_head_host_crash_frees_the_peer_for_its_next_head(pair: Pair) -> None:
     assert r.status_code == 200, r.text
     assert took <= CRASH_BOUND_S, f"the peer took {took:.1f}s to serve the next head"
     pair.down_both()
+
+
+@pytest.mark.faults
+def test_link_cut_degrades_to_solo_and_returns_to_combine(pair: Pair) -> None:
+    """on_peer_loss: degrade across hosts: the head host serves SOLO on its own CPU while the
+    peer host is unreachable, and COMBINE again once it has been back stable_after (3 s)."""
+    net = pair.net
+    pair.start_peer()
+    pair.start_head(DENSE, "far-degrade", policy="degrade")
+    head_pid = next(e for e in pair.engines(pair.head_env) if e["role"] == "head")["pid"]
+    started, stream_out = threading.Event(), []  # type: ignore[var-annotated]
+    stream = _stream(pair, started, stream_out)
+    assert started.wait(60), "the stream did not start"
+    clients = Clients(pair)
+    t0 = time.monotonic()
+    net.cut("peer")
+    clients.send(2)
+
+    def solo() -> int | None:
+        st = status_json(pair.head_env).get("status") or {}
+        head = next((e for e in st.get("engines") or [] if e["role"] == "head"), None)
+        ok = st.get("degraded") and head and head["state"] == "READY" and head["pid"] != head_pid
+        return int(head["pid"]) if ok and head else None
+    solo_pid = wait_until(solo, 60, "the SOLO head serving", interval=0.05)
+    degraded_after = time.monotonic() - t0
+    clients.send(2)
+    assert clients.join(120) == ["ok"] * 4  # served by the SOLO head, the peer still away
+    net.restore("peer")
+    t_restored = time.monotonic()
+
+    def combine() -> bool:
+        st = status_json(pair.head_env).get("status") or {}
+        es = st.get("engines") or []
+        return not st.get("degraded") and bool(es) and all(e["state"] == "READY" for e in es) \
+            and next(e for e in es if e["role"] == "head")["pid"] != solo_pid
+    wait_until(combine, 120, "the head back to COMBINE")
+    back_after = time.monotonic() - t_restored
+    r = pair.complete(4)
+    stream.join(130)
+    print(f"\ndegrade: SOLO serving {degraded_after:.1f}s after the cut; COMBINE again "
+          f"{back_after:.1f}s after the restore; the stream in flight: {stream_out}")
+    assert r.status_code == 200, r.text
+    assert f"{net.addr('peer')}:{PEER_PORT}" in _head_log(pair).split("far-degrade")[-1]
+    pair.down_both()
+
+
+@pytest.mark.faults
+def test_link_cut_with_on_peer_loss_fail_ends_the_head_host_cleanly(pair: Pair) -> None:
+    """on_peer_loss: fail across hosts: the head host's hydra ends FATAL (exit 1) within the
+    bound; requests waiting are answered (not left hanging); nothing is left running there."""
+    net = pair.net
+    pair.start_peer()
+    pair.start_head(DENSE, "far-fail", policy="fail")
+    started, stream_out = threading.Event(), []  # type: ignore[var-annotated]
+    stream = _stream(pair, started, stream_out)
+    assert started.wait(60), "the stream did not start"
+    clients = Clients(pair)
+    t0 = time.monotonic()
+    net.cut("peer")
+    clients.send(2)
+    assert pair.head is not None
+    head = pair.head
+    code = wait_until(lambda: head.proc.poll() is not None, 60, "the head host's hydra to end")
+    ended = time.monotonic() - t0
+    results = clients.join(60)
+    stream.join(60)
+    wait_until(lambda: not net.pids("head"), 15, "nothing left in the head's namespace")
+    print(f"\nfail: hydra up exited {head.proc.returncode} {ended:.1f}s after the cut; requests "
+          f"sent during the fault: {results}; the stream: {stream_out}")
+    assert code and head.proc.returncode == 1, head.output()[-2000:]
+    assert ended <= BOUND_S + 2.0
+    assert "on_peer_loss is fail" in head.output()
+    assert all(r != "ok" for r in results)  # answered (503 or refused), none hung
+    net.restore("peer")
+    pair.down_both()
