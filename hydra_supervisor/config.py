@@ -129,6 +129,10 @@ class Profile:
     # writes into its ggml-rpc-server's -c cache before starting it, so a head with the same
     # GGUF sends only hashes (rpccache.py).
     prefill: tuple[str, ...] = ()
+    # The other layout of the same model this profile switches with (a profile name, e.g. the
+    # SOLO of a COMBINE): kept loaded beside it when the node has room, so a switch to it
+    # re-points the port at once (serve/standby.py, docs/profiles.md).
+    standby: str | None = None
 
 
 @dataclass(frozen=True)
@@ -406,6 +410,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "concurrency": _count,
     "queue": _whole,
     "prefill": _str_list,
+    "standby": _type(str, "a profile name (the other layout of the same model)"),
 }
 
 DEVICE_SCHEMA: dict[str, Checker] = {
@@ -613,6 +618,13 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
         problems.append((("prefill",), "used only with mode: peer (it fills this host's "
                          "ggml-rpc-server cache so a head elsewhere need not send the weights); "
                          "remove it, or put it in the peer host's profile"))
+    standby = data.get("standby")
+    if isinstance(standby, str) and standby in (data.get("profile", path.stem), path.stem):
+        problems.append((("standby",), "names this profile itself: give the profile of the "
+                         "other layout of the same model (e.g. its SOLO), or remove standby"))
+    if "standby" in data and data.get("mode") == Mode.PEER.value:
+        problems.append((("standby",), "not with mode: peer (a peer serves no HTTP model to "
+                         "switch); remove standby"))
     _raise(src, problems)
     merged = _merge(node.defaults, checked)
     merged = _merge(merged, dict(overrides or {}))

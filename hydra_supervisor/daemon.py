@@ -54,6 +54,7 @@ from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy, RestartFailed, SwitchTimeouts
+from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
 
@@ -122,6 +123,9 @@ class Daemon:
             if self.metrics:
                 p.router_kwargs["on_request"] = self._on_request
             p.listeners.append(self._changed)
+            if not p.by_model:  # a profile's `standby:` layout (serve/standby.py)
+                p.standby = Standby(p, node_file=opts.node_file, profiles_dir=opts.profiles_dir,
+                                    overrides=opts.overrides, slot_dir=slot_dir(state))
         self.stop_event = asyncio.Event()
         self.stop_reason = "stop requested"
         self.ended: str | None = None  # why the run ended, once it has (the crash record)
@@ -151,7 +155,10 @@ class Daemon:
         return self.ports[0] if self.ports and not self.ports[0].by_model else None
 
     def lanes(self) -> list[Lane]:
-        return [lane for p in self.ports for lane in p.lanes.values()]
+        """Every lane, standby layouts included (restart, kill, status)."""
+        return [lane for p in self.ports
+                for lane in [*p.lanes.values(), *([p.standby.lane] if p.standby is not None
+                                                  and p.standby.lane is not None else [])]]
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -371,6 +378,10 @@ class Daemon:
             if report.result != "noop":
                 self.switch_log = [*self.switch_log[-19:], {**done, "at": time.time()}]
             return done
+        if port.standby is not None and port.standby.ready_for(profile):
+            report = await port.standby.flip()  # instant: nothing to plan, nothing restarts
+            self.opts.profile = report.to
+            return report.to_json()
         lane = port.only()
         if lane is not None and lane.lock.locked():
             raise Busy(f"a switch is already running (to {lane.switching}); "
@@ -644,7 +655,7 @@ class Daemon:
             if lane is None or task is None or not task.done():
                 continue
             sup = lane.sup
-            if task is lane.task and not lane.lock.locked():
+            if task is lane.task and not lane.lock.locked() and lane.exit_on_fatal:
                 if sup is not None and sup.fatal:
                     self.stop_reason = f"FATAL: {sup.fatal}"
                     return EXIT_FATAL

@@ -158,7 +158,9 @@ class EngineWire:
         prof = self._profile()
         if prof is None:
             return []
-        if prof.mode is Mode.COMBINE or self.combine_profile is not None:
+        sb = self.port.standby.lane if self.port.standby is not None else None
+        if prof.mode is Mode.COMBINE or self.combine_profile is not None or (
+                sb is not None and sb.dep.plan.mode == "combine"):
             return ["solo", "combined"]
         return ["solo"]
 
@@ -261,6 +263,13 @@ class EngineWire:
         want_solo = mode == "solo"
         if want_solo == (prof.mode is Mode.SOLO):
             return {"mode": mode, "changed": False}
+        sb = self.port.standby
+        if sb is not None and sb.for_mode(mode) is not None:  # its standby: a flip (instant)
+            flip: SwitchReport = self._call(sb.flip())
+            return {"mode": mode, "changed": True, "instant": True, "restarted": [],
+                    "profile": flip.to,
+                    "phases": {k: round(v, 6) for k, v in flip.phases.items()}}
+        why = sb.not_instant() if sb is not None else None
         if want_solo:
             if prof.mode is not Mode.COMBINE:
                 raise ConfigureRefused(f"profile {prof.name} has no COMBINE layout")
@@ -278,4 +287,5 @@ class EngineWire:
             raise ConfigureRefused(f"switching to {mode} failed ({rep.failed_phase}: "
                                    f"{rep.error}); mode in effect: {in_effect}")
         return {"mode": in_effect, "changed": True, "restarted": rep.restarted,
-                "phases": {k: round(v, 3) for k, v in rep.phases.items()}}
+                "phases": {k: round(v, 3) for k, v in rep.phases.items()},
+                **({"instant": False, "not_instant": why} if why else {})}

@@ -60,6 +60,7 @@ class Occupant:
     last_used: float  # monotonic: its last request (or its load)
     evictable_at: float  # monotonic: loaded_at + min_resident
     movable: bool = True  # False while it loads or stops (it cannot be chosen)
+    standby: bool = False  # a standby layout (serve/standby.py): evicted before any other
 
 
 class Verdict(Enum):
@@ -88,6 +89,12 @@ def _over(capacity: Mapping[str, int], used: Mapping[str, int],
     return short
 
 
+def shortfall(capacity: Mapping[str, int], occupants: Sequence[Occupant],
+              want: Needs) -> dict[str, int]:
+    """Bytes missing per device for `want` beside `occupants` (empty: it fits)."""
+    return _over(capacity, _sum(occupants), want)
+
+
 def _sum(occupants: Sequence[Occupant]) -> dict[str, int]:
     used: dict[str, int] = {}
     for o in occupants:
@@ -109,8 +116,8 @@ def make_room(capacity: Mapping[str, int], occupants: Sequence[Occupant], want: 
         return Room(Verdict.FITS)
     # Only occupants on a short device free anything that helps.
     helpful = [o for o in occupants if any(o.needs.get(k, 0) for k in short)]
-    ready = sorted((o for o in helpful if o.movable and o.evictable_at <= now),
-                   key=lambda o: (o.last_used, o.name))
+    ready = sorted((o for o in helpful if o.movable and (o.standby or o.evictable_at <= now)),
+                   key=lambda o: (not o.standby, o.last_used, o.name))
     chosen: list[Occupant] = []
     rest = list(occupants)
     for o in ready:

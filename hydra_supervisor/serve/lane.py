@@ -113,6 +113,7 @@ class Lane:
         # without the profile ("head"), and a switch replaces its profile.
         self.exit_on_fatal = exit_on_fatal
         self.prefix_names = prefix_names
+        self.standby = False  # the port's standby layout (serve/standby.py), not its active one
         self.dep = self.own(dep)
         self.profile = profile if profile is not None else _profile_of(dep)
         self.needs = needs_of(self.dep)

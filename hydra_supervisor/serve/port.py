@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra_supervisor import gpumem, plandiff
 from hydra_supervisor.config import Profile
@@ -45,6 +45,9 @@ from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from hydra_supervisor.serve.standby import Standby
 
 log = logging.getLogger("hydra")
 _DEMAND_WAIT_S = 5.0  # how long a router thread waits for the loop to take a request's load
@@ -94,6 +97,8 @@ class Port:
         self._pending: list[tuple[Profile | None, Deployment]] = []
         # Reports of changes that left the port without a lane (a failed first switch).
         self.reports: collections.deque[SwitchReport] = collections.deque(maxlen=20)
+        # The other layout of its one profile, kept loaded beside it (serve/standby.py).
+        self.standby: Standby | None = None
 
     # -- lanes ----------------------------------------------------------------------------------
 
@@ -256,6 +261,9 @@ class Port:
     def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
         if not self.by_model:
             lane = self.only()
+            if self.standby is not None and method == "GET" and path in MODEL_PATHS \
+                    and self.standby.wanted() is not None:
+                return LocalReply(200, self.models_json())  # says which layout stands by
             return lane.route if lane is not None else self._none
         if method == "GET" and path in MODEL_PATHS:
             return LocalReply(200, self.models_json())
@@ -349,6 +357,8 @@ class Port:
         if not self.by_model:
             if lane is not None:
                 await lane.start()
+                if self.standby is not None:
+                    self.standby.follow()  # loads once the lane serves (in the background)
             self.started.set()
             return
         self._tick_task = asyncio.create_task(self._ticks())
@@ -405,6 +415,10 @@ class Port:
 
     async def switch_to(self, dep: Deployment) -> SwitchReport:
         """A port with one lane (or none): run `dep` in its place (any profile)."""
+        if self.standby is not None:  # a flip when `dep` is the loaded standby
+            flipped = await self.standby.before_switch(dep)
+            if flipped is not None:
+                return flipped
         lane = self.only()
         made = lane is None
         if lane is None:
@@ -416,6 +430,8 @@ class Port:
             # the port has no lane again (idle; its 503 names `hydra switch NAME`), as the
             # Engine left it, not a failed lane of a profile nobody runs.
             self._drop(lane)
+        if self.standby is not None:
+            self.standby.after_switch(rep)
         return rep
 
     def _drop(self, lane: Lane) -> None:
@@ -489,6 +505,7 @@ class Port:
         await asyncio.gather(*(t for t in (self._tick_task, self._boot, *jobs)
                                if t is not None), return_exceptions=True)
         await asyncio.gather(*(x.shutdown(reason) for x in self.lanes.values()),
+                             *([self.standby.shutdown(reason)] if self.standby else []),
                              return_exceptions=True)
 
     @property
@@ -512,7 +529,9 @@ class Port:
                 "aliases": list(lane.aliases), "default": lane.name == self.default,
                 "devices": list(lane.devices), "mode": lane.dep.plan.mode,
                 "model": lane.dep.model_label, "on_demand": lane.on_demand,
-                "error": lane.error})
+                "error": lane.error, "standby": False})
+        if self.standby is not None:
+            data += self.standby.models()
         return {"object": "list", "data": data}
 
     def _router_stats(self, lane: Lane | None) -> dict[str, Any] | None:
@@ -568,7 +587,7 @@ class Port:
         rows = [self.row(lane, gpu) for lane in self.lanes.values()]
         for row in rows[1:]:
             row["router"] = None
-        return rows
+        return self.standby.rows(rows, gpu) if self.standby is not None else rows
 
     def port_row(self) -> dict[str, Any]:
         return {"port": self.port, "url": self.url, "default": self.default,

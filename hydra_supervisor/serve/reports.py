@@ -53,6 +53,11 @@ class SwitchReport:
     restarted: list[str] = field(default_factory=list)
     seq: int = 0  # 1, 2, … per lane, set when it is recorded (metrics count by it)
     reason: str | None = None  # a noop's why (already serving, nothing changed)
+    # A switch between a profile and its standby layout (serve/standby.py): True when the
+    # port was re-pointed to the loaded standby (nothing restarted); False with `not_instant`
+    # (why: it did not fit, which device, how many MiB short) when it reloaded instead.
+    instant: bool | None = None
+    not_instant: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -63,6 +68,10 @@ class SwitchReport:
             "notes": self.notes, "cut": self.cut, "restarted": self.restarted}
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.instant is not None:
+            out["instant"] = self.instant
+        if self.not_instant is not None:
+            out["not_instant"] = self.not_instant
         return out
 
 

@@ -1,0 +1,413 @@
+"""A port's standby layout: the other layout of its one profile's model, kept loaded beside it.
+
+A profile names the layout it switches with (`standby: NAME`, another profile of the same
+model: the SOLO of a COMBINE, or the other way round). When the node's room fits both (the
+node's capacity, the same numbers eviction decides with: fleetplan), the port keeps the
+standby loaded as a second lane — its own processes and ports (an rpc-server serves one head,
+so a COMBINE standby runs its own peers), named after its profile (`demo-moe.head`) — and warms
+it with one short completion. A switch to it (`hydra switch`, the control API, the wire
+protocol's SET_EXPERT_MODE) is a *flip*: the port's lane table is swapped in one assignment,
+so `Port.select` hands every new request to the target's route at once; requests in flight on
+the old layout finish there (its processes keep running); nothing restarts; the old layout is
+now the standby. With `keep_slots` the flip first copies the KV slots across (save on the old
+head, restore on the target: measured in docs/measurements.md; it costs more than the flip).
+
+When both do not fit, nothing is loaded beside the active layout; a switch to the standby
+reloads as before, and its report says why it was not instant (`not_instant`: which device,
+how many MiB short). A switch to any other profile stops the standby first (the eviction takes
+the standby before anything else; fleetplan orders standby occupants first node-wide too).
+A standby whose process dies is restarted by its own supervisor; the active lane is not
+touched (its gate is its own, and the port does not route to it). A standby lane never ends
+hydra (`exit_on_fatal` moves with the flip).
+
+Everything here runs on the event loop; `ready_for` and `for_mode` only read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import requests
+
+from hydra_supervisor import deployment, fleetplan
+from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.reports import Busy, Phases, SwitchReport
+from hydra_supervisor.serve.states import LaneState
+
+if TYPE_CHECKING:
+    from hydra_supervisor.serve.port import Port
+
+log = logging.getLogger("hydra")
+
+WARM_TIMEOUT = 120.0  # one short completion on a freshly loaded standby (a slow CPU)
+MIB = fleetplan.MIB
+
+Prepare = Callable[[str, Lane], Deployment]  # (profile, the active lane) -> its Deployment
+Warm = Callable[[Lane], Awaitable[float]]  # seconds the warm-up request took
+
+
+class Standby:
+    def __init__(self, port: Port, *, prepare: Prepare | None = None,
+                 warm: Warm | None = None, node_file: str | None = None,
+                 profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
+                 slot_dir: Path | None = None) -> None:
+        self.port = port
+        self.node_file = node_file
+        self.profiles_dir = profiles_dir
+        self.overrides = {k: v for k, v in (overrides or {}).items() if k != "profile"}
+        self.slot_dir = slot_dir
+        self._prepare = prepare or self._prepare_default
+        self._warm = warm or _warm_head
+        self.lane: Lane | None = None
+        self.pair: frozenset[str] | None = None  # the active profile and its standby
+        self.name: str | None = None  # the standby profile wanted now
+        self.why: str | None = None  # why it is not loaded (did not fit, failed, ...)
+        self.needs: dict[str, int] = {}  # what it needs per device (planned), loaded or not
+        self.warm_s: float | None = None
+        self.flips = 0
+        self.task: asyncio.Task[None] | None = None
+        self._pending: str | None = None  # why the switch in progress is not instant
+
+    # -- what runs --------------------------------------------------------------------------------
+
+    def _active(self) -> Lane | None:
+        return self.port.only()
+
+    def wanted(self) -> str | None:
+        """The standby profile of the active lane: the other of the pair it was flipped
+        within, else the one its profile declares."""
+        active = self._active()
+        if active is None:
+            return None
+        if self.pair is not None and active.name in self.pair and len(self.pair) == 2:
+            return next(n for n in self.pair if n != active.name)
+        return getattr(active.profile, "standby", None) or None
+
+    def ready(self) -> bool:
+        """The standby is loaded, warm and serving, and neither lane is in a change."""
+        lane, active = self.lane, self._active()
+        return (lane is not None and active is not None and self.warm_s is not None
+                and lane.state_now() is LaneState.SERVING and lane.job is None
+                and not lane.lock.locked() and not active.lock.locked())
+
+    def ready_for(self, ref: str) -> bool:
+        """Whether a switch to `ref` (a profile name or file) can flip now."""
+        lane = self.lane
+        return lane is not None and self.ready() and _names(lane, ref)
+
+    def for_mode(self, mode: str) -> str | None:
+        """SET_EXPERT_MODE: the standby's name when it runs the wanted mode ("solo" or
+        "combined") of the active lane's model and can flip now."""
+        lane, active = self.lane, self._active()
+        if lane is None or active is None or not self.ready():
+            return None
+        want = "solo" if mode == "solo" else "combine"
+        if lane.dep.plan.mode == want and lane.dep.plan.model_path == active.dep.plan.model_path:
+            return lane.name
+        return None
+
+    def not_instant(self, ref: str | None = None) -> str | None:
+        """Why a switch to `ref` (None: to the standby) cannot flip, when `ref` is the
+        declared standby; None when it can, or `ref` is some other profile."""
+        name = self.wanted()
+        if name is None or (ref is not None and ref != name and
+                            (self.lane is None or not _names(self.lane, ref))):
+            return None
+        if self.ready():
+            return None
+        if self.why:
+            return f"standby {name}: {self.why}"
+        lane = self.lane
+        if lane is None:
+            return f"standby {name} is not loaded yet"
+        return f"standby {name} is {lane.state_now().value}" + (
+            " (warming up)" if lane.state_now() is LaneState.SERVING else "")
+
+    # -- keeping it loaded ---------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """After the active lane started or switched: (re)load the standby it wants, in the
+        background (a switch's reply does not wait for it)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self.task = asyncio.create_task(self._ensure())
+
+    async def _ensure(self) -> None:
+        try:
+            await self._ensure_now()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not end hydra; the active lane serves
+            log.exception("standby: %s", exc)
+            self.why = f"internal error: {exc}"
+            self.port._announce()
+
+    async def _ensure_now(self) -> None:
+        active = self._active()
+        if active is None:
+            return
+        # The active layout first: the standby never slows its load (bounded by its timeout).
+        deadline = time.monotonic() + active.dep.timeouts.load + active.dep.timeouts.peer + 30
+        while active.state_now() is not LaneState.SERVING or active.lock.locked():
+            if active is not self._active() or active.state_now() is LaneState.FAILED \
+                    or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
+        name = self.wanted()
+        if self.lane is not None and self.lane.name == name:
+            return  # already the one (a flip keeps the pair)
+        if self.lane is not None:
+            await self.drop(f"{active.name} has another standby ({name})" if name
+                            else f"{active.name} has no standby")
+        self.name, self.why, self.needs, self.warm_s = name, None, {}, None
+        if name is None:
+            self.pair = None
+            self.port._announce()
+            return
+        self.pair = frozenset({active.name, name})
+        try:
+            dep = await asyncio.to_thread(self._prepare, name, active)
+        except HydraError as exc:
+            self._not_loaded(f"cannot be planned: {exc}")
+            return
+        if dep.plan.model_path != active.dep.plan.model_path:
+            self._not_loaded(f"runs another model ({dep.plan.model_path}) than {active.name} "
+                             f"({active.dep.plan.model_path}); a standby is the other layout "
+                             "of the same model")
+            return
+        lane = self._make_lane(dep)
+        self.needs = dict(lane.needs)
+        short = self.shortfall(lane)
+        if short:
+            self._not_loaded(f"does not fit beside {active.name}: {short}")
+            return
+        self.lane = lane
+        lane.standby = True
+        self.port.node.add(lane)
+        ok = await lane.load(f"standby of {active.name}")
+        if not ok:
+            self.why = f"failed to load: {lane.error}"
+            await self.drop("its load failed", keep_why=True)
+            return
+        try:
+            self.warm_s = await self._warm(lane)
+            log.info("standby %s of %s loaded and warm (warm-up %.2fs); a switch to it is "
+                     "instant", lane.name, active.name, self.warm_s)
+        except (OSError, requests.RequestException, HydraError) as exc:
+            self.warm_s = 0.0  # it serves; the first request after a flip warms it instead
+            log.warning("standby %s: warm-up request failed (%s); it serves anyway",
+                        lane.name, exc)
+        self.port._announce()
+
+    def _not_loaded(self, why: str) -> None:
+        self.why = why
+        log.warning("standby %s not loaded: %s", self.name, why)
+        self.port._announce()
+
+    def _make_lane(self, dep: Deployment) -> Lane:
+        port = self.port
+        prof = dep.layout.profile if dep.layout is not None else None
+        route = port._new_route(dep.profile, prof)
+        return Lane(port, dep, route, state=port.state, profile=prof, node=None,
+                    switch_timeouts=port.switch_timeouts, make_supervisor=port.make_supervisor,
+                    clock=port.clock, exit_on_fatal=False, prefix_names=True)
+
+    def shortfall(self, lane: Lane) -> str | None:
+        """None when `lane` fits beside everything the node runs; else which device and how
+        many MiB short (never an eviction: a standby does not stop anything to load)."""
+        node = self.port.node
+        occ = node.occupants(lane)
+        short = fleetplan.shortfall(node.capacity, occ, lane.needs)
+        if not short:
+            return None
+        used = {k: sum(o.needs.get(k, 0) for o in occ) for k in short}
+        return "; ".join(
+            f"{k}: {v / MIB:,.0f} MiB short (needs {lane.needs[k] / MIB:,.0f} MiB, "
+            f"{used[k] / MIB:,.0f} of {node.capacity[k] / MIB:,.0f} MiB in use)"
+            for k, v in sorted(short.items()))
+
+    def _prepare_default(self, name: str, active: Lane) -> Deployment:
+        """Plan `name` on the port's address, on ports the active layout does not hold."""
+        port = self.port
+        return deployment.prepare(
+            name, node_file=self.node_file, profiles_dir=self.profiles_dir,
+            overrides={**self.overrides, "host": port.host, "port": port.port},
+            external=port.port, slot_dir=self.slot_dir,
+            reserved=port.node.planned_ports(but=active) | frozenset(
+                e.port for e in active.dep.plan.engines if e.managed))
+
+    async def drop(self, why: str, keep_why: bool = False) -> None:
+        """Stop the standby (drained, then cut; an old layout may still finish streams)."""
+        task, lane = self.task, self.lane
+        self.lane, self.warm_s = None, None
+        if not keep_why:
+            self.why = None
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if lane is None:
+            return
+        if lane.phase is LaneState.SERVING and not lane.lock.locked():
+            await lane.unload(why, cut=True)
+        else:
+            await lane.shutdown(why)
+        if self.port.node.lanes.get(lane.name) is lane:
+            del self.port.node.lanes[lane.name]
+        self.port._announce()
+
+    async def shutdown(self, reason: str) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+        if self.lane is not None:
+            await self.lane.shutdown(reason)
+
+    # -- switching -------------------------------------------------------------------------------
+
+    async def before_switch(self, dep: Deployment) -> SwitchReport | None:
+        """A port's switch to `dep` (hydra switch after planning, or its first switch): a
+        flip when `dep` is the loaded standby; else the standby goes first when the switch
+        leaves the pair (room for the new profile), and the reason rides on the report."""
+        if self.ready_for(dep.profile):
+            return await self.flip()
+        self._pending = self.not_instant(dep.profile)
+        active = self._active()
+        if self.lane is not None and (active is None or dep.profile != active.name):
+            await self.drop(f"switch to {dep.profile}")
+        if active is None or dep.profile not in (self.pair or frozenset()):
+            self.pair = None  # a new profile: its own standby (declared), if any
+        return None
+
+    def after_switch(self, report: SwitchReport) -> None:
+        why, self._pending = self._pending, None
+        if why is not None:
+            report.instant = False
+            report.not_instant = why
+            report.notes.append(f"not instant: {why}")
+        if self._active() is not None:
+            self.follow()
+
+    async def flip(self) -> SwitchReport:
+        """Re-point the port to the standby in one step; the old layout stands by."""
+        sb, active = self.lane, self._active()
+        if sb is None or active is None or not self.ready():
+            raise Busy(f"the standby cannot take over now ({self.not_instant() or 'busy'})")
+        report = SwitchReport(to=sb.name, frm=active.name, result="running")
+        phase = Phases(report)
+        if active.dep.keep_slots and sb.dep.keep_slots:
+            async with active.lock:  # no other change of the old head while it saves
+                with phase("save_slots"):
+                    saved = await active._save_slots(active.dep)
+                if saved:
+                    with phase("restore_slots"):
+                        await sb._restore_slots(active.dep, sb.dep, saved, report)
+        with phase("flip"):
+            inflight = active.route.gate.inflight()
+            self._swap(active, sb)
+        report.result = "ok"
+        report.instant = True
+        report.notes.append(f"instant: {sb.name} was loaded and warm; {active.name} finishes "
+                            f"its {inflight} request(s) in flight and stands by")
+        phase.done()
+        sb.record(report)
+        log.info("flipped port %s: %s -> %s in %.1f ms (nothing restarted)", self.port.port,
+                 active.name, sb.name, report.phases.get("flip", 0.0) * 1000)
+        return report
+
+    def _swap(self, active: Lane, sb: Lane) -> None:
+        """One assignment re-points every new request (Port.select reads `lanes`)."""
+        port = self.port
+        sb.route.touch()
+        sb.standby, active.standby = False, True
+        sb.exit_on_fatal, active.exit_on_fatal = active.exit_on_fatal, False
+        port.lanes = {sb.name: sb}
+        port.default = sb.name
+        port.lookup = {label: sb.name for label in (sb.name, *sb.aliases)}
+        self.lane = active
+        self.name = active.name
+        self.pair = frozenset({active.name, sb.name})
+        self.flips += 1
+        port._announce()
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def rows(self, rows: list[dict[str, Any]], gpu: dict[int, int]) -> list[dict[str, Any]]:
+        """The port's rows with the standby's beside the active one: each says `standby`
+        true or false, and both layouts' planned MiB per device (`needs_mib`)."""
+        name = self.wanted()
+        active = self._active()
+        if name is None or active is None:
+            return rows
+        for row in rows:
+            row["standby"] = False
+            row["needs_mib"] = _mib(active.needs)
+            row["standby_name"] = name
+        lane = self.lane
+        if lane is not None:
+            row = self.port.row(lane, gpu)
+            row["router"] = None
+        else:
+            row = {"profile": name, "source": None, "mode": None, "model": None,
+                   "host": self.port.host, "port": self.port.port, "url": self.port.url,
+                   "state": LaneState.STOPPED.value, "down": None, "switching": None,
+                   "fatal": None, "degraded": None, "processes": [],
+                   "requests_last_min": None, "router": None, "switches": []}
+        row.update({"name": f"port-{self.port.port}/standby", "standby": True,
+                    "standby_of": active.name, "why": self.why, "warm_s": self.warm_s,
+                    "flips": self.flips,
+                    "needs_mib": _mib(lane.needs if lane is not None else self.needs)})
+        return [*rows, row]
+
+    def models(self) -> list[dict[str, Any]]:
+        """/v1/models entries of the standby (the port's lane entries say standby: false)."""
+        name, lane = self.wanted(), self.lane
+        if name is None:
+            return []
+        state = lane.state_now() if lane is not None else LaneState.STOPPED
+        from hydra_supervisor.serve import states
+        return [{"id": name, "object": "model", "created": int(time.time()),
+                 "owned_by": "hydra", "state": state.value,
+                 "status": {"value": states.MODEL_STATUS[state]}, "standby": True,
+                 "mode": lane.dep.plan.mode if lane is not None else None,
+                 "devices": list(lane.devices) if lane is not None else [],
+                 "error": self.why}]
+
+
+def _mib(needs: dict[str, int]) -> dict[str, int]:
+    return {k: round(v / MIB) for k, v in needs.items()}
+
+
+def _names(lane: Lane, ref: str) -> bool:
+    """Whether a switch's `ref` (a name or a profile file) names `lane`'s profile."""
+    source = lane.dep.plan.source
+    return ref in (lane.name, source) or (ref.endswith((".yaml", ".yml"))
+                                          and Path(ref).resolve() == Path(source).resolve())
+
+
+async def _warm_head(lane: Lane) -> float:
+    """One short completion straight to the standby's head: its first request pays for
+    the first graph build and page faults, not the first user request after a flip."""
+    addr = lane._head_addr()
+    if addr is None:
+        raise HydraError(f"{lane.name}: its head is not ready")
+    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    url = f"http://{host}:{addr[1]}/completion"
+
+    def go() -> float:
+        t0 = time.monotonic()
+        r = requests.post(url, json={"prompt": "Hello", "n_predict": 1, "cache_prompt": False},
+                          timeout=WARM_TIMEOUT)
+        r.raise_for_status()
+        return time.monotonic() - t0
+
+    return await asyncio.to_thread(go)
