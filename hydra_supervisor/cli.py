@@ -683,9 +683,20 @@ def _engine_renderables(eng: dict[str, Any]) -> list[Any]:
     from rich.text import Text
 
     parts: list[Any] = []
-    if eng.get("profile") is None:
+    needs = ", ".join(f"{k} {v:,} MiB" for k, v in (eng.get("needs_mib") or {}).items())
+    if eng.get("standby"):  # the other layout, kept loaded beside the active one (standby:)
+        how = ("`hydra switch " + str(eng["profile"]) + "` flips to it at once"
+               if eng["state"] == "serving" else eng.get("why") or eng["state"])
+        parts.append(Text.assemble(("standby ", ""), (str(eng["profile"]), "bold"),
+                                   f" ({eng['mode'] or '-'}) for {eng.get('standby_of')} — "
+                                   f"{eng['state']}; plan {needs or '-'}; {how}"))
+    elif eng.get("profile") is None:
         parts.append(Text(f"no profile loaded at {eng['url']} ({eng['state']}); "
                           "`hydra switch NAME` loads one"))
+    elif eng.get("standby_name"):
+        parts.append(Text.assemble(("profile ", ""), (str(eng["profile"]), "bold"),
+                                   f" ({eng['mode']}) at {eng['url']} — {eng['state']}, active "
+                                   f"(plan {needs}; standby {eng['standby_name']})"))
     else:
         parts.append(Text.assemble(("profile ", ""), (str(eng["profile"]), "bold"),
                                    f" ({eng['mode']}) at {eng['url']} — {eng['state']}"))
@@ -799,8 +810,10 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
     lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
                        overrides=_overrides(port, None), check_ports=False)
     p = lay.plan
+    both = _standby_plan(lay, node_file, profiles_dir, port)
     if as_json:
-        click.echo(json.dumps(p.to_json(), indent=2))
+        click.echo(json.dumps({**p.to_json(), **({"standby": both} if both else {})},
+                              indent=2))
         return
     m = lay.model
     out.print(styled("profile ", (p.profile, "bold"), f" ({p.source})"))
@@ -835,6 +848,45 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         out.print(styled(("router", "bold"), f" listens {host_port(r.host, r.port)}: {http}{rpc}"))
     for note in p.notes:
         out.print(f"  note: {note}")
+    if both:
+        _print_standby_plan(both)
+
+
+def _standby_plan(lay: Any, node_file: str | None, profiles_dir: str | None,
+                  port: int | None) -> dict[str, Any] | None:
+    """The profile's `standby:` layout planned too: both layouts' bytes per device."""
+    name = getattr(lay.profile, "standby", None)
+    if not name:
+        return None
+    from hydra_supervisor.serve.standby import plan_both
+
+    try:
+        other = layout.build(name, node_file=node_file, profiles_dir=profiles_dir,
+                             overrides=_overrides(port, None), check_ports=False)
+    except HydraError as exc:
+        return {"standby": {"profile": name}, "error": str(exc), "fits": False}
+    return plan_both(lay, other)
+
+
+def _print_standby_plan(both: dict[str, Any]) -> None:
+    sb = both["standby"]
+    if both.get("error"):
+        out.print(f"standby {sb['profile']}: cannot be planned: {both['error']}", markup=False)
+        return
+    def mib(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v:,} MiB" for k, v in d.items())
+    out.print(styled(("standby ", "bold"), f"{sb['profile']} ({sb['mode']}): "
+                     f"{mib(sb['needs_mib'])}; with {both['active']['profile']} "
+                     f"({mib(both['active']['needs_mib'])}) of {mib(both['capacity_mib'])}"))
+    if not both["same_model"]:
+        out.print("  runs another model: a standby is the other layout of the same model; "
+                  "hydra will not load it", markup=False)
+    elif both["fits"]:
+        out.print("  both fit: hydra keeps the standby loaded and a switch between them is "
+                  "instant (no restart)", markup=False)
+    else:
+        out.print(f"  both do not fit ({mib(both['short_mib'])} short): a switch reloads",
+                  markup=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -174,6 +174,8 @@ class SnapshotCollector(Collector):
             info.add_metric([name, profile], {
                 "mode": str(e.get("mode") or ""), "model": str(e.get("model") or ""),
                 "url": str(e.get("url") or ""),
+                # a port's standby layout (serve/standby.py) beside its active one
+                "role": "standby" if e.get("standby") else "active",
             })
             current = str(e.get("state") or "")
             for s in dict.fromkeys([*ENGINE_STATES, current]):

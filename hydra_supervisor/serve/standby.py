@@ -26,6 +26,7 @@ Everything here runs on the event loop; `ready_for` and `for_mode` only read.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -328,6 +329,10 @@ class Standby:
         """One assignment re-points every new request (Port.select reads `lanes`)."""
         port = self.port
         sb.route.touch()
+        # The port's switch history moves with it (status's "last switch", metrics by seq).
+        sb.switches, sb._switch_count = active.switches, max(active._switch_count,
+                                                             sb._switch_count)
+        active.switches = collections.deque(maxlen=active.switches.maxlen)
         sb.standby, active.standby = False, True
         sb.exit_on_fatal, active.exit_on_fatal = active.exit_on_fatal, False
         port.lanes = {sb.name: sb}
@@ -355,7 +360,8 @@ class Standby:
         lane = self.lane
         if lane is not None:
             row = self.port.row(lane, gpu)
-            row["router"] = None
+            row["router"] = None  # the port's counters ride on its first row
+            row["switches"] = []  # the port's switch history is on the active row
         else:
             row = {"profile": name, "source": None, "mode": None, "model": None,
                    "host": self.port.host, "port": self.port.port, "url": self.port.url,
@@ -411,3 +417,24 @@ async def _warm_head(lane: Lane) -> float:
         return time.monotonic() - t0
 
     return await asyncio.to_thread(go)
+
+
+def plan_both(active: Any, standby: Any) -> dict[str, Any]:
+    """`hydra plan`: both layouts' bytes per physical device (layout.Layout each), against
+    what the node offers, and whether they fit together (the standby is then kept loaded)."""
+    def needs(lay: Any) -> dict[str, int]:
+        return fleetplan.needs_of([(p.device, p.need_bytes) for p in lay.plan.placements],
+                                  lay.devices)
+
+    a, b = needs(active), needs(standby)
+    cap = fleetplan.capacity_of(active.devices)
+    occ = [fleetplan.Occupant(active.plan.profile, a, 0.0, 0.0)]
+    short = fleetplan.shortfall(cap, occ, b)
+    return {"active": {"profile": active.plan.profile, "mode": active.plan.mode,
+                       "needs_mib": _mib(a)},
+            "standby": {"profile": standby.plan.profile, "mode": standby.plan.mode,
+                        "needs_mib": _mib(b)},
+            "capacity_mib": {k: v // MIB for k, v in cap.items() if k in {*a, *b}},
+            "same_model": active.plan.model_path == standby.plan.model_path,
+            "short_mib": {k: round(v / MIB) for k, v in short.items()},
+            "fits": not short}

@@ -1,0 +1,286 @@
+"""Standby layouts (serve/standby.py) with fake supervisors and a fake router (fast, no
+processes): the flip re-points the port in one step and restarts nothing; requests in flight
+on the old layout finish there; a standby that does not fit is not loaded and the switch
+reloads, saying which device and how many MiB short; a standby whose process dies does not
+touch the active layout; a switch out of the pair, and the node's eviction, take the standby
+first; SET_EXPERT_MODE flips to a standby of the wanted mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hydra_supervisor import fleetplan
+from hydra_supervisor.config import Mode, Profile
+from hydra_supervisor.deployment import Deployment, Timeouts
+from hydra_supervisor.engine_wire import EngineWire
+from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.node import Node
+from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.reports import SwitchTimeouts
+from hydra_supervisor.serve.standby import Standby
+from hydra_supervisor.serve.states import LaneState
+from hydra_supervisor.state import StateDir
+from hydra_supervisor.supervisor import State
+from tests.test_engine_policy import STARTED, FakeRouter, FakeSupervisor
+
+MIB = 1 << 20
+
+
+def sdep(name: str, *, mode: Mode = Mode.SOLO, port: int = 30200, mib: int = 300,
+         standby: str | None = None, model: str = "moe.gguf") -> Deployment:
+    peers = (EngineSpec(name="peer-cpu-peer", role=Role.PEER, program="ggml-rpc-server",
+                        args=(), env=(), host="127.0.0.1", port=port - 100, device="cpu-peer",
+                        start_order=0),) if mode is Mode.COMBINE else ()
+    head = EngineSpec(name="head", role=Role.HEAD, program="llama-server", args=("-m", model),
+                      env=(), host="127.0.0.1", port=port, device="cpu",
+                      start_order=len(peers))
+    plan = Plan(profile=name, source=f"{name}.yaml", model_path=model, model_kind="moe",
+                mode=mode.value, transport="rpc", host="127.0.0.1", port=8080,
+                engines=(*peers, head),
+                placements=(Placement("cpu", 8, mib * MIB, 0, 0, 0),),
+                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", port), None, ()))
+    prof = Profile(name=name, source=f"{name}.yaml", model="moe", mode=mode,
+                   peers=("cpu-peer",) if mode is Mode.COMBINE else (), standby=standby)
+    return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=5.0, peer=1.0),
+                      layout=SimpleNamespace(devices={}, profile=prof))
+
+
+COMBINE = sdep("moe-c", mode=Mode.COMBINE, port=30200, mib=600, standby="moe-s")
+SOLO = sdep("moe-s", port=30210, mib=300, standby="moe-c")
+OTHER = sdep("dense", port=30220, mib=300, model="dense.gguf")
+
+
+async def until(cond: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+    return got
+
+
+def make(tmp_path: Path, capacity_mib: int = 0,
+         deps: dict[str, Deployment] | None = None) -> Port:
+    STARTED.clear()
+    node = Node({"host": capacity_mib * MIB} if capacity_mib else {})
+    port = Port(StateDir(tmp_path), "127.0.0.1", 8080, node=node,
+                make_supervisor=FakeSupervisor,
+                make_router=FakeRouter,  # type: ignore[arg-type]
+                switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+    known = deps or {"moe-c": COMBINE, "moe-s": SOLO, "dense": OTHER}
+
+    async def warm(lane: Lane) -> float:
+        return 0.001
+
+    port.standby = Standby(port, prepare=lambda name, active: known[name], warm=warm)
+    port.plan_lane(None, COMBINE)
+    port.open()
+    return port
+
+
+def run(port: Port, body: Callable[[], Any]) -> None:
+    async def go() -> None:
+        await port.start()
+        try:
+            await body()
+        finally:
+            await port.shutdown("test")
+            port.close()
+
+    asyncio.run(go())
+
+
+def sb(port: Port) -> Standby:
+    assert port.standby is not None
+    return port.standby
+
+
+def active(port: Port) -> Lane:
+    lane = port.only()
+    assert lane is not None
+    return lane
+
+
+def test_flip_repoints_the_port_in_one_step_and_restarts_nothing(tmp_path: Path) -> None:
+    port = make(tmp_path)
+
+    async def body() -> None:
+        await until(lambda: sb(port).ready())
+        old, new = active(port), sb(port).lane
+        assert new is not None and new.name == "moe-s" and new.standby
+        assert [e.name for e in new.dep.plan.engines] == ["moe-s.head"]  # its own names
+        assert port.select(None, "POST", "/v1/chat/completions") is old.route
+        started = len(STARTED)
+        rep = await port.switch_to(SOLO)
+        assert rep.result == "ok" and rep.instant is True and rep.restarted == []
+        assert set(rep.phases) == {"flip"} and rep.phases["flip"] < 0.05
+        # new requests go to the standby's route at once; nothing was started or stopped
+        assert port.select(None, "POST", "/v1/chat/completions") is new.route
+        assert active(port) is new and sb(port).lane is old and old.standby
+        assert len(STARTED) == started
+        assert not old.sup.stopping.is_set() and not new.sup.stopping.is_set()  # type: ignore
+        # the old layout stands by: a switch back is a flip too
+        back = await port.switch_to(COMBINE)
+        assert back.instant is True and active(port) is old and len(STARTED) == started
+        # one switch history per port, numbered on
+        assert [s.seq for s in old.switches] == [1, 2]
+        rows = port.snapshot({})
+        assert [(r["profile"], r["standby"]) for r in rows] == [("moe-c", False),
+                                                                  ("moe-s", True)]
+        assert rows[1]["needs_mib"] == {"host": 300} and rows[0]["needs_mib"] == {"host": 600}
+        assert rows[1]["name"] == "port-8080/standby" and rows[1]["switches"] == []
+        models = port.select(None, "GET", "/v1/models")
+        assert [(m["id"], m["standby"]) for m in models.body["data"]] == [  # type: ignore
+            ("moe-c", False), ("moe-s", True)]
+
+    run(port, body)
+
+
+def test_requests_in_flight_finish_on_the_old_layout(tmp_path: Path) -> None:
+    port = make(tmp_path)
+
+    async def body() -> None:
+        await until(lambda: sb(port).ready())
+        old = active(port)
+        flights = [old.route.gate.begin() for _ in range(3)]  # streams in progress
+        rep = await port.switch_to(SOLO)
+        assert rep.instant is True and rep.cut == 0
+        assert "3 request(s) in flight" in rep.notes[0]
+        assert old.route.gate.inflight() == 3 and old.route.gate.held_reason is None
+        assert old.state_now() is LaneState.SERVING  # its processes serve them to the end
+        new_route = port.select(None, "POST", "/v1/completions")
+        assert new_route is not old.route
+        for f in flights:
+            old.route.gate.end(f)
+        assert old.route.gate.inflight() == 0
+
+    run(port, body)
+
+
+def test_no_room_for_both_reloads_and_says_why(tmp_path: Path) -> None:
+    port = make(tmp_path, capacity_mib=800)  # 600 + 300 MiB do not fit in 800
+
+    async def body() -> None:
+        await until(lambda: sb(port).why)
+        why = sb(port).why
+        assert why is not None and "host: 100 MiB short" in why, why
+        assert sb(port).lane is None and len(STARTED) == 1
+        rows = port.snapshot({})
+        assert rows[1]["standby"] and rows[1]["state"] == "stopped" and \
+            rows[1]["needs_mib"] == {"host": 300} and "MiB short" in rows[1]["why"]
+        rep = await port.switch_to(SOLO)
+        assert rep.result == "ok" and rep.instant is False
+        assert rep.not_instant is not None and "host: 100 MiB short" in rep.not_instant
+        assert "start" in rep.phases and len(STARTED) == 2  # a reload
+        assert active(port).name == "moe-s"
+        # the pair stays: the old layout is wanted as the standby (it does not fit either)
+        await until(lambda: sb(port).name == "moe-c" and sb(port).why)
+
+    run(port, body)
+
+
+def test_a_standby_that_dies_does_not_touch_the_active_layout(tmp_path: Path) -> None:
+    port = make(tmp_path)
+
+    async def body() -> None:
+        await until(lambda: sb(port).ready())
+        act, stand = active(port), sb(port).lane
+        assert stand is not None and stand.sup is not None
+        calls = len(act.route.calls)  # type: ignore[attr-defined]
+        head = stand.sup.head
+        head.to(State.BACKOFF, "exit -9; restart 1 in 1.0s")  # its supervisor restarts it
+        assert stand.state_now() is LaneState.RECOVERING
+        assert not sb(port).ready() and "recovering" in (sb(port).not_instant() or "")
+        assert port.select(None, "POST", "/v1/completions") is act.route
+        assert act.route.gate.held_reason is None and act.state_now() is LaneState.SERVING
+        assert len(act.route.calls) == calls  # type: ignore[attr-defined]
+        # while it restarts, a switch to it reloads (and says why)
+        head.to(State.READY, "health check passed")
+        assert sb(port).ready()
+        stand.sup.fatal = "gave up after 5 restarts"  # its supervisor gave up
+        assert stand.state_now() is LaneState.FAILED and not sb(port).ready()
+        assert port.snapshot({})[1]["state"] == "failed"
+        assert act.state_now() is LaneState.SERVING
+        assert act.exit_on_fatal and not stand.exit_on_fatal  # a standby never ends hydra
+
+    run(port, body)
+
+
+def test_a_switch_out_of_the_pair_stops_the_standby_first(tmp_path: Path) -> None:
+    port = make(tmp_path)
+
+    async def body() -> None:
+        await until(lambda: sb(port).ready())
+        stand = sb(port).lane
+        assert stand is not None and stand.sup is not None
+        its = stand.sup
+        rep = await port.switch_to(OTHER)
+        assert rep.result == "ok" and rep.instant is None
+        assert its.stopping.is_set() and stand.phase is LaneState.STOPPED
+        assert "moe-s" not in port.node.lanes and sb(port).lane is None
+        assert active(port).name == "dense" and sb(port).wanted() is None
+        assert [r.get("standby") for r in port.snapshot({})] == [None]
+
+    run(port, body)
+
+
+def test_the_node_evicts_a_standby_first() -> None:
+    cap = {"host": 1000 * MIB}
+    now = 100.0
+    # the standby was used last and is inside min_resident: still the first to go
+    occ = [fleetplan.Occupant("a", {"host": 400 * MIB}, 1.0, 0.0),
+           fleetplan.Occupant("a-solo", {"host": 400 * MIB}, 99.0, 200.0, standby=True)]
+    room = fleetplan.make_room(cap, occ, {"host": 300 * MIB}, now, "b")
+    assert room.verdict is fleetplan.Verdict.EVICT and room.victims == ("a-solo",)
+    short = fleetplan.shortfall(cap, occ, {"host": 300 * MIB})
+    assert short == {"host": 100 * MIB}
+
+
+def test_set_expert_mode_flips_to_the_standby(tmp_path: Path) -> None:
+    port = make(tmp_path)
+
+    async def body() -> None:
+        await until(lambda: sb(port).ready())
+        wire = EngineWire(port, asyncio.get_running_loop(), None)
+        assert wire._expert_modes() == ["solo", "combined"]
+        started = len(STARTED)
+        res = await asyncio.to_thread(wire.set_expert_mode, "solo")
+        assert res["instant"] is True and res["changed"] and res["profile"] == "moe-s"
+        assert active(port).name == "moe-s" and len(STARTED) == started
+        assert wire.info()["expert_mode"] == "solo"
+        res = await asyncio.to_thread(wire.set_expert_mode, "combined")
+        assert res["instant"] is True and active(port).name == "moe-c"
+        assert (await asyncio.to_thread(wire.set_expert_mode, "combined"))["changed"] is False
+
+    run(port, body)
+
+
+def test_a_flip_is_refused_while_the_standby_loads(tmp_path: Path) -> None:
+    port = make(tmp_path)
+
+    async def body() -> None:
+        assert not sb(port).ready_for("moe-s")
+        assert sb(port).not_instant("moe-s") is not None
+        await until(lambda: sb(port).ready())
+        assert sb(port).ready_for("moe-s") and sb(port).ready_for("moe-s.yaml")
+        assert not sb(port).ready_for("dense")
+        assert sb(port).not_instant("dense") is None
+
+    run(port, body)
+
+
+@pytest.mark.parametrize("ref", ["moe-s", "moe-s.yaml"])
+def test_names(tmp_path: Path, ref: str) -> None:
+    from hydra_supervisor.serve.standby import _names
+
+    lane = SimpleNamespace(name="moe-s", dep=SOLO)
+    assert _names(lane, ref)  # type: ignore[arg-type]
