@@ -47,7 +47,7 @@ class Deployment:
     solo_head: EngineSpec | None = None  # the head as SOLO, for on_peer_loss: degrade
     pick_port: PortPicker | None = None  # a free rpc_ports port, for a peer whose port was taken
     pick_internal_port: PortPicker | None = None  # a free internal_ports port, for the head
-    layout: Any = None  # the layout.Layout it was built from (None in policy tests)
+    layout: layout.Layout | None = None  # what it was built from (None in policy tests)
     keep_slots: bool = False  # save the head's KV slots before it stops, restore after
 
     @property

@@ -7,13 +7,31 @@ to start it: program, argv, environment, bind address and port, role and start o
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 
 class Role(Enum):
     HEAD = "head"
     PEER = "peer"
+
+
+# What a plan is; string enums, so a plan's JSON and its comparisons read as the words.
+class PlanMode(StrEnum):
+    SOLO = "solo"
+    COMBINE = "combine"
+    PEER = "peer"  # no head: a device lent over ggml-RPC
+
+
+class PlanTransport(StrEnum):
+    RPC = "rpc"  # per-device processes joined by ggml-RPC (the only one across hosts)
+    LOCAL = "local"  # one llama-server over the profile's GPUs of this host
+
+
+class ModelKind(StrEnum):
+    DENSE = "dense"
+    MOE = "moe"
+    NONE = "-"  # a peer-only plan runs no model itself
 
 
 @dataclass(frozen=True)
@@ -81,9 +99,9 @@ class Plan:
     profile: str
     source: str
     model_path: str
-    model_kind: str  # "dense" | "moe"
-    mode: str
-    transport: str
+    model_kind: ModelKind
+    mode: PlanMode
+    transport: PlanTransport
     host: str
     port: int
     engines: tuple[EngineSpec, ...]

@@ -28,7 +28,16 @@ from hydra_supervisor.argv import server_flags
 from hydra_supervisor.config import Mode, MoeSplit, Profile, Transport
 from hydra_supervisor.devices import MIB, Device, Kind
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.plan import (
+    EngineSpec,
+    ModelKind,
+    Placement,
+    Plan,
+    PlanMode,
+    PlanTransport,
+    Role,
+    RouterSpec,
+)
 
 PEER_BIND = "127.0.0.1"
 # What a GPU holds besides weights and KV (not in the GGUF): the process's CUDA context (CUDA
@@ -397,8 +406,9 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
     peer = _peer_spec(f"peer-{dev.name}", dev, rpc_ports[0], 0, profile)
     router = RouterSpec(host=profile.host, port=profile.port, http=None,
                         rpc=(peer.host, peer.port), allow=tuple(profile.rpc_allow))
-    return Plan(profile=profile.name, source=profile.source, model_path="", model_kind="-",
-                mode=profile.mode.value, transport="rpc", host=profile.host, port=profile.port,
+    return Plan(profile=profile.name, source=profile.source, model_path="",
+                model_kind=ModelKind.NONE, mode=PlanMode(profile.mode.value),
+                transport=PlanTransport.RPC, host=profile.host, port=profile.port,
                 engines=(peer,), router=router)
 
 
@@ -471,7 +481,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
                          f"(this profile is mode: solo)")
     if profile.mode is Mode.COMBINE and not peer_devs:
         raise HydraError(f"{profile.source}: mode: combine needs at least one entry in peers")
-    kind = "moe" if model.is_moe else "dense"
+    kind = ModelKind.MOE if model.is_moe else ModelKind.DENSE
     ctx = _ctx(profile, model)
     kv_type = _kv_type_bytes(profile)
     combine = profile.mode is Mode.COMBINE
@@ -561,7 +571,8 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
                             rpc=None, allow=tuple(profile.rpc_allow))
     return Plan(
         profile=profile.name, source=profile.source, model_path=model_path, model_kind=kind,
-        mode=profile.mode.value, transport=transport.value, host=profile.host, port=profile.port,
+        mode=PlanMode(profile.mode.value), transport=PlanTransport(transport.value),
+        host=profile.host, port=profile.port,
         engines=tuple(engines), placements=tuple(placements), notes=tuple(notes),
         meta=meta, router=router)
 

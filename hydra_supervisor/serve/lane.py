@@ -46,6 +46,7 @@ from hydra_supervisor.serve.reports import (
     SwitchReport,
     SwitchTimeouts,
 )
+from hydra_supervisor.serve.runner import Runner
 from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
 from hydra_supervisor.supervisor import Fatal, ManagedProcess, State, Supervisor
@@ -99,7 +100,7 @@ class Lane:
     def __init__(self, port: PortSide, dep: Deployment, route: Route, *, state: StateDir,
                  profile: Profile | None = None, node: Node | None = None,
                  switch_timeouts: SwitchTimeouts | None = None,
-                 make_supervisor: Callable[[Deployment, StateDir], Supervisor] = Supervisor,
+                 make_supervisor: Callable[[Deployment, StateDir], Runner] = Supervisor,
                  clock: Callable[[], float] = time.monotonic,
                  exit_on_fatal: bool = False, prefix_names: bool = False) -> None:
         self.port = port
@@ -118,7 +119,7 @@ class Lane:
         self.profile = profile if profile is not None else _profile_of(dep)
         self.needs = needs_of(self.dep)
         self.last_good: Deployment | None = None
-        self.sup: Supervisor | None = None
+        self.sup: Runner | None = None
         self.task: asyncio.Task[None] | None = None  # the running supervisor
         self.job: asyncio.Task[Any] | None = None  # a load or unload in progress
         self.lock = asyncio.Lock()  # one change at a time
@@ -262,7 +263,7 @@ class Lane:
 
     # -- running one deployment ----------------------------------------------------------------
 
-    def _launch(self, dep: Deployment, fail_fast: bool = False) -> Supervisor:
+    def _launch(self, dep: Deployment, fail_fast: bool = False) -> Runner:
         """Run `dep`. `fail_fast` (a change): its first failed start ends the run at once
         (no backoff) so the caller can roll back."""
         sup = self.make_supervisor(dep, self.state)
@@ -278,7 +279,7 @@ class Lane:
         self.task = asyncio.create_task(self._run(sup))
         return sup
 
-    async def _run(self, sup: Supervisor) -> None:
+    async def _run(self, sup: Runner) -> None:
         try:
             await sup.run()
         finally:
@@ -287,7 +288,7 @@ class Lane:
             self.sync_gate()
             self._changed()
 
-    async def _ready(self, sup: Supervisor, timeout: float) -> None:
+    async def _ready(self, sup: Runner, timeout: float) -> None:
         """Wait until every process of `sup` is READY; a failure before that raises at once
         (a change does not sit through a crash loop: it rolls back)."""
         deadline = time.monotonic() + timeout
@@ -558,7 +559,7 @@ class Lane:
         async with self.lock:
             return await self._restart_head(cur, dep, sup, d.restart)
 
-    async def _restart_head(self, old: Deployment, dep: Deployment, sup: Supervisor,
+    async def _restart_head(self, old: Deployment, dep: Deployment, sup: Runner,
                             names: tuple[str, ...]) -> SwitchReport:
         report = SwitchReport(to=dep.profile, frm=old.profile, restarted=list(names))
         phase = Phases(report)
@@ -607,7 +608,7 @@ class Lane:
         return report
 
     @staticmethod
-    def _tail_of(sup: Supervisor, name: str) -> list[str]:
+    def _tail_of(sup: Runner, name: str) -> list[str]:
         mp = next((p for p in sup.procs if p.name == name), None)
         return mp.log_tail() if mp is not None else []
 
@@ -743,7 +744,7 @@ class Lane:
             return {"engine": name, "profile": sup.plan.profile,
                     "seconds": round(time.monotonic() - t0, 3), "notes": rep.notes}
 
-    async def _restart_failed(self, name: str, sup: Supervisor, dep: Deployment,
+    async def _restart_failed(self, name: str, sup: Runner, dep: Deployment,
                               exc: Exception) -> str:
         """`hydra restart NAME` failed its first start: no backoff; the last good layout is
         started again from scratch (the switch's rollback). Returns the error to reply."""
