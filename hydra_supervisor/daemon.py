@@ -54,6 +54,7 @@ from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy, RestartFailed, SwitchTimeouts
+from hydra_supervisor.serve.snapshot import Snapshot
 from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.state import StateDir
@@ -110,7 +111,7 @@ class Daemon:
         # Threads (metrics scrapes, the page) read snapshots taken on the loop, never the
         # loop's live objects: a scrape that walked a lane while the loop appended a switch
         # report failed with "deque mutated during iteration".
-        self.publisher = Publisher(self.snapshot)
+        self.publisher = Publisher(self.take, view=lambda s: s.to_json())
         self.dashboard = (Dashboard(self.publisher,
                                     profiles=lambda: list(known_profiles(opts.profiles_dir)))
                           if opts.metrics_port else None)
@@ -162,16 +163,19 @@ class Daemon:
 
     # -- status ---------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def take(self) -> Snapshot:
+        """The status as one frozen, typed value (serve/snapshot.py), built here on the loop."""
         running = any(lane.sup is not None for lane in self.lanes())
         gpu = gpumem.used_by_pid() if running else {}  # one NVML session for every lane
-        snap: dict[str, Any] = {
-            "pid": os.getpid(), "started": self.started, "state_dir": str(self.state.root),
-            "engines": [row for p in self.ports for row in p.snapshot(gpu)]}
-        if self.by_model:
-            snap["fleets"] = [p.port_row() for p in self.by_model]
-            snap["switches"] = list(self.switch_log)
-        return snap
+        return Snapshot.build(
+            pid=os.getpid(), started=self.started, state_dir=str(self.state.root),
+            rows=[row for p in self.ports for row in p.snapshot(gpu)],
+            by_model=[p.port_row() for p in self.by_model],
+            switches=self.switch_log if self.by_model else ())
+
+    def snapshot(self) -> dict[str, Any]:
+        """A fresh snapshot as plain JSON (the loop's thread)."""
+        return self.take().to_json()
 
     @property
     def unkillable(self) -> list[str]:
@@ -221,8 +225,9 @@ class Daemon:
         return snap
 
     def _changed(self) -> None:
-        snap = self.snapshot()  # one snapshot (processes, NVML) for both records
-        self.publisher.put(snap)
+        taken = self.take()  # one snapshot (processes, NVML) for every record
+        self.publisher.put(taken)
+        snap = taken.to_json()
         with contextlib.suppress(OSError):
             self.state.write_status(self.legacy_status(snap))
         self.notifier.status(self._status_line(snap))

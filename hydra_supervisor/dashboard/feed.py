@@ -41,21 +41,26 @@ HEAD_COUNTERS = {
 class Publisher:
     """The last published snapshot, and a fresh one on request (taken on the loop)."""
 
-    def __init__(self, take: Callable[[], Snapshot]) -> None:
-        self._take = take  # runs on the loop's thread only
+    def __init__(self, take: Callable[[], Any],
+                 view: Callable[[Any], Snapshot] | None = None) -> None:
+        """`take` builds the value to publish (on the loop's thread only); `view` turns the
+        published value into what a reader gets (the daemon publishes a frozen, typed
+        serve/snapshot.Snapshot and each reader gets its own plain JSON copy)."""
+        self._take = take
+        self._view = view or (lambda v: v)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._latest: tuple[float, Snapshot] | None = None
         self._lock = threading.Lock()
-        self._pending: concurrent.futures.Future[Snapshot] | None = None
+        self._pending: concurrent.futures.Future[Any] | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def put(self, snap: Snapshot) -> None:
+    def put(self, snap: Any) -> None:
         """Publish (the loop's thread: the daemon's status change)."""
         self._latest = (time.monotonic(), snap)
 
-    async def _refresh(self) -> Snapshot:
+    async def _refresh(self) -> Any:
         snap = self._take()
         self.put(snap)
         return snap
@@ -67,14 +72,14 @@ class Publisher:
         latest = self._latest
         now = time.monotonic()
         if latest is not None and now - latest[0] <= max_age:
-            return latest[1], now - latest[0]
+            return self._view(latest[1]), now - latest[0]
         loop = self._loop
         if loop is not None and _running_loop() is loop:
             # asked on the loop's own thread (a start-up check): take it here; waiting for
             # the loop from its own thread would only time out
             snap = self._take()
             self.put(snap)
-            return snap, 0.0
+            return self._view(snap), 0.0
         if loop is not None and not loop.is_closed():
             with self._lock:  # one refresh at a time, shared by every waiting request
                 fut = self._pending
@@ -90,7 +95,7 @@ class Publisher:
         latest = self._latest
         if latest is None:
             return None, float("inf")
-        return latest[1], time.monotonic() - latest[0]
+        return self._view(latest[1]), time.monotonic() - latest[0]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
