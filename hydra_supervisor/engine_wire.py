@@ -265,7 +265,10 @@ class EngineWire:
             return {"mode": mode, "changed": False}
         sb = self.port.standby
         if sb is not None and sb.for_mode(mode) is not None:  # its standby: a flip (instant)
-            flip: SwitchReport = self._call(sb.flip())
+            try:
+                flip: SwitchReport = self._call(sb.flip())
+            except HydraError as exc:  # busy: a change runs on either layout
+                raise ConfigureRefused(str(exc)) from exc
             return {"mode": mode, "changed": True, "instant": True, "restarted": [],
                     "profile": flip.to,
                     "phases": {k: round(v, 6) for k, v in flip.phases.items()}}

@@ -163,7 +163,9 @@ class Standby:
                 return
             await asyncio.sleep(0.1)
         name = self.wanted()
-        if self.lane is not None and self.lane.name == name:
+        lane = self.lane
+        if lane is not None and lane.name == name and lane.phase is LaneState.SERVING \
+                and self.warm_s is not None:
             return  # already the one (a flip keeps the pair)
         if self.lane is not None:
             await self.drop(f"{active.name} has another standby ({name})" if name
@@ -178,6 +180,10 @@ class Standby:
             dep = await asyncio.to_thread(self._prepare, name, active)
         except HydraError as exc:
             self._not_loaded(f"cannot be planned: {exc}")
+            return
+        if dep.plan.router is None or active.dep.plan.router is None:
+            self._not_loaded("needs hydra's router on the port (router: false lets one "
+                             "llama-server bind it: there is no second layout to flip to)")
             return
         if dep.plan.model_path != active.dep.plan.model_path:
             self._not_loaded(f"runs another model ({dep.plan.model_path}) than {active.name} "
