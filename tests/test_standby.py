@@ -7,6 +7,7 @@ supervisor while the active layout serves on untouched.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness import run_hydra, status_json, wait_until
+from tests.harness import Up, make_env, run_hydra, status_json, wait_until
 from tests.test_switch import Load, _switch
 from tests.wire_client import OK, WireClient
 
@@ -105,3 +106,38 @@ def test_a_dead_standby_is_restarted_and_the_active_layout_untouched(hydra_up, h
         n = load.ok
         wait_until(lambda: load.ok > n + 1, 120, "requests served by the standby")
     assert load.failures == [] and load.cut == [], (load.failures, load.cut)
+
+
+def test_plan_shows_both_layouts(hydra_env):
+    res = run_hydra(hydra_env, "plan", "-p", "demo-moe-combine", "--json")
+    assert res.returncode == 0, res.stderr
+    both = json.loads(res.stdout)["standby"]
+    assert both["active"]["profile"] == "demo-moe-combine" and both["same_model"]
+    assert both["standby"]["profile"] == "demo-moe" and both["fits"]
+    assert both["standby"]["needs_mib"]["host"] > 0 and both["active"]["needs_mib"]["host"] > 0
+    text = run_hydra(hydra_env, "plan", "-p", "demo-moe-combine").stdout
+    assert "standby demo-moe (solo): host" in text and "both fit" in text, text
+
+
+def test_no_room_for_both_reloads_and_says_why(hydra_up, tmp_path):
+    # host memory as the node file says it: 700 MiB, room for one layout, not both
+    env = make_env(tmp_path, "devices:\n  cpu: {cpu: true, memory_mib: 700}\n"
+                             "  cpu-peer: {cpu: true, memory_mib: 700}\n")
+    up = Up(env, ["--profile", "demo-moe-combine", "--port", "0"], tmp_path)
+    try:
+        up.wait_ready(180)
+
+        def said() -> list[dict[str, Any]] | None:
+            rows = _rows(env)
+            return rows if len(rows) == 2 and rows[1].get("why") else None
+        rows = wait_until(said, 60, "the standby's reason")
+        assert rows[1]["standby"] and rows[1]["state"] == "stopped", rows[1]
+        assert "host:" in rows[1]["why"] and "MiB short" in rows[1]["why"], rows[1]["why"]
+        assert [p["name"] for r in rows for p in r["processes"]] == ["peer-cpu-peer", "head"]
+        rep = _switch(env, "demo-moe")
+        assert rep["result"] == "ok" and rep["instant"] is False, rep
+        assert "MiB short" in rep["not_instant"] and "start" in rep["phases"], rep
+        assert _rows(env)[0]["profile"] == "demo-moe"
+    finally:
+        up.stop()
+        up.kill_everything()

@@ -284,3 +284,23 @@ def test_names(tmp_path: Path, ref: str) -> None:
 
     lane = SimpleNamespace(name="moe-s", dep=SOLO)
     assert _names(lane, ref)  # type: ignore[arg-type]
+
+
+def test_the_standby_key_is_checked_with_file_and_line(tmp_path: Path) -> None:
+    from hydra_supervisor.config import ConfigError, default_node, load_profile
+
+    me = tmp_path / "a.yaml"
+    me.write_text("profile: a\nmodel: synth-moe\nstandby: a\n")
+    with pytest.raises(ConfigError, match=r"a.yaml:3.*standby: names this profile itself"):
+        load_profile(me, default_node())
+    peer = tmp_path / "p.yaml"
+    peer.write_text("profile: p\nmode: peer\nhead: cpu\nstandby: b\n")
+    with pytest.raises(ConfigError, match=r"p.yaml:4.*standby: not with mode: peer"):
+        load_profile(peer, default_node())
+    bad = tmp_path / "b.yaml"
+    bad.write_text("profile: b\nmodel: synth-moe\nstandby: [x]\n")
+    with pytest.raises(ConfigError, match=r"b.yaml:3.*standby: expected a profile name"):
+        load_profile(bad, default_node())
+    ok = tmp_path / "c.yaml"
+    ok.write_text("profile: c\nmodel: synth-moe\nstandby: d\n")
+    assert load_profile(ok, default_node()).standby == "d"
