@@ -204,7 +204,7 @@ class Hosts:
     def call(self, host: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         """fn() on a thread that entered this host's network namespace: every socket it makes
         lives there (setns(2) moves the calling thread only; the test's own threads stay)."""
-        out: list[Any] = []
+        out: list[T] = []
         err: list[BaseException] = []
 
         def body() -> None:
