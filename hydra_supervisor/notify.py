@@ -169,6 +169,9 @@ def status_text(snapshot: Mapping[str, Any]) -> str:
         what = e.get("profile") or "no profile"
         state = e.get("state") or "?"
         line = f"{what}: {state}"
+        if e.get("standby"):  # the other layout kept loaded beside it (serve/standby.py)
+            parts.append(f"standby {what}: {state}" + (f" ({e['why']})" if e.get("why") else ""))
+            continue
         if state in ("serving", "degraded") and e.get("url"):
             line += f" at {e['url']}"
         why = e.get("down") or e.get("fatal") or e.get("degraded")

@@ -304,3 +304,15 @@ def test_the_standby_key_is_checked_with_file_and_line(tmp_path: Path) -> None:
     ok = tmp_path / "c.yaml"
     ok.write_text("profile: c\nmodel: synth-moe\nstandby: d\n")
     assert load_profile(ok, default_node()).standby == "d"
+
+
+def test_status_line_names_the_standby() -> None:
+    from hydra_supervisor.notify import status_text
+
+    snap = {"engines": [
+        {"profile": "moe-c", "state": "serving", "url": "http://127.0.0.1:8080",
+         "standby": False},
+        {"profile": "moe-s", "state": "stopped", "url": "http://127.0.0.1:8080",
+         "standby": True, "why": "does not fit beside moe-c: host: 100 MiB short"}]}
+    assert status_text(snap) == ("moe-c: serving at http://127.0.0.1:8080; standby moe-s: "
+                                 "stopped (does not fit beside moe-c: host: 100 MiB short)")
