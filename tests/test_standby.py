@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +33,15 @@ def _standby_ready(env: dict[str, str]) -> list[dict[str, Any]] | None:
             and rows[1].get("warm_s") is not None:
         return rows
     return None
+
+
+def _ctl_switch(env: dict[str, str], profile: str) -> dict[str, Any]:
+    """The control API in process (no CLI start-up between the stream and the switch)."""
+    from hydra_supervisor import control_client
+
+    sock = control_client.socket_path(Path(env["HYDRA_STATE_DIR"]))
+    _, rep = control_client.call(sock, "POST", "/switch", {"profile": profile}, timeout=60)
+    return dict(rep)
 
 
 def _pids(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -141,3 +151,26 @@ def test_no_room_for_both_reloads_and_says_why(hydra_up, tmp_path):
     finally:
         up.stop()
         up.kill_everything()
+
+
+def test_a_stream_in_flight_finishes_on_the_old_layout(hydra_up, hydra_env):
+    port, rows = _up(hydra_up, hydra_env)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Tell a long story"}],
+            "max_tokens": 1500, "stream": True}  # seconds of tokens: in flight at the flip
+    models: list[str] = []
+    with requests.post(url, json=body, stream=True, timeout=120) as r:
+        lines = r.iter_lines()
+        for line in lines:  # the first token, from the active layout
+            if line.startswith(b"data: {"):
+                models.append(json.loads(line[6:])["model"])
+                break
+        rep = _ctl_switch(hydra_env, "demo-moe")
+        assert rep["result"] == "ok" and rep["instant"], rep
+        assert "1 request(s) in flight" in rep["notes"][0], rep["notes"]
+        # a new request meanwhile: the new layout answers it
+        other = requests.post(url, json={**body, "stream": False, "max_tokens": 2}, timeout=120)
+        assert other.status_code == 200 and other.json()["model"] == "demo-moe"
+        models += [json.loads(line[6:])["model"] for line in lines
+                   if line.startswith(b"data: {")]
+    assert len(models) > 10 and set(models) == {"demo-moe-combine"}, models
