@@ -348,6 +348,10 @@ async def _present_one(p: Any) -> None:
               "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'", markup=False)
     out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "
               "another terminal)", markup=False)
+    sb = p.standby.wanted() if p.standby is not None else None
+    if sb:
+        out.print(f"  standby {sb}: loading beside it when both fit (`hydra status` says; "
+                  f"`hydra switch {sb}` is then instant, no restart)", markup=False)
 
 
 def _load_bar(pid: int | None, model_bytes: int, width: int = 20) -> str:
