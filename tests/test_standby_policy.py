@@ -316,3 +316,22 @@ def test_status_line_names_the_standby() -> None:
          "standby": True, "why": "does not fit beside moe-c: host: 100 MiB short"}]}
     assert status_text(snap) == ("moe-c: serving at http://127.0.0.1:8080; standby moe-s: "
                                  "stopped (does not fit beside moe-c: host: 100 MiB short)")
+
+
+def test_metrics_say_which_layout_stands_by() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hydra_supervisor.metrics import SnapshotCollector
+
+    rows = [{"name": "port-8080", "profile": "moe-c", "mode": "combine", "state": "serving",
+             "port": 8080, "standby": False, "processes": [], "switches": []},
+            {"name": "port-8080/standby", "profile": "moe-s", "mode": "solo",
+             "state": "serving", "port": 8080, "standby": True, "processes": [],
+             "switches": []}]
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: {"pid": 1, "engines": rows}))
+    text = generate_latest(reg).decode()
+    assert 'engine="port-8080",mode="combine"' in text and 'role="active"' in text
+    line = next(x for x in text.splitlines() if x.startswith("hydra_engine_info")
+                and 'profile="moe-s"' in x)
+    assert 'engine="port-8080/standby"' in line and 'role="standby"' in line, line
