@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness import Up, make_env, run_hydra, status_json, wait_until
+from tests.harness import REPO, Up, make_env, run_hydra, status_json, wait_until
 from tests.test_switch import Load, _switch
 from tests.wire_client import OK, WireClient
 
@@ -174,3 +174,24 @@ def test_a_stream_in_flight_finishes_on_the_old_layout(hydra_up, hydra_env):
         models += [json.loads(line[6:])["model"] for line in lines
                    if line.startswith(b"data: {")]
     assert len(models) > 10 and set(models) == {"demo-moe-combine"}, models
+
+
+def test_keep_slots_carries_the_prompt_cache_across_a_flip(hydra_up, hydra_env, tmp_path):
+    pdir = tmp_path / "profiles"
+    pdir.mkdir()
+    for name in ("demo-moe-combine", "demo-moe"):
+        text = (REPO / "profiles" / f"{name}.yaml").read_text()
+        (pdir / f"{name}.yaml").write_text(text.replace("\nhost:", "\nkeep_slots: true\nhost:"))
+    up = hydra_up("--profile", "demo-moe-combine", "--port", "0", "--profiles-dir", str(pdir))
+    up.wait_ready(180)
+    rows = wait_until(lambda: _standby_ready(hydra_env), 180, "the standby loaded and warm")
+    url = f"http://127.0.0.1:{rows[0]['port']}/completion"
+    prompt = " ".join(f"word{i}" for i in range(200))
+    first = requests.post(url, json={"prompt": prompt, "n_predict": 2}, timeout=120).json()
+    assert first["model"] == "demo-moe-combine" and first["timings"]["prompt_n"] > 100
+    rep = _ctl_switch(hydra_env, "demo-moe")
+    assert rep["instant"] and {"save_slots", "restore_slots", "flip"} <= set(rep["phases"])
+    assert any(n.startswith("keep_slots: restored 1 of 1") for n in rep["notes"]), rep
+    again = requests.post(url, json={"prompt": prompt, "n_predict": 2}, timeout=120).json()
+    assert again["model"] == "demo-moe"
+    assert again["timings"]["cache_n"] >= first["timings"]["prompt_n"] - 1, again["timings"]
