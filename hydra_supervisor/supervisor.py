@@ -624,13 +624,15 @@ class Supervisor:
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint}")
             elif mp.state is State.BACKOFF:
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint} again")
+            asked = self._now()
             try:
                 version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0)
             except HelloError as exc:
                 version = None
                 why = f"not a ggml-rpc-server: {exc}"
             else:
-                why = "no HELLO answer"
+                why = "no HELLO answer" if version is not None else \
+                    self._why_no_hello(self._now() - asked, 2.0)
             if version is not None:
                 if not version.compatible():
                     mp.to(State.FATAL, f"protocol mismatch: speaks {version}")
@@ -651,6 +653,20 @@ class Supervisor:
                   f"probing again in {delay:.1f}s")
             await self._sleep(delay)
         raise StartFailed("stop requested")
+
+    @staticmethod
+    def _why_no_hello(took: float, timeout: float) -> str:
+        """Why a HELLO got no answer, from how long it took: at once (refused, or closed: a
+        peer host's router whose rpc-server is down), or silence for the whole timeout — the
+        host gone (a black hole), or the connection accepted and the peer serving another
+        client: an rpc-server serves one head at a time and queues the next (another head, or
+        the session of one that vanished without a word), or frozen. Said as such, so a head
+        never waits in a peer's queue without saying so. (Nothing else is sent to tell those
+        apart: a second connection would take the queue's other place.)"""
+        if took < 0.75 * timeout:
+            return "no HELLO answer (refused or closed at once: no rpc-server behind it)"
+        return (f"no HELLO answer in {timeout:g}s (its host gone, or busy with another head: one "
+                "at a time, this one waits in its queue; or frozen)")
 
     # -- peers: are they still there? ------------------------------------------------------
 
