@@ -103,10 +103,14 @@ class Pair:
         self.peer_env["LLAMA_CACHE"] = str(self.tmp / "peer" / "llama-cache")
         self.head_env = make_env(self.tmp / "head", "devices:\n  far: {endpoint: '"
                                  f"{self.net.addr('peer')}:{PEER_PORT}'{OVERRIDE}}}\n")
+        self.allow([self.net.addr("head")])
+
+    def allow(self, addrs: list[str]) -> None:
+        """The peer host's lend profile, lending to these addresses only."""
+        nets = ", ".join(f"'{a}/32'" for a in addrs)
         (self.tmp / "peer" / "lend.yaml").write_text(
             "profile: lend\nmode: peer\nhead: cpu-peer\nhost: 0.0.0.0\n"
-            f"port: {PEER_PORT}\nrpc_allow: ['{self.net.addr('head')}/32']\n"
-            "server_args: {threads: 1}\n")
+            f"port: {PEER_PORT}\nrpc_allow: [{nets}]\nserver_args: {{threads: 1}}\n")
 
     def start_peer(self) -> dict[str, Any]:
         self.peer = NsUp(self.net, "peer", self.peer_env,
@@ -473,4 +477,29 @@ def test_link_cut_with_on_peer_loss_fail_ends_the_head_host_cleanly(pair: Pair) 
     assert "on_peer_loss is fail" in head.output()
     assert all(r != "ok" for r in results)  # answered (503 or refused), none hung
     net.restore("peer")
+    pair.down_both()
+
+
+def test_a_second_head_host_is_told_the_peer_is_busy(pair: Pair, tmp_path: Path) -> None:
+    """A peer's rpc-server serves one head at a time: a second head host (allowed too) that
+    starts while the first holds it is refused at `hydra up` with the reason, instead of waiting
+    in the rpc-server's queue; the first head keeps serving."""
+    net = pair.net
+    pair.allow([net.addr("head"), net.addr("client")])
+    pair.start_peer()
+    pair.start_head(DENSE, "far-dense")
+    (tmp_path / "second").mkdir()
+    env = make_env(tmp_path / "second", "devices:\n  far: {endpoint: '"
+                   f"{net.addr('peer')}:{PEER_PORT}'{OVERRIDE}}}\n")
+    prof = tmp_path / "head" / "far-dense.yaml"
+    t0 = time.monotonic()
+    res = subprocess.run(net.argv("client", [*HYDRA, "up", "--profile", str(prof)]), env=env,
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    took = time.monotonic() - t0
+    print(f"\nsecond head host: exit {res.returncode} after {took:.1f}s: "
+          f"{res.stderr.strip().splitlines()[-1:]}")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "did not answer HELLO" in res.stderr and "busy" in res.stderr, res.stderr
+    assert not net.pids("client")
+    assert pair.complete(4).status_code == 200  # the first head was not disturbed
     pair.down_both()
