@@ -16,6 +16,34 @@ import pytest
 from tests.harness import Up, make_env
 from tests.wire_fakes import FakeSlots, StubControl
 
+# `slow` means something: a test that starts a real llama.cpp process is marked slow, and
+# `-m "not slow"` starts none. Outside slow tests the binaries hydra finds are stand-ins that
+# exit at once saying so, so a test that would start llama.cpp fails, naming the marker,
+# instead of quietly making the fast run slow (finding a binary is still fine).
+_STAND_IN = """#!/bin/sh
+echo "$0: a test that starts llama.cpp must be marked @pytest.mark.slow" >&2
+exit 97
+"""
+
+
+@pytest.fixture(scope="session")
+def _stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("no-llama")
+    for name in ("llama-server", "ggml-rpc-server", "llama-bench"):
+        (d / name).write_text(_STAND_IN)
+        (d / name).chmod(0o755)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _llama_only_in_slow_tests(request: pytest.FixtureRequest,
+                              monkeypatch: pytest.MonkeyPatch, _stand_ins: Path) -> None:
+    if request.node.get_closest_marker("slow") is None:
+        for var, name in (("HYDRA_LLAMA_SERVER", "llama-server"),
+                          ("HYDRA_RPC_SERVER", "ggml-rpc-server"),
+                          ("HYDRA_LLAMA_BENCH", "llama-bench")):
+            monkeypatch.setenv(var, str(_stand_ins / name))
+
 
 @pytest.fixture
 def hydra_env(tmp_path: Path) -> dict[str, str]:

@@ -66,6 +66,8 @@ def test_missing_model_file(hydra_env, tmp_path):
 def test_missing_binary_says_how_to_install(hydra_env, tmp_path):
     env = dict(hydra_env)
     env["HYDRA_CACHE_DIR"] = str(tmp_path / "empty-cache")
+    for var in ("HYDRA_LLAMA_SERVER", "HYDRA_RPC_SERVER", "HYDRA_LLAMA_BENCH"):
+        env.pop(var, None)  # (conftest's stand-ins: this test wants no binary anywhere)
     env["PATH"] = os.path.dirname(env.get("PYTHON", "/usr/bin/python3")) + ":/usr/bin:/bin"
     res = run_hydra(env, "up", "--profile", "demo", "--port", str(free_port()))
     assert res.returncode == 2

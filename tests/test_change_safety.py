@@ -19,7 +19,7 @@ import requests
 
 from tests.harness import REPO, free_port, run_hydra, status_json, wait_until
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # real llama.cpp processes
 
 BAD_LINE = 'error while handling argument "--cache-type-k": Unsupported cache type: bogus'
 FAST_S = 10.0  # a failed change is over well before the old 15 s backoff (5 failures)

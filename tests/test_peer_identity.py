@@ -228,6 +228,7 @@ def test_doctor_peers_report(peers: list[FakePeer], here: BuildIdentity):
     assert "peer cpu" not in text
 
 
+@pytest.mark.slow  # runs the real llama-server --version
 def test_hydra_up_refuses_another_build(hydra_env: dict[str, str], tmp_path: Path,
                                         peers: list[FakePeer]):
     """The whole path: `hydra up` of a COMBINE with a remote peer of another build."""

@@ -207,7 +207,9 @@ class Lane:
         if kind == "http" and self.route.http == old:
             self.route.http = (old[0], new_port)
         elif kind == "rpc":
-            self.port.set_rpc((old[0], new_port))
+            spec = self.dep.plan.router
+            if spec is not None and spec.rpc == old:  # the lent device only (mode: peer);
+                self.port.set_rpc((old[0], new_port))  # a COMBINE's own peers stay private
 
     async def _before_head_swap(self, to: str) -> None:
         """The supervisor returns a degraded head to COMBINE: a planned swap, so hold new
