@@ -38,8 +38,8 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hydra_supervisor import synth  # noqa: E402
-from hydra_supervisor.ports import ephemeral_range  # noqa: E402
+from hydra_supervisor.plan.ports import ephemeral_range  # noqa: E402
+from hydra_supervisor.tools import synth  # noqa: E402
 
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
 MIB = 1 << 20

@@ -1,7 +1,7 @@
 """llama.cpp's own server test suite, run against llama-server directly and behind hydra's Router,
 compared test by test: any test whose outcome differs fails the comparison (exit status 1).
 
-The suite is ``tools/server/tests`` of the pinned llama.cpp source (hydra_supervisor.install
+The suite is ``tools/server/tests`` of the pinned llama.cpp source (hydra_supervisor.tools.install
 source_dir(), unpacked by the build); the binary is the pinned build's llama-server
 (bin_dir(BuildOptions())). Two modes, the same selection, one after the other:
 
@@ -112,13 +112,13 @@ def missing_deps() -> list[str]:
 
 
 def llama_server() -> Path:
-    from hydra_supervisor.install import BuildOptions, bin_dir
+    from hydra_supervisor.tools.install import BuildOptions, bin_dir
 
     return bin_dir(BuildOptions()) / "llama-server"
 
 
 def suite_dir() -> Path:
-    from hydra_supervisor.install import source_dir
+    from hydra_supervisor.tools.install import source_dir
 
     return source_dir() / TESTS_REL
 
@@ -203,7 +203,7 @@ def write_launcher(path: Path, server: Path, router_log: Path, hydra: Path | Non
 
 
 def free_port() -> int:
-    from hydra_supervisor.ports import free_port as fp
+    from hydra_supervisor.plan.ports import free_port as fp
 
     return fp("127.0.0.1")
 

@@ -10,7 +10,7 @@ side:
        cold       the cache emptied before each start: every weight crosses the link;
        warm       the cache a previous load filled: the head sends hashes for tensors > 10 MiB;
        pre-filled the cache emptied, then filled on the peer host from its own copy of the GGUF
-                  (hydra_supervisor/rpccache.py's prefill; the row says "not available" where
+                  (hydra_supervisor/tools/rpccache.py's prefill; the row says "not available" where
                   that module is missing) before the start;
 2. decode tokens/s (llama-server's own `timings.predicted_per_second`, through the head's
    router) of that cross-host COMBINE against the same COMBINE with both processes on the head
@@ -49,7 +49,7 @@ from tests.netns import Hosts, why_unavailable  # noqa: E402
 from tests.test_multihost import NsUp  # noqa: E402
 
 try:
-    from hydra_supervisor import rpccache
+    from hydra_supervisor.tools import rpccache
 except ImportError:  # another change adds it; the pre-filled row then says "not available"
     rpccache = None  # type: ignore[assignment]
 
@@ -94,7 +94,7 @@ class Bench:
     def start_bare(self) -> subprocess.Popen[bytes]:
         """A ggml-rpc-server on the peer host bound to its address, no hydra, no router: what
         the router's relay costs per token is the difference to the `far` row."""
-        from hydra_supervisor import binaries
+        from hydra_supervisor.tools import binaries
 
         exe = str(binaries.find("ggml-rpc-server").path)
         proc = self.net.popen("peer", [exe, "-H", "0.0.0.0", "-p", str(BARE_PORT), "-t", "1"],
@@ -212,7 +212,7 @@ def main() -> int:
     for label, key in lines:
         vals = rows[key]
         if not vals:
-            print(f"{label:<52}{'not available (no hydra_supervisor.rpccache)':>30}")
+            print(f"{label:<52}{'not available (no hydra_supervisor.tools.rpccache)':>30}")
             continue
         runs = ", ".join(f"{v:.2f}" for v in vals)
         print(f"{label:<52}{med(vals):>9.2f}{med(vals) / solo:>9.2f}   {runs}")

@@ -31,8 +31,9 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hydra_supervisor import binaries, rpcproto  # noqa: E402
-from hydra_supervisor.ports import free_port  # noqa: E402
+from hydra_supervisor.plan.ports import free_port  # noqa: E402
+from hydra_supervisor.proc import rpcproto  # noqa: E402
+from hydra_supervisor.tools import binaries  # noqa: E402
 
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
 PROMPT = " ".join(f"The number {i} is followed by {i + 1}." for i in range(40))

@@ -72,9 +72,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hydra_supervisor.install import BuildOptions, bin_dir  # noqa: E402
-from hydra_supervisor.ports import free_port  # noqa: E402
+from hydra_supervisor.plan.ports import free_port  # noqa: E402
 from hydra_supervisor.router import Router, Upstreams  # noqa: E402
+from hydra_supervisor.tools.install import BuildOptions, bin_dir  # noqa: E402
 from tests.helpers_front_door import Reader, answered, ask, burst  # noqa: E402
 from tests.helpers_router import ROUTER_CHILD, drive_streams, stream_request  # noqa: E402
 

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.overhead import spawn_plan, stop_all  # noqa: E402
-from hydra_supervisor.ports import free_port  # noqa: E402
+from hydra_supervisor.plan.ports import free_port  # noqa: E402
 from tests.harness import HYDRA, Up, make_env, status_json  # noqa: E402
 from tests.harness import wait_until as wait  # noqa: E402
 

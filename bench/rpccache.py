@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hydra_supervisor import rpccache, synth  # noqa: E402
-from hydra_supervisor.install import BuildOptions, bin_dir  # noqa: E402
+from hydra_supervisor.tools import rpccache, synth  # noqa: E402
+from hydra_supervisor.tools.install import BuildOptions, bin_dir  # noqa: E402
 from tests.helpers_synth import running_server  # noqa: E402
 from tests.test_rpccache import CountingRelay, _free_port, _wait_port  # noqa: E402
 

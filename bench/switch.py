@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import routing  # noqa: E402
 from bench.overhead import HYDRA, env_for, wait  # noqa: E402
-from hydra_supervisor.ports import free_port  # noqa: E402
+from hydra_supervisor.plan.ports import free_port  # noqa: E402
 from tests.test_switch import Load  # noqa: E402
 
 
@@ -140,7 +140,7 @@ def _variant(src_dir: Path, out: Path, names: list[str], standby: bool, keep: bo
     """Copies of the pair's profiles: with or without their standby: keys, keep_slots on/off."""
     import yaml
 
-    from hydra_supervisor import config
+    from hydra_supervisor.config import config
 
     out.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(names):
@@ -178,7 +178,7 @@ def _first_token(port: int, want: str, deadline: float) -> float:
 
 
 def _rows(env: dict[str, str]) -> list[dict[str, object]]:
-    from hydra_supervisor import control_client
+    from hydra_supervisor.runtime import control_client
 
     sock = control_client.socket_path(Path(env["HYDRA_STATE_DIR"]))
     _, st = control_client.call(sock, "GET", "/status", timeout=10)
@@ -186,7 +186,7 @@ def _rows(env: dict[str, str]) -> list[dict[str, object]]:
 
 
 def _ctl_switch(env: dict[str, str], profile: str) -> dict[str, object]:
-    from hydra_supervisor import control_client
+    from hydra_supervisor.runtime import control_client
 
     sock = control_client.socket_path(Path(env["HYDRA_STATE_DIR"]))
     code, rep = control_client.call(sock, "POST", "/switch", {"profile": profile}, timeout=600)

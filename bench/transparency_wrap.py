@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 import hydra_supervisor
-from hydra_supervisor.ports import free_port
+from hydra_supervisor.plan.ports import free_port
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.routes import Route
 

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hydra_supervisor.ports import free_port  # noqa: E402
+from hydra_supervisor.plan.ports import free_port  # noqa: E402
 from hydra_supervisor.wire import client, codec  # noqa: E402
 from hydra_supervisor.wire.codec import Op, Status  # noqa: E402
 from tests.helpers_router import (  # noqa: E402

@@ -1,5 +1,5 @@
 """`python -m hydra_supervisor` runs the CLI."""
 
-from hydra_supervisor.cli import main
+from hydra_supervisor.cli.cli import main
 
 main()

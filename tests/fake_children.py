@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import process
-from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
-from hydra_supervisor.deployment import Deployment, Timeouts
-from hydra_supervisor.plan import EngineSpec, Plan, Role, RouterSpec
-from hydra_supervisor.rpcproto import PROTO_MAJOR, PROTO_MINOR, Version
-from hydra_supervisor.supervisor import Seams
+from hydra_supervisor.config.config import HealthPolicy, PeerLoss, RestartPolicy
+from hydra_supervisor.plan.deployment import Deployment, Timeouts
+from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.proc import process
+from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, Version
+from hydra_supervisor.proc.supervisor import Seams
 
 SCALE = 50.0
 

@@ -89,7 +89,7 @@ class Client:
 
 def _profile(tmp: Path, base: str, extra: str = "") -> Path:
     """A copy of a shipped profile with fast restart/health policies (and extra keys)."""
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.paths import repo_root
 
     text = (repo_root() / "profiles" / f"{base}.yaml").read_text()
     path = tmp / f"{base}-fault.yaml"
@@ -456,7 +456,7 @@ def kill_two_peers(tmp: Path) -> FaultResult:
 def remote_peer_restarted(tmp: Path) -> FaultResult:
     """A remote peer (`endpoint:`) killed and started again 3 s later: not a crash loop to
     FATAL: the head is stopped once, the peer re-probed on a timer, the head back after it."""
-    from hydra_supervisor import binaries
+    from hydra_supervisor.tools import binaries
 
     rpc_port = free_port_range(1)[0]
     env = make_env(tmp, f"devices:\n  far: {{endpoint: '127.0.0.1:{rpc_port}'}}\n")
@@ -556,7 +556,7 @@ def broken_model(path: Path) -> Path:
     fine, and llama-server exits at load ("key not found in model")."""
     import gguf
 
-    from hydra_supervisor import synth
+    from hydra_supervisor.tools import synth
 
     original = gguf.GGUFWriter.add_layer_norm_rms_eps
     gguf.GGUFWriter.add_layer_norm_rms_eps = lambda self, value: None  # type: ignore

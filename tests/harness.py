@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from hydra_supervisor.ports import free_port as free_port  # re-exported for the tests
+from hydra_supervisor.plan.ports import free_port as free_port  # re-exported for the tests
 
 REPO = Path(__file__).resolve().parent.parent
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
@@ -76,8 +76,8 @@ def run_hydra(env: dict[str, str], *args: str, timeout: float = 60.0
 def status_json(env: dict[str, str]) -> dict[str, Any]:
     """What `hydra status --json` prints, read in process: a poll costs a socket round trip,
     not an interpreter start that takes CPU from the llama-server the test waits for."""
-    from hydra_supervisor import control_client
-    from hydra_supervisor.state import StateDir
+    from hydra_supervisor.proc.state import StateDir
+    from hydra_supervisor.runtime import control_client
 
     state = StateDir(Path(env["HYDRA_STATE_DIR"]))
     try:

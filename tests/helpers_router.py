@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import requests
 
-from hydra_supervisor.ports import free_port as free_port  # re-exported
+from hydra_supervisor.plan.ports import free_port as free_port  # re-exported
 
 HOST = "127.0.0.1"
 DEADLINE = 10.0
@@ -245,7 +245,7 @@ def fake_hydra_handler(conn: socket.socket) -> None:
 
 def llama_bins() -> Path:
     """The llama.cpp build to test against: $HYDRA_TEST_LLAMA_BINS, else hydra's own build."""
-    from hydra_supervisor.install import BuildOptions, bin_dir
+    from hydra_supervisor.tools.install import BuildOptions, bin_dir
 
     override = os.environ.get("HYDRA_TEST_LLAMA_BINS")
     bins = Path(override) if override else bin_dir(BuildOptions())

@@ -15,8 +15,8 @@ from typing import Any
 
 import requests
 
-from hydra_supervisor.install import BuildOptions, bin_dir
-from hydra_supervisor.ports import free_port
+from hydra_supervisor.plan.ports import free_port
+from hydra_supervisor.tools.install import BuildOptions, bin_dir
 
 START_DEADLINE_S = 120.0
 REQUEST_TIMEOUT_S = 60.0

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from hydra_supervisor.bench_cmd import (
+from hydra_supervisor.cli.bench_cmd import (
     Sample,
     bench,
     check_expect,
@@ -20,7 +20,7 @@ from hydra_supervisor.bench_cmd import (
     sse_events,
     summarize,
 )
-from hydra_supervisor.config import load_node, load_profile
+from hydra_supervisor.config.config import load_node, load_profile
 from hydra_supervisor.errors import ConfigError, HydraError
 from tests.harness import free_port
 

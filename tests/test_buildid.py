@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor import buildid, install, rpcproto
-from hydra_supervisor.buildid import BuildIdentity, PeerInfo
-from hydra_supervisor.config import ConfigError, is_loopback_host, load_node, load_profile
+from hydra_supervisor.config.config import ConfigError, is_loopback_host, load_node, load_profile
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.proc import rpcproto
+from hydra_supervisor.tools import buildid, install
+from hydra_supervisor.tools.buildid import BuildIdentity, PeerInfo
 
 STAMPED = """\
 version: 0.6.0-dev (build 11434, commit sdist-b0a2feb64c6f)
@@ -191,7 +192,7 @@ def test_peer_profile_beyond_loopback_needs_an_explicit_rpc_allow(tmp_path: Path
 
 
 def test_shipped_peer_profiles_pass_the_trust_rule():
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.paths import repo_root
 
     node = load_node(None)
     for name in ("demo-peer", "gpu-peer"):

@@ -26,12 +26,14 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor import process
-from hydra_supervisor.daemon import Daemon, Options
-from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.llamaerr import error_line
+from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.proc import process
+from hydra_supervisor.proc.llamaerr import error_line
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import State, Supervisor
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.serve import lane as lane_mod
 from hydra_supervisor.serve import node as node_mod
 from hydra_supervisor.serve.lane import Lane
@@ -39,8 +41,6 @@ from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import State, Supervisor
 from tests.fake_children import Behaviour, FakeWorld, deployment
 from tests.test_engine_policy import BEHAVIOUR, FakeRoute, FakeRouter
 from tests.test_engine_policy import dep as edep

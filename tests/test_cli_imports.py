@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 HEAVY = ("numpy", "gguf", "prometheus_client", "requests", "asyncio",
-         "hydra_supervisor.daemon", "hydra_supervisor.serve.port", "hydra_supervisor.router.relay")
+         "hydra_supervisor.runtime.daemon", "hydra_supervisor.serve.port",
+         "hydra_supervisor.router.relay")
 
 
 def _loaded_after(code: str) -> set[str]:
@@ -21,14 +22,14 @@ def _loaded_after(code: str) -> set[str]:
 
 
 def test_importing_the_cli_pulls_none_of_the_daemon() -> None:
-    loaded = _loaded_after("import hydra_supervisor.cli")
+    loaded = _loaded_after("import hydra_supervisor.cli.cli")
     assert not [m for m in HEAVY if m in loaded]
 
 
 def test_status_json_without_a_hydra_pulls_none_of_the_daemon(tmp_path: Path) -> None:
     code = ("import os, sys\n"
             f"os.environ['HYDRA_STATE_DIR'] = {str(tmp_path)!r}\n"
-            "from hydra_supervisor import cli\n"
+            "from hydra_supervisor.cli import cli\n"
             "try:\n"
             "    cli.main(['status', '--json'], standalone_mode=False)\n"
             "except SystemExit:\n"
@@ -38,6 +39,7 @@ def test_status_json_without_a_hydra_pulls_none_of_the_daemon(tmp_path: Path) ->
 
 
 def test_synth_ftype_names_match_the_writer() -> None:
-    from hydra_supervisor import cli, synth
+    from hydra_supervisor.cli import cli
+    from hydra_supervisor.tools import synth
 
     assert cli.SYNTH_FTYPES == tuple(synth.FTYPES)

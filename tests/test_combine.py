@@ -15,7 +15,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from hydra_supervisor import rpcproto
+from hydra_supervisor.proc import rpcproto
 from tests.harness import free_port, run_hydra, status_json, wait_until
 
 pytestmark = pytest.mark.slow

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.config import Mode, PeerLoss, load_node, load_profile
+from hydra_supervisor.config.config import Mode, PeerLoss, load_node, load_profile
+from hydra_supervisor.config.yamlsrc import load_text
 from hydra_supervisor.errors import ConfigError
-from hydra_supervisor.yamlsrc import load_text
 
 
 def test_yaml11_on_off_stay_strings_true_false_are_bools():
@@ -58,7 +58,7 @@ def test_health_section_is_validated(tmp_path: Path):
 
 
 def test_install_progress_reports_ninja_steps(tmp_path: Path):
-    from hydra_supervisor.install import _run_with_progress
+    from hydra_supervisor.tools.install import _run_with_progress
 
     log = tmp_path / "build.log"
     seen: list[str] = []
@@ -71,7 +71,7 @@ def test_install_progress_reports_ninja_steps(tmp_path: Path):
 
 
 def test_install_options_key_the_cache():
-    from hydra_supervisor.install import BuildOptions, build_dir
+    from hydra_supervisor.tools.install import BuildOptions, build_dir
 
     cpu, cuda = BuildOptions(), BuildOptions(cuda=True, cuda_archs="86;120")
     assert build_dir(cpu).name == "11434.0.0-r3-cpu"
@@ -85,7 +85,7 @@ def test_self_connect_is_detected():
     itself -- what a retried connect to a down local port can stumble into."""
     import socket
 
-    from hydra_supervisor.ports import self_connected
+    from hydra_supervisor.plan.ports import self_connected
     from tests.harness import free_port
 
     port = free_port()

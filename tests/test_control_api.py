@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor import control
+from hydra_supervisor.runtime import control
 
 
 def test_round_trip_runs_handlers_on_the_loop_thread(tmp_path: Path) -> None:

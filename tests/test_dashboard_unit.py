@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor import benchplot
+from hydra_supervisor.cli import benchplot
 from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.dashboard import app as dash_app
 from hydra_supervisor.dashboard.feed import read_log

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor.deployment import Deployment, Timeouts
-from hydra_supervisor.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.plan.deployment import Deployment, Timeouts
+from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import State
 from hydra_supervisor.router.gate import Gate
 from hydra_supervisor.router.routes import Route
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy, SwitchTimeouts
-from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import State
 
 
 class FakeRoute(Route):

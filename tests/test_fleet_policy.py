@@ -19,20 +19,20 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor.config import Profile
-from hydra_supervisor.daemon import Daemon, Options
-from hydra_supervisor.deployment import Deployment, Timeouts
-from hydra_supervisor.devices import Device, Kind
+from hydra_supervisor.config.config import Profile
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.plan.deployment import Deployment, Timeouts
+from hydra_supervisor.plan.devices import Device, Kind
+from hydra_supervisor.plan.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import State
 from hydra_supervisor.router.routes import LocalReply, Route
+from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.serve import lane as lane_mod
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import State
 from tests.test_engine_policy import BEHAVIOUR, STARTED, FakeSupervisor
 
 GIB = 1 << 30

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hydra_supervisor import fleetplan
-from hydra_supervisor.devices import Device, Kind
-from hydra_supervisor.fleetplan import Occupant, Verdict, make_room
+from hydra_supervisor.plan import fleetplan
+from hydra_supervisor.plan.devices import Device, Kind
+from hydra_supervisor.plan.fleetplan import Occupant, Verdict, make_room
 
 GIB = 1 << 30
 CAP = {"cuda0": 24 * GIB, "cuda1": 16 * GIB, "host": 64 * GIB}

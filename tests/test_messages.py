@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hydra_supervisor import binaries, cli, models, synth
+from hydra_supervisor.cli import cli
+from hydra_supervisor.config import models
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.modelinfo import inspect
-from hydra_supervisor.ports import host_port, url_for
+from hydra_supervisor.plan.modelinfo import inspect
+from hydra_supervisor.plan.ports import host_port, url_for
+from hydra_supervisor.tools import binaries, synth
 from tests.harness import free_port, free_port_range, run_hydra
 
 
@@ -129,7 +131,7 @@ def test_directory_as_model_says_directory(hydra_env, tmp_path):
 
 
 def test_directory_in_node_models_map(tmp_path):
-    from hydra_supervisor.config import Node
+    from hydra_supervisor.config.config import Node
 
     node = Node(source="node.yaml", devices={}, models={"big": str(tmp_path)})
     with pytest.raises(HydraError, match="model 'big' is a directory.*from node.yaml"):

@@ -17,14 +17,14 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_supervisor import __version__
-from hydra_supervisor.metrics import (
+from hydra_supervisor.plan.ports import free_port
+from hydra_supervisor.runtime.metrics import (
     Head,
     MetricsServer,
     endpoint_label,
     heads_from_snapshot,
     relabel,
 )
-from hydra_supervisor.ports import free_port
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from hydra_supervisor import modelinfo, synth
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.modelinfo import ModelInfo
+from hydra_supervisor.plan import modelinfo
+from hydra_supervisor.plan.modelinfo import ModelInfo
+from hydra_supervisor.tools import synth
 
 TINY = dict(n_layers=3, n_embd=64, n_head=2, n_head_kv=1)
 

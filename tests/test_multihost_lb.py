@@ -193,6 +193,10 @@ def test_two_hydra_hosts_behind_haproxy_one_killed(net: Hosts, tmp_path: Path) -
         assert not late, (late, log[-3000:])
         assert len(load.errors) <= 1, (load.errors, log[-3000:])
         assert during["ok"] > 0 and set(during) == {"ok"}
+        for h, up in ups.items():  # nothing left on either host once its hydra stops
+            assert up.stop() == 0, up.output()[-2000:]
+            wait_until(lambda h=h: not net.pids(h), 15,
+                       f"no process left on host {h}")
     finally:
         if load is not None:
             load.finish()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.notify import (
+from hydra_supervisor.runtime.notify import (
     Notifier,
     monotonic_usec,
     ready_when,
@@ -133,7 +133,7 @@ def test_from_env_unsets_the_variables_for_children(path_listener: tuple[str, Li
     addr, lst = path_listener
     code = (
         "import os\n"
-        "from hydra_supervisor.notify import Notifier\n"
+        "from hydra_supervisor.runtime.notify import Notifier\n"
         "n = Notifier.from_env()\n"
         "assert 'NOTIFY_SOCKET' not in os.environ and 'WATCHDOG_USEC' not in os.environ\n"
         "assert n.watchdog_interval() == 4.0\n"

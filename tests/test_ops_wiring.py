@@ -23,9 +23,10 @@ from tests.harness import free_port, status_json
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
-daemon = pytest.importorskip("hydra_supervisor.daemon")
+daemon = pytest.importorskip("hydra_supervisor.runtime.daemon")
 if not hasattr(daemon, "notify"):
-    pytest.skip("the daemon does not call hydra_supervisor.notify yet", allow_module_level=True)
+    pytest.skip("the daemon does not call hydra_supervisor.runtime.notify yet",
+                allow_module_level=True)
 
 
 class Notifications:

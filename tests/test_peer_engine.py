@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from hydra_supervisor import rpcproto
+from hydra_supervisor.proc import rpcproto
 from tests.harness import Up, free_port, make_env, run_hydra
 
 pytestmark = pytest.mark.slow

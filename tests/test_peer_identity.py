@@ -21,11 +21,14 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from hydra_supervisor import buildid, doctor, install, layout, rpcproto
-from hydra_supervisor.buildid import BuildIdentity
-from hydra_supervisor.config import DeviceDecl, Node
+from hydra_supervisor.cli import doctor
+from hydra_supervisor.config.config import DeviceDecl, Node
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import EngineSpec, Plan, Role
+from hydra_supervisor.plan import layout
+from hydra_supervisor.plan.plan import EngineSpec, Plan, Role
+from hydra_supervisor.proc import rpcproto
+from hydra_supervisor.tools import buildid, install
+from hydra_supervisor.tools.buildid import BuildIdentity
 from hydra_supervisor.wire import codec
 from tests.harness import Up, free_port, make_env, run_hydra
 

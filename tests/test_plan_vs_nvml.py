@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor import resolver, synth
-from hydra_supervisor.config import Mode, MoeSplit, Profile, Transport
-from hydra_supervisor.devices import MIB, Device, Kind
-from hydra_supervisor.modelinfo import ModelInfo, inspect
+from hydra_supervisor.config.config import Mode, MoeSplit, Profile, Transport
+from hydra_supervisor.plan import resolver
+from hydra_supervisor.plan.devices import MIB, Device, Kind
+from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
+from hydra_supervisor.tools import synth
 
 MARGIN = 0.08  # planned may exceed NVML by up to 8% per GPU (seen: 0.4-6.5%)
 H200_FREE = 143_000 * MIB

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hydra_supervisor.plan import EngineSpec, Plan, Role, RouterSpec
-from hydra_supervisor.plandiff import Change, diff
+from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.plan.plandiff import Change, diff
 
 
 def plan(head_args: tuple[str, ...] = ("-c", "4096"), peer_port: int = 30052,

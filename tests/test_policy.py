@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor.config import HealthPolicy, PeerLoss, RestartPolicy
-from hydra_supervisor.deployment import Deployment
-from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import ManagedProcess, State, Supervisor
+from hydra_supervisor.config.config import HealthPolicy, PeerLoss, RestartPolicy
+from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import ManagedProcess, State, Supervisor
 from tests.fake_children import Behaviour, FakeWorld, UpstreamMoves, deployment
 
 pytestmark = pytest.mark.timeout(60)

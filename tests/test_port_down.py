@@ -26,19 +26,19 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from hydra_supervisor import cli, portwatch
-from hydra_supervisor.config import known_profiles
-from hydra_supervisor.daemon import EXIT_PORT_DOWN, Daemon, Options
-from hydra_supervisor.metrics import MetricsServer
-from hydra_supervisor.notify import status_text
-from hydra_supervisor.ports import free_port
-from hydra_supervisor.portwatch import PortWatch
-from hydra_supervisor.serve import setup
+from hydra_supervisor.cli import cli
+from hydra_supervisor.config.config import known_profiles
+from hydra_supervisor.plan.ports import free_port
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.runtime.daemon import EXIT_PORT_DOWN, Daemon, Options
+from hydra_supervisor.runtime.metrics import MetricsServer
+from hydra_supervisor.runtime.notify import status_text
+from hydra_supervisor.serve import portwatch, setup
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.portwatch import PortWatch
 from hydra_supervisor.serve.reports import SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.state import StateDir
 from tests.test_engine_policy import (
     BEHAVIOUR,
     STARTED,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor import resolver
-from hydra_supervisor.config import Mode, MoeSplit, Profile, Transport
-from hydra_supervisor.devices import MIB, Device, Kind
+from hydra_supervisor.config.config import Mode, MoeSplit, Profile, Transport
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import resolver
+from hydra_supervisor.plan.devices import MIB, Device, Kind
 
 GIB = 1024 * MIB
 
@@ -258,8 +258,8 @@ def test_expert_pattern_never_matches_nothing():
 
 def test_demo_profile_golden(tmp_path: Path):
     """The shipped demo profile, through the real loader, gives this exact argv."""
-    from hydra_supervisor.config import default_node, load_profile
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.config import default_node, load_profile
+    from hydra_supervisor.config.paths import repo_root
 
     p = load_profile(repo_root() / "profiles" / "demo.yaml", default_node())
     plan = resolver.resolve(p, FakeModel(), "/models/gemma.gguf", DEVICES, [])

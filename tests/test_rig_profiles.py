@@ -28,9 +28,10 @@ from typing import Any
 import pytest
 import yaml
 
-from hydra_supervisor import resolver, synth
-from hydra_supervisor.config import load_node
-from hydra_supervisor.modelinfo import ModelInfo, inspect
+from hydra_supervisor.config.config import load_node
+from hydra_supervisor.plan import resolver
+from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
+from hydra_supervisor.tools import synth
 
 REPO = Path(__file__).resolve().parent.parent
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]

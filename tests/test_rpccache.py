@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hydra_supervisor import rpccache, synth
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.install import BuildOptions, bin_dir
+from hydra_supervisor.tools import rpccache, synth
+from hydra_supervisor.tools.install import BuildOptions, bin_dir
 from tests.helpers_synth import llama_server_bin, log_tail, running_server
 
 MiB = 1024 * 1024
@@ -402,7 +402,7 @@ def test_hydra_peer_profile_prefills_its_rpc_server(big_model: Path, tmp_path: P
 
 
 def test_prefill_key_is_checked(tmp_path: Path) -> None:
-    from hydra_supervisor import config
+    from hydra_supervisor.config import config
     from hydra_supervisor.errors import ConfigError
 
     node = config.load_node(None)
@@ -420,7 +420,7 @@ def test_prefill_key_is_checked(tmp_path: Path) -> None:
 
 
 def test_layout_resolves_prefill_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hydra_supervisor import layout
+    from hydra_supervisor.plan import layout
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     node = tmp_path / "node.yaml"
@@ -438,7 +438,7 @@ def test_layout_resolves_prefill_paths(tmp_path: Path, monkeypatch: pytest.Monke
 def test_cache_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
-    from hydra_supervisor.cli import main
+    from hydra_supervisor.cli.cli import main
 
     _vocab_or_skip()
     model = synth.write_dense(tmp_path / "tiny.gguf", **TINY)  # type: ignore[arg-type]
@@ -464,7 +464,7 @@ def test_cache_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_peer_load_budget_covers_the_prefill(tmp_path: Path) -> None:
-    from hydra_supervisor import deployment
+    from hydra_supervisor.plan import deployment
     from tests.harness import free_port_range
 
     if _rpc_server_bin() is None:

@@ -126,7 +126,7 @@ def test_frozen_peer_with_requests_in_flight_restarts_the_pair(
         hydra_up, hydra_env, tmp_path: Path, freezer: Freezer) -> None:
     # (the freezer is set up after hydra_up, so it thaws before hydra_up's teardown checks
     # that nothing outlived hydra: a peer in D dies of its pending SIGKILL only when thawed)
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.paths import repo_root
 
     prof = tmp_path / "demo-combine-stall.yaml"
     prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)
@@ -215,8 +215,8 @@ def any_freezer() -> Iterator[Freezer]:
 
 def test_frozen_remote_peer_is_lost_and_the_head_returns_after_the_thaw(
         hydra_up, hydra_env, tmp_path: Path, any_freezer: Freezer) -> None:
-    from hydra_supervisor import binaries
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.paths import repo_root
+    from hydra_supervisor.tools import binaries
 
     rpc_port = free_port_range(1)[0]
     node = Path(hydra_env["HYDRA_NODE"])
@@ -311,7 +311,7 @@ def test_idle_pair_with_a_peer_in_d_state_restarts_the_pair(
         hydra_up, hydra_env, tmp_path: Path, d_state_freezer: Freezer) -> None:
     """Nothing in flight: a peer in state D with no CPU progress for stall_timeout while its
     head serves is frozen (an idle ggml-rpc-server waits in S)."""
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.paths import repo_root
 
     prof = tmp_path / "demo-combine-idle.yaml"
     prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)

@@ -37,7 +37,7 @@ def _standby_ready(env: dict[str, str]) -> list[dict[str, Any]] | None:
 
 def _ctl_switch(env: dict[str, str], profile: str) -> dict[str, Any]:
     """The control API in process (no CLI start-up between the stream and the switch)."""
-    from hydra_supervisor import control_client
+    from hydra_supervisor.runtime import control_client
 
     sock = control_client.socket_path(Path(env["HYDRA_STATE_DIR"]))
     _, rep = control_client.call(sock, "POST", "/switch", {"profile": profile}, timeout=60)

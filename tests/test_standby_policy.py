@@ -17,19 +17,19 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor import fleetplan
-from hydra_supervisor.config import Mode, Profile
-from hydra_supervisor.deployment import Deployment, Timeouts
-from hydra_supervisor.engine_wire import EngineWire
-from hydra_supervisor.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.config.config import Mode, Profile
+from hydra_supervisor.plan import fleetplan
+from hydra_supervisor.plan.deployment import Deployment, Timeouts
+from hydra_supervisor.plan.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import State
+from hydra_supervisor.serve.engine_wire import EngineWire
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchTimeouts
 from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import State
 from tests.test_engine_policy import STARTED, FakeRouter, FakeSupervisor
 
 MIB = 1 << 20
@@ -287,7 +287,7 @@ def test_names(tmp_path: Path, ref: str) -> None:
 
 
 def test_the_standby_key_is_checked_with_file_and_line(tmp_path: Path) -> None:
-    from hydra_supervisor.config import ConfigError, default_node, load_profile
+    from hydra_supervisor.config.config import ConfigError, default_node, load_profile
 
     me = tmp_path / "a.yaml"
     me.write_text("profile: a\nmodel: synth-moe\nstandby: a\n")
@@ -307,7 +307,7 @@ def test_the_standby_key_is_checked_with_file_and_line(tmp_path: Path) -> None:
 
 
 def test_status_line_names_the_standby() -> None:
-    from hydra_supervisor.notify import status_text
+    from hydra_supervisor.runtime.notify import status_text
 
     snap = {"engines": [
         {"profile": "moe-c", "state": "serving", "url": "http://127.0.0.1:8080",
@@ -321,7 +321,7 @@ def test_status_line_names_the_standby() -> None:
 def test_metrics_say_which_layout_stands_by() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from hydra_supervisor.metrics import SnapshotCollector
+    from hydra_supervisor.runtime.metrics import SnapshotCollector
 
     rows = [{"name": "port-8080", "profile": "moe-c", "mode": "combine", "state": "serving",
              "port": 8080, "standby": False, "processes": [], "switches": []},

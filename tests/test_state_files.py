@@ -25,11 +25,12 @@ from typing import Any
 import psutil
 import pytest
 
-from hydra_supervisor import filemodes, logfiles, process, yamlsrc
-from hydra_supervisor.config import load_node
+from hydra_supervisor.config import yamlsrc
+from hydra_supervisor.config.config import load_node
 from hydra_supervisor.errors import ConfigError
+from hydra_supervisor.proc import filemodes, logfiles, process
+from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.router import defaults as request_defaults
-from hydra_supervisor.state import StateDir
 from tests.harness import (
     HYDRA,
     REPO,
@@ -484,7 +485,7 @@ def test_status_after_kill_9_of_hydra_and_its_guard(hydra_up, hydra_env, tmp_pat
     up.wait_ready(60)
     pid = up.proc.pid
     guard = next(p for p in psutil.process_iter(["cmdline"])
-                 if "hydra_supervisor.guard" in " ".join(p.info["cmdline"] or [])
+                 if "hydra_supervisor.proc.guard" in " ".join(p.info["cmdline"] or [])
                  and str(pid) in (p.info["cmdline"] or []))
     guard.kill()
     assert not wait_dead([guard], 5)  # a zombie until hydra reaps it: dead enough

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hydra_supervisor import binaries
-from hydra_supervisor.state import StateDir
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.tools import binaries
 from tests.harness import (
     REPO,
     Up,
@@ -56,7 +56,7 @@ def test_completion_probe_restarts_a_head_that_cannot_generate(hydra_up, hydra_e
 
 
 def test_on_peer_loss_fail_stops_everything(hydra_up, hydra_env, tmp_path):
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.paths import repo_root
 
     prof = tmp_path / "fail.yaml"
     prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text()

@@ -190,7 +190,7 @@ def test_model_less_start_then_switch(hydra_env):
 
 
 def _free() -> int:
-    from hydra_supervisor.ports import free_port
+    from hydra_supervisor.plan.ports import free_port
     return free_port()
 
 

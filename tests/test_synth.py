@@ -9,8 +9,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from hydra_supervisor import synth
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.tools import synth
 from tests.helpers_synth import llama_server_bin, log_tail, running_server
 
 # Tiny shapes: the 2-core test machine is shared; the 32000-token vocab dominates the size anyway.
@@ -99,7 +99,7 @@ def test_bad_parameters_raise() -> None:
 def test_cli(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hydra_supervisor.cli import main
+    from hydra_supervisor.cli.cli import main
 
     out = tmp_path / "cli.gguf"
     res = CliRunner().invoke(main, [

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hydra_supervisor import systemd_units
-from hydra_supervisor.systemd_cmd import hydra_command, systemd, unreadable_by_others, verify
-from hydra_supervisor.systemd_units import UnitOptions
+from hydra_supervisor.cli.systemd_cmd import hydra_command, systemd, unreadable_by_others, verify
+from hydra_supervisor.tools import systemd_units
+from hydra_supervisor.tools.systemd_units import UnitOptions
 
 REPO = Path(__file__).resolve().parent.parent
 needs_verify = pytest.mark.skipif(

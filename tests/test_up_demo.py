@@ -71,7 +71,7 @@ def test_sigkill_of_hydra_leaves_no_orphan(hydra_up, hydra_env):
 
     def is_guard(p: psutil.Process) -> bool:
         try:
-            return "hydra_supervisor.guard" in " ".join(p.cmdline())
+            return "hydra_supervisor.proc.guard" in " ".join(p.cmdline())
         except psutil.Error:
             return False
 
@@ -133,7 +133,7 @@ def test_router_holds_requests_while_head_is_down_and_closes_rpc(hydra_up, hydra
 
 
 def test_router_off_binds_llama_server_directly(hydra_up, hydra_env, tmp_path):
-    from hydra_supervisor.paths import repo_root
+    from hydra_supervisor.config.paths import repo_root
 
     prof = tmp_path / "direct.yaml"
     prof.write_text((repo_root() / "profiles" / "demo.yaml").read_text() + "router: false\n")

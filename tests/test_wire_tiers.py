@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_supervisor.config import Mode, Profile
+from hydra_supervisor.config.config import Mode, Profile
 from hydra_supervisor.wire import tiers
 from hydra_supervisor.wire.tiers import KEYS, Target, Tier, classify, lookup
 

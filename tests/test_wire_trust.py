@@ -267,7 +267,7 @@ def test_second_local_user_refused_owner_served(control: StubControl,
 
 def test_hydra_has_no_wire_port_and_the_owner_configures(tmp_path: Path,
                                                         hydra_env: dict[str, str]) -> None:
-    from hydra_supervisor.ports import free_port
+    from hydra_supervisor.plan.ports import free_port
     from tests.harness import HYDRA, REPO, run_hydra, wait_until
 
     port = free_port()
@@ -387,7 +387,7 @@ def test_file_keys_refused(params: dict[str, Any], control: StubControl) -> None
 
 
 def test_model_alias_allowed_and_checked_against_the_node(tmp_path: Path) -> None:
-    from hydra_supervisor.engine_wire import EngineWire
+    from hydra_supervisor.serve.engine_wire import EngineWire
     from hydra_supervisor.wire.control import ConfigureRefused
 
     assert tiers.classify({"model": "my-model"}, {}).ok  # an alias passes the wire check

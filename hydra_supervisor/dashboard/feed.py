@@ -23,8 +23,8 @@ from typing import Any
 
 import requests
 
-from hydra_supervisor import devices
-from hydra_supervisor.metrics import heads_from_snapshot
+from hydra_supervisor.plan import devices
+from hydra_supervisor.runtime.metrics import heads_from_snapshot
 
 log = logging.getLogger("hydra.dashboard")
 

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hydra_supervisor.ports import self_connected
+from hydra_supervisor.plan.ports import self_connected
 from hydra_supervisor.router import limits
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 from hydra_supervisor.router.conn import (

@@ -31,11 +31,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 
-from hydra_supervisor import fleetplan, gpumem, llamaerr, plandiff
-from hydra_supervisor.config import Profile
-from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.config.config import Profile
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.ports import client_host
+from hydra_supervisor.plan import fleetplan, plandiff
+from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.plan.ports import client_host
+from hydra_supervisor.proc import gpumem, llamaerr
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import Fatal, ManagedProcess, State, Supervisor
 from hydra_supervisor.router.routes import Addr, Route
 from hydra_supervisor.serve import states
 from hydra_supervisor.serve.reports import (
@@ -48,8 +51,6 @@ from hydra_supervisor.serve.reports import (
 )
 from hydra_supervisor.serve.runner import Runner
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import Fatal, ManagedProcess, State, Supervisor
 from hydra_supervisor.wire import slots
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class Lane:
     def own(self, dep: Deployment) -> Deployment:
         """A Deployment as this lane runs it: on the port's address, processes named after the
         profile when the port serves several."""
-        from hydra_supervisor import deployment  # (deployment imports layout: keep it lazy)
+        from hydra_supervisor.plan import deployment  # deployment imports layout: keep it lazy
 
         if self.prefix_names:
             dep = namespaced(dep)

@@ -18,8 +18,8 @@ import re
 import time
 from collections.abc import Callable
 
-from hydra_supervisor import fleetplan
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.reports import Busy, Phases, SwitchReport
 from hydra_supervisor.serve.states import LaneState

@@ -28,12 +28,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from hydra_supervisor import gpumem, plandiff
-from hydra_supervisor.config import Profile
-from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.config.config import Profile
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.ports import host_port, url_for
-from hydra_supervisor.portwatch import PortWatch
+from hydra_supervisor.plan import plandiff
+from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.plan.ports import host_port, url_for
+from hydra_supervisor.proc import gpumem
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.router.gate import Gate
@@ -41,10 +43,9 @@ from hydra_supervisor.router.routes import Limiter, LocalReply, Route
 from hydra_supervisor.serve import states
 from hydra_supervisor.serve.lane import Lane, needs_of
 from hydra_supervisor.serve.node import TICK, Node
+from hydra_supervisor.serve.portwatch import PortWatch
 from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.state import StateDir
-from hydra_supervisor.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from hydra_supervisor.serve.standby import Standby

@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from hydra_supervisor.deployment import Deployment, Timeouts
-from hydra_supervisor.health import Gated
-from hydra_supervisor.plan import Plan
-from hydra_supervisor.supervisor import ManagedProcess
+from hydra_supervisor.plan.deployment import Deployment, Timeouts
+from hydra_supervisor.plan.plan import Plan
+from hydra_supervisor.proc.health import Gated
+from hydra_supervisor.proc.supervisor import ManagedProcess
 
 
 class Runner(Protocol):

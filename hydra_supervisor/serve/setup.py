@@ -17,13 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor import deployment, fleetplan
-from hydra_supervisor.config import find_node_file, load_node
-from hydra_supervisor.deployment import Deployment
+from hydra_supervisor.config.config import find_node_file, load_node
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import deployment, fleetplan
+from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import DEFAULT_ALLOW, Port
-from hydra_supervisor.state import StateDir
 
 
 def single(state: StateDir, dep: Deployment | None, *, host: str, port: int,

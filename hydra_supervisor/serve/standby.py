@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
-from hydra_supervisor import deployment, fleetplan
-from hydra_supervisor.deployment import Deployment
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import deployment, fleetplan
+from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.reports import Busy, Phases, SwitchReport
 from hydra_supervisor.serve.states import LaneState

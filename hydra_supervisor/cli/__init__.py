@@ -1,0 +1,1 @@
+"""The `hydra` command line."""

@@ -1,0 +1,1 @@
+"""Reading what the operator wrote: profiles, the node file, model references."""

@@ -1,0 +1,1 @@
+"""Planning, without side effects: config + model + devices -> a Deployment."""

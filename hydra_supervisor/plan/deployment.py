@@ -1,0 +1,115 @@
+"""What to run for one layout: the Deployment, built and checked before anything starts.
+
+A Deployment bundles everything a Supervisor needs to run one profile's layout (the Plan, the
+binaries' paths, the restart / health / peer-loss policies, the timeouts, the SOLO fallback for
+on_peer_loss: degrade, and how to move a peer whose port was taken). It is plain frozen data:
+`hydra up`, `hydra switch` and `hydra reload` all build one with `prepare()` (which has no side
+effects beyond reading files and probing ports) and hand it to an Engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hydra_supervisor.config.config import HealthPolicy, PeerLoss, Profile, RestartPolicy
+from hydra_supervisor.plan import layout
+from hydra_supervisor.plan.plan import EngineSpec, Plan, Role
+
+PortPicker = Callable[[set[int]], int | None]
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    load: float  # head: spawn to /health 200
+    peer: float = 30.0  # peer: spawn to HELLO
+    stop_grace: float = 10.0
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+
+
+def load_timeout_for(model_bytes: int, configured: float | None) -> float:
+    """Loads scale with size: 60 s plus 15 s per GiB (a 20 GB model on a slow disk: ~6 min)."""
+    if configured:
+        return configured
+    return 60.0 + 15.0 * model_bytes / (1 << 30)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    plan: Plan
+    binaries: dict[str, str]
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    on_peer_loss: PeerLoss = PeerLoss.RESTART
+    timeouts: Timeouts = field(default_factory=lambda: Timeouts(load=60.0))
+    model_label: str = "-"
+    solo_head: EngineSpec | None = None  # the head as SOLO, for on_peer_loss: degrade
+    pick_port: PortPicker | None = None  # a free rpc_ports port, for a peer whose port was taken
+    pick_internal_port: PortPicker | None = None  # a free internal_ports port, for the head
+    layout: layout.Layout | None = None  # what it was built from (None in policy tests)
+    keep_slots: bool = False  # save the head's KV slots before it stops, restore after
+
+    @property
+    def profile(self) -> str:
+        return self.plan.profile
+
+
+def prepare(profile_ref: str, *, node_file: str | None = None,
+            profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
+            keep: Plan | None = None, external: int | None = None,
+            profile: Profile | None = None, slot_dir: Path | None = None,
+            reserved: frozenset[int] = frozenset()) -> Deployment:
+    """Read, resolve and check a profile into a Deployment; raises HydraError on bad input.
+
+    For a running engine, `keep` is its current plan (whose ports are reused) and `external`
+    its own external port (held by its router, so not checked)."""
+    lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
+                       overrides=overrides, keep=keep, profile=profile, reserved=reserved)
+    bins = layout.find_binaries(lay)
+    ours: set[int] = {external} if external is not None else set()
+    if keep is not None:
+        ours |= {e.port for e in keep.engines if e.managed}
+    layout.check_ports(lay.plan, ours)
+    layout.check_remote_peers(lay.plan, node=lay.node)
+    prof = lay.profile
+    plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir,
+                                                           swa_full=prof.keep_slots)
+    # mode: peer has no model; its `prefill:` GGUFs are hashed and copied before its
+    # rpc-server starts (rpccache.py), within the same budget (60 s + 15 s per GiB).
+    model_bytes = lay.model.file_size if lay.model else sum(
+        Path(p).stat().st_size for p in plan.meta.get("prefill", ()))
+    timeouts = Timeouts(load=load_timeout_for(model_bytes, prof.load_timeout),
+                        stop_grace=prof.stop_grace, health=prof.health)
+    return Deployment(plan=plan, binaries=bins, policy=prof.restart,
+                      on_peer_loss=prof.on_peer_loss, timeouts=timeouts,
+                      model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
+                      pick_port=layout.port_picker(lay.node),
+                      pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports),
+                      layout=lay, keep_slots=prof.keep_slots)
+
+
+def bound_to(dep: Deployment, port: int) -> Deployment:
+    """`dep` planned with port 0 (any free port), once its router has bound `port`: the plan
+    says the real port, so a later re-plan on that port (reload, configure) is no move."""
+    plan = dep.plan
+    if plan.port == port:
+        return dep
+    router = replace(plan.router, port=port) if plan.router is not None else None
+    return replace(dep, plan=replace(plan, port=port, router=router))
+
+
+def with_slot_dir(plan: Plan, slot_dir: Path, swa_full: bool = False) -> Plan:
+    """The head saves and restores KV slots under `slot_dir` (the wire protocol's STATE_* ops
+    and keep_slots use llama-server's /slots save/restore, which needs --slot-save-path).
+    `swa_full`: a sliding-window model (Gemma 3) serves a restored slot from cache only with a
+    full-size SWA cache; llama.cpp ignores the flag for other models."""
+    engines = []
+    for e in plan.engines:
+        if e.role is Role.HEAD and e.managed:
+            if "--slot-save-path" not in e.args:
+                e = replace(e, args=(*e.args, "--slot-save-path", str(slot_dir)))
+            if swa_full and "--swa-full" not in e.args:
+                e = replace(e, args=(*e.args, "--swa-full"))
+        engines.append(e)
+    return replace(plan, engines=tuple(engines))

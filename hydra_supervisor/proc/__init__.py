@@ -1,0 +1,1 @@
+"""Processes: spawn, health, supervision, the state dir, the orphan guard."""

@@ -1,0 +1,271 @@
+"""Child logs: bounded by size without ever blocking the child, read back, and followed.
+
+A child (llama-server, ggml-rpc-server) writes its stdout and stderr straight into
+`logs/NAME.log`, a file hydra opened for it with O_APPEND. There is no pipe between the child
+and hydra: a pipe must be drained, and a child whose pipe is full blocks in write() -- for
+llama-server, a stalled server -- whenever hydra is slow, stopped or busy. The file never fills.
+
+Bounding it is hydra's job, done beside the child, copytruncate style (`Rotator`): every second
+hydra looks at the file's size through its own descriptor; past `log_max_bytes` it copies the
+file to NAME.log.1 (older ones shift to .2 .. .N, the oldest goes) and truncates the live file to
+0. The child's next write lands at the new end (O_APPEND: no hole, no sparse file), and it never
+waits for any of this. The price: bytes the child writes between the copy's last read and the
+truncate (microseconds: the copy reads up to the size it sees at that instant, then
+truncates at once) can be lost, and the live file may pass the limit by what the child writes in
+a second. A new run of the child also shifts the files (NAME.log -> NAME.log.1), so .1 is always
+"the output just before the live file's".
+
+Kept on disk per child: at most (1 + keep) files of about `log_max_bytes` each (node file keys
+`logs: {max_mib, keep}`), plus NAME.log.first-failure (a copy of one run's log, bounded the same
+way).
+
+`follow` is `tail -F` for these files: it notices a new file under the name (a restart: new
+inode) and a truncation (a size rotation: it reads the rest of what it had not yet shown from
+the fresh NAME.log.1 first), and waits for a file that is not there yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+from hydra_supervisor.proc import filemodes
+
+POLL = 1.0  # seconds between size checks of a running child's log
+CHUNK = 1 << 20
+
+
+def fallback_path(state_root: Path, name: str) -> Path:
+    """Where a child's log goes when the state dir's logs/ cannot be written."""
+    tag = hashlib.sha1(str(state_root).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-{tag}-logs" / f"{name}.log"
+
+
+def rotated(log: Path, i: int) -> Path:
+    return log.with_name(f"{log.name}.{i}")
+
+
+def shift(log: Path, keep: int) -> None:
+    """NAME.log.{keep-1} -> .{keep}, ..., NAME.log -> .1 (a new run starts an empty file)."""
+    for i in range(keep, 0, -1):
+        newer = rotated(log, i - 1) if i > 1 else log
+        if newer.exists():
+            newer.replace(rotated(log, i))
+    for stale in log.parent.glob(f"{log.name}.*"):  # past a smaller keep than before
+        suffix = stale.name[len(log.name) + 1:]
+        if suffix.isdigit() and int(suffix) > keep:
+            stale.unlink(missing_ok=True)
+
+
+def open_for_child(log: Path) -> int:
+    """The descriptor a new child writes to (read+append: hydra reads it back to rotate).
+    Shifts the previous run's file to NAME.log.1 first."""
+    pol = filemodes.current()
+    filemodes.secure_dir(log.parent)
+    if log.exists() and log.stat().st_size > 0:
+        shift(log, pol.log_keep)
+    return os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, pol.file_mode)
+
+
+def copytruncate(fd: int, log: Path, keep: int) -> int:
+    """Copy what `fd` holds to NAME.log.1 (shifting older ones) and truncate it to 0; returns
+    the bytes moved. When `log` no longer names the file behind `fd` (a newer run took the
+    name), the file is only truncated: its bytes have no place in the series any more."""
+    try:
+        same = os.stat(log).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        same = False
+    if not same:
+        os.ftruncate(fd, 0)
+        return 0
+    for i in range(keep, 1, -1):
+        older = rotated(log, i - 1)
+        if older.exists():
+            older.replace(rotated(log, i))
+    tmp = log.with_name(f".{log.name}.rotating")
+    done = 0
+    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                  filemodes.current().file_mode)
+    try:
+        while True:  # catch up with the writer, then truncate right after the last read
+            chunk = os.pread(fd, CHUNK, done)
+            if not chunk:
+                break
+            os.write(out, chunk)
+            done += len(chunk)
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(out)
+    os.replace(tmp, rotated(log, 1))
+    return done
+
+
+class Rotator:
+    """Bounds one running child's log by size (copytruncate, see the module doc)."""
+
+    def __init__(self, fd: int, log: Path, *, max_bytes: int, keep: int) -> None:
+        self.fd, self.log, self.max_bytes, self.keep = fd, log, max_bytes, keep
+        self.rotations = 0
+
+    def check(self) -> bool:
+        """Rotate if the file passed its bound; True if it did."""
+        try:
+            if os.fstat(self.fd).st_size < self.max_bytes:
+                return False
+            copytruncate(self.fd, self.log, self.keep)
+        except OSError:
+            return False  # a full disk must not stop the child (nor hydra)
+        self.rotations += 1
+        return True
+
+    async def run(self, alive: Callable[[], bool], poll: float | None = None) -> None:
+        """Check every `poll` seconds (POLL) while the child runs and once after it exited
+        (the copy in a thread, so a slow disk never stalls the loop); then close the
+        descriptor."""
+        try:
+            while alive():
+                await asyncio.sleep(POLL if poll is None else poll)
+                await asyncio.to_thread(self.check)
+            await asyncio.to_thread(self.check)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+# -- reading back --------------------------------------------------------------------------------
+
+
+def _last_lines(path: Path, n: int, upto: int | None = None) -> list[str]:
+    """The last `n` lines of a file (of its first `upto` bytes), read from the end."""
+    if n <= 0:
+        return []
+    try:
+        with path.open("rb") as fh:
+            end = fh.seek(0, os.SEEK_END) if upto is None else min(upto,
+                                                                   fh.seek(0, os.SEEK_END))
+            block = b""
+            pos = end
+            while pos > 0 and block.count(b"\n") <= n:
+                step = min(64 << 10, pos)
+                pos -= step
+                fh.seek(pos)
+                block = fh.read(step) + block
+    except OSError:
+        return []
+    return block.decode(errors="replace").splitlines()[-n:]
+
+
+def tail(log: Path, n: int) -> list[str]:
+    """The last `n` lines of a child's output: the live file, topped up from NAME.log.1 when a
+    rotation has just emptied it."""
+    return tail_at(log, n)[0]
+
+
+Mark = tuple[int, int, int]  # (st_dev, st_ino, offset): where a reader of a file stopped
+
+
+def tail_at(log: Path, n: int) -> tuple[list[str], Mark | None]:
+    """`tail`, and where in the live file it stopped: `follow(start=...)` goes on from there,
+    so `hydra logs -f` neither loses nor repeats a line written in between."""
+    try:
+        st = os.stat(log)
+    except OSError:
+        st = None
+    lines = _last_lines(log, n, upto=st.st_size if st else None)
+    if len(lines) < n:
+        lines = _last_lines(rotated(log, 1), n - len(lines)) + lines
+    return lines, (st.st_dev, st.st_ino, st.st_size) if st else None
+
+
+def _ident(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def follow(log: Path, *, poll: float = 0.2, stop: Callable[[], bool] = lambda: False,
+           start: Mark | None = None) -> Iterator[str]:
+    """Yield what is appended to `log` from now on (from `start`, where `tail_at` stopped, when
+    that is still the file under the name), across rotations and restarts (tail -F).
+
+    - a restart moves the file to NAME.log.1 and starts a new one: the old file (still open
+      here) is read to its end, then the new one from its start;
+    - a size rotation copies the file to a new NAME.log.1 and truncates it: what had not been
+      shown yet is read from that copy, then the live file from its start;
+    - no file (yet): wait for one.
+    """
+    fh: IO[bytes] | None = None
+    ident: tuple[int, int] | None = None
+    pos = 0
+    first = True
+    one = rotated(log, 1)
+    one_ident = _ident(one)
+    pending = b""
+
+    def lines(data: bytes) -> Iterator[str]:
+        nonlocal pending
+        pending += data
+        *done, pending = pending.split(b"\n")
+        for line in done:
+            yield line.decode(errors="replace") + "\n"
+
+    try:
+        while not stop():
+            if fh is None:
+                with contextlib.suppress(OSError):
+                    fh = log.open("rb")
+                    ident = (os.fstat(fh.fileno()).st_dev, os.fstat(fh.fileno()).st_ino)
+                    pos = fh.seek(0, os.SEEK_END) if first else 0
+                    if first and start is not None and start[:2] == ident:
+                        pos = min(start[2], pos)
+                    fh.seek(pos)
+                first = False
+                if fh is None:
+                    time.sleep(poll)
+                    continue
+            data = fh.read()
+            if data:
+                pos += len(data)
+                yield from lines(data)
+                continue
+            now = _ident(log)
+            if now != ident:  # restarted (renamed away) or removed: drain, then reopen
+                rest = fh.read()
+                yield from lines(rest)
+                fh.close()
+                fh, ident, pos = None, None, 0
+                one_ident = _ident(one)
+                if now is None:
+                    time.sleep(poll)
+                continue
+            size = os.fstat(fh.fileno()).st_size
+            new_one = _ident(one)
+            if new_one is not None and new_one != one_ident and new_one != ident:
+                # A size rotation made a new NAME.log.1. Act once the truncate is done too
+                # (the live file is then smaller than the copy).
+                with contextlib.suppress(OSError):
+                    if size < os.stat(one).st_size:
+                        with one.open("rb") as src:
+                            src.seek(pos)
+                            yield from lines(src.read())
+                        fh.seek(0)
+                        pos = 0
+                        one_ident = new_one
+                        continue
+            if size < pos:  # truncated by something else: start over, as tail -F does
+                fh.seek(0)
+                pos = 0
+                continue
+            time.sleep(poll)
+    finally:
+        if fh is not None:
+            fh.close()

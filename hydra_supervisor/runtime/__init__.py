@@ -1,0 +1,1 @@
+"""The running hydra: the daemon, its control API, notify, metrics."""

@@ -1,0 +1,296 @@
+"""A port's wire lane as the wire server sees it (wire.control.EngineControl), and its life.
+
+The wire protocol addresses a lane: the default lane of the first port (the one profile of a
+hydra started with one). The wire server runs on its own threads; everything here that changes
+the lane hands a
+coroutine to the daemon's event loop and waits for it (asyncio.run_coroutine_threadsafe), so
+processes are still only spawned from the loop's thread. What is read on every request (info,
+busy, head_http, slot_dir) reads plain attributes and never waits on the switch lock.
+
+CONFIGURE by tier (wire.tiers has the one table of keys):
+- T1 settings become request-body defaults in the router (no process restarts);
+- T2/T3 settings make a new profile (tiers.apply_to_profile), planned on the engine's own
+  address with its ports kept, and applied by the lane's apply: the head alone restarts when only
+  its flags change, otherwise the whole layout, peers before head;
+- T4 keys, and keys that name files, are refused by the wire server before they reach us; a
+  `model` must be an alias the node file (or hydra) knows, never a path.
+The wire server has no port: `start()` returns it as the router's hand-off for "YH"
+connections, and it authenticates each client (wire/trust.py) with the token in the state dir
+and the profile's `wire_reads` policy.
+SET_EXPERT_MODE switches between the running profile's COMBINE layout and the same profile as
+SOLO on the head's device (the layout it was started with is remembered to come back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hydra_supervisor.config import config, models
+from hydra_supervisor.config.config import Mode, Profile
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import deployment
+from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.reports import SwitchReport
+from hydra_supervisor.tools import binaries, buildid
+from hydra_supervisor.wire import tiers, trust
+from hydra_supervisor.wire.control import ConfigureRefused
+from hydra_supervisor.wire.server import WireServer
+
+CALL_TIMEOUT = 3600.0
+
+
+class EngineWire:
+    """EngineControl over a port's wire lane; `node_file` is the node the daemon plans with."""
+
+    def __init__(self, port: Port, loop: asyncio.AbstractEventLoop,
+                 node_file: str | None,
+                 published: Callable[[], dict[str, Any]] | None = None) -> None:
+        """`published`: the daemon's snapshot as published on the loop (INFO reads that on
+        the wire server's threads, never the lanes' live objects)."""
+        self.port = port
+        self.published = published
+        self.loop = loop
+        self.node_file = node_file
+        self.defaults: dict[str, Any] = {}  # T1 request defaults in force
+        self.combine_profile: Profile | None = None  # to come back from SET_EXPERT_MODE solo
+        self._build: dict[str, str] | None = None
+        self.server: WireServer | None = None
+        self.token_path: Path | None = None
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def start(self) -> WireServer:
+        """Start the wire server and return it: the router hands "YH" connections to it
+        (Upstreams.hydra); it has no port of its own."""
+        path, token = trust.ensure_token(self.port.state.root)
+        self.token_path = path
+        self.server = WireServer(control=self, trust=trust.Trust(token=token),
+                                 reads=self.wire_reads)
+        self.server.start()
+        return self.server
+
+    def wire_reads(self) -> str:
+        """The read policy in force (the running profile's `wire_reads`)."""
+        prof = self._profile()
+        value = getattr(prof, "wire_reads", None) if prof is not None else None
+        return str(getattr(value, "value", value) or trust.READS_ALLOW_LIST)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    # -- what is read on every request ----------------------------------------------------------
+
+    def _profile(self) -> Profile | None:
+        lane = self.port.wire_lane()
+        dep = lane.dep if lane is not None else None
+        lay = dep.layout if dep is not None else None
+        return lay.profile if lay is not None else None
+
+    def build(self) -> dict[str, str]:
+        if self._build is None:
+            info: dict[str, str] = {}
+            with contextlib.suppress(HydraError, OSError):
+                found = binaries.find("llama-server")
+                line = binaries.version_line(found.path)
+                info = {"llama_server": str(found.path), "version": line}
+                # "version: 0.6.0-dev (build 11434, commit sdist-…)" (buildid.py parses it)
+                with contextlib.suppress(ValueError):
+                    ident = buildid.parse_version(line)
+                    info["build"] = str(ident.build_number)
+                    info["commit"] = ident.commit
+            self._build = info
+        return self._build
+
+    def info(self) -> dict[str, Any]:
+        lane = self.port.wire_lane()
+        snap = self._row(lane)
+        dep = lane.dep if lane is not None else None
+        prof = self._profile()
+        plan = dep.plan if dep is not None else None
+        return {
+            "profile": snap["profile"], "mode": snap["mode"], "model": snap["model"],
+            "model_path": plan.model_path if plan else None,
+            "model_kind": plan.model_kind if plan else None,
+            "transport": plan.transport if plan else None,
+            "state": snap["state"],
+            "expert_mode": ("combined" if plan and plan.mode == "combine" else "solo")
+            if plan else None,
+            "peers": [{"name": e.name, "endpoint": e.endpoint, "device": e.device,
+                       "managed": e.managed} for e in (plan.peers if plan else ())],
+            "split": [{"device": p.device, "what": p.what, "layers": p.layers,
+                       "weight_bytes": p.weight_bytes, "need_bytes": p.need_bytes}
+                      for p in (plan.placements if plan else ())],
+            "processes": [{k: row.get(k) for k in ("name", "role", "pid", "state", "reason",
+                                                   "restarts", "device", "port")}
+                          for row in snap["processes"]],
+            "build": self.build(),
+            # this host's build identity; on a mode: peer host the free memory it lends
+            **buildid.info_section(getattr(dep, "layout", None)),
+            "capabilities": {"ops": ["STATE_GET", "STATE_PUT", "STATE_META", "CONFIGURE",
+                                     "INFO", "PREFILL", "SET_EXPERT_MODE"],
+                             "not_implemented": ["DECODE", "SWAP_QUANT", "PIPELINE_ATTACH"],
+                             "expert_modes": self._expert_modes()},
+            "settings": tiers.current_settings(prof, self.defaults) if prof else {},
+            "request_defaults": dict(self.defaults),
+        }
+
+    def _row(self, lane: Lane | None) -> dict[str, Any]:
+        """The lane's status row (the port's, when it has no lane), from the published
+        snapshot."""
+        if self.published is not None:
+            with contextlib.suppress(RuntimeError):  # none yet: hydra is starting
+                rows = [r for r in self.published().get("engines") or []
+                        if r.get("port") == self.port.port]
+                mine = [r for r in rows if lane is not None and r.get("profile") == lane.name]
+                if mine or rows:
+                    row: dict[str, Any] = (mine or rows)[0]
+                    return row
+        return {"profile": lane.name if lane is not None else None, "mode": None,
+                "model": None, "state": lane.state_now().value if lane is not None else "idle",
+                "processes": []}
+
+    def _expert_modes(self) -> list[str]:
+        prof = self._profile()
+        if prof is None:
+            return []
+        sb = self.port.standby.lane if self.port.standby is not None else None
+        if prof.mode is Mode.COMBINE or self.combine_profile is not None or (
+                sb is not None and sb.dep.plan.mode == "combine"):
+            return ["solo", "combined"]
+        return ["solo"]
+
+    def busy(self) -> bool:
+        lane = self.port.wire_lane()
+        return lane is not None and lane.lock.locked()
+
+    def head_http(self) -> tuple[str, int] | None:
+        lane = self.port.wire_lane()
+        sup = lane.sup if lane is not None else None
+        if sup is None or sup.head is None:
+            return None
+        if sup.head.state.value != "READY":
+            return None
+        spec = sup.head.spec
+        return ("127.0.0.1" if spec.host in ("0.0.0.0", "", "::") else spec.host, spec.port)
+
+    def slot_dir(self) -> Path:
+        path = self.port.state.root / "slots"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # -- what changes the lane ------------------------------------------------------------------
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT)
+
+    def configure(self, params: dict[str, Any]) -> dict[str, Any]:
+        t1 = {k: v for k, v in params.items()
+              if (spec := tiers.lookup(k)) is not None and spec.tier is tiers.Tier.T1}
+        rest = {k: v for k, v in params.items() if k not in t1}
+        if "model" in rest:
+            self._check_model(str(rest["model"]))
+        meta: dict[str, Any] = {"restarted": []}
+        if t1:
+            self.defaults.update(t1)
+            self.port.set_request_defaults(tiers.request_defaults(self.defaults))
+            meta["request_defaults"] = tiers.request_defaults(self.defaults)
+        if rest:
+            prof = self._profile()
+            if prof is None:
+                raise ConfigureRefused("no profile is loaded on this port: nothing to "
+                                       "reconfigure (hydra switch NAME first)")
+            new = tiers.apply_to_profile(prof, rest)
+            rep = self._apply(new)
+            meta["restarted"] = rep.restarted if rep.result != "noop" else []
+            meta["result"] = rep.result
+            meta["phases"] = {k: round(v, 3) for k, v in rep.phases.items()}
+            if rep.result not in ("ok", "noop"):
+                raise ConfigureRefused(f"the new settings failed to start "
+                                       f"({rep.failed_phase}: {rep.error}); "
+                                       f"{'rolled back' if rep.result == 'rolled_back' else ''}")
+        return meta
+
+    def _check_model(self, ref: str) -> None:
+        """A model over the wire is an alias the node file or hydra knows, never a path (the
+        wire server refuses paths; a bare name would otherwise be looked up in the working
+        directory too)."""
+        try:
+            node = config.load_node(config.find_node_file(self.node_file))
+        except HydraError as exc:
+            raise ConfigureRefused(f"model {ref!r}: the node file cannot be read: {exc}") from exc
+        known = {*models.BUILTIN_ALIASES, *models.SYNTH_SHAPES, *node.models}
+        if ref not in known:
+            raise ConfigureRefused(
+                f"model {ref!r} is not an alias of the node file ({node.source}); over the wire "
+                f"a model is named by alias: {', '.join(sorted(known)) or 'none defined'}")
+
+    def _apply(self, prof: Profile) -> SwitchReport:
+        port = self.port
+        lane = port.wire_lane()
+        running = lane.dep.plan if lane is not None and lane.sup is not None else None
+
+        def prepare() -> deployment.Deployment:
+            # planned on the address the port holds (a profile read with port 0 included)
+            here = replace(prof, host=port.host, port=port.port)
+            return deployment.prepare(prof.name, node_file=self.node_file,
+                                      keep=running, external=port.port, profile=here,
+                                      slot_dir=self.slot_dir())
+
+        async def go() -> SwitchReport:
+            try:
+                dep = await asyncio.to_thread(prepare)
+            except HydraError as exc:
+                raise ConfigureRefused(str(exc)) from exc
+            try:
+                if lane is None:
+                    return await port.switch_to(dep)
+                return await port.apply_to(lane.name, dep)
+            except HydraError as exc:
+                raise ConfigureRefused(str(exc)) from exc
+
+        rep: SwitchReport = self._call(go())
+        return rep
+
+    def set_expert_mode(self, mode: str) -> dict[str, Any]:
+        prof = self._profile()
+        if prof is None:
+            raise ConfigureRefused("no profile is loaded on this port")
+        want_solo = mode == "solo"
+        if want_solo == (prof.mode is Mode.SOLO):
+            return {"mode": mode, "changed": False}
+        sb = self.port.standby
+        if sb is not None and sb.for_mode(mode) is not None:  # its standby: a flip (instant)
+            try:
+                flip: SwitchReport = self._call(sb.flip())
+            except HydraError as exc:  # busy: a change runs on either layout
+                raise ConfigureRefused(str(exc)) from exc
+            return {"mode": mode, "changed": True, "instant": True, "restarted": [],
+                    "profile": flip.to,
+                    "phases": {k: round(v, 6) for k, v in flip.phases.items()}}
+        why = sb.not_instant() if sb is not None else None
+        if want_solo:
+            if prof.mode is not Mode.COMBINE:
+                raise ConfigureRefused(f"profile {prof.name} has no COMBINE layout")
+            self.combine_profile = prof
+            new = replace(prof, mode=Mode.SOLO, peers=(), split=None)
+        else:
+            if self.combine_profile is None:
+                raise ConfigureRefused(f"profile {prof.name} is SOLO and has no COMBINE layout "
+                                       "to return to (start hydra with its COMBINE profile)")
+            new = self.combine_profile
+        rep = self._apply(new)
+        now = self._profile()
+        in_effect = "solo" if now is not None and now.mode is Mode.SOLO else "combined"
+        if rep.result not in ("ok", "noop"):
+            raise ConfigureRefused(f"switching to {mode} failed ({rep.failed_phase}: "
+                                   f"{rep.error}); mode in effect: {in_effect}")
+        return {"mode": in_effect, "changed": True, "restarted": rep.restarted,
+                "phases": {k: round(v, 3) for k, v in rep.phases.items()},
+                **({"instant": False, "not_instant": why} if why else {})}

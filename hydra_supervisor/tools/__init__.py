@@ -1,0 +1,1 @@
+"""Installing and making things: llama.cpp builds, synthetic models, caches, units."""

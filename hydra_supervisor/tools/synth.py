@@ -1,0 +1,544 @@
+"""Synthetic random-weight GGUF models for tests and benchmarks.
+
+This module owns writing llama-architecture GGUF files (dense and Mixtral-style MoE) of any shape,
+with random weights and a real tokenizer copied from one of the tokenizer-only GGUFs that ship in
+the pinned llama.cpp source tree (``models/ggml-vocab-<name>.gguf``). The files load in stock
+``llama-server`` and generate (gibberish) tokens, so layouts, splits and expert offload can be
+exercised at realistic sizes without downloading weights.
+
+Weights are generated and written one chunk of rows at a time, so an 8B-shaped file needs only
+a few hundred MB of RAM. Output is deterministic for a given (shape, ftype, vocab, seed).
+
+``write_shape_only`` writes a *planning* model instead: a complete header (hyperparameters and
+every tensor's name, shape, quant type and offset, K-quants included) over a sparse hole where
+the tensor data would be, so a 20 GB-shaped model costs tens of KB of disk and
+``modelinfo.inspect`` reads its real sizes. It has no tokenizer and all-zero weights: it is for
+``hydra plan`` tests, not for serving.
+
+CLI: ``hydra synth dense|moe OUT.gguf [--layers N ...]`` (cli.py; it shows a progress bar fed
+by the ``progress`` callback: an 8B-shaped file takes minutes).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import gguf
+import numpy as np
+
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.tools.install import source_dir
+
+ARCH = "llama"
+WEIGHT_STD = 0.02
+# progress(bytes of tensor data written so far, bytes in all): called after every chunk.
+Progress = Callable[[int, int], None]
+# Elements generated per chunk: bounds peak RAM (float32 source + quantized copy) to ~100 MB.
+_CHUNK_ELEMS = 8 * 1024 * 1024
+
+QT = gguf.GGMLQuantizationType
+
+# Types gguf-py can quantize itself (the K-quants there only dequantize).
+FTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (QT.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (QT.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q5_1": (QT.Q5_1, gguf.LlamaFileType.MOSTLY_Q5_1),
+    "q5_0": (QT.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
+    "q4_1": (QT.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+    "q4_0": (QT.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+
+# write_shape_only writes no tensor data, so it also takes the K-quants gguf-py cannot produce.
+# Every weight matrix gets the one type (a real Q5_K_M mixes in some Q6_K), norms stay F32.
+SHAPE_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    **FTYPES,
+    "q2_k": (QT.Q2_K, gguf.LlamaFileType.MOSTLY_Q2_K),
+    "q3_k": (QT.Q3_K, gguf.LlamaFileType.MOSTLY_Q3_K_M),
+    "q4_k": (QT.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    "q5_k": (QT.Q5_K, gguf.LlamaFileType.MOSTLY_Q5_K_M),
+    "q6_k": (QT.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
+}
+
+
+@dataclass(frozen=True)
+class _TensorPlan:
+    name: str
+    shape: tuple[int, ...]  # numpy order (rows last dim = ggml ne0)
+    qtype: gguf.GGMLQuantizationType
+    ones: bool  # norm weights are 1.0 so activations keep their scale
+
+    @property
+    def n_bytes(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape) // block * type_size
+
+
+def vocab_path(vocab: str) -> Path:
+    """The tokenizer-only GGUF for `vocab` ("llama-spm", "llama-bpe", ...) in the pinned source."""
+    p = source_dir() / "models" / f"ggml-vocab-{vocab}.gguf"
+    if not p.is_file():
+        available = sorted(
+            q.name[len("ggml-vocab-") : -len(".gguf")]
+            for q in p.parent.glob("ggml-vocab-*.gguf")
+        )
+        raise HydraError(
+            f"tokenizer GGUF not found: {p}",
+            hint=(
+                f"pick one of: {', '.join(available)}"
+                if available
+                else "fetch the pinned llama.cpp source first (hydra install)"
+            ),
+        )
+    return p
+
+
+_TokEntry = tuple[str, Any, gguf.GGUFValueType, Any]
+
+
+def _read_tokenizer(vocab: str) -> tuple[tuple[_TokEntry, ...], int]:
+    """All tokenizer.* KV entries of the vocab file, as (key, value, type, subtype); and n_vocab."""
+    p = vocab_path(vocab)
+    st = p.stat()
+    return _read_tokenizer_file(str(p), st.st_size, st.st_mtime_ns)
+
+
+# Parsing a vocab file takes about a second (gguf-py builds a view per token); callers writing
+# several models in one process (tests, benchmarks) reuse it. Size and mtime key out stale copies.
+@functools.lru_cache(maxsize=4)
+def _read_tokenizer_file(path: str, size: int, mtime_ns: int) -> tuple[tuple[_TokEntry, ...], int]:
+    reader = gguf.GGUFReader(path)
+    entries: list[_TokEntry] = []
+    n_vocab = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        main = field.types[0]
+        if main == gguf.GGUFValueType.ARRAY:
+            if len(field.types) != 2:
+                raise HydraError(f"{path}: nested array in {key} is not supported")
+            sub = field.types[1]
+            if not field.data:
+                continue  # the writer refuses empty arrays; llama.cpp treats absent == empty
+            if sub == gguf.GGUFValueType.STRING:
+                # Raw bytes, not str: copies tokens exactly even where they are not valid UTF-8.
+                value: Any = tuple(bytes(field.parts[i]) for i in field.data)
+            else:
+                value = tuple(field.contents())
+            entries.append((key, value, main, sub))
+            if key == "tokenizer.ggml.tokens":
+                n_vocab = len(field.data)
+        elif main == gguf.GGUFValueType.STRING:
+            entries.append((key, bytes(field.parts[-1]), main, None))
+        else:
+            entries.append((key, field.contents(), main, None))
+    if n_vocab == 0:
+        raise HydraError(f"{path} has no tokenizer.ggml.tokens")
+    return tuple(entries), n_vocab
+
+
+def _weight_type(qtype: gguf.GGMLQuantizationType, row: int) -> gguf.GGMLQuantizationType:
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    # A row that is not a whole number of blocks cannot be quantized (convert_hf_to_gguf agrees).
+    return qtype if row % block == 0 else QT.F16
+
+
+def _check_shape(n_layers: int, n_embd: int, n_head: int, n_head_kv: int, ctx: int) -> None:
+    if min(n_layers, n_embd, n_head, n_head_kv, ctx) <= 0:
+        raise HydraError("synthetic model: layers, embd, heads, heads-kv and ctx must be > 0")
+    if n_embd % n_head:
+        raise HydraError(f"synthetic model: embd {n_embd} is not a multiple of heads {n_head}")
+    if n_head % n_head_kv:
+        raise HydraError(
+            f"synthetic model: heads {n_head} is not a multiple of heads-kv {n_head_kv}"
+        )
+    if (n_embd // n_head) % 2:
+        raise HydraError(f"synthetic model: head dim {n_embd // n_head} must be even (RoPE)")
+
+
+def _plan(
+    *,
+    n_layers: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    n_vocab: int,
+    qtype: gguf.GGMLQuantizationType,
+    n_ff: int,
+    n_expert: int,
+) -> list[_TensorPlan]:
+    head_dim = n_embd // n_head
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+
+    def w(name: str, *shape: int) -> _TensorPlan:
+        return _TensorPlan(name, shape, _weight_type(qtype, shape[-1]), ones=False)
+
+    def norm(name: str) -> _TensorPlan:
+        return _TensorPlan(name, (n_embd,), QT.F32, ones=True)
+
+    plan = [w("token_embd.weight", n_vocab, n_embd)]
+    for i in range(n_layers):
+        b = f"blk.{i}"
+        plan += [
+            norm(f"{b}.attn_norm.weight"),
+            w(f"{b}.attn_q.weight", q_dim, n_embd),
+            w(f"{b}.attn_k.weight", kv_dim, n_embd),
+            w(f"{b}.attn_v.weight", kv_dim, n_embd),
+            w(f"{b}.attn_output.weight", n_embd, q_dim),
+            norm(f"{b}.ffn_norm.weight"),
+        ]
+        if n_expert == 0:
+            plan += [
+                w(f"{b}.ffn_gate.weight", n_ff, n_embd),
+                w(f"{b}.ffn_up.weight", n_ff, n_embd),
+                w(f"{b}.ffn_down.weight", n_embd, n_ff),
+            ]
+        else:
+            plan += [
+                # The router stays F32 as llama-quantize leaves it: tiny, and precision-sensitive.
+                _TensorPlan(f"{b}.ffn_gate_inp.weight", (n_expert, n_embd), QT.F32, ones=False),
+                w(f"{b}.ffn_gate_exps.weight", n_expert, n_ff, n_embd),
+                w(f"{b}.ffn_up_exps.weight", n_expert, n_ff, n_embd),
+                w(f"{b}.ffn_down_exps.weight", n_expert, n_embd, n_ff),
+            ]
+    plan += [norm("output_norm.weight"), w("output.weight", n_vocab, n_embd)]
+    return plan
+
+
+def _add_model_kv(
+    writer: gguf.GGUFWriter,
+    *,
+    name: str,
+    n_layers: int,
+    n_embd: int,
+    n_ff: int,
+    n_head: int,
+    n_head_kv: int,
+    ctx: int,
+    n_vocab: int,
+    qtype: gguf.GGMLQuantizationType,
+    file_type: gguf.LlamaFileType,
+    n_expert: int,
+    n_expert_used: int,
+) -> None:
+    """The llama-architecture hyperparameter KVs (everything but the tokenizer)."""
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    # Required by llama.cpp's llama loader (no default); the rest below are for clarity.
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(n_vocab)
+    if n_expert:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
+    writer.add_file_type(int(file_type))
+    if qtype not in (QT.F32, QT.F16, QT.BF16):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_header(writer: gguf.GGUFWriter, plan: Sequence[_TensorPlan]) -> BinaryIO:
+    """KV data and tensor infos; returns the file, positioned where tensor data starts."""
+    for t in plan:
+        # raw_dtype given and a non-uint8 dtype: the writer takes `shape` as element shape.
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None and len(writer.fout) == 1
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    return fout
+
+
+def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator,
+                  advance: Callable[[int], None]) -> None:
+    cols = t.shape[-1]
+    rows = math.prod(t.shape[:-1])
+    chunk_rows = max(1, _CHUNK_ELEMS // cols)
+    written = 0
+    for start in range(0, rows, chunk_rows):
+        n = min(chunk_rows, rows - start)
+        if t.ones:
+            data = np.ones((n, cols), dtype=np.float32)
+        else:
+            data = rng.standard_normal((n, cols), dtype=np.float32)
+            data *= WEIGHT_STD
+        # Quantization works row by row, so quantizing a slab of rows equals quantizing the whole.
+        out = gguf.quants.quantize(data, t.qtype)
+        fout.write(out.tobytes())
+        written += out.nbytes
+        advance(out.nbytes)
+    if written != t.n_bytes:  # a bug here would make every later tensor offset wrong
+        raise AssertionError(f"{t.name}: wrote {written} bytes, planned {t.n_bytes}")
+
+
+def _write(
+    path: str | os.PathLike[str],
+    *,
+    name: str,
+    n_layers: int,
+    n_embd: int,
+    n_ff: int,
+    n_head: int,
+    n_head_kv: int,
+    ctx: int,
+    vocab: str,
+    seed: int,
+    ftype: str,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+    progress: Progress | None = None,
+) -> Path:
+    _check_shape(n_layers, n_embd, n_head, n_head_kv, ctx)
+    if n_ff <= 0:
+        raise HydraError("synthetic model: ff must be > 0")
+    if ftype not in FTYPES:
+        raise HydraError(f"synthetic model: unknown ftype {ftype!r}; one of {', '.join(FTYPES)}")
+    qtype, file_type = FTYPES[ftype]
+    tok_entries, n_vocab = _read_tokenizer(vocab)
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename at the end: a crash never leaves a truncated model there.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        _add_model_kv(
+            writer,
+            name=name,
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_ff=n_ff,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            ctx=ctx,
+            n_vocab=n_vocab,
+            qtype=qtype,
+            file_type=file_type,
+            n_expert=n_expert,
+            n_expert_used=n_expert_used,
+        )
+        for key, value, vtype, sub in tok_entries:
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+
+        plan = _plan(
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            n_vocab=n_vocab,
+            qtype=qtype,
+            n_ff=n_ff,
+            n_expert=n_expert,
+        )
+        # Tensor data is streamed here rather than through write_tensor_data, which needs each
+        # whole tensor in memory (a stacked expert tensor of a big MoE is several GB).
+        fout = _write_header(writer, plan)
+        total = sum(t.n_bytes for t in plan)
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+        for index, t in enumerate(plan):
+            _write_tensor(fout, t, np.random.default_rng([seed, index]), advance)
+            writer.write_padding(fout, t.n_bytes)
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def write_dense(
+    path: str | os.PathLike[str],
+    *,
+    n_layers: int = 4,
+    n_embd: int = 256,
+    n_ff: int = 512,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    ctx: int = 2048,
+    vocab: str = "llama-spm",
+    seed: int = 0,
+    ftype: str = "f16",
+    name: str = "hydra-synth-dense",
+    progress: Progress | None = None,
+) -> Path:
+    """Write a dense llama model with random weights to `path`; returns the path."""
+    return _write(
+        path,
+        progress=progress,
+        name=name,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        ctx=ctx,
+        vocab=vocab,
+        seed=seed,
+        ftype=ftype,
+    )
+
+
+def write_moe(
+    path: str | os.PathLike[str],
+    *,
+    n_layers: int = 4,
+    n_embd: int = 256,
+    n_ff_exp: int = 128,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    ctx: int = 2048,
+    vocab: str = "llama-spm",
+    seed: int = 0,
+    ftype: str = "f16",
+    name: str = "hydra-synth-moe",
+    progress: Progress | None = None,
+) -> Path:
+    """Write a Mixtral-style llama MoE (experts stacked in blk.N.ffn_*_exps) to `path`."""
+    if n_expert < 1 or not 1 <= n_expert_used <= n_expert:
+        raise HydraError(
+            f"synthetic MoE: need 1 <= experts-used ({n_expert_used}) <= experts ({n_expert})"
+        )
+    # Mixtral convention: llama.feed_forward_length is the per-expert FFN width.
+    return _write(
+        path,
+        progress=progress,
+        name=name,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_ff=n_ff_exp,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        ctx=ctx,
+        vocab=vocab,
+        seed=seed,
+        ftype=ftype,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+    )
+
+
+def write_shape_only(
+    path: str | os.PathLike[str],
+    *,
+    kind: Literal["dense", "moe"],
+    n_layers: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    n_ff: int = 0,
+    n_ff_exp: int = 0,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+    ctx: int = 4096,
+    weight_type: str = "q5_k",
+    vocab_size: int = 32000,
+    name: str | None = None,
+) -> Path:
+    """Write a llama GGUF whose header is complete but whose tensor data is a sparse hole.
+
+    For planning tests only (``hydra plan`` against a model of the real size): the tensor infos
+    carry the real names, shapes, quant types and byte sizes, and the file has its full size, but
+    the data region is made with truncate, so it costs (almost) no disk and reads as zeros. The
+    model will not generate text: its weights are all zero and it has no tokenizer
+    (``tokenizer.ggml.model = "none"``, so llama.cpp makes ``vocab_size`` dummy tokens). Stock
+    llama-server loads it and answers /health, but aborts on the first token it generates (it
+    cannot turn a token into text); nothing in hydra depends on loading it.
+
+    `kind` "dense" takes the FFN width `n_ff`; "moe" takes the per-expert width `n_ff_exp` with
+    `n_expert` / `n_expert_used` (experts stacked in ``blk.N.ffn_{gate,up,down}_exps.weight``).
+    `weight_type` is a key of SHAPE_TYPES ("q5_k", "q4_k", "q3_k", "f16", ...).
+    """
+    _check_shape(n_layers, n_embd, n_head, n_head_kv, ctx)
+    if kind == "dense":
+        if n_ff_exp or n_expert or n_expert_used:
+            raise HydraError("shape-only dense model: give n_ff, not n_ff_exp / experts")
+        ff = n_ff
+    elif kind == "moe":
+        if n_ff:
+            raise HydraError("shape-only MoE model: give the per-expert width as n_ff_exp")
+        if n_expert < 1 or not 1 <= n_expert_used <= n_expert:
+            raise HydraError(
+                f"shape-only MoE: need 1 <= experts-used ({n_expert_used}) <= experts ({n_expert})"
+            )
+        ff = n_ff_exp
+    else:
+        raise HydraError(f"shape-only model: kind must be 'dense' or 'moe', got {kind!r}")
+    if ff <= 0:
+        raise HydraError("shape-only model: the FFN width must be > 0")
+    if vocab_size <= 0:
+        raise HydraError("shape-only model: vocab_size must be > 0")
+    if weight_type not in SHAPE_TYPES:
+        raise HydraError(
+            f"shape-only model: unknown weight_type {weight_type!r}; "
+            f"one of {', '.join(SHAPE_TYPES)}"
+        )
+    qtype, file_type = SHAPE_TYPES[weight_type]
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        _add_model_kv(
+            writer,
+            name=name or f"hydra-shape-{kind}",
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_ff=ff,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            ctx=ctx,
+            n_vocab=vocab_size,
+            qtype=qtype,
+            file_type=file_type,
+            n_expert=n_expert if kind == "moe" else 0,
+            n_expert_used=n_expert_used if kind == "moe" else 0,
+        )
+        # A real tokenizer of a big vocabulary would make the header megabytes (and its parsing
+        # seconds); the planner never reads it.
+        writer.add_tokenizer_model("none")
+        plan = _plan(
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            n_vocab=vocab_size,
+            qtype=qtype,
+            n_ff=ff,
+            n_expert=n_expert if kind == "moe" else 0,
+        )
+        fout = _write_header(writer, plan)
+        # The offsets in the tensor infos advance by each tensor's size padded to the alignment;
+        # extending the file to the end of the last one leaves a hole that reads as zeros.
+        data = sum(writer.ggml_pad(t.n_bytes, writer.data_alignment) for t in plan)
+        fout.truncate(fout.tell() + data)
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return out
