@@ -1,7 +1,8 @@
 """One profile on a port: its route, its Deployment and the last good one, its Supervisor.
 
-A Lane is the only writer of its route's gate (hold, release, unavailable) and upstream. Its
-operations, each answered with a SwitchReport (reports.py) or a plain result:
+A Lane is the only writer of its route's gate (hold, release, unavailable) and upstream. This
+module holds who it is, its gate, running and following one layout, and its published state;
+its operations, each answered with a SwitchReport (reports.py) or a plain result:
 
   start(dep)       run a layout and follow it through restarts (hydra up with one profile)
   load(why)        make room on the node, start, wait until it serves (on demand, at start)
@@ -10,6 +11,9 @@ operations, each answered with a SwitchReport (reports.py) or a plain result:
                    release; on failure the last good layout comes back
   apply(dep)       a changed plan: nothing, the head alone, or everything (plandiff)
   restart(name)    a planned restart of one process (a peer restarts its pair)
+
+load and unload are in loading.py; switch, apply, restart and their rollback in change.py;
+keep_slots in keepslots.py (the Lane's methods call them).
 
 While its head is not READY the lane holds its requests; it releases them when the head is
 READY again. Everything here runs on the event-loop thread (router threads call `demand`,
@@ -23,7 +27,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,33 +35,28 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psutil
 
 from hydra_supervisor.config.config import Profile
-from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import fleetplan, plandiff
+from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import gpumem, llamaerr
+from hydra_supervisor.proc.managed import ManagedProcess, State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import Fatal, ManagedProcess, State, Supervisor
+from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router.routes import Addr, Route
-from hydra_supervisor.serve import states
+from hydra_supervisor.serve import change, loading, states
 from hydra_supervisor.serve.reports import (
-    Busy,
     LayoutFailed,
-    Phases,
-    RestartFailed,
     SwitchReport,
     SwitchTimeouts,
 )
 from hydra_supervisor.serve.runner import Runner
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.wire import slots
 
 if TYPE_CHECKING:
     from hydra_supervisor.serve.node import Node
 
 log = logging.getLogger("hydra")
 
-SLOT_TIMEOUT = 120.0  # one slot's save or restore (a long context on a slow disk)
 FAIL_COOLDOWN = 10.0  # a lane whose load failed answers 503 this long before a retry
 FAIL_COOLDOWN_MAX = 300.0  # ... doubled after each failure in a row, up to this
 
@@ -349,184 +347,36 @@ class Lane:
         self._launch(self.dep)
         self.sync_gate()
 
-    # -- loading and unloading (several profiles on a node) ---------------------------------------
+    # -- loading and unloading (several profiles on a node): serve/loading.py ----------------
 
     async def load(self, why: str, force: bool = False) -> bool:
         """Make room, start the layout, wait until it serves. False: it failed (its held
         requests got the reason; the others keep serving). `force` (hydra switch): it may stop
         others even after a failed load."""
-        try:
-            self._to(LaneState.LOADING)
-            self.error = None
-            self.route.set_unavailable(None)
-            self.route.hold(f"loading profile {self.name} ({why})")
-            self._changed()
-            t0 = self.clock()
-            try:
-                if self.node is not None:
-                    await self.node.room_for(self, force)
-                self.loads += 1
-                log.info("loading profile %s (%s)", self.name, why)
-                self.route.set_unavailable(None)
-                self.route.hold(f"loading model for profile {self.name}")
-                self._launch(self.dep)
-                self.sync_gate()
-                await self.wait_ready(self.dep.timeouts.load + self.dep.timeouts.peer)
-            except (LayoutFailed, HydraError, OSError) as exc:
-                await self._fail(str(exc), getattr(exc, "tail", []))
-                return False
-            self._to(LaneState.SERVING)
-            self.fails = 0
-            self.loaded_at = self.clock()
-            self.last_good = self.dep
-            self.route.touch()  # a fresh load counts as a use (LRU)
-            log.info("profile %s serving after %.2fs (%s)", self.name, self.clock() - t0, why)
-            self.sync_gate()
-            if self.node is not None:
-                self.node.room_changed.set()  # a loader waiting on this one may decide now
-            return True
-        finally:
-            self.job = None
-            self._changed()
-
-    async def _fail(self, error: str, tail: list[str]) -> None:
-        # The supervisor's reason says what it would do next ("; restart 1 in 1.0s"); a lane
-        # does not retry on its own, so that part goes. llama.cpp's own error line says why.
-        error = re.sub(r"; restart \d+ in [0-9.]+s$", "", error)
-        why = llamaerr.error_line(tail) or next(
-            (line.strip() for line in reversed(tail) if line.strip()), None)
-        error = llamaerr.with_line(error, why)
-        log.error("profile %s failed to load: %s", self.name, error)
-        with contextlib.suppress(LayoutFailed, HydraError, OSError):
-            await self.stop_layout(f"load of {self.name} failed")
-        self.failed_at = self.clock()  # before the phase: whoever reads FAILED reads its time
-        self.error = error
-        self._to(LaneState.FAILED)
-        self.fails += 1
-        self.route.set_unavailable(f"profile {self.name} failed to load: {error}",
-                                   retry_after=int(self.cooldown))
-        self.route.release()
-        if self.node is not None:
-            self.node.room_changed.set()
+        return await loading.load(self, why, force)
 
     def went_fatal(self) -> bool:
-        """A serving lane whose layout went FATAL is failed (its route already answers 503
-        with the reason; on demand, the next request after the cooldown loads it again)."""
-        sup = self.sup
-        if self.phase is not LaneState.SERVING or sup is None or not sup.fatal \
-                or self.lock.locked():  # a change that failed fast: its rollback runs
-            return False
-        self.failed_at = self.clock()
-        self.error = sup.fatal
-        self._to(LaneState.FAILED)
-        self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
-        log.error("profile %s failed: %s", self.name, sup.fatal)
-        if self.node is not None:
-            self.node.room_changed.set()
-        return True
+        """A serving lane whose layout went FATAL is failed (see loading.went_fatal)."""
+        return loading.went_fatal(self)
 
     async def unload(self, why: str, cut: bool = False) -> int | None:
         """Drain (bounded) and stop a serving lane; how many requests were cut, or None when it
-        was not stopped. Without `cut`, requests still in flight after the drain keep it
-        serving (None); with it, they are cut."""
-        if self.phase is not LaneState.SERVING or self.lock.locked():
-            return None  # a reload or `hydra restart` is restarting its processes
-        self._to(LaneState.UNLOADING)
-        self._changed()
-        self.route.hold(f"profile {self.name} is stopping ({why})")
-        drain = self.switch_timeouts.drain
-        left = await asyncio.to_thread(self.route.wait_idle, drain)
-        if left and not cut:
-            log.warning("profile %s not stopped (%s): %d requests still running after %.0fs",
-                        self.name, why, left, drain)
-            self._to(LaneState.SERVING)
-            self.sync_gate()
-            self._changed()
-            return None
-        cut_n = 0
-        if left:
-            cut_n = self.route.cut_inflight(f"cut: profile {self.name} stopped ({why}) after "
-                                            f"{drain:.0f}s of draining")
-        await self.stop_layout(why)
-        self._to(LaneState.STOPPED)
-        self.loaded_at = None
-        self.unloads += 1
-        self.why = why
-        self.stopped_gate()
-        log.info("profile %s stopped (%s)", self.name, why)
-        if self.node is not None:
-            self.node.room_changed.set()
-        self._changed()
-        return cut_n
+        was not stopped (see loading.unload)."""
+        return await loading.unload(self, why, cut)
 
-    # -- switch ---------------------------------------------------------------------------------
-
-    def _check_free(self) -> None:
-        if self.lock.locked():
-            raise Busy(f"a switch is already running on port {self.port.port} "
-                       f"(to {self.switching}); try again when it is done")
+    # -- changes: serve/change.py -----------------------------------------------------------------
 
     async def switch(self, dep: Deployment) -> SwitchReport:
         """Replace the running layout with `dep` (a port with one lane: any profile)."""
-        self._check_free()
-        async with self.lock:
-            return await self._switch(self.own(dep))
+        return await change.switch(self, dep)
 
-    async def _switch(self, dep: Deployment) -> SwitchReport:
-        old = self.dep if self.sup is not None else None
-        report = SwitchReport(to=dep.profile, frm=old.profile if old else None)
-        phase = Phases(report)
-        self.switching = dep.profile
-        self._to(LaneState.SWITCHING)
-        r = self.route
-        started_new = False
-        try:
-            with phase("hold"):
-                r.hold(f"switching to profile {dep.profile}")
-            with phase("drain"):
-                await self._drain(report, dep.profile)
-            saved: dict[int, str] = {}
-            if old is not None and old.keep_slots:
-                with phase("save_slots"):
-                    saved = await self._save_slots(old)
-            with phase("stop"):
-                pids = await self._stop_current(f"switch to {dep.profile}")
-            with phase("gpu_free"):
-                left_pids = await gpumem.wait_released(pids, self.switch_timeouts.gpu_free)
-                if left_pids:
-                    report.notes.append(f"GPU memory of pids {left_pids} not released within "
-                                        f"{self.switch_timeouts.gpu_free:.0f}s")
-            report.restarted = [e.name for e in dep.plan.in_start_order()]
-            with phase("start"):
-                self._adopt(dep)
-                sup = self._launch(dep, fail_fast=True)
-                started_new = True
-                await self._ready(sup, dep.timeouts.load + dep.timeouts.peer
-                                  + self.switch_timeouts.gate_extra)
-            if saved:
-                with phase("restore_slots"):
-                    await self._restore_slots(old, dep, saved, report)
-            with phase("release"):
-                self.last_good = dep
-                self.switching = None
-                self._to(LaneState.SERVING)
-                self.loaded_at = self.clock()
-                self.sync_gate()
-            report.result = "ok"
-        except (LayoutFailed, HydraError, OSError) as exc:
-            report.failed_phase = phase.current
-            report.error = str(exc)
-            report.log_tail = getattr(exc, "tail", [])
-            log.error("switch to %s failed in phase %s: %s", dep.profile, phase.current, exc)
-            await self._rollback(old, report, phase, started_new)
-        except asyncio.CancelledError:
-            # hydra is stopping mid-switch: whatever runs is stopped by the caller's shutdown.
-            report.result = "failed"
-            report.error = "hydra stopped during the switch"
-            raise
-        finally:
-            self._finish(report, phase)
-        return report
+    async def apply(self, dep: Deployment) -> SwitchReport:
+        """Run `dep` in place of the running layout, restarting only what changes (plandiff)."""
+        return await change.apply(self, dep)
+
+    async def restart(self, name: str) -> dict[str, Any]:
+        """A planned restart of one process (`hydra restart NAME`)."""
+        return await change.restart(self, name)
 
     def _adopt(self, dep: Deployment) -> None:
         """The lane now runs `dep` (a switch may change its profile: the port re-indexes)."""
@@ -538,82 +388,6 @@ class Lane:
             self.route.name = dep.profile
             self._changed()
 
-    async def apply(self, dep: Deployment) -> SwitchReport:
-        """Run `dep` in place of the running layout, restarting only what changes (plandiff):
-        nothing (a no-op), the head alone (its peers keep running), or everything (a switch).
-        A different external address is refused."""
-        self._check_free()
-        dep = self.own(dep)
-        cur, sup = self.dep, self.sup
-        if sup is None:
-            return await self.switch(dep)
-        d = plandiff.diff(cur.plan, dep.plan)
-        if d.change is plandiff.Change.REFUSED:
-            raise HydraError(d.reason)
-        if d.change is plandiff.Change.NONE and cur.policy == dep.policy \
-                and cur.timeouts == dep.timeouts:
-            rep = SwitchReport(to=dep.profile, frm=cur.profile, result="noop")
-            rep.notes.append("nothing changes")
-            return rep
-        if d.change is not plandiff.Change.HEAD:
-            rep = await self.switch(dep)
-            rep.restarted = list(d.restart)
-            return rep
-        async with self.lock:
-            return await self._restart_head(cur, dep, sup, d.restart)
-
-    async def _restart_head(self, old: Deployment, dep: Deployment, sup: Runner,
-                            names: tuple[str, ...]) -> SwitchReport:
-        report = SwitchReport(to=dep.profile, frm=old.profile, restarted=list(names))
-        phase = Phases(report)
-        self.switching = dep.profile
-        self._to(LaneState.SWITCHING)
-        r = self.route
-        try:
-            with phase("hold"):
-                r.hold(f"restarting the head of {dep.profile} with new settings")
-            with phase("drain"):
-                await self._drain(report, dep.profile)
-            saved = await self._save_slots(old)
-            with phase("restart_head"):
-                sup.adopt_head(dep)
-                self._adopt(dep)
-                # fail fast: the first failed start of the new head ends the change (no
-                # backoff), and the supervisor waits for the rollback below
-                await sup.restart(names[0], fail_fast=True)
-                await self._ready(sup, dep.timeouts.load)
-            await self._restore_slots(old, dep, saved, report)
-            self.last_good = dep
-            report.result = "ok"
-        except (LayoutFailed, HydraError, OSError, Fatal) as exc:
-            report.failed_phase = phase.current
-            report.error = str(exc)
-            report.log_tail = getattr(exc, "tail", []) or self._tail_of(sup, names[0])
-            log.error("restart of %s with new settings failed in phase %s: %s",
-                      dep.profile, phase.current, exc)
-            try:
-                with phase("rollback"):
-                    sup.adopt_head(old)
-                    self._adopt(old)
-                    await sup.restart(names[0], fail_fast=True)
-                    await self._ready(sup, old.timeouts.load)
-                    report.result = "rolled_back"
-            except (LayoutFailed, HydraError, OSError, Fatal) as exc2:
-                # the old head did not come back in place: the last good layout afresh
-                log.error("the old head of %s did not come back in place (%s); starting "
-                          "the last good layout again", old.profile, exc2)
-                await self._rollback(old, report, phase, started_new=True)
-        finally:
-            if self.phase is LaneState.SWITCHING:
-                self._to(LaneState.SERVING)
-            self._finish(report, phase)
-            self.sync_gate()
-        return report
-
-    @staticmethod
-    def _tail_of(sup: Runner, name: str) -> list[str]:
-        mp = next((p for p in sup.procs if p.name == name), None)
-        return mp.log_tail() if mp is not None else []
 
     def _head_addr(self) -> tuple[str, int] | None:
         sup = self.sup
@@ -621,95 +395,6 @@ class Lane:
             return None
         spec = sup.head.spec
         return (client_host(spec.host), spec.port)
-
-    async def _save_slots(self, dep: Deployment | None) -> dict[int, str]:
-        """keep_slots: save every slot of the running head before it stops."""
-        if dep is None or not dep.keep_slots:
-            return {}
-        addr = self._head_addr()
-        if addr is None:
-            return {}
-        try:
-            return await asyncio.to_thread(slots.save_all, addr, f"keep-{dep.profile}",
-                                           SLOT_TIMEOUT)
-        except (slots.SlotError, OSError) as exc:
-            log.warning("keep_slots: could not save the slots of %s: %s", dep.profile, exc)
-            return {}
-
-    async def _restore_slots(self, old: Deployment | None, new: Deployment,
-                             saved: dict[int, str], report: SwitchReport) -> None:
-        """keep_slots: restore the saved slots into the new head when it runs the same model."""
-        if not saved:
-            return
-        try:
-            addr = self._head_addr()
-            if old is None or addr is None or old.plan.model_path != new.plan.model_path \
-                    or not new.keep_slots:
-                report.notes.append("saved slots not restored: the new layout runs another "
-                                    "model or does not keep slots")
-                return
-            res = await asyncio.to_thread(slots.restore_all, addr, saved, SLOT_TIMEOUT)
-            ok = {k: v for k, v in res.items() if isinstance(v, int)}
-            report.notes.append(f"keep_slots: restored {len(ok)} of {len(saved)} slots "
-                                f"({sum(ok.values())} tokens)")
-        except (slots.SlotError, OSError) as exc:
-            report.notes.append(f"keep_slots: restore failed: {exc}")
-        finally:
-            for name in saved.values():
-                with contextlib.suppress(OSError):
-                    (self.state.root / "slots" / name).unlink()
-
-    async def _drain(self, report: SwitchReport, target: str) -> None:
-        r = self.route
-        left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
-        if left:
-            # Those without a response byte are sent again to the new layout once it serves
-            # (held meanwhile, as after a crash); only partial responses are cut.
-            report.cut = r.cut_inflight(f"cut by the switch to {target} after "
-                                        f"{self.switch_timeouts.drain:.0f}s of draining",
-                                        requeue=True)
-            resent = max(0, left - report.cut)
-            report.notes.append(f"{left} requests still in flight after the "
-                                f"{self.switch_timeouts.drain:.0f}s drain: {report.cut} cut "
-                                f"(partly answered), {resent} without a response byte sent "
-                                "again to the new layout")
-
-    async def _rollback(self, old: Deployment | None, report: SwitchReport, phase: Phases,
-                        started_new: bool) -> None:
-        with phase("rollback"):
-            if started_new:
-                await self._stop_current(f"switch to {report.to} failed")
-            back = self.last_good or old
-            if back is None:
-                report.result = "failed"
-                self.switching = None
-                self.error = report.error
-                self.failed_at = self.clock()
-                self._to(LaneState.FAILED)
-                self.route.set_unavailable(f"profile {report.to} failed: {report.error}",
-                                           retry_after=30)
-                self.route.release()
-                return
-            try:
-                self._adopt(back)
-                sup = self._launch(back)
-                await self._ready(sup, back.timeouts.load + back.timeouts.peer)
-                report.result = "rolled_back"
-            except LayoutFailed as exc:
-                report.result = "failed"
-                report.error = f"{report.error}; the rollback to {back.profile} failed too: {exc}"
-            self.switching = None
-            if self.phase is LaneState.SWITCHING:
-                self._to(LaneState.SERVING)
-            self.sync_gate()
-
-    def _finish(self, report: SwitchReport, phase: Phases) -> None:
-        """A change is over (whatever its result): record and announce it."""
-        self.switching = None
-        if self.phase is LaneState.SWITCHING:
-            self._to(LaneState.SERVING if self.sup is not None else LaneState.FAILED)
-        phase.done()
-        self.record(report)
 
     def record(self, report: SwitchReport) -> None:
         """Keep a finished change's report (status, metrics count them by seq) and log it."""
@@ -720,52 +405,6 @@ class Lane:
         log.info("switch %s -> %s: %s in %.2fs (%s)%s", report.frm, report.to, report.result,
                  report.total_s, phases, f"; {report.error}" if report.error else "")
         self._changed()
-
-    # -- restart one process ------------------------------------------------------------------
-
-    async def restart(self, name: str) -> dict[str, Any]:
-        sup = self.sup
-        if sup is None:
-            raise HydraError(f"profile {self.name} is not running: nothing to restart")
-        names = [p.name for p in sup.procs]
-        if name not in names:
-            raise HydraError(f"no engine '{name}' in profile {sup.plan.profile}; "
-                             f"engines: {', '.join(names)}")
-        if self.lock.locked():
-            raise Busy(f"a switch is running on port {self.port.port}; try again after it")
-        async with self.lock:
-            t0 = time.monotonic()
-            dep = self.dep
-            saved = await self._save_slots(dep)
-            try:
-                await sup.restart(name, fail_fast=True)
-                await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
-            except (LayoutFailed, Fatal) as exc:
-                raise RestartFailed(await self._restart_failed(name, sup, dep, exc)) from exc
-            rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile)
-            await self._restore_slots(dep, dep, saved, rep)
-            return {"engine": name, "profile": sup.plan.profile,
-                    "seconds": round(time.monotonic() - t0, 3), "notes": rep.notes}
-
-    async def _restart_failed(self, name: str, sup: Runner, dep: Deployment,
-                              exc: Exception) -> str:
-        """`hydra restart NAME` failed its first start: no backoff; the last good layout is
-        started again from scratch (the switch's rollback). Returns the error to reply."""
-        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, error=str(exc),
-                           failed_phase="restart")
-        rep.log_tail = getattr(exc, "tail", []) or self._tail_of(sup, name)
-        phase = Phases(rep)
-        self.switching = sup.plan.profile
-        self._to(LaneState.SWITCHING)
-        log.error("restart of %s failed: %s", name, exc)
-        try:
-            await self._rollback(dep, rep, phase, started_new=True)
-        finally:
-            self._finish(rep, phase)
-        if rep.result == "rolled_back":
-            return (f"restart of {name} failed: {exc}; the last good layout was started "
-                    "again and serves")
-        return f"restart of {name} failed: {rep.error}"
 
     async def shutdown(self, reason: str) -> None:
         """Stop the running layout. The Supervisor stays as the record of the last run (its

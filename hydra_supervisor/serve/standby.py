@@ -39,6 +39,7 @@ import requests
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment, fleetplan
 from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.serve import keepslots
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.reports import Busy, Phases, SwitchReport
 from hydra_supervisor.serve.states import LaneState
@@ -314,10 +315,10 @@ class Standby:
         if active.dep.keep_slots and sb.dep.keep_slots:
             async with active.lock:  # no other change of the old head while it saves
                 with phase("save_slots"):
-                    saved = await active._save_slots(active.dep)
+                    saved = await keepslots.save(active, active.dep)
                 if saved:
                     with phase("restore_slots"):
-                        await sb._restore_slots(active.dep, sb.dep, saved, report)
+                        await keepslots.restore(sb, active.dep, sb.dep, saved, report)
         with phase("flip"):
             inflight = active.route.gate.inflight()
             self._swap(active, sb)
