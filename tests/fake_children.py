@@ -22,7 +22,7 @@ from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
 from hydra_supervisor.proc import process
 from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, Version
-from hydra_supervisor.proc.supervisor import Seams
+from hydra_supervisor.proc.seams import Seams
 
 SCALE = 50.0
 

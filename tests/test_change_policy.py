@@ -30,8 +30,9 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.proc import process
 from hydra_supervisor.proc.llamaerr import error_line
+from hydra_supervisor.proc.managed import State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import State, Supervisor
+from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.serve import lane as lane_mod

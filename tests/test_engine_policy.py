@@ -16,8 +16,8 @@ import pytest
 
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.proc.managed import State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import State
 from hydra_supervisor.router.gate import Gate
 from hydra_supervisor.router.routes import Route
 from hydra_supervisor.serve.lane import Lane

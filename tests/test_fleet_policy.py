@@ -24,8 +24,8 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.devices import Device, Kind
 from hydra_supervisor.plan.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.proc.managed import State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import State
 from hydra_supervisor.router.routes import LocalReply, Route
 from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.serve import lane as lane_mod

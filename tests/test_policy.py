@@ -16,8 +16,9 @@ import pytest
 
 from hydra_supervisor.config.config import HealthPolicy, PeerLoss, RestartPolicy
 from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.proc.managed import ManagedProcess, State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import ManagedProcess, State, Supervisor
+from hydra_supervisor.proc.supervisor import Supervisor
 from tests.fake_children import Behaviour, FakeWorld, UpstreamMoves, deployment
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.proc.supervisor import State
+from hydra_supervisor.proc.managed import State
 from tests.fake_children import FakeWorld, deployment
 from tests.test_policy import Run, go
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hydra_supervisor.config.config import HealthPolicy, PeerLoss
-from hydra_supervisor.proc.supervisor import State
+from hydra_supervisor.proc.managed import State
 from hydra_supervisor.router.gate import Gate
 from tests.fake_children import Behaviour, FakeChild, FakeWorld, deployment
 from tests.test_policy import Run

@@ -21,8 +21,8 @@ from hydra_supervisor.config.config import Mode, Profile
 from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import EngineSpec, Placement, Plan, Role, RouterSpec
+from hydra_supervisor.proc.managed import State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import State
 from hydra_supervisor.serve.engine_wire import EngineWire
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node

@@ -11,7 +11,7 @@ from hydra_supervisor.config.config import RestartPolicy
 from hydra_supervisor.plan.deployment import load_timeout_for
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.proc.backoff import Backoff
-from hydra_supervisor.proc.supervisor import (
+from hydra_supervisor.proc.managed import (
     TRANSITIONS,
     Fatal,
     IllegalTransition,

@@ -12,7 +12,7 @@ style (logfiles.py). Stop = SIGTERM (+SIGCONT, so a stopped process acts on it) 
 group, a second SIGTERM, SIGKILL, every wait bounded; a child that survives SIGKILL (stuck in
 uninterruptible sleep) is reported, never waited for forever.
 
-The supervisor reaches all of this through its Seams (supervisor.py), so its policy tests run
+The supervisor reaches all of this through its Seams (seams.py), so its policy tests run
 on fake children that implement the small `Child` protocol below.
 """
 

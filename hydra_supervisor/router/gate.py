@@ -117,7 +117,7 @@ class Gate:
         saw it on each upstream socket (TCP_INFO: last data sent, last data received); None
         when no request in flight has its upstream socket yet. Read-only, and it asks the head
         nothing, so a head frozen mid-request is seen too: the supervisor's stall rule reads
-        it (supervisor.py, docs/supervision.md)."""
+        it (proc/watching.py, docs/supervision.md)."""
         with self._cond:
             socks = [f.upstream for f in self._flights.values() if f.upstream is not None]
         return min((_silent_for(s) for s in socks), default=None)

@@ -15,7 +15,7 @@ from typing import Protocol
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import Plan
 from hydra_supervisor.proc.health import Gated
-from hydra_supervisor.proc.supervisor import ManagedProcess
+from hydra_supervisor.proc.managed import ManagedProcess
 
 
 class Runner(Protocol):

@@ -48,7 +48,7 @@ class ProcessStatus:
     host: str
     port: int
     device: str
-    state: str  # supervisor.State
+    state: str  # managed.State
     reason: str
     restarts: int
     started: float | None  # wall time of the current run

@@ -1,0 +1,39 @@
+"""The Supervisor's seams: every OS and network touch of its policy, one field each, so that
+each policy case runs in a fast test on fake children (tests/fake_children.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra_supervisor.plan.ports import port_free
+from hydra_supervisor.proc import health, process
+from hydra_supervisor.proc.health import Gated as Traffic
+from hydra_supervisor.proc.rpcproto import Version
+
+
+@dataclass(frozen=True)
+class Seams:
+    """Everything the supervisor's policy touches outside itself; the defaults are the real ones.
+    Tests pass fakes (tests/fake_children.py) and a fast clock with a matching sleep."""
+
+    spawn: Callable[[Sequence[str], Mapping[str, str], Path], Awaitable[process.Child]] = \
+        process.spawn
+    http_status: Callable[..., Awaitable[int | None]] = health.http_status
+    hello: Callable[..., Awaitable[Version | None]] = health.hello
+    completion_probe: Callable[[str, int, float], Awaitable[tuple[bool, str]]] = \
+        health.completion_probe
+    slots_busy: Callable[[str, int, float], Awaitable[bool | None]] = health.slots_busy
+    # What hydra sees without asking a process: the router's requests in flight (how many,
+    # seconds since a byte moved) and whether a remote peer's endpoint completes a connect.
+    flights: Callable[[Traffic | None], tuple[int, float | None] | None] = health.flights
+    connect: Callable[[str, int, float], Awaitable[str | None]] = health.tcp_connect
+    proc_stat: Callable[[int], process.ProcStat | None] = process.group_stat
+    owns_port: Callable[[int, int], bool | None] = process.owns_port
+    port_free: Callable[[str, int], bool] = port_free
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    reap: bool = True  # subreaper + reaping adopted orphans (off for fake children)

@@ -1,0 +1,299 @@
+"""The Supervisor's start of one process: a free port (moving off one another process took),
+spawning it with its log (and a fallback log), a peer's tensor-cache prefill, waiting until it
+is ready (/health 200 from hydra's own child, or a compatible HELLO), backing off between failed
+starts (or failing fast in a planned change), and a remote peer probed on a timer. A class in
+the Supervisor's chain (supervisor_base.py says why): a head that fails to start has its peers
+checked first (watching.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+from hydra_supervisor.plan.plan import EngineSpec, Role
+from hydra_supervisor.plan.ports import client_host, port_holder
+from hydra_supervisor.proc import llamaerr, logfiles, process
+from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
+from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError
+from hydra_supervisor.proc.watching import SupervisorWatching
+
+log = logging.getLogger("hydra")
+
+
+def _with_http_port(spec: EngineSpec, port: int) -> EngineSpec:
+    """A head moved to another internal port (its `--port` argument follows)."""
+    args = list(spec.args)
+    if "--port" in args:
+        args[args.index("--port") + 1] = str(port)
+    return dataclasses.replace(spec, port=port, args=tuple(args))
+
+
+class SupervisorStarting(SupervisorWatching):
+    """Bringing one process up (see the module's doc)."""
+
+    # -- ports ------------------------------------------------------------------------------
+
+    def _free_port(self, mp: ManagedProcess) -> None:
+        """A managed process whose port another process took moves to a free one: a peer
+        within rpc_ports (its head's --rpc/-ot follow), a head behind the router within
+        internal_ports (the router's HTTP upstream follows). A head that binds the external
+        port itself (router: false) cannot move: that is a start failure naming the holder."""
+        spec = mp.spec
+        if self.seams.port_free(spec.host, spec.port):
+            return
+        taken = {p.spec.port for p in self.procs} | {self.plan.port}
+        if spec.role is Role.PEER:
+            new = self.pick_port(taken) if self.pick_port else None
+            if new is None:
+                raise StartFailed(f"port {spec.port} is taken by {port_holder(spec.port)} and "
+                                  "no free port is left in the node's rpc_ports range")
+            old_ep = spec.endpoint
+            mp.spec = spec.with_port(new)
+            if self.head is not None and self.combine_head is not None:
+                self.combine_head = self.combine_head.repointed(old_ep, mp.spec.endpoint)
+                if not self.degraded:
+                    self.head.spec = self.combine_head
+            self._move_upstream("rpc", spec, new)
+        else:
+            behind_router = self.plan.router is not None and self.plan.router.http is not None
+            new = self.pick_internal_port(taken) if behind_router and \
+                self.pick_internal_port else None
+            if new is None:
+                raise StartFailed(f"port {spec.port} is taken by {port_holder(spec.port)}" + (
+                    "" if behind_router else " (router: false: the head binds the profile's "
+                    "port itself and cannot move)"))
+            mp.spec = _with_http_port(spec, new)
+            if self.combine_head is not None:
+                self.combine_head = _with_http_port(self.combine_head, new)
+            if self.solo_head is not None:
+                self.solo_head = _with_http_port(self.solo_head, new)
+            self._move_upstream("http", spec, new)
+        log.warning("%s: port %d is taken by another process; moved to %d", mp.name,
+                    spec.port, new)
+
+    def _move_upstream(self, kind: str, old: EngineSpec, new_port: int) -> None:
+        if self.on_upstream_moved is not None:
+            self.on_upstream_moved(kind, (old.host, old.port), new_port)
+
+    # -- one process ------------------------------------------------------------------------
+
+    async def _spawn(self, mp: ManagedProcess) -> None:
+        if mp.spec.program == "ggml-rpc-server" and self.plan.meta.get("prefill"):
+            await self._prefill_rpc_cache(mp)  # a peer profile's `prefill:` (rpccache.py)
+        self._free_port(mp)
+        mp.to(State.STARTING, "spawning")
+        argv = [mp.binary, *mp.spec.args]
+        env = mp.spec.env_dict()
+        try:
+            mp.child = await self._spawn_safely(argv, env, mp.log_path)
+        except process.LogUnavailable as exc:
+            fallback = logfiles.fallback_path(self.state.root, mp.name)
+            log.error("%s: cannot write log %s (%s); logging to %s", mp.name, mp.log_path,
+                      exc, fallback)
+            mp.log_path = fallback
+            mp.warning = f"log dir not writable ({exc.strerror}); logging to {fallback}"
+            try:
+                mp.child = await self._spawn_safely(argv, env, mp.log_path)
+            except OSError as exc2:
+                raise StartFailed(f"cannot write its log ({exc.strerror}) nor the fallback "
+                                  f"{fallback} ({exc2.strerror})") from exc2
+        except OSError as exc:
+            raise StartFailed(f"cannot start {mp.binary}: {exc.strerror}") from exc
+        mp.started_wall = time.time()
+        self._spawned.add(mp.child.pid)
+        try:
+            self.state.record_child(mp.name, mp.child.pid)
+        except OSError as exc:
+            log.warning("cannot write pidfile for %s: %s", mp.name, exc)
+        mp.note(f"spawned pid {mp.child.pid}")
+
+    async def _prefill_rpc_cache(self, mp: ManagedProcess) -> None:
+        """Before a peer host's ggml-rpc-server starts: write the weights of the local GGUFs its
+        profile names in `prefill:` into the cache dir that process will use (-c: LLAMA_CACHE
+        or ~/.cache/llama.cpp/rpc, from its own env), so a head with the same GGUF sends only
+        hashes. In a thread (hashing a big model takes seconds to minutes); cheap once done
+        (hashes memoised, files present kept). A model that fails is logged and skipped: the
+        rpc-server serves without its cache, the head then sends those weights."""
+        import threading
+
+        from hydra_supervisor.tools import rpccache
+
+        if "-c" not in mp.spec.args:
+            return
+        cdir = rpccache.default_cache_dir({**os.environ, **mp.spec.env_dict()})
+        mp.to(State.STARTING, f"filling its tensor cache {cdir}")
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+
+        def note(text: str) -> None:  # from the thread: progress in status, as a reason
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(mp.note, text)
+
+        try:
+            await asyncio.to_thread(rpccache.prefill_all, self.plan.meta["prefill"], cdir,
+                                    note=note, stop=stop)
+        finally:
+            stop.set()  # cancelled (a stop): the thread ends at its next chunk
+
+    async def _spawn_safely(self, argv: list[str], env: dict[str, str], log_path: Path
+                            ) -> process.Child:
+        """A cancelled start (its peer was lost meanwhile) must not leave an unowned child."""
+        task = asyncio.ensure_future(self.seams.spawn(argv, env, log_path))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(OSError):
+                child = await task
+                child.signal_group(9)
+                await process.within(child.wait(), 5.0, self.seams.sleep)
+            raise
+
+    async def _wait_ready(self, mp: ManagedProcess) -> None:
+        spec = mp.spec
+        budget = self.timeouts.load if spec.role is Role.HEAD else self.timeouts.peer
+        started = self._now()
+        deadline = started + budget
+        while self._now() < deadline:
+            if mp.child is not None and mp.child.returncode is not None:
+                mp.last_exit = mp.child.returncode
+                raise StartFailed(f"{spec.program} exited during start-up "
+                                  f"({process.describe_exit(mp.child.returncode)})")
+            if self.stopping.is_set():
+                raise StartFailed("stop requested")
+            if spec.role is Role.HEAD:
+                code = await self.seams.http_status(client_host(spec.host), spec.port)
+                if code == 200:
+                    self._check_owner(mp)
+                    return
+                mp.note("loading model" if code == 503 else "waiting for /health")
+            else:
+                try:
+                    version = await self.seams.hello(spec.host, spec.port, timeout=2.0)
+                except HelloError as exc:
+                    raise StartFailed(f"peer {spec.endpoint} is not a ggml-rpc-server: {exc}"
+                                      ) from exc
+                if version is not None:
+                    if not version.compatible():
+                        raise Fatal(f"{mp.name}: ggml-RPC protocol mismatch: peer "
+                                    f"{spec.endpoint} speaks {version}, this llama-server "
+                                    f"speaks {PROTO_MAJOR}.{PROTO_MINOR}.x")
+                    return
+                mp.note(f"waiting for ggml-RPC HELLO on {spec.endpoint}")
+            # Probe often while a fast load may finish any moment (a switch waits on this),
+            # then settle down: a loopback /health or HELLO costs microseconds either way.
+            await self._sleep(0.05 if self._now() - started < 5.0 else 0.25)
+        what = "/health 200" if spec.role is Role.HEAD else "HELLO"
+        raise StartFailed(f"no {what} within {budget:.0f}s (load timeout)")
+
+    def _check_owner(self, mp: ManagedProcess) -> None:
+        """Ready means hydra's own child answered, not someone else on that port."""
+        if mp.child is None:
+            return
+        owner = self.seams.owns_port(mp.child.pid, mp.spec.port)
+        if owner is False:
+            raise StartFailed(f"port {mp.spec.port} is answered by {port_holder(mp.spec.port)},"
+                              f" not by hydra's {mp.spec.program} (pid {mp.child.pid})")
+
+    async def _bring_up(self, mp: ManagedProcess) -> None:
+        """Start until READY, backing off between failures; raises Fatal or StartFailed(stop).
+        A head that fails makes its peers suspect: they are checked (PeerLost) before a retry."""
+        if not mp.spec.managed:
+            await self._await_remote(mp)
+            return
+        while not self.stopping.is_set():
+            try:
+                if mp.alive:  # a cancelled earlier attempt left one running
+                    await self._kill(mp)
+                if mp.state is State.FATAL:
+                    mp.to(State.STOPPED, "restarting")
+                await self._spawn(mp)
+                await self._wait_ready(mp)
+                mp.to(State.READY, "health check passed" if mp.spec.role is Role.HEAD
+                      else "HELLO answered")
+                return
+            except StartFailed as exc:
+                if self.stopping.is_set():
+                    break
+                await self._kill(mp)
+                if mp.is_head and not self.degraded:
+                    await self._check_peers(f"head failed to start ({exc})")
+                if self.fail_fast:
+                    why = llamaerr.with_line(str(exc), llamaerr.from_log(mp.log_path))
+                    if mp.child is not None and mp.child.returncode is not None:
+                        mp.last_exit = mp.child.returncode
+                    mp.to(State.FATAL, f"{why} (a planned change: not retried)")
+                    raise ChangeFailed(f"{mp.name}: {why}") from exc
+                if mp.state is State.STOPPED:
+                    mp.to(State.STARTING, str(exc))
+                delay = mp.record_failure(str(exc))
+                await self._sleep(delay)
+                if not self.stopping.is_set():
+                    mp.restarts += 1
+            except Fatal:
+                await self._kill(mp)
+                if mp.state is not State.FATAL:
+                    mp.to(State.FATAL, "protocol mismatch")
+                raise
+        raise StartFailed("stop requested")
+
+    async def _await_remote(self, mp: ManagedProcess) -> None:
+        """A remote peer (endpoint:) is not hydra's to restart: HELLO it on a timer (backoff
+        delays) until it answers, for at most restart.window seconds, then FATAL."""
+        budget = mp.policy.window
+        t0 = self._now()
+        tries = 0
+        while not self.stopping.is_set():
+            if mp.state in (State.STOPPED, State.FATAL):
+                if mp.state is State.FATAL:
+                    mp.to(State.STOPPED, "re-probing")
+                mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint}")
+            elif mp.state is State.BACKOFF:
+                mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint} again")
+            asked = self._now()
+            try:
+                version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0)
+            except HelloError as exc:
+                version = None
+                why = f"not a ggml-rpc-server: {exc}"
+            else:
+                why = "no HELLO answer" if version is not None else \
+                    self._why_no_hello(self._now() - asked, 2.0)
+            if version is not None:
+                if not version.compatible():
+                    mp.to(State.FATAL, f"protocol mismatch: speaks {version}")
+                    raise Fatal(f"{mp.name}: ggml-RPC protocol mismatch: remote peer "
+                                f"{mp.spec.endpoint} speaks {version}")
+                mp.to(State.READY, "HELLO answered")
+                return
+            away = self._now() - t0
+            if away >= budget:
+                msg = (f"remote peer {mp.spec.endpoint} unreachable for {away:.0f}s "
+                       f"(restart.window {budget:.0f}s), giving up")
+                mp.to(State.FATAL, msg)
+                raise Fatal(f"{mp.name}: {msg}")
+            tries += 1
+            delay = min(mp.policy.backoff_initial * 2 ** (tries - 1), mp.policy.backoff_max,
+                        budget - away)
+            mp.to(State.BACKOFF, f"{why} from {mp.spec.endpoint}; away {away:.0f}s, "
+                  f"probing again in {delay:.1f}s")
+            await self._sleep(delay)
+        raise StartFailed("stop requested")
+
+    @staticmethod
+    def _why_no_hello(took: float, timeout: float) -> str:
+        """Why a HELLO got no answer, from how long it took: at once (refused, or closed: a
+        peer host's router whose rpc-server is down), or silence for the whole timeout — the
+        host gone (a black hole), or the connection accepted and the peer serving another
+        client: an rpc-server serves one head at a time and queues the next (another head, or
+        the session of one that vanished without a word), or frozen. Said as such, so a head
+        never waits in a peer's queue without saying so. (Nothing else is sent to tell those
+        apart: a second connection would take the queue's other place.)"""
+        if took < 0.75 * timeout:
+            return "no HELLO answer (refused or closed at once: no rpc-server behind it)"
+        return (f"no HELLO answer in {timeout:g}s (its host gone, or busy with another head: one "
+                "at a time, this one waits in its queue; or frozen)")

@@ -1,0 +1,286 @@
+"""The Supervisor's watching rules: is a peer still there (exited, frozen: stopped past a grace
+or in D state without CPU progress), is the head alive (progress, not one endpoint's latency),
+and the stall rule (requests in flight without a byte while nothing makes CPU progress). Each
+rule returns or raises what it saw (PeerLost, "hung", "stall"); supervisor.py decides what to
+do about it. A class in the Supervisor's chain (supervisor_base.py says why)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from hydra_supervisor.plan.ports import client_host
+from hydra_supervisor.proc import process
+from hydra_supervisor.proc.managed import ManagedProcess, PeerLost, State
+from hydra_supervisor.proc.rpcproto import HelloError
+from hydra_supervisor.proc.supervisor_base import SupervisorBase
+
+log = logging.getLogger("hydra")
+T = TypeVar("T")
+
+CONNECT_TIMEOUT = 3.0  # a remote peer's TCP connect (the stall rule): a black hole ends here
+_NO_PROGRESS = ("disk-sleep", "D")  # uninterruptible sleep: a wedged driver, a frozen cgroup
+
+
+def _progressed(st: process.ProcStat, cpu_before: float, window: float) -> bool:
+    """CPU time grew by 1% of the window, and the process is not in uninterruptible sleep (its
+    other threads — llama-server's HTTP one answering /health — may still tick)."""
+    return st.state not in _NO_PROGRESS and st.cpu - cpu_before >= 0.01 * max(window, 1e-3)
+
+
+class SupervisorWatching(SupervisorBase):
+    """The rules that watch peers and the head (see the module's doc)."""
+
+    # -- peers: are they still there? ------------------------------------------------------
+
+    def _freeze_grace(self) -> float:
+        """How long a process may sit stopped (state T) before it counts as frozen: a debugger
+        or a brief SIGSTOP/SIGCONT is not a loss."""
+        h = self.timeouts.health
+        return min(h.hang_timeout, max(2 * h.interval, 1.0))
+
+    def _peer_problem(self, peer: ManagedProcess, frozen_since: dict[str, float]) -> str | None:
+        if not peer.spec.managed or peer.child is None:
+            return None
+        if peer.child.returncode is not None:
+            peer.last_exit = peer.child.returncode
+            return process.describe_exit(peer.child.returncode)
+        st = self.seams.proc_stat(peer.child.pid)
+        if st is None:
+            return None  # exiting: the exit status comes next
+        now = self._now()
+        if st.stopped:
+            since = frozen_since.setdefault(peer.name, now)
+            if now - since >= self._freeze_grace():
+                return f"frozen (process stopped, state {st.state or 'T'}, {now - since:.0f}s)"
+        else:
+            frozen_since.pop(peer.name, None)
+        return self._stuck_in_d(peer.name, peer.child.pid, st, now)
+
+    def _stuck_in_d(self, name: str, pid: int, st: process.ProcStat, now: float) -> str | None:
+        """A local peer in uninterruptible sleep (state D: a wedged driver) with no CPU progress
+        for stall_timeout while its head serves is frozen, requests in flight or not: an idle
+        ggml-rpc-server waits in S. Not while the head loads (a peer may read its tensor cache
+        from a slow disk then, in D most of the time)."""
+        if st.state not in _NO_PROGRESS or self.head is None or \
+                self.head.state is not State.READY:
+            self._in_d.pop(name, None)
+            return None
+        seen = self._in_d.get(name)
+        if seen is None or seen[0] != pid or st.cpu - seen[2] >= 0.01 * max(now - seen[1], 1e-3):
+            self._in_d[name] = (pid, now, st.cpu)
+            return None
+        h = self.timeouts.health
+        if now - seen[1] >= (h.stall_timeout or h.hang_timeout):
+            return f"frozen (state D, no CPU progress for {now - seen[1]:.0f}s)"
+        return None
+
+    async def _watch_peers(self, peers: list[ManagedProcess]) -> tuple[list[ManagedProcess], str]:
+        """Returns the lost peers and why, as soon as a watched peer exits or freezes."""
+        frozen: dict[str, float] = {}
+        poll = min(0.5, self.timeouts.health.interval)
+        while True:
+            lost = [(p, why) for p in peers if (why := self._peer_problem(p, frozen))]
+            if lost:
+                await self._gather_more_losses(lost, frozen)
+                return [p for p, _ in lost], "; ".join(f"peer {p.name} {w}" for p, w in lost)
+            exits = [p.child.wait() for p in peers if p.spec.managed and p.alive and p.child]
+            await self._race(self.seams.sleep(poll), *exits)
+
+    async def _gather_more_losses(self, lost: list[tuple[ManagedProcess, str]],
+                                  frozen: dict[str, float]) -> None:
+        """Two peers killed together are one incident: give the others a moment to be seen."""
+        await self._race(self.seams.sleep(0.3), *[
+            p.child.wait() for p in self.peers
+            if p.spec.managed and p.alive and p.child and p not in [q for q, _ in lost]])
+        for p in self.peers:
+            if p not in [q for q, _ in lost] and (why := self._peer_problem(p, frozen)):
+                lost.append((p, why))
+
+    async def _check_peers(self, context: str) -> None:
+        """After the head died or failed to start: a dead/frozen managed peer, or a remote one
+        that no longer answers HELLO (the head let go of it, so probing is safe), is a peer
+        loss (PeerLost) rather than the head's failure."""
+        frozen: dict[str, float] = {}
+        lost = [(p, why) for p in self.peers if (why := self._peer_problem(p, frozen))]
+        if lost:  # peers killed together are one incident, also when the head saw it first
+            await self._gather_more_losses(lost, frozen)
+        else:
+            # a peer killed together with the head may not be reaped yet: wait a little
+            alive = [p.child.wait() for p in self.peers if p.spec.managed and p.alive and p.child]
+            if alive:
+                await self._race(self.seams.sleep(0.3), *alive)
+            lost = [(p, why) for p in self.peers if (why := self._peer_problem(p, frozen))]
+        for p in self.peers:
+            if p.spec.managed or p in [q for q, _ in lost]:
+                continue
+            try:
+                version = await self.seams.hello(p.spec.host, p.spec.port, timeout=2.0)
+            except HelloError:
+                version = None
+            if version is None:
+                lost.append((p, f"(remote {p.spec.endpoint}) does not answer HELLO"))
+        if lost:
+            raise PeerLost([p for p, _ in lost],
+                           "; ".join(f"peer {p.name} {w}" for p, w in lost) + f" ({context})")
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T], watch: list[ManagedProcess]) -> T:
+        """Run `coro` (a start) while watching `watch` (peers already up): a peer lost meanwhile
+        cancels the start and raises PeerLost — a peer is watched whatever its head does."""
+        watch = [p for p in watch if p.spec.managed]
+        if not watch:
+            return await coro
+        task = asyncio.ensure_future(coro)
+        watcher = asyncio.ensure_future(self._watch_peers(watch))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+            watcher.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
+        if watcher.done() and not watcher.cancelled() and watcher.exception() is None and (
+                not task.done() or task.cancelled() or task.exception() is not None):
+            raise PeerLost(*watcher.result())
+        return task.result()
+
+    # -- the head: alive is progress -------------------------------------------------------
+
+    async def _watch_head(self, head: ManagedProcess
+                          ) -> tuple[str, str, list[ManagedProcess]]:
+        """Returns ("hung"|"stall", reason, the lost peers) only when the head is judged hung,
+        or its requests are stuck on a peer. Progress counts, not one endpoint's latency:
+        /health waits in llama-server's HTTP worker pool behind user requests, so a silent
+        /health with CPU time advancing is a busy head (left alone, READY). Hung = process
+        stopped (state T) past a short grace, or /health silent with no CPU progress for
+        hang_timeout. Stalled = the stall rule (_stalled), judged before /health is asked."""
+        spec = head.spec
+        policy = self.timeouts.health
+        stall_after = policy.stall_timeout or policy.hang_timeout
+        host = client_host(spec.host)
+        assert head.child is not None
+        pid = head.child.pid
+        now = self._now()
+        last_alive = now
+        next_probe = now + policy.probe_interval
+        stopped_since: float | None = None
+        idle_since: float | None = None  # since when neither the head nor a peer progressed
+        slots_since: float | None = None
+        st0 = self.seams.proc_stat(pid)
+        last_cpu, last_t = (st0.cpu if st0 else 0.0), now
+        peer_st = self._peer_stats()
+        while True:
+            await self.seams.sleep(policy.interval)
+            now = self._now()
+            st = self.seams.proc_stat(pid)
+            if st is None:
+                continue  # exiting: the exit is the event
+            if st.stopped:
+                stopped_since = stopped_since if stopped_since is not None else now
+                if head.state is State.READY:
+                    head.to(State.UNHEALTHY, f"process stopped (state {st.state or 'T'})")
+                if now - stopped_since >= self._freeze_grace():
+                    return "hung", (f"process stopped (state {st.state or 'T'}) for "
+                                    f"{now - stopped_since:.0f}s (hung)"), []
+                continue
+            stopped_since = None
+            progressed = _progressed(st, last_cpu, now - last_t)
+            pst = self._peer_stats()
+            peers_progressed = any(_progressed(s, peer_st[k].cpu, now - last_t)
+                                   for k, s in pst.items() if k in peer_st)
+            peer_st = pst
+            if progressed or peers_progressed:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = last_t  # the window just sampled showed no progress
+            last_cpu, last_t = st.cpu, now
+            if idle_since is not None and \
+                    (stalled := await self._stalled(pid, now - idle_since, stall_after)):
+                return stalled
+            code = await self.seams.http_status(host, spec.port, timeout=policy.interval)
+            now = self._now()
+            if code == 200:
+                last_alive = now
+                if head.state is State.UNHEALTHY:
+                    head.to(State.READY, "answering /health again")
+                elif head.reason.startswith("busy"):
+                    head.note("serving")
+                # No router flights to judge by (router: false, or a request sent to the
+                # head's own port): /slots says whether one is in flight — a head blocked on
+                # its peer may not answer it, and then this fallback judges nothing.
+                seen = self.seams.flights(self.traffic)
+                if self.peers and not self.degraded and idle_since is not None and \
+                        (seen is None or not seen[0]) and await self.seams.slots_busy(
+                            host, spec.port, policy.interval):
+                    slots_since = slots_since if slots_since is not None else now
+                    if now - slots_since >= stall_after:
+                        return "stall", (f"the head's request made no progress for "
+                                         f"{now - slots_since:.0f}s while it waited on its "
+                                         "peer (frozen peer)"), list(self.peers)
+                else:
+                    slots_since = None
+            elif progressed:
+                last_alive = now  # busy: /health queued behind requests; not hung
+                if head.state is State.READY:
+                    head.note(f"busy: /health {'silent' if code is None else code}, "
+                              "CPU time advancing")
+            elif now - last_alive >= policy.hang_timeout:
+                return "hung", (f"/health silent and no CPU progress for "
+                                f"{now - last_alive:.0f}s (hung)"), []
+            elif head.state is State.READY:
+                head.to(State.UNHEALTHY, f"/health {'silent' if code is None else code}, "
+                        "no CPU progress")
+            if policy.probe and code == 200 and now >= next_probe:
+                next_probe = now + policy.probe_interval
+                ok, why = await self.seams.completion_probe(host, spec.port,
+                                                            policy.probe_timeout)
+                if not ok:
+                    return "hung", f"completion probe failed ({why})", []
+
+    async def _stalled(self, head_pid: int, idle: float, stall_after: float
+                       ) -> tuple[str, str, list[ManagedProcess]] | None:
+        """The stall rule, judged from what hydra sees without asking the head or its peers
+        anything (a frozen process answers nothing, and /slots hangs behind it): HTTP requests
+        in flight through the router with no byte either way for `stall_after` seconds while
+        neither the head nor its local peers made CPU progress as long (a process in D state
+        counts as none) → the peers are lost (which one froze cannot be told apart: all of
+        them), or, with no peer in use, the head is hung. A remote peer, whose CPU hydra cannot
+        see, is also checked once the requests have been silent for the freeze grace: an
+        endpoint that no longer completes a TCP connect is lost at once. One such connect per
+        remote peer per head run: it waits in the rpc-server's backlog (two places) until the
+        head lets go."""
+        seen = self.seams.flights(self.traffic)
+        if seen is None:
+            return None
+        n, quiet = seen
+        if not n or quiet is None:
+            return None
+        silent = min(quiet, idle)
+        peers = [] if self.degraded else self.peers
+        for p in peers:
+            if p.spec.managed or silent < self._freeze_grace() or \
+                    self._connect_probed.get(p.name) == head_pid:
+                continue
+            self._connect_probed[p.name] = head_pid
+            why = await self.seams.connect(p.spec.host, p.spec.port, CONNECT_TIMEOUT)
+            if why is not None:
+                return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while {n} "
+                                 f"request(s) waited {silent:.0f}s without a byte"), [p]
+        if silent < stall_after:
+            return None
+        what = (f"{n} request(s) in flight without a byte for {silent:.0f}s and no CPU "
+                "progress in the head")
+        if peers:
+            return "stall", f"{what} or its local peers (a frozen peer)", list(peers)
+        return "hung", f"{what} (hung)", []
+
+    def _peer_stats(self) -> dict[str, process.ProcStat]:
+        out = {}
+        for p in self.peers:
+            if p.spec.managed and p.child is not None and p.alive:
+                st = self.seams.proc_stat(p.child.pid)
+                if st is not None:
+                    out[p.name] = st
+        return out
