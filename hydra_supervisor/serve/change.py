@@ -25,7 +25,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import plandiff
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.proc import gpumem
-from hydra_supervisor.proc.supervisor import Fatal
+from hydra_supervisor.proc.managed import Fatal
 from hydra_supervisor.serve import keepslots
 from hydra_supervisor.serve.reports import (
     Busy,

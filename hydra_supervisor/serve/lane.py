@@ -39,8 +39,9 @@ from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import gpumem, llamaerr
+from hydra_supervisor.proc.managed import ManagedProcess, State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import ManagedProcess, State, Supervisor
+from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router.routes import Addr, Route
 from hydra_supervisor.serve import change, loading, states
 from hydra_supervisor.serve.reports import (
