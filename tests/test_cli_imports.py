@@ -39,7 +39,7 @@ def test_status_json_without_a_hydra_pulls_none_of_the_daemon(tmp_path: Path) ->
 
 
 def test_synth_ftype_names_match_the_writer() -> None:
-    from hydra_supervisor.cli import cli
+    from hydra_supervisor.cli import setup_cmds
     from hydra_supervisor.tools import synth
 
-    assert cli.SYNTH_FTYPES == tuple(synth.FTYPES)
+    assert setup_cmds.SYNTH_FTYPES == tuple(synth.FTYPES)

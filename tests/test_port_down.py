@@ -26,7 +26,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from hydra_supervisor.cli import cli
+from hydra_supervisor.cli import cli, status_view
 from hydra_supervisor.config.config import known_profiles
 from hydra_supervisor.plan.ports import free_port
 from hydra_supervisor.proc.state import StateDir
@@ -124,7 +124,7 @@ def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: P
         assert snap["router"]["alive"] is False
         assert status_text({"engines": [snap]}) == (
             "a: port down (router on 127.0.0.1:8080 is not accepting connections)")
-        assert cli.ports_down({"engines": [snap]}) == [snap["down"]]
+        assert status_view.ports_down({"engines": [snap]}) == [snap["down"]]
         # (the gate is the lane's route's now, not the router's)
         held = (lane.route.gate.held_reason, lane.route.gate.refusal_now())
         assert eng.check_port()  # noticed
@@ -134,7 +134,7 @@ def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: P
         assert (lane.route.gate.held_reason, lane.route.gate.refusal_now()) == held  # as it was
         snap = eng.snapshot({})[0]
         assert snap["down"] is None and snap["router"]["recoveries"] == 1
-        assert cli.ports_down({"engines": [snap]}) == []
+        assert status_view.ports_down({"engines": [snap]}) == []
         # Closed on purpose (hydra stopping): that is not a port to bring back.
         await eng.shutdown("test")
         eng.close()
@@ -206,7 +206,7 @@ def test_fleet_says_port_down_for_every_profile_and_comes_back(tmp_path: Path) -
         assert [r["down"] for r in rows] == [down, down]
         assert [r["fleet"]["phase"] for r in rows] == ["serving", "stopped"]
         assert rows[0]["router"]["alive"] is False and rows[1]["router"] is None
-        assert cli.ports_down({"engines": rows, "fleets": [{"down": f.down()}]}) == [down]
+        assert status_view.ports_down({"engines": rows, "fleets": [{"down": f.down()}]}) == [down]
         assert f.check_port()  # noticed
         assert f.check_port()  # restarted
         assert f.alive() and f.down() is None and connects(f.port)

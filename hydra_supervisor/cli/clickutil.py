@@ -17,8 +17,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def exits_2(fn: F) -> F:
     """A command whose HydraError is its message on stderr and exit status 2, never a
-    traceback (cli.friendly does the same with rich styling; the command modules that cli.py
-    imports use this one)."""
+    traceback (shared.friendly does the same with rich styling; the command modules that cli.py
+    imports when run use this one)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,266 @@
+"""The client commands of a running hydra: status, switch, restart, reload, down (its control
+API) and logs (its state dir). None imports the daemon: they must start fast."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hydra_supervisor.cli.shared import _sock, dir_opt, err, friendly, out
+from hydra_supervisor.cli.status_view import (
+    _daemon_renderables,
+    _legacy_to_engine,
+    _print_engine,
+    _serving_now,
+    _status_view,
+    ports_down,
+)
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.runtime import control_client, exits
+
+
+def _control(route: str, body: dict[str, Any] | None = None, method: str = "POST",
+             timeout: float = 3600.0) -> tuple[int, dict[str, Any]]:
+    """One call to the running hydra's control API; exit 3 when none runs here."""
+    state = StateDir.default()
+    try:
+        return control_client.call(_sock(state), method, route, body, timeout=timeout)
+    except control_client.NotRunning:
+        err.print(f"error: hydra is not running here (state dir {state.root})", markup=False)
+        sys.exit(exits.NOT_RUNNING)
+    except (OSError, http.client.HTTPException) as exc:
+        # hydra went away mid-request (killed, or stopped by someone else)
+        gone = "is no longer running" if not state.running_supervisor() else "stopped answering"
+        err.print(f"error: hydra {gone} (state dir {state.root}) before it answered "
+                  f"{method} {route}: {type(exc).__name__}: {exc}".rstrip(": "), markup=False)
+        sys.exit(exits.FAILED)
+
+
+def _fail_reply(code: int, reply: dict[str, Any]) -> None:
+    if code != 200:
+        err.print(f"error: {reply.get('error', reply)}", markup=False)
+        sys.exit(exits.of_reply(code, reply.get("result")))
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@click.argument("profile")
+@dir_opt
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def switch(profile: str, profiles_dir: str | None, as_json: bool) -> None:
+    """Switch the running hydra to PROFILE: hold, drain, stop, start, gate, release.
+
+    A bad or too-big profile changes nothing; a layout that fails to start is rolled back to
+    the previous one (exit 1). Every phase's duration is printed."""
+    body: dict[str, Any] = {"profile": profile}
+    if profiles_dir:
+        body["profiles_dir"] = str(Path(profiles_dir).resolve())
+    code, reply = _control("/switch", body)
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(exits.of_reply(code, reply.get("result")))
+    _fail_reply(code, reply)
+    _print_report(reply)
+    sys.exit(exits.of_reply(code, reply.get("result")))
+
+
+def _print_report(rep: dict[str, Any]) -> None:
+    phases = "  ".join(f"{k} {v:.2f}s" for k, v in rep.get("phases", {}).items())
+    result = rep.get("result")
+    if result == "noop":
+        out.print(f"nothing to do: {rep.get('reason', '')}", markup=False)
+        for key in rep.get("not_applied") or []:
+            err.print(f"  not applied: {key}", markup=False)
+        return
+    if result == "ok":
+        out.print(f"switched {rep.get('from') or '(none)'} -> {rep['to']} in "
+                  f"{rep['total_s']:.2f}s", markup=False)
+    else:
+        err.print(f"switch to {rep['to']} failed in phase {rep.get('failed_phase')}: "
+                  f"{rep.get('error')}", markup=False)
+        if result == "rolled_back":
+            err.print(f"rolled back: {rep.get('from')} is serving again", markup=False)
+        for line in rep.get("log_tail") or []:
+            err.print(f"  {line}", markup=False)
+    out.print(f"  phases: {phases}", markup=False)
+    for note in rep.get("notes") or []:
+        out.print(f"  note: {note}", markup=False)
+
+
+@click.command()
+@click.argument("engine")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def restart(engine: str, as_json: bool) -> None:
+    """Restart one process of the running layout (a peer restarts with its head)."""
+    code, reply = _control("/restart", {"engine": engine})
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(exits.of_reply(code, reply.get("result")))
+    _fail_reply(code, reply)
+    out.print(f"restarted {reply['engine']} of {reply['profile']}; ready again after "
+              f"{reply['seconds']:.2f}s", markup=False)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def reload(as_json: bool) -> None:
+    """Re-read the running profile and apply what changed as a switch (unchanged: nothing)."""
+    code, reply = _control("/reload")
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(exits.of_reply(code, reply.get("result")))
+    _fail_reply(code, reply)
+    if "reloaded" in reply:  # several profiles: what each one did
+        for name, did in reply["reloaded"].items():
+            out.print(f"reloaded {name}: {did}", markup=False)
+        for key in reply.get("not_applied") or []:
+            err.print(f"  not applied: {key}", markup=False)
+        sys.exit(exits.of_reply(code, reply.get("result")))
+    _print_report(reply)
+    sys.exit(exits.of_reply(code, reply.get("result")))
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--watch", "-w", is_flag=True, help="refresh every second until Ctrl-C")
+@friendly
+def status(as_json: bool, watch: bool) -> None:
+    """Show what the running hydra serves (live, from its control API).
+
+    Exit status (docs/control.md): 0; 1 a port is down (its router accepts no connections);
+    3 no hydra runs here."""
+    state = StateDir.default()
+    try:
+        code, live = control_client.call(_sock(state), "GET", "/status", timeout=10)
+    except (control_client.NotRunning, OSError):
+        live = None
+    if as_json:
+        if live is None:
+            click.echo(json.dumps({"running": False, "supervisor": state.running_supervisor(),
+                                   "status": state.read_status_checked(),
+                                   "abnormal_end": state.abnormal_end()}, indent=2))
+            sys.exit(exits.NOT_RUNNING)
+        click.echo(json.dumps(live, indent=2))
+        sys.exit(exits.PORT_DOWN if ports_down(live["daemon"]) else 0)
+    if live is None:
+        sup = state.running_supervisor()
+        if sup:
+            out.print(f"hydra (pid {sup['pid']}) is starting profile {sup['profile']}",
+                      markup=False)
+            return
+        out.print(f"hydra is not running here (state dir {state.root})", markup=False)
+        dead = state.abnormal_end()
+        if dead:
+            out.print(f"its last run {state.abnormal_text(dead)}; its last recorded state "
+                      f"was {dead.get('last_state') or '?'} (stale; the next `hydra up` "
+                      "clears it)", markup=False)
+            sys.exit(exits.NOT_RUNNING)
+        data = state.read_status()
+        if data and data.get("stopped"):
+            out.print(f"its last run ended: {data['stopped']}", markup=False)
+        if data and data.get("fatal"):
+            out.print("its last run:", markup=False)
+            _print_engine(_legacy_to_engine(data))
+        sys.exit(exits.NOT_RUNNING)
+    if not watch:
+        for part in _daemon_renderables(live["daemon"]):
+            out.print(part)
+        sys.exit(exits.PORT_DOWN if ports_down(live["daemon"]) else 0)
+    from rich.live import Live
+
+    with Live(console=out, refresh_per_second=2) as view:
+        while True:
+            try:
+                _, live = control_client.call(_sock(state), "GET", "/status", timeout=10)
+            except (control_client.NotRunning, OSError):
+                view.update(f"hydra is not running here (state dir {state.root})")
+                sys.exit(exits.NOT_RUNNING)
+            view.update(_status_view(live["daemon"]))
+            time.sleep(1.0)
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@click.option("--timeout", default=30.0, show_default=True, help="seconds to wait")
+@friendly
+def down(timeout: float) -> None:
+    """Stop the running hydra and every process it started."""
+    state = StateDir.default()
+    sup = state.running_supervisor()
+    if not sup:
+        stale = state.kill_stale()
+        if stale:
+            out.print(f"hydra was not running; stopped leftover processes: {', '.join(stale)}",
+                      markup=False)
+        else:
+            out.print("hydra is not running", markup=False)
+        return
+    pid = int(sup["pid"])
+    what = f"profile {sup['profile']}"  # what it started with, unless it says what runs now
+    try:
+        _, live = control_client.call(_sock(state), "GET", "/status", timeout=5)
+        what = _serving_now(live.get("status") or {}) or what
+        control_client.call(_sock(state), "POST", "/down", timeout=5)
+    except (control_client.NotRunning, OSError):
+        os.kill(pid, signal.SIGTERM)  # still starting (no control socket yet)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not state.running_supervisor():
+            out.print(f"stopped {what} (hydra pid {pid})", markup=False)
+            return
+        time.sleep(0.1)
+    raise HydraError(f"hydra (pid {pid}) did not stop within {timeout:.0f}s",
+                     hint=f"kill -9 {pid}; the next `hydra up` stops its leftover children")
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@click.argument("engine")
+@click.option("-n", "lines", default=50, show_default=True, help="lines to show")
+@click.option("-f", "follow", is_flag=True, help="keep printing new lines")
+@friendly
+def logs(engine: str, lines: int, follow: bool) -> None:
+    """Show an engine's log (head, peer-NAME); -f follows it across size rotations and
+    restarts (as tail -F does)."""
+    from hydra_supervisor.proc import logfiles
+
+    state = StateDir.default()
+    path = _log_of(state, engine)
+    if path is None:
+        names = sorted(p.stem for p in state.logs.glob("*.log"))
+        raise HydraError(f"no log for engine '{engine}' in {state.logs}; "
+                         f"engines with logs: {', '.join(names) or '(none)'}")
+    shown, mark = logfiles.tail_at(path, lines)
+    sys.stdout.writelines(line + "\n" for line in shown)
+    sys.stdout.flush()
+    if follow:
+        for line in logfiles.follow(path, start=mark):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def _log_of(state: StateDir, engine: str) -> Path | None:
+    """The log a child of this state dir writes: the one status.json names for it (the fallback
+    in the temp dir when logs/ was not writable), else logs/ENGINE.log, else the fallback."""
+    from hydra_supervisor.proc import logfiles
+
+    rows = (state.read_status() or {}).get("engines") or []
+    named = next((Path(r["log"]) for r in rows if isinstance(r, dict) and
+                  r.get("name") == engine and r.get("log")), None)
+    for p in (named, state.log_path(engine), logfiles.fallback_path(state.root, engine)):
+        if p is not None and p.exists():
+            return p
+    return None

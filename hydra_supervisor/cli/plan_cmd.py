@@ -1,0 +1,133 @@
+"""`hydra plan` and `hydra profiles`: what a profile resolves to (processes, bytes per device,
+its standby), without starting anything."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from hydra_supervisor.cli.shared import (
+    _overrides,
+    dir_opt,
+    friendly,
+    node_opt,
+    out,
+    profile_opt,
+    styled,
+)
+
+if TYPE_CHECKING:
+    from hydra_supervisor.config import config
+    from hydra_supervisor.plan import layout
+else:
+    # Imported on first use (cli.py: client commands stay fast).
+    from hydra_supervisor.cli.lazy import lazy_module
+
+    config = lazy_module("hydra_supervisor.config.config")
+    layout = lazy_module("hydra_supervisor.plan.layout")
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan.ports import host_port
+
+
+@click.command()
+@profile_opt
+@node_opt
+@dir_opt
+@click.option("--port", type=int, default=None, help="external port (overrides the profile)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,
+         as_json: bool) -> None:
+    """Print the processes a profile resolves to, without starting anything."""
+    lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
+                       overrides=_overrides(port, None), check_ports=False)
+    p = lay.plan
+    both = _standby_plan(lay, node_file, profiles_dir, port)
+    if as_json:
+        click.echo(json.dumps({**p.to_json(), **({"standby": both} if both else {})},
+                              indent=2))
+        return
+    m = lay.model
+    out.print(styled("profile ", (p.profile, "bold"), f" ({p.source})"))
+    if m is not None:
+        out.print(f"  model {p.model_path}: {m.arch}, {m.block_count} layers"
+                  + (f", {m.expert_count} experts ({m.expert_used_count} used)"
+                     if m.is_moe else "") + f", {m.file_size / 2**20:,.0f} MiB")
+    if p.mode == "peer":
+        out.print(f"  mode peer: serves {p.engines[0].device} over ggml-RPC, devices from "
+                  f"{lay.inventory.source}")
+    else:
+        out.print(f"  mode {p.mode} ({p.model_kind}), transport {p.transport}, "
+                  f"ctx {p.meta.get('ctx')}, devices from {lay.inventory.source}")
+    for pl in p.placements:
+        free = f"{pl.free_bytes / 2**20:,.0f} MiB usable" if pl.free_bytes else "free unknown"
+        out.print(f"  {pl.device}: {pl.what}, weights {pl.weight_bytes / 2**20:,.0f}"
+                  f" MiB + KV {pl.kv_bytes / 2**20:,.0f} + buffers "
+                  f"{pl.overhead_bytes / 2**20:,.0f} = {pl.need_bytes / 2**20:,.0f} MiB ({free})")
+    for e in p.in_start_order():
+        where = "remote, not started by hydra" if not e.managed else f"on {e.device}"
+        out.print(styled((f"{e.start_order}. {e.name}", "bold"),
+                         f" ({e.role.value}, {where}) listens {e.endpoint}"))
+        if e.managed:
+            env = " ".join(f"{k}={v}" for k, v in e.env)
+            argv = " ".join(shlex.quote(a) for a in e.args)
+            out.print(f"   {env} {e.program} {argv}", soft_wrap=True)
+    if p.router:
+        r = p.router
+        rpc = (f", ggml-RPC -> {host_port(*r.rpc)} (from {', '.join(r.allow)})"
+               if r.rpc else "")
+        http = f"HTTP -> {host_port(*r.http)}" if r.http else "HTTP -> 503 (no head)"
+        out.print(styled(("router", "bold"), f" listens {host_port(r.host, r.port)}: {http}{rpc}"))
+    for note in p.notes:
+        out.print(f"  note: {note}")
+    if both:
+        _print_standby_plan(both)
+
+
+def _standby_plan(lay: Any, node_file: str | None, profiles_dir: str | None,
+                  port: int | None) -> dict[str, Any] | None:
+    """The profile's `standby:` layout planned too: both layouts' bytes per device."""
+    name = getattr(lay.profile, "standby", None)
+    if not name:
+        return None
+    from hydra_supervisor.serve.standby import plan_both
+
+    try:
+        other = layout.build(name, node_file=node_file, profiles_dir=profiles_dir,
+                             overrides=_overrides(port, None), check_ports=False)
+    except HydraError as exc:
+        return {"standby": {"profile": name}, "error": str(exc), "fits": False}
+    return plan_both(lay, other)
+
+
+def _print_standby_plan(both: dict[str, Any]) -> None:
+    sb = both["standby"]
+    if both.get("error"):
+        out.print(f"standby {sb['profile']}: cannot be planned: {both['error']}", markup=False)
+        return
+    def mib(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v:,} MiB" for k, v in d.items())
+    out.print(styled(("standby ", "bold"), f"{sb['profile']} ({sb['mode']}): "
+                     f"{mib(sb['needs_mib'])}; with {both['active']['profile']} "
+                     f"({mib(both['active']['needs_mib'])}) of {mib(both['capacity_mib'])}"))
+    if not both["same_model"]:
+        out.print("  runs another model: a standby is the other layout of the same model; "
+                  "hydra will not load it", markup=False)
+    elif both["fits"]:
+        out.print("  both fit: hydra keeps the standby loaded and a switch between them is "
+                  "instant (no restart)", markup=False)
+    else:
+        out.print(f"  both do not fit ({mib(both['short_mib'])} short): a switch reloads",
+                  markup=False)
+
+
+# --------------------------------------------------------------------------------------------
+@click.command("profiles")
+@dir_opt
+def profiles_cmd(profiles_dir: str | None) -> None:
+    """List the profiles hydra can find."""
+    for name, path in config.known_profiles(profiles_dir).items():
+        out.print(f"{name:24} {path}")

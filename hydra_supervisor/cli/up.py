@@ -1,0 +1,305 @@
+"""`hydra up`: start one profile, several or none under one Daemon (state dir locked, orphan
+guard up, hydra's own log), and what it prints in its terminal while starting."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import logging.handlers
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.text import Text
+
+from hydra_supervisor.cli.shared import _overrides, dir_opt, err, friendly, node_opt, out
+from hydra_supervisor.runtime import exits
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from hydra_supervisor.config import config
+    from hydra_supervisor.plan import deployment
+    from hydra_supervisor.proc import guard
+    from hydra_supervisor.runtime import daemon
+    from hydra_supervisor.serve import setup as serve_setup
+else:
+    # Imported on first use: a client command (`hydra --version`, `hydra status`) must not pay
+    # for the daemon's imports (prometheus, gguf/numpy, requests): ~0.7 s on a small machine.
+    from hydra_supervisor.cli.lazy import lazy_module
+
+    asyncio = lazy_module("asyncio")
+    config = lazy_module("hydra_supervisor.config.config")
+    daemon = lazy_module("hydra_supervisor.runtime.daemon")
+    deployment = lazy_module("hydra_supervisor.plan.deployment")
+    guard = lazy_module("hydra_supervisor.proc.guard")
+    serve_setup = lazy_module("hydra_supervisor.serve.setup")
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan.ports import client_host, host_port
+from hydra_supervisor.proc.state import StateDir
+
+
+@click.command()
+@click.option("--profile", "-p", "profiles", multiple=True,
+              help="profile name (see `hydra profiles`) or path to a .yaml [default: demo, or "
+                   "the node file's profiles:]; give several to serve them together, routed "
+                   "by the request's model")
+@click.option("--no-profile", "idle", is_flag=True,
+              help="start with no layout loaded (ready at once; `hydra switch NAME` loads one)")
+@node_opt
+@dir_opt
+@click.option("--port", type=int, default=None, help="external port (overrides the profile)")
+@click.option("--host", default=None, help="bind address (overrides the profile)")
+@click.option("-v", "--verbose", is_flag=True, help="log every state change to stderr")
+@click.option("--metrics-port", type=int, default=None, envvar="HYDRA_METRICS_PORT",
+              help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)")
+@friendly
+def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_dir: str | None,
+       port: int | None, host: str | None, verbose: bool, metrics_port: int | None) -> None:
+    """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM.
+
+    With several profiles (-p A -p B, or the node file's profiles:) one port serves them all,
+    routed by the request's model and loaded on demand (docs/routing.md).
+
+    Exit status (docs/control.md): 0 stopped on request, 1 FATAL (one profile; among
+    several, a failed profile is marked failed and the others keep serving), 2 bad input or
+    another hydra holds the state dir, 4 stopped but a child could not be killed, 130
+    interrupted before serving or by a second Ctrl-C.
+    """
+    if idle and profiles:
+        raise HydraError("--no-profile and --profile exclude each other")
+    node = config.load_node(config.find_node_file(node_file))
+    if not profiles and not idle:
+        profiles = node.profiles
+    state = StateDir.default()
+    tightened = state.secure(_file_policy(node))
+    _setup_logging(state, verbose)
+    if tightened:
+        logging.getLogger("hydra").warning(
+            "state dir %s: tightened %d path(s) that were looser than hydra's policy "
+            "(docs/operations.md): %s%s", state.root, len(tightened), "; ".join(tightened[:5]),
+            " ..." if len(tightened) > 5 else "")
+    try:
+        with state.lock():
+            code = _up_locked(state, [] if idle else list(profiles or ("demo",)), node_file,
+                              profiles_dir, port, host, metrics_port)
+    except KeyboardInterrupt:
+        logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
+        err.print("interrupted before serving; nothing left running", markup=False)
+        code = 130
+    sys.exit(code)
+
+
+def _preflight(state: StateDir) -> None:
+    """One hydra per state dir; children a killed hydra left behind are stopped first."""
+    running = state.running_supervisor()
+    if running:
+        raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
+                         f"'{running['profile']}', state dir {state.root})",
+                         hint="`hydra down` first, or `hydra switch PROFILE` to change layout")
+    dead = state.clear_abnormal_end()
+    if dead:
+        logging.getLogger("hydra").warning("the last run %s; its last state was %s",
+                                           state.abnormal_text(dead), dead.get("last_state"))
+    stale = state.kill_stale()
+    if stale:
+        err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
+                  markup=False)
+
+
+def _guarded(state: StateDir, name: str, source: str, run: Callable[[], int]) -> int:
+    """Run the daemon with its supervisor record written and the orphan guard up: the guard
+    stops every recorded child group the moment this process dies, kill -9 included."""
+    state.write_supervisor(name, source)
+    keeper = guard.start(state.root)
+    try:
+        return run()
+    finally:
+        state.clear_supervisor()
+        if keeper.stdin is not None:
+            keeper.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            keeper.wait(5)
+
+
+def _up_locked(state: StateDir, names: list[str], node_file: str | None,
+               profiles_dir: str | None, port: int | None, host: str | None,
+               metrics_port: int | None) -> int:
+    """One profile, none (`names` empty) or several: the ports and the node serve_setup
+    builds, run by one Daemon."""
+    _preflight(state)
+    overrides = _overrides(port, host)
+    opts = daemon.Options(profile=names[0] if len(names) == 1 else None, node_file=node_file,
+                          profiles_dir=profiles_dir, overrides=overrides,
+                          host=host or "127.0.0.1", port=8080 if port is None else port,
+                          metrics_port=metrics_port, profiles=names if len(names) > 1 else [])
+    source = "-"
+    if len(names) > 1:
+        ports, node = serve_setup.build(state, names, node_file=node_file,
+                                        profiles_dir=profiles_dir, overrides=overrides,
+                                        slot_dir=daemon.slot_dir(state))
+    else:
+        dep = None
+        if names:
+            dep = deployment.prepare(names[0], node_file=node_file, profiles_dir=profiles_dir,
+                                     overrides=overrides, slot_dir=daemon.slot_dir(state))
+            if dep.plan.port == 0 and dep.plan.router is None:
+                raise HydraError(f"{dep.plan.source}: port 0 (any free port) needs hydra's "
+                                 "router, and this profile has router: false",
+                                 hint="give a port number: hydra up --port N")
+            source = dep.plan.source
+        ports, node = serve_setup.single(
+            state, dep, host=opts.host, port=opts.port,
+            profiles=lambda: list(config.known_profiles(profiles_dir)))
+    return _guarded(state, ",".join(names) or "-", source,
+                    lambda: asyncio.run(_run_daemon(state, opts, ports, node)))
+
+
+async def _run_daemon(state: StateDir, opts: daemon.Options, ports: Any, node: Any) -> int:
+    d = daemon.Daemon(state, opts, ports, node)
+    code = await d.run(on_start=_present)
+    if d.unkillable:
+        err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
+        return exits.UNKILLABLE
+    if code == exits.FAILED:
+        err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
+        for row in d.snapshot()["engines"]:
+            for proc in row["processes"]:
+                if proc.get("log_tail"):
+                    err.print(f"last lines of {proc['log']}:", markup=False)
+                    for line in proc["log_tail"]:
+                        err.print(f"  {line}", markup=False)
+    return code
+
+
+async def _present(d: daemon.Daemon) -> None:
+    """What `hydra up` shows in its terminal: per port, progress while loading, then how to
+    use it."""
+    for p in d.ports:
+        if p.by_model:
+            await _present_by_model(p)
+        else:
+            await _present_one(p)
+    _present_dashboard(d)
+
+
+async def _present_by_model(f: Any) -> None:
+    """A port serving several profiles: one line once the start-up loads are over."""
+    while not f.ready():
+        await asyncio.sleep(0.2)
+    rows = [f"{x.name}{'*' if x.name == f.default else ''} ({f.state_of(x)})"
+            for x in f.lanes.values()]
+    out.print(f"ready: {f.url} serves {', '.join(rows)}; the request's model picks the "
+              "profile (* = the default)", markup=False)
+    for x in f.lanes.values():
+        if x.error:
+            err.print(f"  {x.name} failed to load: {x.error} (`hydra logs "
+                      f"{x.name}.head`; the next request for it tries again)", markup=False)
+    m = next((x for x in f.lanes.values() if not x.error), f.lanes[f.default])
+    out.print(f"  curl {f.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
+              "\"content\":\"Hello\"}]}'", markup=False)
+    out.print(f"  curl {f.url}/v1/models", markup=False)
+
+
+def _present_dashboard(d: daemon.Daemon) -> None:
+    """The dashboard's address, when --metrics-port serves it (docs/dashboard.md)."""
+    if d.metrics is not None and d.dashboard is not None:
+        out.print(f"  dashboard: http://127.0.0.1:{d.metrics.port}/ (this host only)",
+                  markup=False)
+
+
+async def _present_one(p: Any) -> None:
+    """A port with one profile: progress while it loads, then how to use it."""
+    lane = p.only()
+    sup = lane.sup if lane is not None else None
+    if lane is None or sup is None:
+        out.print(f"ready: hydra at {p.url} with no profile loaded; load one with "
+                  f"`hydra switch NAME` (profiles: {', '.join(p.profiles())})", markup=False)
+        return
+    plan = sup.plan
+    lay = lane.dep.layout
+    model_bytes = lay.model.file_size if lay is not None and lay.model is not None else 0
+    what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
+    # A status string is always read as markup; a reason such as "RPC0[127.0.0.1:30052]" is not.
+    with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as spin:
+        while lane.state_now().value == "loading":
+            cur = next((p for p in sup.procs if p.state.value != "READY"), None)
+            if cur is not None:
+                bar = _load_bar(cur.pid, model_bytes) if cur.spec.role.value == "head" else ""
+                spin.update(Text(f"{plan.profile}: {cur.name} {cur.state.value} — "
+                                 f"{cur.reason or 'starting'} {bar}"
+                                 f"({time.monotonic() - cur.since:.0f}s)"))
+            await asyncio.sleep(0.2)
+    if lane.state_now().value not in ("serving", "degraded"):
+        return
+    if plan.router and not plan.router.http:
+        r = plan.router
+        out.print(f"ready: {plan.profile} serves {plan.engines[0].device} over ggml-RPC at "
+                  f"{host_port(r.host, p.port)} (from {', '.join(r.allow)})")
+        out.print(f"  on the head's host: llama-server -m MODEL --rpc "
+                  f"{host_port(client_host(r.host), p.port)} ...   "
+                  f"(or a node file device: {{endpoint: HOST:{p.port}}})")
+        return
+    url = p.url
+    out.print(f"ready: {plan.profile} serving {sup.model_label} at {url}", markup=False)
+    out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'", markup=False)
+    out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "
+              "another terminal)", markup=False)
+    sb = p.standby.wanted() if p.standby is not None else None
+    if sb:
+        out.print(f"  standby {sb}: loading beside it when both fit (`hydra status` says; "
+                  f"`hydra switch {sb}` is then instant, no restart)", markup=False)
+
+
+def _load_bar(pid: int | None, model_bytes: int, width: int = 20) -> str:
+    """How much of the model file the loading head has mapped in (its resident memory against
+    the file's size; llama.cpp mmaps the GGUF, so pages it read count there), as a text bar."""
+    if not pid or model_bytes <= 0:
+        return ""
+    import psutil
+
+    try:
+        rss = psutil.Process(pid).memory_info().rss
+    except psutil.Error:  # a process that just exited shows no bar
+        return ""
+    frac = min(rss / model_bytes, 1.0)
+    done = int(frac * width)
+    return (f"[{'#' * done}{'.' * (width - done)}] {frac:4.0%} of "
+            f"{model_bytes / 2**20:,.0f} MiB ")
+
+
+def _file_policy(node: Any) -> Any:
+    """Modes and child-log bounds from the node file (filemodes.py, logfiles.py)."""
+    import grp
+
+    from hydra_supervisor.proc import filemodes
+
+    gid = grp.getgrnam(node.state_group).gr_gid if node.state_group else None
+    return filemodes.Policy(group=gid, group_name=node.state_group,
+                            log_max_bytes=int(node.log_max_mib * filemodes.MIB),
+                            log_keep=node.log_keep)
+
+
+def _setup_logging(state: StateDir, verbose: bool) -> None:
+    """hydra's own log: every state change once, with its reason, in logs/hydra.log."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    root = logging.getLogger("hydra")
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if verbose else logging.WARNING)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    try:
+        handler = logging.handlers.RotatingFileHandler(
+            state.log_path("hydra"), maxBytes=10 << 20, backupCount=3)
+    except OSError as exc:
+        err.print(f"warning: cannot write {state.log_path('hydra')}: {exc.strerror}")
+        return
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
+
