@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from hydra_supervisor.router import Router, Upstreams
-from hydra_supervisor.router import http as router_http
+from hydra_supervisor.router import upstream as router_upstream
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
 from tests.helpers_router import (
     DEADLINE,
@@ -524,7 +524,7 @@ def test_stop_cuts_a_routes_inflight_request(rig: Rig, blocking: Blocking) -> No
 
 def test_pool_keeps_every_routes_upstream(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     # Pooled connections retire after _POOL_AGE_S; long enough here for a slow machine.
-    monkeypatch.setattr(router_http, "_POOL_AGE_S", 60.0)
+    monkeypatch.setattr(router_upstream, "_POOL_AGE_S", 60.0)
     assert chat(rig.r.port, "a").status == 200 and chat(rig.r.port, "b").status == 200
     wait_until(lambda: rig.r.pool.idle() == 2, what="both upstream connections pooled")
     rig.r._tick(time.monotonic())  # the acceptor's periodic reap: the routes' upstreams are kept

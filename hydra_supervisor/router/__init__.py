@@ -1,18 +1,20 @@
 """The first-byte router: one external port per engine carrying ggml-RPC, Hydra control and HTTP.
 
 ``classify`` owns the sans-IO decision on a connection's first bytes; ``conn`` one connection's
-state and where it goes; ``relay`` owns the sockets:
-the listener, admission (allow list, bounded queues, timeouts) and the byte relay to the engine's
-local ggml-rpc-server or hydra's control handler; ``http`` is the request-aware HTTP leg to the
-internal llama-server (h11); ``gate`` decides when a request may go upstream (hold/release,
-unavailable, in flight); ``defaults`` merges T1 defaults into bodies; ``limits`` owns the
-process limits (open files, thread stacks, pipes). docs/router.md says
-why the relay is built the way it is, with the measurements.
+state and where it goes; ``core`` is the ``Router`` (its public API and counters), built of
+``acceptor`` (the listener, admission: allow list, bounded queues, timeouts) and ``relay`` (the
+worker pool and the byte relay to the engine's local ggml-rpc-server or hydra's control
+handler); ``http`` is the request-aware HTTP leg to the internal llama-server (h11): its
+session, with ``upstream`` (the upstream pool, forwarding, retries, cuts) and ``replies`` (what
+the router writes itself, the request record); ``gate`` decides when a request may go upstream
+(hold/release, unavailable, in flight); ``defaults`` merges T1 defaults into bodies; ``limits``
+owns the process limits (open files, thread stacks, pipes). docs/router.md says why the relay is
+built the way it is, with the measurements.
 """
 
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 from hydra_supervisor.router.conn import Upstreams
+from hydra_supervisor.router.core import Router
 from hydra_supervisor.router.limits import raise_nofile
-from hydra_supervisor.router.relay import Router
 
 __all__ = ["MAX_PREFIX", "Kind", "Router", "Upstreams", "classify", "raise_nofile"]

@@ -2,7 +2,7 @@
 source address, the per-connection state the acceptor and relay threads share, and the queue of
 connections that have not spoken yet ("silent"), from which the oldest is evicted first.
 
-No threads and no I/O policy here; router/relay.py owns those.
+No threads and no I/O policy here; router/acceptor.py and router/relay.py own those.
 """
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""What the router's HTTP leg writes and records itself: error responses, the SSE error event
+that ends a cut stream, and one ``Record`` per request.
+
+Responses the router writes itself take llama-server's shape (its error JSON, its header names),
+so a client cannot tell them apart from llama-server's own; the acceptor and the byte relay use
+``http_error_response`` for their 503s, the HTTP session (router/http.py, router/upstream.py)
+the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+
+def error_body(status: int, message: str, kind: str = "unavailable_error") -> bytes:
+    return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
+
+
+def http_error_response(status: int, message: str, retry_after: int | None = None) -> bytes:
+    """A complete error response that closes the connection (the acceptor's and the byte
+    relay's replies), with llama-server's error JSON."""
+    extra = [(b"Retry-After", str(retry_after).encode())] if retry_after is not None else []
+    return _json_response(status, error_body(status, message),
+                          [*extra, (b"Connection", b"close")])
+
+
+def sse_error_event(message: str) -> bytes:
+    """The event that ends a cut stream; the openai client raises APIError on an "error" key."""
+    err = {"error": {"message": message, "type": "server_error", "code": 502}}
+    return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+
+@dataclass
+class Record:
+    method: str
+    path: str
+    started: float
+    status: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    model: str | None = None
+    outcome: str = "ok"
+    reason: str = ""
+    route: str | None = None  # the route (profile) the router's table chose; None: no table
+    port: int = 0  # the external port it came in on
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "route": self.route,
+            "port": self.port,
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "duration_s": round(now - self.started, 6),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "model": self.model,
+            "outcome": self.outcome,
+        }
+
+
+def _json_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]],
+                   with_body: bool = True) -> bytes:
+    """A response the router writes itself, in llama-server's shape (its error JSON, its
+    header names)."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    lines = [f"HTTP/1.1 {status} {phrase}\r\n".encode(),
+             b"Content-Type: application/json; charset=utf-8\r\n",
+             b"Content-Length: %d\r\n" % len(body)]
+    lines += [k + b": " + v + b"\r\n" for k, v in extra]
+    lines.append(b"\r\n")
+    if with_body:
+        lines.append(body)
+    return b"".join(lines)
+
