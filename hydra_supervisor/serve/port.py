@@ -13,13 +13,17 @@ several profiles (`hydra up -p A -p B`) a port with a lane each, routed by the r
 
 Everything here runs on the event loop, except `select` (router threads), which only reads
 and posts work to the loop.
+
+This module holds the Port itself (its address, router, lanes, lookup, start/shutdown,
+switch_to, replace); its routing table and answers (`select`, the load a request asks for,
+/v1/models) are in serve/port_routing.py, its status rows in serve/port_status.py (mixins: one
+object, one set of fields).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -33,16 +37,16 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import plandiff
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.ports import host_port, url_for
-from hydra_supervisor.proc import gpumem
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.router.gate import Gate
-from hydra_supervisor.router.routes import Limiter, LocalReply, Route
-from hydra_supervisor.serve import states
+from hydra_supervisor.router.routes import Limiter, Route
 from hydra_supervisor.serve.lane import Lane, needs_of
 from hydra_supervisor.serve.node import TICK, Node
+from hydra_supervisor.serve.port_routing import PortRouting
+from hydra_supervisor.serve.port_status import PortStatus
 from hydra_supervisor.serve.portwatch import PortWatch
 from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
@@ -51,12 +55,12 @@ if TYPE_CHECKING:
     from hydra_supervisor.serve.standby import Standby
 
 log = logging.getLogger("hydra")
-_DEMAND_WAIT_S = 5.0  # how long a router thread waits for the loop to take a request's load
-MODEL_PATHS = ("/v1/models", "/models")
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
 
 
-class Port:
+class Port(PortRouting, PortStatus):
+    """Its routing table and answers: port_routing.py; its status rows: port_status.py."""
+
     def __init__(self, state: StateDir, host: str, port: int, *, node: Node,
                  by_model: bool = False, allow: tuple[str, ...] = DEFAULT_ALLOW,
                  use_router: bool = True,
@@ -257,97 +261,6 @@ class Port:
         if self.router is not None:
             self.router.set_request_defaults(d)  # T1 defaults are the port's
 
-    # -- routing (router threads) ------------------------------------------------------------------
-
-    def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
-        if not self.by_model:
-            lane = self.only()
-            if self.standby is not None and method == "GET" and path in MODEL_PATHS \
-                    and self.standby.wanted() is not None:
-                return LocalReply(200, self.models_json())  # says which layout stands by
-            return lane.route if lane is not None else self._none
-        if method == "GET" and path in MODEL_PATHS:
-            return LocalReply(200, self.models_json())
-        if not model and method in ("GET", "HEAD"):
-            idle = self._idle_default(path)
-            if idle is not None:
-                return idle
-        name = self.default if not model else self.lookup.get(model)
-        if name is None:
-            known = ", ".join(sorted(self.lookup))
-            return LocalReply(404, {"error": {
-                "code": 404, "type": "not_found_error",
-                "message": f"model '{model}' is not served here; known models: {known}"}},
-                counter="unknown_model")
-        lane = self.lanes[name]
-        if lane.on_demand and lane.phase in (LaneState.STOPPED, LaneState.FAILED):
-            self._demand(lane)
-        return lane.route
-
-    def _idle_default(self, path: str) -> LocalReply | None:
-        """A GET without a model while the default lane is not loaded (a health checker, a
-        monitor): answered here, so polling does not load (or keep loaded) a profile."""
-        lane = self.lanes[self.default] if self.default is not None else None
-        if lane is None or lane.phase not in (LaneState.STOPPED, LaneState.FAILED):
-            return None
-        words = {n: self.state_of(x) for n, x in self.lanes.items()}
-        if path == "/health":
-            return LocalReply(200, {"status": "ok", "profiles": words})
-        if path == "/slots":
-            return LocalReply(200, [])
-        return LocalReply(503, {"error": {
-            "code": 503, "type": "unavailable_error",
-            "message": f"the default profile {lane.name} is not loaded ({lane.error or lane.why}); "
-                       "a request naming a model loads it (GET /v1/models lists them)"}},
-            counter="default_not_loaded")
-
-    def _demand(self, lane: Lane) -> None:
-        """A request for a stopped or failed lane (a router thread): the loop decides and acts
-        (the lane is the only writer of its gate, on the loop's thread); this thread waits for
-        that, bounded, so that the request meets the gate as the loop left it (held for the
-        load, or still answering the failure during its cooldown)."""
-        loop = self.loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:  # (tests route from the loop's own thread: it cannot wait for itself)
-            self._demand_now(lane.name, later=True)
-            return
-        fut = asyncio.run_coroutine_threadsafe(self._demand_on_loop(lane.name), loop)
-        try:
-            fut.result(_DEMAND_WAIT_S)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            log.warning("profile %s: the loop did not take its load request within %gs",
-                        lane.name, _DEMAND_WAIT_S)
-
-    async def _demand_on_loop(self, name: str) -> None:
-        self._demand_now(name)
-
-    def _demand_now(self, name: str, later: bool = False) -> None:
-        """(The loop's thread.) The gate is set at once; the load starts now or, ``later``, on
-        the loop's next turn."""
-        lane = self.lanes.get(name)
-        if lane is None:
-            return
-        if lane.phase is LaneState.FAILED:
-            if self.clock() - lane.failed_at < lane.cooldown:
-                return  # its route answers 503 with the failure until the cooldown is over
-            # Before the request reaches the gate: it must wait for the load, not get the 503.
-            lane.route.set_unavailable(None)
-            lane.route.hold(f"loading profile {lane.name} (on request, after a failure)")
-        if later and self.loop is not None:
-            self.loop.call_soon(self._want, name)
-        else:
-            self._want(name)
-
-    def _want(self, name: str) -> None:
-        lane = self.lanes[name]
-        if lane.job is None and lane.phase in (LaneState.STOPPED, LaneState.FAILED):
-            lane.job = asyncio.create_task(lane.load("on request"))
-
     # -- the loop ---------------------------------------------------------------------------------
 
     async def start(self, initial: list[str] | None = None) -> None:
@@ -512,87 +425,6 @@ class Port:
     @property
     def unkillable(self) -> list[str]:
         return [u for x in self.lanes.values() for u in x.unkillable]
-
-    # -- status -----------------------------------------------------------------------------------
-
-    def state_of(self, lane: Lane) -> str:
-        if self.down():
-            return states.PORT_DOWN  # no request reaches any lane here (phase: its own)
-        return lane.state_now().value
-
-    def models_json(self) -> dict[str, Any]:
-        data = []
-        for lane in self.lanes.values():
-            data.append({
-                "id": lane.name, "object": "model", "created": self._created,
-                "owned_by": "hydra", "state": self.state_of(lane),
-                "status": {"value": states.MODEL_STATUS[lane.state_now()]},
-                "aliases": list(lane.aliases), "default": lane.name == self.default,
-                "devices": list(lane.devices), "mode": lane.dep.plan.mode,
-                "model": lane.dep.model_label, "on_demand": lane.on_demand,
-                "error": lane.error, "standby": False})
-        if self.standby is not None:
-            data += self.standby.models()
-        return {"object": "list", "data": data}
-
-    def _router_stats(self, lane: Lane | None) -> dict[str, Any] | None:
-        if self.router is None:
-            return None
-        st = self.router.stats()
-        if lane is not None and not self.by_model:
-            st["held"] = lane.route.gate.held()  # the port's one lane: its gate is the port's
-            st["inflight"] = lane.route.gate.inflight()
-        if self.watch is not None:
-            st.update(self.watch.counts())
-        return st
-
-    def row(self, lane: Lane | None, gpu: dict[int, int]) -> dict[str, Any]:
-        """One status row: a lane (or, for a port with none, the port itself)."""
-        sup = lane.sup if lane is not None else None
-        dep = lane.dep if lane is not None else None
-        if lane is None:
-            word = states.PORT_DOWN if self.down() else states.IDLE
-        else:
-            word = self.state_of(lane)
-        row: dict[str, Any] = {
-            "name": f"port-{self.port}/{lane.name}" if self.by_model and lane is not None
-            else f"port-{self.port}",  # stable across switches (metric labels)
-            "profile": dep.profile if dep is not None else None,
-            "source": dep.plan.source if dep is not None else None,
-            "mode": dep.plan.mode if dep is not None else None,
-            "model": dep.model_label if dep is not None else None,
-            "host": self.host, "port": self.port, "url": self.url, "state": word,
-            "down": self.down(),
-            "switching": lane.switching if lane is not None else None,
-            "fatal": sup.fatal if sup is not None else None,
-            "degraded": sup.degraded if sup is not None else None,
-            "processes": lane.process_rows(gpu) if lane is not None else [],
-            "requests_last_min": lane.requests_last_min() if lane is not None else None,
-            "router": self._router_stats(lane),
-            "switches": [s.to_json() for s in (lane.switches if lane is not None
-                                                else self.reports)],
-        }
-        if self.by_model and lane is not None:
-            row["fleet"] = {"port": self.port, "default": lane.name == self.default,
-                            **lane.lane_row()}
-        return row
-
-    def snapshot(self, gpu: dict[int, int] | None = None) -> list[dict[str, Any]]:
-        """A row per lane; the port's router counters ride on the first row only (they are the
-        port's, not a lane's: metrics must not count them once per lane)."""
-        if gpu is None:
-            running = any(x.sup is not None for x in self.lanes.values())
-            gpu = gpumem.used_by_pid() if running else {}
-        if not self.lanes:
-            return [self.row(None, gpu)]
-        rows = [self.row(lane, gpu) for lane in self.lanes.values()]
-        for row in rows[1:]:
-            row["router"] = None
-        return self.standby.rows(rows, gpu) if self.standby is not None else rows
-
-    def port_row(self) -> dict[str, Any]:
-        return {"port": self.port, "url": self.url, "default": self.default,
-                "profiles": list(self.lanes), "alive": self.alive(), "down": self.down()}
 
 
 def _clear_job(lane: Lane, _task: asyncio.Task[Any]) -> None:
