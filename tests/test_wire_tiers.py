@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hydra_supervisor.config.config import Mode, Profile
-from hydra_supervisor.wire import tiers
-from hydra_supervisor.wire.tiers import KEYS, Target, Tier, classify, lookup
+from hydra_supervisor.wire import tier_diff, tiers
+from hydra_supervisor.wire.tier_diff import classify
+from hydra_supervisor.wire.tiers import KEYS, Target, Tier, lookup
 
 EXPECTED = {
     # key (any spelling) -> (canonical, tier)
@@ -102,17 +103,17 @@ def test_state_chunk_size_clamped(sent: object, applied: int) -> None:
 def test_profile_round_trip() -> None:
     p = Profile(name="p", source="p.yaml", model="gemma3-270m", mode=Mode.COMBINE,
                 peers=("cpu-peer",), split=(10, 9), server_args={"ctx-size": 2048, "fa": "on"})
-    cur = tiers.current_settings(p, {"temperature": 0.3})
+    cur = tier_diff.current_settings(p, {"temperature": 0.3})
     assert cur["ctx_size"] == 2048 and cur["flash_attn"] == "on"
     assert cur["temperature"] == 0.3 and cur["split_mode"] == "layer"
     assert cur["tensor_split"] == [10, 9] and cur["rpc"] == ["cpu-peer"]
     assert classify({"ctx_size": 2048, "temp": 0.3, "split": [10, 9]}, cur).noop
     d = classify({"ctx_size": 4096, "model": "other", "split_mode": "none", "top_p": 0.5}, cur)
-    new = tiers.apply_to_profile(p, d.changed)
+    new = tier_diff.apply_to_profile(p, d.changed)
     assert new.server_args == {"ctx-size": 4096, "fa": "on"} or new.server_args == {
         "fa": "on", "ctx-size": 4096}
     assert new.model == "other" and new.mode is Mode.SOLO
-    assert tiers.request_defaults(d) == {"top_p": 0.5}
+    assert tier_diff.request_defaults(d) == {"top_p": 0.5}
     assert p.server_args == {"ctx-size": 2048, "fa": "on"}  # the original is untouched
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.conn import allow_mismatch
-from hydra_supervisor.wire import tiers, trust
+from hydra_supervisor.wire import tier_diff, tiers, trust
 from hydra_supervisor.wire.server import WireServer
 from hydra_supervisor.wire.trust import Trust, peer_uid
 from tests import wire_client as wc
@@ -338,7 +338,7 @@ def test_hydra_has_no_wire_port_and_the_owner_configures(tmp_path: Path,
     ("ctx_size", True, "integer"),
 ])
 def test_configure_range_checks(key: str, value: Any, says: str) -> None:
-    d = tiers.classify({key: value}, {})
+    d = tier_diff.classify({key: value}, {})
     assert not d.ok and key in d.invalid and says in d.invalid[key], d.invalid
     assert key in d.error() and "nothing applied" in d.error()
 
@@ -373,7 +373,7 @@ def test_range_refusal_over_the_wire_is_bad_request(control: StubControl) -> Non
     {"control_vector": "/tmp/v.gguf"}, {"model_draft": "/tmp/d.gguf"},
 ])
 def test_file_keys_refused(params: dict[str, Any], control: StubControl) -> None:
-    d = tiers.classify({**params, "temperature": 0.1}, {})
+    d = tier_diff.classify({**params, "temperature": 0.1}, {})
     assert not d.ok and d.refused
     server = WireServer(control=control, port=0)
     server.start()
@@ -390,7 +390,7 @@ def test_model_alias_allowed_and_checked_against_the_node(tmp_path: Path) -> Non
     from hydra_supervisor.serve.engine_wire import EngineWire
     from hydra_supervisor.wire.control import ConfigureRefused
 
-    assert tiers.classify({"model": "my-model"}, {}).ok  # an alias passes the wire check
+    assert tier_diff.classify({"model": "my-model"}, {}).ok  # an alias passes the wire check
     node = tmp_path / "node.yaml"
     node.write_text("models:\n  my-model: /nonexistent/m.gguf\n")
     ew = EngineWire.__new__(EngineWire)

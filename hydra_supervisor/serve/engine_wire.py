@@ -9,7 +9,7 @@ busy, head_http, slot_dir) reads plain attributes and never waits on the switch 
 
 CONFIGURE by tier (wire.tiers has the one table of keys):
 - T1 settings become request-body defaults in the router (no process restarts);
-- T2/T3 settings make a new profile (tiers.apply_to_profile), planned on the engine's own
+- T2/T3 settings make a new profile (tier_diff.apply_to_profile), planned on the engine's own
   address with its ports kept, and applied by the lane's apply: the head alone restarts when only
   its flags change, otherwise the whole layout, peers before head;
 - T4 keys, and keys that name files, are refused by the wire server before they reach us; a
@@ -38,7 +38,7 @@ from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchReport
 from hydra_supervisor.tools import binaries, buildid
-from hydra_supervisor.wire import tiers, trust
+from hydra_supervisor.wire import tier_diff, tiers, trust
 from hydra_supervisor.wire.control import ConfigureRefused
 from hydra_supervisor.wire.server import WireServer
 
@@ -137,7 +137,7 @@ class EngineWire:
                                      "INFO", "PREFILL", "SET_EXPERT_MODE"],
                              "not_implemented": ["DECODE", "SWAP_QUANT", "PIPELINE_ATTACH"],
                              "expert_modes": self._expert_modes()},
-            "settings": tiers.current_settings(prof, self.defaults) if prof else {},
+            "settings": tier_diff.current_settings(prof, self.defaults) if prof else {},
             "request_defaults": dict(self.defaults),
         }
 
@@ -199,14 +199,14 @@ class EngineWire:
         meta: dict[str, Any] = {"restarted": []}
         if t1:
             self.defaults.update(t1)
-            self.port.set_request_defaults(tiers.request_defaults(self.defaults))
-            meta["request_defaults"] = tiers.request_defaults(self.defaults)
+            self.port.set_request_defaults(tier_diff.request_defaults(self.defaults))
+            meta["request_defaults"] = tier_diff.request_defaults(self.defaults)
         if rest:
             prof = self._profile()
             if prof is None:
                 raise ConfigureRefused("no profile is loaded on this port: nothing to "
                                        "reconfigure (hydra switch NAME first)")
-            new = tiers.apply_to_profile(prof, rest)
+            new = tier_diff.apply_to_profile(prof, rest)
             rep = self._apply(new)
             meta["restarted"] = rep.restarted if rep.result != "noop" else []
             meta["result"] = rep.result

@@ -22,7 +22,7 @@ class EngineControl(Protocol):
     def info(self) -> dict[str, Any]:
         """Truthful engine state for 0x41 INFO (profile, mode, model, peers, split, processes,
         llama.cpp build, …). Its `settings` entry (canonical CONFIGURE keys → current values,
-        see tiers.current_settings) is what CONFIGURE diffs against."""
+        see tier_diff.current_settings) is what CONFIGURE diffs against."""
         ...
 
     def configure(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from hydra_supervisor.wire import slots, tiers
+from hydra_supervisor.wire import slots, tier_diff, tiers
 from hydra_supervisor.wire.codec import Op, RequestHead, Status, op_name
 from hydra_supervisor.wire.control import ConfigureRefused, EngineControl
 
@@ -257,7 +257,7 @@ class Handlers:
     def configure(self, head: RequestHead, payload: bytes) -> Reply:
         params = _json_obj(payload, "CONFIGURE")
         current = self.control.info().get("settings") or {}
-        diff = tiers.classify(params, current)
+        diff = tier_diff.classify(params, current)
         meta: dict[str, Any] = {"unknown_keys": list(diff.unknown)}
         if not diff.ok:  # a value out of range or of the wrong type is the client's error
             return error(Status.BAD_REQUEST if diff.invalid else Status.ERROR, diff.error(),

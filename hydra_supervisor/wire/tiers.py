@@ -25,15 +25,38 @@ the key and the valid range in the message. Keys that name files (`chat_template
 `lora`, `mmproj`, `control_vector`, `model_draft`, and `model` given as a path) are refused over
 the wire: a client must not make llama-server, running as hydra's user, open a file of its
 choosing. `model` may name an alias (the engine checks it against the node file).
+
+This module is the table (a KeySpec per key, looked up by any spelling); the values' coercers
+and checks are in wire/tier_values.py, the diff of a payload and the mapping onto a profile
+(`classify`, `current_settings`, `apply_to_profile`, `request_defaults`) in wire/tier_diff.py.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
+
+from hydra_supervisor.wire.tier_values import (
+    _PROB,
+    _THREADS,
+    GGML_KV_TYPES,
+    INT32_MAX,
+    _any,
+    _bool,
+    _choice,
+    _float,
+    _int,
+    _items,
+    _on_off_auto,
+    _range,
+    _split,
+    _split_check,
+    _str,
+    _str_list,
+    _text,
+)
 
 STATE_CHUNK_KEY = "state_chunk_size"
 STATE_CHUNK_MIN = 64 << 10
@@ -56,186 +79,6 @@ class Target(enum.Enum):
     SERVER_ARG = "server_arg"  # a llama-server flag in profile.server_args
     PROFILE = "profile"  # a hydra profile field (the resolver owns the flags)
     FIXED = "fixed"  # T4: cannot change while the engine runs
-
-
-class InvalidValue(ValueError):
-    pass
-
-
-# --------------------------------------------------------------------------- value coercers
-# Each takes a JSON value or a CLI string and returns the normalised value (what is compared
-# and what is applied), or raises InvalidValue.
-
-
-def _num(kind: type) -> Callable[[Any], Any]:
-    def coerce(v: Any) -> Any:
-        if isinstance(v, bool):
-            raise InvalidValue(f"expected {'a number' if kind is float else 'an integer'}, "
-                               f"got {v!r}")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise InvalidValue(f"expected a finite number, got {v!r}")
-        if isinstance(v, str):
-            try:
-                v = float(v) if kind is float else int(v, 0)
-            except ValueError:
-                raise InvalidValue(f"expected {'a number' if kind is float else 'an integer'}, "
-                                   f"got {v!r}") from None
-        if kind is int:
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            if not isinstance(v, int):
-                raise InvalidValue(f"expected an integer, got {v!r}")
-            return v
-        if not isinstance(v, int | float):
-            raise InvalidValue(f"expected a number, got {v!r}")
-        if not math.isfinite(v):
-            raise InvalidValue(f"expected a finite number, got {v!r}")
-        return float(v)
-
-    return coerce
-
-
-_float = _num(float)
-_int = _num(int)
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.lower() in ("1", "true", "on", "yes", "enabled"):
-        return True
-    if isinstance(v, str) and v.lower() in ("0", "false", "off", "no", "disabled"):
-        return False
-    raise InvalidValue(f"expected true/false, got {v!r}")
-
-
-def _str(v: Any) -> str:
-    if isinstance(v, str | int | float) and not isinstance(v, bool):
-        return str(v)
-    raise InvalidValue(f"expected a string, got {v!r}")
-
-
-def _on_off_auto(v: Any) -> str:
-    if isinstance(v, str) and v.lower() in ("on", "off", "auto"):
-        return v.lower()
-    try:
-        return "on" if _bool(v) else "off"
-    except InvalidValue:
-        raise InvalidValue(f"expected on/off/auto, got {v!r}") from None
-
-
-def _str_list(v: Any) -> list[str]:
-    """A list of strings; a string is split on commas (`--rpc a,b`, `-ot x=CPU,y=CPU`)."""
-    if isinstance(v, str):
-        return [p.strip() for p in v.split(",") if p.strip()]
-    if isinstance(v, list | tuple) and all(isinstance(x, str) for x in v):
-        return list(v)
-    raise InvalidValue(f"expected a list of strings or 'a,b', got {v!r}")
-
-
-def _split(v: Any) -> list[float | int]:
-    """Layers per device, llama.cpp order (peers first): [21, 44], "21/44", "21,44"."""
-    if isinstance(v, str):
-        parts = v.replace("/", ",").split(",")
-        try:
-            v = [float(p) if "." in p else int(p) for p in parts if p.strip()]
-        except ValueError:
-            raise InvalidValue(f"expected numbers like [21, 44] or '21/44', got {v!r}") from None
-    if (isinstance(v, list | tuple) and v and all(
-            isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in v)):
-        return list(v)
-    raise InvalidValue(f"expected a list of non-negative numbers, got {v!r}")
-
-
-def _any(v: Any) -> Any:
-    return v
-
-
-# ----------------------------------------------------------------------- ranges and choices
-# A check takes the coerced value and raises InvalidValue saying the valid range.
-
-INT32_MAX = 2**31 - 1
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
-
-
-def _range(lo: float | None = None, hi: float | None = None,
-           special: Mapping[Any, str] | None = None) -> Callable[[Any], None]:
-    """lo <= v <= hi (either end open when None), or one of `special` (value -> meaning)."""
-    special = dict(special or {})
-    if lo is not None and hi is not None:
-        span = f"from {_fmt(lo)} to {_fmt(hi)}"
-    elif lo is not None:
-        span = f"at least {_fmt(lo)}"
-    elif hi is not None:
-        span = f"at most {_fmt(hi)}"
-    else:
-        span = "any finite number"
-    desc = " or ".join([*(f"{_fmt(k)} ({m})" for k, m in special.items()), span])
-
-    def check(v: Any) -> None:
-        if v in special:
-            return
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise InvalidValue(f"must be {desc}; got {v!r}")
-
-    check.desc = desc  # type: ignore[attr-defined]
-    return check
-
-
-def _choice(*choices: str) -> Callable[[Any], None]:
-    def check(v: Any) -> None:
-        if str(v).lower() not in choices:
-            raise InvalidValue(f"must be one of {', '.join(choices)}; got {v!r}")
-
-    check.desc = "one of " + ", ".join(choices)  # type: ignore[attr-defined]
-    return check
-
-
-def _text(max_len: int) -> Callable[[Any], None]:
-    def check(v: Any) -> None:
-        if len(str(v)) > max_len or "\0" in str(v):
-            raise InvalidValue(f"must be text of at most {max_len} characters; got "
-                               f"{len(str(v))}")
-
-    check.desc = f"text of at most {max_len} characters"  # type: ignore[attr-defined]
-    return check
-
-
-def _items(what: str, *, max_items: int = 64, need: str = "") -> Callable[[Any], None]:
-    """A list of at most `max_items` non-empty entries of at most 256 characters, each
-    containing `need` when given (`-ot PATTERN=BUFFER`, `--override-kv KEY=TYPE:VALUE`)."""
-
-    def check(v: Any) -> None:
-        if len(v) > max_items:
-            raise InvalidValue(f"must list at most {max_items} entries; got {len(v)}")
-        for x in v:
-            if not x or len(x) > 256 or any(c.isspace() or c == "\0" for c in x) or (
-                    need and need not in x):
-                raise InvalidValue(f"each entry must be {what} (non-empty, no spaces"
-                                   f"{', with ' + repr(need) if need else ''}); got {x!r}")
-
-    check.desc = (f"at most {max_items} entries, each {what}"  # type: ignore[attr-defined]
-                  + (f" (each with {need!r})" if need else ""))
-    return check
-
-
-def _split_check(v: Any) -> None:
-    if len(v) > 64 or not all(math.isfinite(x) for x in v) or sum(v) <= 0:
-        raise InvalidValue("must be 1 to 64 finite non-negative numbers, not all zero; "
-                           f"got {v!r}")
-
-
-_split_check.desc = "1 to 64 non-negative numbers, not all zero"  # type: ignore[attr-defined]
-
-GGML_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-_PROB = _range(0, 1)
-_NONNEG = _range(0)
-_THREADS = _range(1, 1024, {-1: "auto"})
 
 
 # ---------------------------------------------------------------------------------- the table
@@ -426,204 +269,6 @@ def lookup(key: str) -> KeySpec | None:
 def clamp_chunk(v: Any) -> int:
     n = int(_int(v))
     return max(STATE_CHUNK_MIN, min(STATE_CHUNK_MAX, n))
-
-
-# ----------------------------------------------------------------------------------- the diff
-
-
-@dataclass(frozen=True)
-class TierDiff:
-    """What a CONFIGURE payload changes. `tier` is the highest tier among the changes (None:
-    nothing to do). `refused` (T4 keys whose value differs) and `invalid` make it refused as a
-    whole: nothing is applied."""
-
-    changed: dict[str, Any] = field(default_factory=dict)  # canonical key -> normalised value
-    tiers: dict[str, Tier] = field(default_factory=dict)  # canonical key -> its tier
-    unchanged: tuple[str, ...] = ()
-    unknown: tuple[str, ...] = ()
-    refused: dict[str, str] = field(default_factory=dict)  # key -> why
-    invalid: dict[str, str] = field(default_factory=dict)  # key -> why
-    state_chunk_size_applied: int | None = None
-
-    @property
-    def tier(self) -> Tier | None:
-        return max(self.tiers.values(), default=None)
-
-    @property
-    def ok(self) -> bool:
-        return not self.refused and not self.invalid
-
-    @property
-    def noop(self) -> bool:
-        return not self.changed
-
-    def by_tier(self, tier: Tier) -> dict[str, Any]:
-        return {k: v for k, v in self.changed.items() if self.tiers[k] == tier}
-
-    def error(self) -> str:
-        parts = [f"{k}: {why}" for k, why in {**self.refused, **self.invalid}.items()]
-        return "CONFIGURE refused, nothing applied: " + "; ".join(parts)
-
-
-def canonical(params: Mapping[str, Any], *, check: bool = False
-              ) -> tuple[dict[str, Any], list[str], dict[str, str]]:
-    """(canonical key -> normalised value, unknown keys, invalid key -> why). With `check`,
-    values outside their key's range or choices are invalid too (what a client sends; the
-    engine's own settings are taken as they are)."""
-    out: dict[str, Any] = {}
-    unknown: list[str] = []
-    invalid: dict[str, str] = {}
-    for key, value in params.items():
-        spec = lookup(key)
-        if spec is None:
-            unknown.append(key)
-            continue
-        try:
-            v = spec.coerce(value)
-            if check and spec.check is not None:
-                spec.check(v)
-            out[spec.name] = v
-        except InvalidValue as e:
-            invalid[key] = f"{e} (valid: {spec.valid})" if spec.valid and check and \
-                "must be" not in str(e) else str(e)
-    return out, unknown, invalid
-
-
-def looks_like_path(value: str) -> bool:
-    """A model reference that names a file rather than an alias."""
-    v = value.strip()
-    return ("/" in v or "\\" in v or v.startswith((".", "~")) or v.lower().endswith(".gguf")
-            or v == "")
-
-
-def file_refusal(spec: KeySpec, value: Any) -> str | None:
-    """Why a value that names a file is refused over the wire, or None."""
-    if spec.names_file:
-        return ("names a file: paths are refused over the wire (llama-server, running as "
-                "hydra's user, would open it); set it in the profile and `hydra reload`")
-    if spec.name == "model" and isinstance(value, str) and looks_like_path(value):
-        return ("a path is refused over the wire: name a model alias from the node file "
-                "(`models:`), or set the path in the profile and `hydra reload`")
-    return None
-
-
-def classify(params: Mapping[str, Any], current: Mapping[str, Any]) -> TierDiff:
-    """Diff a CONFIGURE payload against the current settings (canonical keys, as returned by
-    `current_settings`). Pure; `current` keys that are spellings of a table key also count."""
-    chunk: int | None = None
-    invalid: dict[str, str] = {}
-    rest = dict(params)
-    if STATE_CHUNK_KEY in rest:
-        try:
-            chunk = clamp_chunk(rest.pop(STATE_CHUNK_KEY))
-        except InvalidValue as e:
-            invalid[STATE_CHUNK_KEY] = str(e)
-    wanted, unknown, bad = canonical(rest, check=True)
-    invalid.update(bad)
-    have, _, _ = canonical(current)
-    changed: dict[str, Any] = {}
-    tiers: dict[str, Tier] = {}
-    unchanged: list[str] = []
-    refused: dict[str, str] = {}
-    for name, value in wanted.items():
-        spec = BY_NAME[name]
-        if name in have and have[name] == value:
-            unchanged.append(name)
-            continue
-        if spec.tier is Tier.T4:
-            refused[name] = f"{spec.note} (tier T4)"
-            continue
-        why = file_refusal(spec, value)
-        if why is not None:
-            refused[name] = why
-            continue
-        changed[name] = value
-        tiers[name] = spec.tier
-    return TierDiff(changed, tiers, tuple(unchanged), tuple(unknown), refused, invalid, chunk)
-
-
-# --------------------------------------------------------------- profile <-> settings mapping
-
-
-def request_defaults(diff_or_settings: TierDiff | Mapping[str, Any]) -> dict[str, Any]:
-    """The T1 settings as request-body defaults (for Router.set_request_defaults)."""
-    items = (diff_or_settings.changed if isinstance(diff_or_settings, TierDiff)
-             else diff_or_settings)
-    out = {}
-    for name, value in items.items():
-        spec = lookup(name)
-        if spec is not None and spec.target is Target.REQUEST:
-            out[spec.field] = value
-    return out
-
-
-def _server_arg_value(args: Mapping[str, Any], spec: KeySpec) -> tuple[bool, Any]:
-    """Find a setting in a profile's server_args under any of its flag spellings."""
-    for key in (spec.field, spec.name, *spec.aliases):
-        for k in (key, key.replace("_", "-")):
-            if k in args:
-                return True, args[k]
-    return False, None
-
-
-def current_settings(profile: Any, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The canonical settings a profile (config.Profile) and the T1 defaults in force amount to:
-    what `classify` diffs against. Only what the profile states is listed (a key it leaves to
-    llama.cpp's default counts as changed the first time it is sent)."""
-    out: dict[str, Any] = {}
-    for key, value in (defaults or {}).items():
-        spec = lookup(key)
-        if spec is not None and spec.tier is Tier.T1:
-            out[spec.name] = spec.coerce(value)
-    args = getattr(profile, "server_args", {}) or {}
-    for spec in KEYS:
-        if spec.target is Target.SERVER_ARG:
-            found, value = _server_arg_value(args, spec)
-            if found:
-                try:
-                    out[spec.name] = spec.coerce(value)
-                except InvalidValue:
-                    out[spec.name] = value
-    mode = getattr(profile, "mode", None)
-    mode_value = getattr(mode, "value", mode)
-    for name, attr in (("model", "model"), ("tensor_split", "split"), ("rpc", "peers"),
-                       ("n_cpu_moe", "n_cpu_moe"), ("host", "host"), ("port", "port")):
-        value = getattr(profile, attr, None)
-        if value in (None, "", ()):
-            continue
-        if isinstance(value, Mapping):
-            value = list(value.values())
-        if isinstance(value, tuple):
-            value = list(value)
-        out[name] = value
-    if mode_value in ("solo", "combine"):
-        out["split_mode"] = "none" if mode_value == "solo" else "layer"
-    return out
-
-
-def apply_to_profile(profile: Any, changed: Mapping[str, Any]) -> Any:
-    """A new profile (dataclasses.replace) with the T2/T3 settings applied: SERVER_ARG keys go
-    into server_args under their stock flag name, PROFILE keys into their field. T1 keys are
-    not part of a profile (they are request defaults) and are ignored here."""
-    args = dict(getattr(profile, "server_args", {}) or {})
-    fields: dict[str, Any] = {}
-    for name, value in changed.items():
-        spec = lookup(name)
-        if spec is None or spec.tier in (Tier.T1, Tier.T4):
-            continue
-        if spec.target is Target.SERVER_ARG:
-            for key in (spec.field, spec.name, *spec.aliases):
-                args.pop(key, None)
-                args.pop(key.replace("_", "-"), None)
-            args[spec.field] = value
-        elif spec.name == "split_mode":
-            fields["mode"] = type(profile.mode)("solo" if value == "none" else "combine")
-        elif spec.name in ("tensor_split", "rpc", "device"):
-            fields[spec.field] = (value[0] if spec.name == "device" and value
-                                  else tuple(value))
-        else:
-            fields[spec.field] = value
-    return replace(profile, server_args=args, **fields)
 
 
 def table_rows() -> Iterable[tuple[str, str, str, str, str]]:
