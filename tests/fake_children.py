@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor.config.config import HealthPolicy, PeerLoss, RestartPolicy
+from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, RestartPolicy
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
 from hydra_supervisor.proc import process

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.config.config import Mode, PeerLoss, load_node, load_profile
+from hydra_supervisor.config.config import load_node, load_profile
+from hydra_supervisor.config.profile import Mode, PeerLoss
 from hydra_supervisor.config.yamlsrc import load_text
 from hydra_supervisor.errors import ConfigError
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor.config.config import Profile
+from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.devices import Device, Kind

@@ -131,7 +131,7 @@ def test_directory_as_model_says_directory(hydra_env, tmp_path):
 
 
 def test_directory_in_node_models_map(tmp_path):
-    from hydra_supervisor.config.config import Node
+    from hydra_supervisor.config.profile import Node
 
     node = Node(source="node.yaml", devices={}, models={"big": str(tmp_path)})
     with pytest.raises(HydraError, match="model 'big' is a directory.*from node.yaml"):

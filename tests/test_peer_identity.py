@@ -22,7 +22,7 @@ import pytest
 from rich.console import Console
 
 from hydra_supervisor.cli import doctor
-from hydra_supervisor.config.config import DeviceDecl, Node
+from hydra_supervisor.config.profile import DeviceDecl, Node
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import layout
 from hydra_supervisor.plan.plan import EngineSpec, Plan, Role

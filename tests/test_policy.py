@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor.config.config import HealthPolicy, PeerLoss, RestartPolicy
+from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, RestartPolicy
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.proc.managed import ManagedProcess, State
 from hydra_supervisor.proc.state import StateDir

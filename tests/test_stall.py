@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.config.config import HealthPolicy, PeerLoss
+from hydra_supervisor.config.profile import HealthPolicy, PeerLoss
 from hydra_supervisor.proc.managed import State
 from hydra_supervisor.router.gate import Gate
 from tests.fake_children import Behaviour, FakeChild, FakeWorld, deployment

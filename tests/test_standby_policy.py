@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor.config.config import Mode, Profile
+from hydra_supervisor.config.profile import Mode, Profile
 from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import EngineSpec, Placement, Plan, Role, RouterSpec

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.config.config import RestartPolicy
+from hydra_supervisor.config.profile import RestartPolicy
 from hydra_supervisor.plan.deployment import load_timeout_for
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.proc.backoff import Backoff

@@ -30,13 +30,8 @@ import requests
 
 from hydra_supervisor.cli import benchplot
 from hydra_supervisor.cli.clickutil import exits_2
-from hydra_supervisor.config.config import (
-    Mode,
-    find_node_file,
-    find_profile,
-    load_node,
-    load_profile,
-)
+from hydra_supervisor.config.config import find_node_file, find_profile, load_node, load_profile
+from hydra_supervisor.config.profile import Mode
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import client_host
 

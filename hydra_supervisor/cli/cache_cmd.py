@@ -39,13 +39,8 @@ _profiles_dir = click.option("--profiles-dir", default=None, help="extra directo
 def _targets(models: tuple[str, ...], cache_dir: Path | None, profile: str | None,
              node_file: str | None, profiles_dir: str | None) -> tuple[list[Path], Path]:
     from hydra_supervisor.config import models as model_refs
-    from hydra_supervisor.config.config import (
-        Mode,
-        find_node_file,
-        find_profile,
-        load_node,
-        load_profile,
-    )
+    from hydra_supervisor.config.config import find_node_file, find_profile, load_node, load_profile
+    from hydra_supervisor.config.profile import Mode
 
     node = load_node(find_node_file(node_file))
     env: dict[str, str] = dict(os.environ)

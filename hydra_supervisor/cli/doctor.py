@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.text import Text
 
 from hydra_supervisor.config import models
-from hydra_supervisor.config.config import Node, find_node_file, load_node
+from hydra_supervisor.config.config import find_node_file, load_node
+from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import devices
 from hydra_supervisor.plan.ports import self_connected

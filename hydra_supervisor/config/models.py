@@ -11,7 +11,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor.config.config import Node
+from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
 
 GEMMA_ALIAS = "gemma3-270m"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor.config.config import HealthPolicy, PeerLoss, Profile, RestartPolicy
+from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, Profile, RestartPolicy
 from hydra_supervisor.plan import layout
 from hydra_supervisor.plan.plan import EngineSpec, Plan, Role
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from hydra_supervisor.config.config import Node
+from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
 
 MIB = 1024 * 1024

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from hydra_supervisor.config.config import RestartPolicy
+from hydra_supervisor.config.profile import RestartPolicy
 
 
 @dataclass(frozen=True)

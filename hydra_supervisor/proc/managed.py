@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor.config.config import RestartPolicy
+from hydra_supervisor.config.profile import RestartPolicy
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.proc import logfiles, process
 from hydra_supervisor.proc.backoff import Backoff

@@ -41,7 +41,7 @@ import logging
 import os
 from typing import Any
 
-from hydra_supervisor.config.config import PeerLoss
+from hydra_supervisor.config.profile import PeerLoss
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.plan import Role
 from hydra_supervisor.proc import process

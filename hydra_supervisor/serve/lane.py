@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 
-from hydra_supervisor.config.config import Profile
+from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.ports import client_host

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from hydra_supervisor.config.config import Profile
+from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import plandiff
 from hydra_supervisor.plan.deployment import Deployment
