@@ -24,7 +24,7 @@ from typing import Any
 import requests
 
 from hydra_supervisor.plan import devices
-from hydra_supervisor.runtime.metrics import heads_from_snapshot
+from hydra_supervisor.runtime.metrics_heads import heads_from_snapshot
 
 log = logging.getLogger("hydra.dashboard")
 
