@@ -13,6 +13,10 @@ reason is in status.json and hydra.log); 2 bad input before anything started.
 Every external port is watched on the loop (portwatch.py): a router whose acceptor is not
 running makes the port's state "port down" (status, STATUS=, metrics; `hydra status` exits 1)
 and is stopped and started again.
+
+This module is the Daemon's run loop, signals and port watch; its control routes and actions
+(switch, restart, reload) are daemon_actions.py, what it says about itself (status.json,
+STATUS=) daemon_status.py. The Daemon's methods of the same names delegate to them.
 """
 
 from __future__ import annotations
@@ -28,27 +32,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor.config.config import (
-    Profile,
-    find_node_file,
-    find_profile,
-    known_profiles,
-    load_node,
-    load_profile,
-)
+from hydra_supervisor.config.config import known_profiles
 from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import deployment
-from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.proc import gpumem
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.runtime import control, control_client, exits, metrics, notify
+from hydra_supervisor.runtime import (
+    control,
+    control_client,
+    daemon_actions,
+    daemon_status,
+    exits,
+    metrics,
+    notify,
+)
+from hydra_supervisor.runtime.daemon_actions import slot_dir as slot_dir  # hydra up's
 from hydra_supervisor.serve import portwatch
 from hydra_supervisor.serve.engine_wire import EngineWire
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import Busy, RestartFailed, SwitchTimeouts
+from hydra_supervisor.serve.reports import SwitchTimeouts
 from hydra_supervisor.serve.snapshot import Snapshot
 from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
@@ -67,13 +71,6 @@ Presenter = Callable[['Daemon'], Coroutine[Any, Any, None]]
 
 def socket_path(state: StateDir) -> Path:
     return control_client.socket_path(state.root)
-
-
-def slot_dir(state: StateDir) -> Path:
-    """Where heads save KV slots (--slot-save-path): the wire protocol's STATE_* ops."""
-    path = state.root / "slots"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @dataclass
@@ -133,8 +130,7 @@ class Daemon:
         self.switch_log: list[dict[str, Any]] = []
         # Reloads: one runs at a time; those asked for meanwhile share one run after it
         # (it reads the files when it starts: the last edit wins).
-        self._reload_last: asyncio.Task[dict[str, Any]] | None = None
-        self._reload_next: asyncio.Task[dict[str, Any]] | None = None
+        self.reloads = daemon_actions.Reloads(lambda: daemon_actions.run_reload(self))
         self.last_change_error: str | None = None  # a reload refused before it ran (STATUS=)
 
     # -- what it serves ---------------------------------------------------------------------------
@@ -177,39 +173,8 @@ class Daemon:
 
     def legacy_status(self, snap: dict[str, Any]) -> dict[str, Any]:
         """The one-row view (`status` in `hydra status --json`, and status.json), from the
-        snapshot just taken."""
-        if self.by_model:
-            return self._fleet_status(snap)
-        e = snap["engines"][0]
-        return {"pid": os.getpid(), "profile": e["profile"], "source": e["source"],
-                "mode": e["mode"], "model": e["model"], "url": e["url"], "state": e["state"],
-                "down": e["down"],
-                "fatal": e["fatal"], "degraded": e["degraded"], "updated": time.time(),
-                "stopped": self.ended,
-                "unkillable": list(self.unkillable), "engines": e["processes"]}
-
-    def _fleet_status(self, snap: dict[str, Any]) -> dict[str, Any]:
-        """status.json of a node serving several profiles: every profile's processes."""
-        rows = snap["engines"]
-        words = {r["profile"]: r["state"] for r in rows}
-        serving = [n for n, st in words.items() if st in ("serving", "degraded", "recovering")]
-        down = [d for f in snap["fleets"] if (d := f["down"])]
-        return {"pid": os.getpid(), "profile": ",".join(words), "source": "-",
-                "mode": "profiles", "model": None,
-                "url": ", ".join(p.url for p in self.by_model),
-                "state": "port down" if down else "serving" if serving else "idle",
-                "down": "; ".join(down) or None, "fatal": None, "degraded": None,
-                "updated": time.time(), "stopped": self.ended, "profiles": words,
-                "unkillable": list(self.unkillable),
-                "engines": [p for r in rows for p in r["processes"]]}
-
-    def _lane_named(self, profile: str) -> Lane:
-        for p in self.by_model:
-            if profile in p.lanes:
-                return p.lanes[profile]
-        served = ", ".join(lane.name for lane in self.lanes())
-        raise HydraError(f"profile {profile} is not served by this hydra (it serves {served}); "
-                         "the set of profiles is fixed at `hydra up -p A -p B ...`")
+        snapshot just taken (daemon_status.py)."""
+        return daemon_status.legacy_status(self, snap)
 
     def _published(self) -> dict[str, Any]:
         """A snapshot for another thread: taken on the loop (fresh within 0.5 s)."""
@@ -227,23 +192,9 @@ class Daemon:
         self.notifier.status(self._status_line(snap))
 
     def _status_line(self, snap: dict[str, Any]) -> str:
-        """systemd's STATUS=: the snapshot, and the last change that failed (until one works)."""
-        text = notify.status_text(snap)
-        why = self.last_change_error or self._change_failed()
-        if why:
-            text = f"{text}; last change failed: {why}"
-        return text
-
-    def _change_failed(self) -> str | None:
-        """The error of a lane's last change (switch, reload, CONFIGURE, restart) when it
-        failed; a later change that works clears it."""
-        records = [*(lane.switches for lane in self.lanes()),
-                   *(p.reports for p in self.ports if not p.lanes)]
-        for done in records:
-            rep = done[-1] if done else None
-            if rep is not None and rep.result in ("rolled_back", "failed"):
-                return f"{rep.to}: {rep.error}"
-        return None
+        """systemd's STATUS=: the snapshot, and the last change that failed (until one works;
+        daemon_status.py)."""
+        return daemon_status.status_line(self, snap)
 
     def _on_request(self, rec: dict[str, Any]) -> None:
         """The router's per-request record (a router thread): counted in the metrics,
@@ -300,238 +251,28 @@ class Daemon:
             except Exception:  # a bug here must not end the watch (nor hydra)
                 log.exception("port watch failed; checking again in %.1fs", portwatch.CHECK_S)
 
-    # -- control routes -------------------------------------------------------------------------
+    # -- control routes and actions (daemon_actions.py) -----------------------------------------
 
     def routes(self) -> dict[tuple[str, str], control.Handler]:
-        return {("GET", "/status"): self._r_status, ("POST", "/switch"): self._r_switch,
-                ("POST", "/restart"): self._r_restart, ("POST", "/reload"): self._r_reload,
-                ("POST", "/down"): self._r_down}
-
-    async def _r_status(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        snap = self.snapshot()
-        return 200, {"running": True, "supervisor": self.state.running_supervisor(),
-                     "status": self.legacy_status(snap), "daemon": snap}
-
-    async def _guard(self, coro: Coroutine[Any, Any, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-        try:
-            return 200, await coro
-        except Busy as exc:
-            return 409, {"error": str(exc)}
-        except RestartFailed as exc:  # not bad input: it failed (exit 1), hydra serves on
-            return 500, {"error": str(exc)}
-        except HydraError as exc:
-            return 400, {"error": str(exc)}
-
-    async def _r_switch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        name = body.get("profile")
-        if not isinstance(name, str) or not name:
-            return 400, {"error": "switch needs a profile name"}
-        return await self._guard(self.switch(name, body.get("profiles_dir")))
-
-    async def _r_restart(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        return await self._guard(self.restart(str(body.get("engine", ""))))
+        return daemon_actions.routes(self)
 
     async def restart(self, name: str) -> dict[str, Any]:
         """`hydra restart NAME`: the lane running that process restarts it."""
-        for lane in self.lanes():
-            if lane.sup is not None and any(p.name == name for p in lane.sup.procs):
-                return await lane.restart(name)
-        single = self.single
-        if single is not None and single.only() is not None:
-            return await single.lanes[next(iter(single.lanes))].restart(name)  # names them
-        if single is not None:
-            raise HydraError("no profile is running on this hydra: nothing to restart")
-        running = [p.name for lane in self.lanes() if lane.sup is not None
-                   for p in lane.sup.procs]
-        raise HydraError(f"no running process '{name}'; running: {', '.join(running) or 'none'}")
-
-    async def _r_reload(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        return await self._guard(self.reload())
-
-    async def _r_down(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        self.request_stop("hydra down")
-        return 200, {"stopping": True, "pid": os.getpid()}
-
-    # -- actions ------------------------------------------------------------------------------
-
-    def _prepare(self, profile: str, profiles_dir: str | None,
-                 name: str | None = None) -> Deployment:
-        """Validate and plan on the single port's own address; ports of the running layout
-        kept. `name`: the profile keeps this name whatever its file says now (a reload)."""
-        port = self.single
-        assert port is not None
-        lane = port.only()
-        running = lane.dep.plan if lane is not None and lane.sup is not None else None
-        keep_name = {"profile": name} if name else {}
-        return deployment.prepare(
-            profile, node_file=self.opts.node_file,
-            profiles_dir=profiles_dir or self.opts.profiles_dir,
-            overrides={"host": port.host, "port": port.port, **keep_name}, keep=running,
-            external=port.port, slot_dir=slot_dir(self.state))
+        return await daemon_actions.restart(self, name)
 
     async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
-        port = self.single
-        if port is None:
-            report = await self.node.activate(self._lane_named(profile))
-            done = report.to_json()
-            if report.result != "noop":
-                self.switch_log = [*self.switch_log[-19:], {**done, "at": time.time()}]
-            return done
-        if port.standby is not None and port.standby.ready_for(profile):
-            report = await port.standby.flip()  # instant: nothing to plan, nothing restarts
-            self.opts.profile = report.to
-            return report.to_json()
-        lane = port.only()
-        if lane is not None and lane.lock.locked():
-            raise Busy(f"a switch is already running (to {lane.switching}); "
-                       "try again when it is done")
-        t0 = time.monotonic()
-        # Planning reads files and probes ports: off the loop, so status stays live.
-        dep = await asyncio.to_thread(self._prepare, profile, profiles_dir)
-        plan_s = time.monotonic() - t0
-        self._check_servable(port, dep)
-        report = await port.switch_to(dep)
-        report.phases = {"plan": plan_s, **report.phases}
-        report.total_s += plan_s
-        self.opts.profile = profile if report.result == "ok" else self.opts.profile
-        return report.to_json()
+        return await daemon_actions.switch(self, profile, profiles_dir)
 
-    @staticmethod
-    def _check_servable(port: Port, dep: Deployment) -> None:
-        """Refuse, before anything stops, a layout this port cannot run: a `router: false`
-        profile (its llama-server would bind the port the router holds), or a profile with a
-        router on a port whose llama-server binds it itself."""
-        if port.use_router and dep.plan.router is None:
-            raise HydraError(
-                f"profile {dep.profile} has `router: false` (llama-server binds the external "
-                f"port itself), but this hydra's router holds port {port.port}: it cannot be "
-                "switched to, reloaded into or served beside other profiles; remove "
-                f"`router: false`, or stop hydra and start it with `hydra up -p {dep.profile}`")
-        if not port.use_router and dep.plan.router is not None:
-            raise HydraError("this hydra was started with `router: false` (llama-server binds "
-                             "the external port itself); switching to a profile with a router "
-                             "needs a restart of hydra")
+    _check_servable = staticmethod(daemon_actions.check_servable)
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the running profile and apply the difference as a switch (none: no-op).
         Asked for while one runs: it runs once after it, for every caller who asked
         meanwhile (they all get its reply)."""
-        nxt = self._reload_next
-        if nxt is not None and not nxt.done():
-            return await asyncio.shield(nxt)  # coalesced: it has not read the files yet
-        before = self._reload_last if self._reload_last is not None \
-            and not self._reload_last.done() else None
-        task = asyncio.ensure_future(self._reload_after(before))
-        self._reload_last = task
-        if before is not None:
-            self._reload_next = task
-            log.info("reload: one is running; this one runs after it")
-        return await asyncio.shield(task)
-
-    async def _reload_after(self, before: asyncio.Task[dict[str, Any]] | None
-                            ) -> dict[str, Any]:
-        if before is not None:
-            await asyncio.gather(before, return_exceptions=True)
-        if self._reload_next is asyncio.current_task():
-            self._reload_next = None  # reads the files from now on: later edits need a new run
-        try:
-            res = await self._reload_once()
-        except HydraError as exc:
-            self.last_change_error = f"reload: {exc}"
-            self._changed()
-            raise
-        self.last_change_error = None  # planned: a failed start is in the lane's report
-        self._changed()
-        return res
+        return await self.reloads.ask()
 
     async def _reload_once(self) -> dict[str, Any]:
-        port = self.single
-        if port is None:
-            return await self._reload_lanes()
-        lane = port.only()
-        if lane is None or lane.sup is None:
-            return {"result": "noop", "reason": "no profile is loaded"}
-        ref = lane.dep.plan.source
-        name = lane.name
-        new = await asyncio.to_thread(self._prepare, ref, None, name)  # the name stays
-        skipped = await asyncio.to_thread(self._not_applied, ref, name, port.host, port.port)
-        self._check_servable(port, new)
-        report = await lane.apply(new)
-        if skipped:
-            log.warning("reload of %s: not applied: %s", name, "; ".join(skipped))
-        if report.result == "noop":
-            log.info("reload: %s is unchanged; nothing to do", ref)
-            return {"to": new.profile, "result": "noop", "not_applied": skipped,
-                    "reason": "nothing it can apply changed" if skipped
-                    else "profile unchanged", "notes": [f"not applied: {k}" for k in skipped]}
-        out = report.to_json()
-        out["not_applied"] = skipped
-        out["notes"] = [*out.get("notes", []), *(f"not applied: {k}" for k in skipped)]
-        return out
-    def _not_applied(self, ref: str, name: str, host: str, port: int) -> list[str]:
-        """Keys of the re-read profile a running hydra cannot apply: its name and its
-        external address (host, port) stay as they are; each is named with what it says."""
-        try:
-            prof: Profile = load_profile(find_profile(ref, self.opts.profiles_dir),
-                                         load_node(find_node_file(self.opts.node_file)),
-                                         self.opts.overrides)
-        except HydraError:
-            return []  # the plan above read it; a race with an edit is not worth a failure
-        out = []
-        if prof.name != name:
-            out.append(f"profile: the file now names it {prof.name!r}; it keeps running as "
-                       f"{name!r} (a running profile's name is fixed: restart hydra or "
-                       f"`hydra switch {ref}` to take the new name)")
-        if prof.port not in (0, port):
-            out.append(f"port: the file says {prof.port}; hydra keeps serving on {port} (a "
-                       "running hydra's external address never changes: restart hydra to "
-                       "move it)")
-        if prof.host != host:
-            out.append(f"host: the file says {prof.host}; hydra keeps {host} (restart hydra "
-                       "to move it)")
-        return out
-
-    async def _reload_lanes(self) -> dict[str, Any]:
-        """Re-read every profile of the ports that route by model; a serving lane whose plan
-        changed restarts what changed (plandiff), a stopped one uses the new plan at its next
-        load."""
-        done: dict[str, str] = {}
-        errors: list[str] = []
-        skipped: list[str] = []
-        for p in self.by_model:
-            for lane in list(p.lanes.values()):
-                skip = await asyncio.to_thread(self._not_applied, lane.dep.plan.source,
-                                               lane.name, p.host, p.port)
-                skipped += [f"{lane.name}: {k}" for k in skip]
-                try:
-                    new = await asyncio.to_thread(self._prepare_lane, p, lane)
-                    if new is not None:
-                        done[lane.name] = await p.replace(lane, new)
-                except HydraError as exc:  # one profile's failure leaves the others' reload
-                    done[lane.name] = f"failed, rolled back: {exc}"
-                    errors.append(f"{lane.name}: {exc}")
-        if skipped:
-            log.warning("reload: not applied: %s", "; ".join(skipped))
-        if not done:
-            return {"result": "noop", "not_applied": skipped,
-                    "reason": "nothing it can apply changed" if skipped
-                    else "profiles unchanged"}
-        log.info("reload: %s", "; ".join(f"{k}: {v}" for k, v in done.items()))
-        return {"result": "rolled_back" if errors else "ok", "reloaded": done,
-                "error": "; ".join(errors) or None, "not_applied": skipped}
-
-    def _prepare_lane(self, p: Port, lane: Lane) -> tuple[Profile, Deployment] | None:
-        dep = deployment.prepare(lane.dep.plan.source, node_file=self.opts.node_file,
-                                 profiles_dir=self.opts.profiles_dir,
-                                 overrides={"host": p.host, "port": p.port,
-                                            "profile": lane.name},  # its name is fixed
-                                 keep=lane.dep.plan, external=p.port,
-                                 slot_dir=slot_dir(self.state),
-                                 reserved=self.node.planned_ports(but=lane))
-        prof = dep.layout.profile if dep.layout is not None else lane.profile
-        if prof is None:
-            return None
-        return (prof, dep) if p.differs(lane, prof, dep) else None
+        return await daemon_actions.reload_once(self)
 
     def request_stop(self, reason: str) -> None:
         if not self.stop_event.is_set():
