@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hydra_supervisor.tools import rpccache, synth  # noqa: E402
+from hydra_supervisor.tools import rpccache, rpchash, synth  # noqa: E402
 from hydra_supervisor.tools.install import BuildOptions, bin_dir  # noqa: E402
 from tests.helpers_synth import running_server  # noqa: E402
 from tests.test_rpccache import CountingRelay, _free_port, _wait_port  # noqa: E402
@@ -83,10 +83,10 @@ def main() -> None:
         t0 = time.monotonic()
         rpccache.tensor_extents(model)
         header_s = time.monotonic() - t0
-        arr = rpccache._mapped(str(model))
+        arr = rpchash._mapped(str(model))
         t0 = time.monotonic()
         for e in plan.entries:
-            rpccache._hash_extent(arr, e.offset, e.size)
+            rpchash._hash_extent(arr, e.offset, e.size)
         hash_s = time.monotonic() - t0
         del arr
         t0 = time.monotonic()
@@ -94,7 +94,7 @@ def main() -> None:
         plan_s = time.monotonic() - t0
         print(f"model {size / MB:.0f} MB, {plan.tensors} of {plan.tensors_total} tensors over "
               f"10 MiB ({plan.bytes / MB:.0f} MB)")
-        print(f"hash (FNV-1a 64, {'C' if rpccache._build_native() else 'pure Python'}, page "
+        print(f"hash (FNV-1a 64, {'C' if rpchash._build_native() else 'pure Python'}, page "
               f"cache warm): {hash_s:.2f} s, {plan.bytes / MB / hash_s:.0f} MB/s; GGUF header "
               f"parse {header_s:.2f} s; plan() with no memo {plan_s:.2f} s")
         (tmp / "memo").rename(tmp / "memo.2")

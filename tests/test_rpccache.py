@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.tools import rpccache, synth
+from hydra_supervisor.tools import rpccache, rpchash, synth
 from hydra_supervisor.tools.install import BuildOptions, bin_dir
 from tests.helpers_synth import llama_server_bin, log_tail, running_server
 
@@ -34,7 +34,8 @@ PORT_DEADLINE_S = 30.0
 def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     # The hash memo and the compiled hash live under hydra's cache dir: one per test session.
     own = tmp_path_factory.getbasetemp() / "hydra-rpccache"
-    monkeypatch.setattr(rpccache, "_own_dir", lambda: own)
+    monkeypatch.setattr(rpccache, "_own_dir", lambda: own)  # the memo
+    monkeypatch.setattr(rpchash, "_own_dir", lambda: own)  # the compiled hash
 
 
 def _vocab_or_skip() -> None:
@@ -49,13 +50,13 @@ def _vocab_or_skip() -> None:
 
 def test_fnv1a64_vectors_and_chaining() -> None:
     # Published FNV-1a 64 test vectors.
-    assert rpccache.fnv1a64(b"") == 0xCBF29CE484222325
-    assert rpccache.fnv1a64(b"a") == 0xAF63DC4C8601EC8C
-    assert rpccache.fnv1a64(b"foobar") == 0x85944171F73967E8
+    assert rpchash.fnv1a64(b"") == 0xCBF29CE484222325
+    assert rpchash.fnv1a64(b"a") == 0xAF63DC4C8601EC8C
+    assert rpchash.fnv1a64(b"foobar") == 0x85944171F73967E8
     data = np.random.default_rng(1).integers(0, 256, 50_000, dtype=np.uint8)
-    whole = rpccache.fnv1a64(data)
-    assert whole == rpccache.fnv1a64_py(data.tobytes())
-    assert rpccache.fnv1a64(data[20_000:], rpccache.fnv1a64(data[:20_000])) == whole
+    whole = rpchash.fnv1a64(data)
+    assert whole == rpchash.fnv1a64_py(data.tobytes())
+    assert rpchash.fnv1a64(data[20_000:], rpchash.fnv1a64(data[:20_000])) == whole
     assert rpccache.cache_file_name(0xAB) == "00000000000000ab"
 
 
@@ -85,7 +86,7 @@ def test_prefill_writes_hash_files_once(tmp_path: Path, monkeypatch: pytest.Monk
         assert e.size > 10_000
         body = (cdir / e.file_name).read_bytes()
         assert body == raw[e.offset:e.offset + e.size]
-        assert rpccache.fnv1a64(body) == e.hash
+        assert rpchash.fnv1a64(body) == e.hash
     assert sorted(os.listdir(cdir)) == sorted(plan.unique())  # no temp file left behind
 
     again = rpccache.prefill(model, cdir)
