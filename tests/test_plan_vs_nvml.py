@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hydra_supervisor.config.config import Mode, MoeSplit, Profile, Transport
-from hydra_supervisor.plan import resolver
+from hydra_supervisor.config.profile import Mode, MoeSplit, Profile, Transport
+from hydra_supervisor.plan import placement, resolver
 from hydra_supervisor.plan.devices import MIB, Device, Kind
 from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
 from hydra_supervisor.tools import synth
@@ -119,7 +119,7 @@ def test_the_old_flat_estimate_fell_short_on_the_split_peer(models: dict[str, Mo
     for layout in ("dense local", "moe local layers"):
         plan = plan_for(layout, models)
         first = plan.placements[0]
-        assert first.weight_bytes + first.kv_bytes + resolver.GPU_OVERHEAD < (
+        assert first.weight_bytes + first.kv_bytes + placement.GPU_OVERHEAD < (
             MEASURED[layout][2][1] * MIB) <= first.need_bytes
 
 

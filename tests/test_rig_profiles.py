@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from hydra_supervisor.config.config import load_node
-from hydra_supervisor.plan import resolver
+from hydra_supervisor.plan import placement
 from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
 from hydra_supervisor.tools import synth
 
@@ -270,10 +270,10 @@ def test_dense_combine_placements_bytes(rig: Rig, dense: ModelInfo, transport: s
     assert peer["kv_bytes"] / MIB == pytest.approx(kv_mib(dense, 60000, 25), abs=1)
     assert head["kv_bytes"] / MIB == pytest.approx(kv_mib(dense, 60000, 39), abs=1)
     # buffers: CUDA context + compute (ubatch 512): the head's holds 512 x 248,320 logits, the
-    # peer's the pipeline copies of a split's first device (resolver.gpu_overhead)
+    # peer's the pipeline copies of a split's first device (placement.gpu_overhead)
     act = 512 * 4 * (5120 + 22784)
-    assert head["overhead_bytes"] == resolver.CUDA_CONTEXT + 3 * act + 512 * 4 * VOCAB
-    assert peer["overhead_bytes"] == resolver.CUDA_CONTEXT + 10 * act
+    assert head["overhead_bytes"] == placement.CUDA_CONTEXT + 3 * act + 512 * 4 * VOCAB
+    assert peer["overhead_bytes"] == placement.CUDA_CONTEXT + 10 * act
     for p in (peer, head):
         need = p["weight_bytes"] + p["kv_bytes"] + p["overhead_bytes"]
         assert need <= p["free_bytes"]
@@ -453,7 +453,7 @@ def test_rig_combine_plans_fit_the_16gb_and_12gb_cards(rig: Rig, profile: str,
     for p in gpus:
         need = p["weight_bytes"] + p["kv_bytes"] + p["overhead_bytes"]
         assert need <= USABLE_MIB[p["device"]] * MIB, (p["device"], need / MIB)
-        assert p["overhead_bytes"] >= resolver.CUDA_CONTEXT
+        assert p["overhead_bytes"] >= placement.CUDA_CONTEXT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,18 +16,45 @@ the peers first and the head last. A local layer split keeps that order (peers' 
 CUDA_VISIBLE_DEVICES), so a profile's `split` puts the same layers on the same cards under either
 transport. With a CPU head the CPU is not an offload device: `-ngl N` puts the *last* N blocks on
 the RPC devices and the rest stays on the head's CPU.
+
+This module is the table: resolve() checks a profile's devices and builds the head of each cell
+(and resolve_peer_engine() a mode: peer host's one ggml-rpc-server). Its parts: placement.py (the
+memory arithmetic and the layer split), peers.py (devices, peer engines, the choice of transport
+and moe_split), combine.py (the COMBINE layouts' flags and placements, the expert pattern).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
 
-from hydra_supervisor.config.config import Mode, MoeSplit, Profile, Transport
+from hydra_supervisor.config.profile import Mode, MoeSplit, Profile, Transport
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.argv import server_flags
-from hydra_supervisor.plan.devices import MIB, Device, Kind
+from hydra_supervisor.plan.combine import (
+    _dense_combine,
+    _local_head,
+    _moe_combine,
+)
+from hydra_supervisor.plan.combine import (
+    expert_pattern as expert_pattern,  # re-exported: tests/test_resolver_golden.py uses it here
+)
+from hydra_supervisor.plan.devices import Device, Kind
+from hydra_supervisor.plan.peers import (
+    PEER_BIND,
+    _base_env,
+    _device,
+    _peer_spec,
+    _pin_env,
+    choose_moe_split,
+    choose_transport,
+)
+from hydra_supervisor.plan.placement import (
+    Model,
+    _check_fit,
+    _ctx,
+    _kv_type_bytes,
+    _solo_placements,
+)
 from hydra_supervisor.plan.plan import (
     EngineSpec,
     ModelKind,
@@ -39,355 +66,8 @@ from hydra_supervisor.plan.plan import (
     RouterSpec,
 )
 
-PEER_BIND = "127.0.0.1"
-# What a GPU holds besides weights and KV (not in the GGUF): the process's CUDA context (CUDA
-# runtime, cuBLAS, the kernels loaded) and llama.cpp's compute buffers, estimated in
-# gpu_overhead(). Constants from NVML per-process memory on H200s (docs/measurements.md).
-CUDA_CONTEXT = 704 * MIB  # seen: 592-699 MiB per process and GPU
-GPU_OVERHEAD = 768 * MIB  # the estimate for a model whose shape is unknown (test stand-ins)
-CPU_OVERHEAD = 256 * MIB
-SAFETY = 0.05  # keep 5% of each device's free memory unplanned
-DEFAULT_UBATCH = 512
-EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_([a-z_]+?)_exps\.weight$")
-
-
-class Model(Protocol):
-    """What the resolver needs from hydra_supervisor.plan.modelinfo.ModelInfo."""
-
-    @property
-    def block_count(self) -> int: ...
-    @property
-    def context_length(self) -> int: ...
-    @property
-    def expert_count(self) -> int: ...
-    @property
-    def is_moe(self) -> bool: ...
-    def layer_bytes(self) -> list[int]: ...
-    def expert_bytes_per_layer(self) -> list[int]: ...
-    def non_layer_bytes(self) -> int: ...
-    def output_bytes(self) -> int: ...
-    def tensor_names(self) -> list[str]: ...
-    def kv_bytes_per_token(self, type_bytes: float = 2.0) -> int: ...
-
-
-def _pin_env(dev: Device | Sequence[Device]) -> tuple[tuple[str, str], ...]:
-    devs = [dev] if isinstance(dev, Device) else list(dev)
-    cuda = [str(d.cuda_index) for d in devs if d.kind is Kind.CUDA]
-    # An empty CUDA_VISIBLE_DEVICES hides every GPU, so a CPU engine of a CUDA build stays on CPU.
-    return (("CUDA_VISIBLE_DEVICES", ",".join(cuda)),)
-
-
-def _base_env(profile: Profile) -> tuple[tuple[str, str], ...]:
-    # ggml runs gdb for a backtrace on abort when gdb exists; that delays a dead head's exit.
-    env = {"GGML_NO_BACKTRACE": "1", **profile.env}
-    return tuple(env.items())
-
-
-def _ctx(profile: Profile, model: Model) -> int:
-    for key in ("ctx-size", "c"):
-        val = profile.server_args.get(key)
-        if isinstance(val, int) and val > 0:
-            return val
-    return model.context_length or 4096
-
-
-def _kv_type_bytes(profile: Profile) -> float:
-    sizes = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625,
-             "q4_1": 0.625, "q5_0": 0.6875, "q5_1": 0.75, "iq4_nl": 0.5625}
-    types = [str(profile.server_args.get(k, "f16")) for k in ("cache-type-k", "cache-type-v")]
-    return sum(sizes.get(t, 2.0) for t in types) / 2
-
-
-def _ubatch(profile: Profile) -> int:
-    for key in ("ubatch-size", "ub"):
-        val = profile.server_args.get(key)
-        if isinstance(val, int) and val > 0:
-            return val
-    return DEFAULT_UBATCH
-
-
-# llama.cpp's compute buffer per GPU, in units of one ubatch of activations (ubatch x 4 bytes x
-# (n_embd + FFN width; x experts used for MoE)): the device with the output layer also holds the
-# logits (ubatch x n_vocab f32); a non-output device of a multi-GPU layer split holds pipeline
-# copies of its inputs (llama.cpp keeps 4); a device of expert tensors only, the expert
-# activations. Where weights stay in host RAM, llama.cpp copies the one a large batch needs to
-# the GPU: the largest block tensor more. Fitted to NVML on H200s (docs/measurements.md: measured
-# 24-228 MiB of compute buffers, planned 0.4-7% above what the GPUs held).
-COMPUTE_OUTPUT = 3
-COMPUTE_SPLIT = 10
-COMPUTE_EXPERTS = 4
-
-
-def model_shape(model: Model) -> tuple[int, int, int, int]:
-    """(n_embd, n_vocab, FFN activations per token, largest block tensor's bytes), read off the
-    tensor shapes (ggml order); zeros for a stand-in without tensors (flat GPU_OVERHEAD)."""
-    n_embd = int(getattr(model, "n_embd", 0) or 0)
-    used = max(int(getattr(model, "expert_used_count", 0) or 0), 1)
-    n_vocab = ffn = largest = 0
-    for t in getattr(model, "tensors", ()):
-        if t.layer is not None:
-            largest = max(largest, t.n_bytes)
-        if len(t.shape) < 2:
-            continue
-        if t.name in ("output.weight", "token_embd.weight"):
-            n_vocab = max(n_vocab, t.shape[1])
-        elif t.name.endswith((".ffn_up.weight", ".ffn_up_shexp.weight")):
-            ffn = max(ffn, t.shape[1])
-        elif t.name.endswith((".ffn_up_exps.weight", ".ffn_gate_up_exps.weight")):
-            ffn = max(ffn, t.shape[1] * used)
-    return n_embd, n_vocab, ffn, largest
-
-
-def gpu_overhead(model: Model, profile: Profile, *, output: bool, split: bool = False,
-                 host_weights: bool = False) -> int:
-    """Bytes a GPU needs beyond weights and KV: the CUDA context of the process on it (with
-    the memory pool llama.cpp grows while serving) and llama.cpp's compute buffer.
-
-    output: the device holds the output layer; split: a non-output device of a multi-GPU
-    layer split (else: expert tensors only); host_weights: some weights stay in host RAM.
-    """
-    n_embd, n_vocab, ffn, largest = model_shape(model)
-    if not n_embd:
-        return GPU_OVERHEAD
-    act = _ubatch(profile) * 4 * (n_embd + ffn)
-    if output:
-        compute = COMPUTE_OUTPUT * act + _ubatch(profile) * 4 * n_vocab
-    else:
-        compute = (COMPUTE_SPLIT if split else COMPUTE_EXPERTS) * act
-    return CUDA_CONTEXT + compute + (largest if host_weights else 0)
-
-
-def _overhead(dev: Device, model: Model, profile: Profile, *, output: bool,
-              split: bool = False, host_weights: bool = False) -> int:
-    if dev.kind is Kind.CPU:
-        return CPU_OVERHEAD
-    return gpu_overhead(model, profile, output=output, split=split, host_weights=host_weights)
-
-
-def _device(devices: Mapping[str, Device], name: str, profile: Profile, key: str) -> Device:
-    if name not in devices:
-        raise HydraError(
-            f"{profile.source}: {key}: unknown device '{name}'; known devices: "
-            f"{', '.join(sorted(devices))}",
-            hint="name devices in the node file (devices: {rtx: {cuda: 0}})")
-    return devices[name]
-
-
-def _available(dev: Device, cpu_sharers: int) -> int:
-    if dev.free <= 0:
-        return 0
-    free = dev.free // cpu_sharers if dev.kind is Kind.CPU else dev.free
-    return int(free * (1 - SAFETY))
-
-
-# ---------------------------------------------------------------------------------------------
-# Split planning
-
-
-def _largest_remainder(weights: Sequence[float], total: int) -> list[int]:
-    s = sum(weights)
-    raw = [w / s * total for w in weights]
-    out = [int(x) for x in raw]
-    order = sorted(range(len(raw)), key=lambda i: raw[i] - out[i], reverse=True)
-    for i in order[: total - sum(out)]:
-        out[i] += 1
-    return out
-
-
-def plan_layer_split(profile: Profile, model: Model, order: Sequence[Device],
-                     cpu_sharers: int) -> list[int]:
-    """Layer counts per device in `order` (peers first, head last)."""
-    n = model.block_count
-    split = profile.split
-    names = [d.name for d in order]
-    if isinstance(split, Mapping):
-        unknown = [k for k in split if k not in names]
-        if unknown or len(split) != len(names):
-            raise HydraError(
-                f"{profile.source}: split: give one entry for each of {', '.join(names)}"
-                f" (got {', '.join(split)})")
-        split = tuple(split[name] for name in names)
-    if split is not None:
-        if len(split) != len(order):
-            raise HydraError(
-                f"{profile.source}: split has {len(split)} entries but this layout has "
-                f"{len(order)} devices ({', '.join(names)}, in llama.cpp order: peers first, "
-                "head last)")
-        if all(isinstance(x, int) for x in split):
-            total = int(sum(split))
-            if total not in (n, n + 1):
-                raise HydraError(
-                    f"{profile.source}: split {'/'.join(str(x) for x in split)} adds up to "
-                    f"{total} layers, but the model has {n} (give layer counts that add up to "
-                    f"{n}, or proportions such as [0.4, 0.6])")
-            counts = [int(x) for x in split]
-            if total == n + 1:  # the operator counted the output layer on the last device
-                counts[-1] -= 1
-            return counts
-        return _largest_remainder([float(x) for x in split], n)
-    avail = [_available(d, cpu_sharers) for d in order]
-    if not all(avail):
-        return _largest_remainder([1.0] * len(order), n)
-    return _largest_remainder([float(a) for a in avail], n)
-
-
-def _user_ngl(profile: Profile) -> int | None:
-    for key in ("n-gpu-layers", "ngl", "gpu-layers"):
-        val = profile.server_args.get(key)
-        if isinstance(val, int):
-            return val
-        if isinstance(val, str) and val.isdigit():
-            return int(val)
-    return None
-
-
-def _solo_placements(profile: Profile, model: Model, head: Device, host: Device | None,
-                     ctx: int, kv_type: float) -> list[Placement]:
-    """SOLO: all on the head's device, minus what n-gpu-layers / n_cpu_moe leave on the CPU."""
-    n = model.block_count
-    if head.kind is Kind.CPU:
-        return _layer_placements(profile, model, [head], [n], ctx, kv_type, 1)
-    ngl = _user_ngl(profile)
-    gpu_layers = n + 1 if ngl is None else max(0, min(ngl, n + 1))
-    gpu_blocks = max(gpu_layers - 1, 0)  # the output layer is offloaded first
-    first_gpu = n - gpu_blocks
-    layer_bytes = model.layer_bytes()
-    expert = model.expert_bytes_per_layer()
-    cpu_moe = set(range(min(profile.n_cpu_moe or 0, n)))
-    on_gpu = [b - (expert[i] if i in cpu_moe else 0) for i, b in enumerate(layer_bytes)]
-    gpu_w = sum(on_gpu[first_gpu:]) + (model.output_bytes() if gpu_layers else 0)
-    kv_layer = model.kv_bytes_per_token(kv_type) * ctx // max(n, 1)
-    what = f"layers {first_gpu}-{n - 1} + output" if gpu_blocks else "output only"
-    out = [Placement(head.name, gpu_blocks, gpu_w, kv_layer * gpu_blocks,
-                     gpu_overhead(model, profile, output=gpu_layers > 0,
-                                  host_weights=bool(first_gpu or cpu_moe)),
-                     _available(head, 1), what=what if gpu_layers else "nothing")]
-    cpu_w = model.non_layer_bytes() + sum(layer_bytes) - gpu_w
-    if first_gpu or cpu_moe:  # (the input embedding alone on the CPU is not worth a row)
-        out.append(Placement(
-            "cpu (host RAM)", first_gpu, cpu_w, kv_layer * first_gpu, CPU_OVERHEAD,
-            _available(host, 1) if host else 0,
-            what=(f"layers 0-{first_gpu - 1}" if first_gpu else "input embedding")
-            + (f", experts of layers 0-{len(cpu_moe) - 1}" if cpu_moe else "")))
-    return out
-
-
-def _fits(placements: Sequence[Placement]) -> bool:
-    return not any(p.free_bytes and p.need_bytes > p.free_bytes for p in placements)
-
-
-def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
-    if _fits(placements):
-        return
-    rows = "\n".join(
-        f"  {p.device}: needs {p.need_bytes / MIB:,.0f} MiB ({p.what}: weights "
-        f"{p.weight_bytes / MIB:,.0f} + KV {p.kv_bytes / MIB:,.0f} + buffers "
-        f"{p.overhead_bytes / MIB:,.0f}), has {p.free_bytes / MIB:,.0f} MiB usable"
-        for p in placements)
-    raise HydraError(
-        f"{profile.source}: model does not fit the devices of profile '{profile.name}':\n{rows}",
-        hint="add a peer, lower ctx-size / use a quantized KV cache (cache-type-k/v: q8_0), "
-             "or pick a smaller quant")
-
-
-def _layer_placements(profile: Profile, model: Model, order: Sequence[Device],
-                      counts: Sequence[int], ctx: int, kv_type: float, cpu_sharers: int,
-                      layer_bytes: Sequence[int] | None = None,
-                      host_weights: bool = False) -> list[Placement]:
-    """Placements in layer order (`order` lists devices by the blocks they hold, first first).
-
-    The output layer goes with the last device in layer order, as llama.cpp places it.
-    `layer_bytes` overrides the model's bytes per block (experts kept on the CPU left out).
-    """
-    layer_bytes = list(model.layer_bytes() if layer_bytes is None else layer_bytes)
-    kv_per_layer = model.kv_bytes_per_token(kv_type) * ctx // max(model.block_count, 1)
-    out = []
-    start = 0
-    for i, (dev, count) in enumerate(zip(order, counts, strict=True)):
-        weights = sum(layer_bytes[start:start + count])
-        last = i == len(order) - 1
-        if last:
-            weights += model.output_bytes()
-        out.append(Placement(
-            device=dev.name, layers=count, weight_bytes=weights, kv_bytes=kv_per_layer * count,
-            overhead_bytes=_overhead(dev, model, profile, output=last, split=len(order) > 1,
-                                     host_weights=host_weights),
-            free_bytes=_available(dev, cpu_sharers),
-            what=f"layers {start}-{start + count - 1}" + (" + output" if last else "")
-            if count else ("output" if last else "layers")))
-        start += count
-    return out
-
-
-def _ranges(nums: Iterable[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
-    out: list[str] = []
-    for n in sorted(nums):
-        if out and int(out[-1].split("-")[-1]) == n - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{n}"
-        else:
-            out.append(str(n))
-    return ", ".join(out)
-
-
-def _ts(counts: Sequence[int]) -> str:
-    """-ts for llama.cpp, which spreads it over the offloaded blocks *and* the output layer:
-    the last device (which gets the output layer) counts one more."""
-    return ",".join(str(c + (1 if i == len(counts) - 1 else 0)) for i, c in enumerate(counts))
-
-
-# ---------------------------------------------------------------------------------------------
-# Expert override patterns
-
-
-def expert_pattern(tensor_names: Sequence[str], layers: Sequence[int] | None = None) -> str:
-    """A regex (as llama.cpp's -ot searches it) matching exactly the expert tensors of `layers`.
-
-    Built from the GGUF's real names and checked against all of them, so a pattern that matches
-    nothing, or matches a non-expert tensor, cannot come out of here.
-    """
-    experts = [(int(m.group(1)), m.group(2), name) for name in tensor_names
-               if (m := EXPERT_RE.match(name))]
-    if not experts:
-        raise HydraError("model has no expert tensors (blk.N.ffn_*_exps.weight); "
-                         "use mode: combine on a dense model for a layer split")
-    all_layers = sorted({layer for layer, _, _ in experts})
-    chosen = sorted(set(layers)) if layers is not None else all_layers
-    kinds = sorted({kind for _, kind, _ in experts})
-    layer_re = "[0-9]+" if chosen == all_layers else "(?:" + "|".join(map(str, chosen)) + ")"
-    pattern = rf"blk\.{layer_re}\.ffn_(?:{'|'.join(kinds)})_exps\.weight"
-    compiled = re.compile(pattern)
-    want = {name for layer, _, name in experts if layer in set(chosen)}
-    got = {name for name in tensor_names if compiled.search(name)}
-    if not want or got != want:
-        raise AssertionError(f"generated -ot pattern {pattern!r} matches {len(got)} tensors, "
-                             f"expected exactly the {len(want)} expert tensors")
-    return pattern
-
-
 # ---------------------------------------------------------------------------------------------
 # The four cells
-
-
-def _peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Profile
-               ) -> EngineSpec:
-    if dev.kind is Kind.REMOTE:
-        assert dev.endpoint
-        host, _, p = dev.endpoint.rpartition(":")
-        return EngineSpec(name=name, role=Role.PEER, program="ggml-rpc-server", args=(),
-                          env=(), host=host, port=int(p), device=dev.name, start_order=order,
-                          managed=False)
-    assert port is not None
-    # -c: keep ggml-rpc-server's tensor cache so a restarted head does not resend weights.
-    args: tuple[str, ...] = ("-H", PEER_BIND, "-p", str(port), "-c")
-    if dev.kind is Kind.CPU:
-        threads = profile.server_args.get("threads", profile.server_args.get("t"))
-        threads = threads if isinstance(threads, int) and threads > 0 else dev.threads
-        if threads:
-            args += ("-t", str(threads))
-    return EngineSpec(name=name, role=Role.PEER, program="ggml-rpc-server", args=args,
-                      env=_base_env(profile) + _pin_env(dev), host=PEER_BIND, port=port,
-                      device=dev.name, start_order=order)
 
 
 def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
@@ -410,53 +90,6 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
                 model_kind=ModelKind.NONE, mode=PlanMode(profile.mode.value),
                 transport=PlanTransport.RPC, host=profile.host, port=profile.port,
                 engines=(peer,), router=router)
-
-
-# Measured on two H200s with hydra itself (docs/measurements.md); quoted in plan notes.
-LOCAL_VS_RPC = "one llama-server over both GPUs decoded at 0.96-1.03 of one GPU, a ggml-RPC " \
-    "layer split at 0.78-0.87, MoE experts over RPC at 0.15-0.17 (two H200s)"
-
-
-def choose_transport(profile: Profile, head: Device, peers: Sequence[Device]
-                     ) -> tuple[Transport, str]:
-    """The transport a COMBINE runs over, and the plan note that says why."""
-    devs = [head, *peers]
-    names = ", ".join(f"{d.name} (CUDA{d.cuda_index})" if d.kind is Kind.CUDA else d.name
-                      for d in devs)
-    others = [d for d in devs if d.kind is not Kind.CUDA]
-    if profile.transport is Transport.AUTO:
-        if not others:
-            return Transport.LOCAL, (
-                f"transport auto -> local: {names} are all GPUs of this host, so one "
-                "llama-server runs over them, no ggml-RPC (" + LOCAL_VS_RPC + "); set "
-                "transport: rpc to keep a GPU as an independent peer engine")
-        why = "; ".join(f"{d.name} is " + (f"a remote host ({d.endpoint})"
-                                           if d.kind is Kind.REMOTE else "the CPU")
-                        for d in others)
-        return Transport.RPC, f"transport auto -> rpc: {why}, which only ggml-RPC reaches"
-    if profile.transport is Transport.LOCAL:
-        if others:
-            raise HydraError(f"{profile.source}: transport: local runs one llama-server over "
-                             "local GPUs only; CPU and remote peers need transport: rpc "
-                             f"(or auto); not local GPUs: {', '.join(d.name for d in others)}")
-        return Transport.LOCAL, "transport local (set in the profile)"
-    note = "transport rpc (set in the profile)"
-    if not others:
-        note += ("; all devices are local GPUs, where transport: auto or local would run one "
-                 "llama-server over them (" + LOCAL_VS_RPC + "); keep rpc only if a peer GPU "
-                 "must stay an independent engine")
-    return Transport.RPC, note
-
-
-def choose_moe_split(profile: Profile, transport: Transport) -> MoeSplit:
-    """moe_split: auto -> whole layers, over either transport: measured on two H200s, a layer
-    split crosses between devices once per token (0.98-1.05 of SOLO decode locally, 0.71 over
-    RPC) while experts on the other device cross there and back in every layer (0.39-0.42
-    locally, 0.15-0.18 over RPC). The experts form is for capacity: attention and the whole KV
-    cache stay on the head's GPU."""
-    if profile.moe_split is not MoeSplit.AUTO:
-        return profile.moe_split
-    return MoeSplit.LAYERS
 
 
 def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[str, Device],
@@ -575,154 +208,3 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         host=profile.host, port=profile.port,
         engines=tuple(engines), placements=tuple(placements), notes=tuple(notes),
         meta=meta, router=router)
-
-
-def _local_head(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
-                split: MoeSplit | None, base: list[str], extra: list[str], ctx: int,
-                kv_type: float, host: Device | None, placements: list[Placement],
-                notes: list[str], bind: str, port: int) -> EngineSpec:
-    """transport local: one llama-server over the profile's GPUs (fills `placements`)."""
-    if split is MoeSplit.EXPERTS:
-        if len(peers) != 1:
-            raise HydraError(f"{profile.source}: moe_split: experts puts the experts on one "
-                             f"peer GPU; got {len(peers)} peers (or set moe_split: layers)")
-        gpus = [head, peers[0]]  # the head is CUDA0, the experts' GPU CUDA1
-        args, pls = _moe_combine(profile, model, head, peers[0], "CUDA1", ctx, kv_type, 1,
-                                 host=host, notes=notes)
-    else:
-        gpus = [*peers, head]  # llama.cpp order as over RPC: the head's GPU last, with output
-        args, pls = _local_layer_split(profile, model, gpus, ctx, kv_type, host, notes)
-    placements += pls
-    return EngineSpec(
-        name="head", role=Role.HEAD, program="llama-server", args=tuple(base + args + extra),
-        env=_base_env(profile) + _pin_env(gpus), host=bind, port=port,
-        device="+".join(d.name for d in gpus), start_order=0)
-
-
-def _cpu_experts_row(model: Model, n_cpu: int, host: Device | None) -> Placement:
-    expert = model.expert_bytes_per_layer()
-    return Placement("cpu (host RAM)", 0, sum(expert[:n_cpu]), 0, CPU_OVERHEAD,
-                     _available(host, 1) if host else 0,
-                     what=f"experts of layers {_ranges(range(n_cpu))} (--n-cpu-moe {n_cpu})")
-
-
-def _local_layer_split(profile: Profile, model: Model, gpus: Sequence[Device], ctx: int,
-                       kv_type: float, host: Device | None, notes: list[str]
-                       ) -> tuple[list[str], list[Placement]]:
-    """Whole layers per GPU (-sm layer -ts); for an MoE that does not fit, the experts of the
-    first layers stay in host RAM (--n-cpu-moe N, the smallest N that fits)."""
-    counts = plan_layer_split(profile, model, gpus, 1)
-    layer_bytes = model.layer_bytes()
-    expert = model.expert_bytes_per_layer()
-
-    def attempt(n_cpu: int) -> list[Placement]:
-        on_gpu = [b - (expert[i] if i < n_cpu else 0) for i, b in enumerate(layer_bytes)]
-        pls = _layer_placements(profile, model, gpus, counts, ctx, kv_type, 1, on_gpu,
-                                host_weights=n_cpu > 0)
-        return pls + ([_cpu_experts_row(model, n_cpu, host)] if n_cpu else [])
-
-    n_cpu = profile.n_cpu_moe or 0
-    pls = attempt(n_cpu)
-    if model.is_moe and profile.n_cpu_moe is None and not _fits(pls):
-        for n in range(1, model.block_count + 1):
-            if _fits(attempt(n)):
-                n_cpu, pls = n, attempt(n)
-                notes.append(f"not all experts fit the GPUs: the experts of layers "
-                             f"{_ranges(range(n))} stay in host RAM (--n-cpu-moe {n}); set "
-                             "n_cpu_moe to choose")
-                break
-    _check_fit(pls, profile)
-    args = ["-ngl", "99", "-sm", "layer", "-ts", _ts(counts)]
-    return args + (["--n-cpu-moe", str(n_cpu)] if n_cpu else []), pls
-
-
-def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
-                   ctx: int, kv_type: float, cpu_sharers: int
-                   ) -> tuple[list[str], list[Placement]]:
-    order = [*peers, head]
-    counts = plan_layer_split(profile, model, order, cpu_sharers)
-    if head.kind is Kind.CPU:
-        # The CPU is not an offload device: -ngl N offloads the last N blocks to the RPC
-        # devices (split among them by -ts); the first blocks stay on the head.
-        placements = _layer_placements(profile, model, [head, *peers],
-                                       [counts[-1], *counts[:-1]], ctx, kv_type, cpu_sharers)
-        _check_fit(placements, profile)
-        # -ngl counts the output layer too (offloaded first, to the last RPC device).
-        args = ["-ngl", str(sum(counts[:-1]) + 1), "-sm", "layer"]
-        if len(peers) > 1:
-            args += ["-ts", _ts(counts[:-1])]
-        return args, placements
-    placements = _layer_placements(profile, model, order, counts, ctx, kv_type, cpu_sharers)
-    _check_fit(placements, profile)
-    return ["-ngl", "99", "-sm", "layer", "-ts", _ts(counts)], placements
-
-
-def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buft: str,
-                 ctx: int, kv_type: float, cpu_sharers: int, *, host: Device | None = None,
-                 notes: list[str] | None = None) -> tuple[list[str], list[Placement]]:
-    """Experts of the trailing layers on `peer` (buffer type `buft`: RPC0[host:port] or CUDA1),
-    as many as fit; the rest of the model on the head. With `host` (one process over local
-    GPUs), experts that fit neither GPU stay in host RAM: those of the first layers
-    (--n-cpu-moe N, the smallest N that fits), unless the profile sets n_cpu_moe."""
-    expert_bytes = model.expert_bytes_per_layer()
-    layers = [i for i, b in enumerate(expert_bytes) if b > 0]
-    peer_avail = _available(peer, cpu_sharers)
-    peer_over = _overhead(peer, model, profile, output=False)
-    chosen = list(layers)
-    if peer_avail:
-        # Experts of the last layers first, so whole trailing layers' experts sit on the peer.
-        while chosen and sum(expert_bytes[i] for i in chosen) + peer_over > peer_avail:
-            chosen.pop(0)
-        if not chosen:
-            raise HydraError(
-                f"{profile.source}: not even one layer's experts "
-                f"({max(expert_bytes) / MIB:,.0f} MiB) fit on peer '{peer.name}' "
-                f"({peer_avail / MIB:,.0f} MiB usable)")
-    pattern = expert_pattern(model.tensor_names(), chosen)
-    peer_bytes = sum(expert_bytes[i] for i in chosen)
-    total = sum(model.layer_bytes()) + model.non_layer_bytes()
-    kv = model.kv_bytes_per_token(kv_type) * ctx
-
-    def attempt(n_cpu: int) -> list[Placement]:
-        cpu_bytes = sum(expert_bytes[:n_cpu])
-        head_bytes = total - peer_bytes - cpu_bytes
-        if head.kind is Kind.CUDA:  # the input embedding stays in host RAM
-            head_bytes -= total - sum(model.layer_bytes()) - model.output_bytes()
-        pls = [
-            Placement(peer.name, len(chosen), peer_bytes, 0, peer_over, peer_avail,
-                      what=f"experts of {len(chosen)} layers ({_ranges(chosen)})"),
-            Placement(head.name, model.block_count, head_bytes, kv,
-                      _overhead(head, model, profile, output=True, host_weights=n_cpu > 0),
-                      _available(head, cpu_sharers),
-                      what=f"all {model.block_count} layers but those experts"),
-        ]
-        return pls + ([_cpu_experts_row(model, n_cpu, host)] if n_cpu else [])
-
-    n_cpu = profile.n_cpu_moe or 0 if host is not None else 0
-    if n_cpu and set(range(n_cpu)) & set(chosen):
-        raise HydraError(f"{profile.source}: n_cpu_moe {n_cpu} keeps experts on the CPU that "
-                         f"the plan puts on '{peer.name}' (layers {_ranges(chosen)})")
-    placements = attempt(n_cpu)
-    if host is not None and profile.n_cpu_moe is None and not _fits(placements):
-        free_layers = min(chosen) if chosen else model.block_count
-        for n in range(1, free_layers + 1):
-            if _fits(attempt(n)):
-                n_cpu, placements = n, attempt(n)
-                if notes is not None:
-                    notes.append(f"not all experts fit the GPUs: the experts of layers "
-                                 f"{_ranges(range(n))} stay in host RAM (--n-cpu-moe {n})")
-                break
-    _check_fit(placements, profile)
-    if head.kind is Kind.CUDA:
-        # -ts 1,0 (local; 0,1 over RPC, where the RPC device comes first): every layer on the
-        # head's GPU; without it llama.cpp also spreads whole layers over the other device by
-        # free memory, not just the overridden experts.
-        args = ["-ngl", "99"] + (["-sm", "layer", "-ts", "1,0"] if host is not None
-                                 else ["-ts", "0,1"])
-    else:
-        args = ["-ngl", "0"]  # the CPU is no offload device: only the -ot tensors move
-    # Over RPC the buffer type name is RPC0[host:port]; bare RPC0 is "unknown buffer type".
-    args += ["-ot", f"{pattern}={buft}"]
-    if n_cpu:
-        args += ["--n-cpu-moe", str(n_cpu)]
-    return args, placements
