@@ -254,7 +254,7 @@ def part_routing(tmp: Path, n: int, block: int) -> dict[str, Any]:
     with Hydra(tmp, "h-route") as h:
         session = requests.Session()
         chat(session, h.port, "demo-moe-combine")  # loads it beside demo
-        h.wait_state(dict.fromkeys(PROFILES, "running"), 60)
+        h.wait_state(dict.fromkeys(PROFILES, "serving"), 60)
         heads = {p: next(x["port"] for x in e["processes"] if x["role"] == "head")
                  for p, e in h.profiles().items()}
         conns = {(path, p): Conn(heads[p] if path == "direct" else h.port, p)
@@ -323,7 +323,7 @@ def part_reloads(tmp: Path, min_resident: float, duration: float) -> dict[str, A
         def watcher() -> None:
             while not stop.is_set():
                 try:
-                    n = sum(s == "running" for s in h.models().values())
+                    n = sum(s == "serving" for s in h.models().values())
                     most_running[0] = max(most_running[0], n)
                 except (requests.RequestException, ValueError, KeyError):
                     pass
