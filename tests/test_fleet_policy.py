@@ -73,14 +73,35 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+class FakeClock:
+    """The policy's clock (cooldowns, loaded_at, failed_at), moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+async def ticks(f: Port, n: int = 2) -> None:
+    """Until the port's policy pass (ttl, parked requests) has run `n` more times: a negative
+    assertion after it holds because the policy looked, not because time went by."""
+    t0 = f.ticks
+    await until(lambda: f.ticks >= t0 + n)
+
+
 def make(tmp_path: Path, *members: tuple[Profile, Deployment], default: str = "a",
-         drain: float = 0.2) -> Port:
+         drain: float = 0.2, clock: Callable[[], float] | None = None) -> Port:
     BEHAVIOUR.clear()
     STARTED.clear()
     node = Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0)
     f = Port(StateDir(tmp_path), "127.0.0.1", 0, node=node, by_model=True,
              allow=("127.0.0.0/8",), switch_timeouts=SwitchTimeouts(drain=drain, gpu_free=0.1),
-             load_wait=5.0, make_supervisor=FleetFake)
+             load_wait=5.0, make_supervisor=FleetFake,
+             **({"clock": clock} if clock is not None else {}))
     f.default = default
     for prof_, dep_ in members:
         f.plan_lane(prof_, dep_)
@@ -159,7 +180,7 @@ def test_on_demand_false_answers_503_naming_hydra_switch(tmp_path: Path) -> None
     async def body() -> None:
         b = f.lanes["b"]
         route(f, "b")
-        await asyncio.sleep(0.3)
+        await ticks(f)  # the policy looked at the parked request twice
         assert b.phase is LaneState.STOPPED and b.loads == 0
         refusal = b.route.gate.refusal_now()
         assert refusal is not None and refusal.status == 503
@@ -200,7 +221,7 @@ def test_eviction_never_cuts_in_flight_requests(tmp_path: Path) -> None:
         a, b = f.lanes["a"], f.lanes["b"]
         flight = a.route.gate.begin()  # a request a is answering
         route(f, "b")
-        await asyncio.sleep(0.6)  # several drains of 0.1 s gave up
+        await until(lambda: a.drains_given_up >= 2)  # several drains of 0.1 s gave up
         assert a.phase in (LaneState.SERVING, LaneState.UNLOADING) and b.phase is LaneState.LOADING
         assert flight.cut is None
         a.route.gate.end(flight)
@@ -234,7 +255,8 @@ def test_ttl_waits_for_in_flight_requests(tmp_path: Path) -> None:
     async def body() -> None:
         a = f.lanes["a"]
         flight = a.route.gate.begin()
-        await asyncio.sleep(0.6)
+        await until(lambda: time.monotonic() - a.route.last_used > 2 * 0.2)  # ttl long past
+        await ticks(f)  # ... and the policy looked
         assert a.phase is LaneState.SERVING
         a.route.gate.end(flight)
         a.route.touch()
@@ -246,7 +268,9 @@ def test_ttl_waits_for_in_flight_requests(tmp_path: Path) -> None:
 def test_failed_load_answers_held_requests_and_leaves_the_others(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lane_mod, "FAIL_COOLDOWN", 0.3)
-    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
+    clock = FakeClock()  # the cooldown runs on the policy's clock, moved below
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)),
+             clock=clock)
 
     async def body() -> None:
         a, b = f.lanes["a"], f.lanes["b"]
@@ -258,9 +282,9 @@ def test_failed_load_answers_held_requests_and_leaves_the_others(
         assert "exit 1" in (b.error or "")
         assert a.phase is LaneState.SERVING and a.route.gate.refusal_now() is None
         route(f, "b")  # within the cooldown: no new attempt
-        await asyncio.sleep(0.05)
+        await ticks(f)
         assert b.phase is LaneState.FAILED and b.loads == 1
-        await asyncio.sleep(0.3)
+        clock.advance(0.31)  # the cooldown (0.3 s) is over
         BEHAVIOUR["b"] = "ok"
         route(f, "b")  # after it: tried again, and the request is held, not refused
         assert b.route.gate.refusal_now() is None
@@ -393,7 +417,7 @@ def test_monitoring_gets_do_not_load_a_stopped_default(tmp_path: Path) -> None:
         props = f.select(None, "GET", "/props")
         assert isinstance(props, LocalReply) and props.status == 503
         assert "a request naming a model loads it" in props.body["error"]["message"]
-        await asyncio.sleep(0.3)
+        await ticks(f)
         assert a.phase is LaneState.STOPPED and a.loads == 1  # none of these loaded it
         models = f.select(None, "GET", "/v1/models")
         assert isinstance(models, LocalReply)
@@ -444,10 +468,12 @@ def test_ttl_and_eviction_leave_a_profile_alone_while_it_restarts(tmp_path: Path
     async def body() -> None:
         a, b = f.lanes["a"], f.lanes["b"]
         async with a.lock:  # what a reload or `hydra restart a.head` holds
-            await asyncio.sleep(0.6)  # ttl long past
+            await until(lambda: time.monotonic() - a.route.last_used > 2 * 0.2)  # ttl past
+            await ticks(f)  # ... and the policy looked
             assert a.phase is LaneState.SERVING
             route(f, "b")  # needs a's room: it waits instead of stopping a mid-restart
-            await asyncio.sleep(0.4)
+            await until(lambda: b.phase is LaneState.LOADING)
+            await ticks(f)  # several passes of b's wait for room (TICK each)
             assert a.phase is LaneState.SERVING and b.phase is LaneState.LOADING
         await until(lambda: b.phase is LaneState.SERVING)
         assert a.phase is LaneState.STOPPED

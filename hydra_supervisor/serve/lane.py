@@ -133,6 +133,7 @@ class Lane:
         self.fails = 0  # loads that failed in a row
         self.loads = 0
         self.unloads = 0
+        self.drains_given_up = 0  # unloads abandoned: requests still in flight after the drain
         self.why = "not loaded yet"
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
 

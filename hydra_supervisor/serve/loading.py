@@ -117,6 +117,7 @@ async def unload(lane: Lane, why: str, cut: bool = False) -> int | None:
     drain = lane.switch_timeouts.drain
     left = await asyncio.to_thread(lane.route.wait_idle, drain)
     if left and not cut:
+        lane.drains_given_up += 1
         log.warning("profile %s not stopped (%s): %d requests still running after %.0fs",
                     lane.name, why, left, drain)
         lane._to(LaneState.SERVING)

@@ -92,6 +92,7 @@ class Port(PortRouting, PortStatus):
         self.hydra_upstream: Addr | Handoff | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.started = asyncio.Event()  # the start-up loads are over (served or not)
+        self.ticks = 0  # policy passes done (ttl, parked requests): tests wait on it
         self.listeners: list[Callable[[], None]] = []
         self._tick_task: asyncio.Task[None] | None = None
         self._boot: asyncio.Task[None] | None = None
@@ -323,6 +324,7 @@ class Port(PortRouting, PortStatus):
                         task.add_done_callback(functools.partial(_clear_job, lane))
                 elif lane.went_fatal():
                     self._announce()
+            self.ticks += 1
 
     def ready(self) -> bool:
         return self.started.is_set()
