@@ -14,7 +14,6 @@ import difflib
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +256,3 @@ def _check_peer_trust(src: Sourced, merged: Mapping[str, Any], data: Mapping[str
         f"Hydra frames through the router; see docs/multi-host.md), or bind 127.0.0.1 and "
         f"reach it through a tunnel")
 
-
-def with_overrides(profile: Profile, **changes: Any) -> Profile:
-    return replace(profile, **{k: v for k, v in changes.items() if v is not None})

@@ -67,6 +67,13 @@ class StateDir:
     def log_path(self, engine: str) -> Path:
         return self.logs / f"{engine}.log"
 
+    def slots(self) -> Path:
+        """Where heads save KV slots (--slot-save-path): keep_slots and the wire protocol's
+        STATE_* ops; made on first use."""
+        path = self.root / "slots"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def ensure_writable(self) -> None:
         for d in (self.root, self.logs, self.root / "pids"):
             try:

@@ -39,10 +39,8 @@ log = logging.getLogger("hydra")
 
 
 def slot_dir(state: StateDir) -> Path:
-    """Where heads save KV slots (--slot-save-path): the wire protocol's STATE_* ops."""
-    path = state.root / "slots"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where heads save KV slots (StateDir.slots)."""
+    return state.slots()
 
 
 # -- control routes -----------------------------------------------------------------------------

@@ -172,18 +172,10 @@ class EngineWire:
 
     def head_http(self) -> tuple[str, int] | None:
         lane = self.port.wire_lane()
-        sup = lane.sup if lane is not None else None
-        if sup is None or sup.head is None:
-            return None
-        if sup.head.state.value != "READY":
-            return None
-        spec = sup.head.spec
-        return ("127.0.0.1" if spec.host in ("0.0.0.0", "", "::") else spec.host, spec.port)
+        return lane.head_addr() if lane is not None else None
 
     def slot_dir(self) -> Path:
-        path = self.port.state.root / "slots"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        return self.port.state.slots()
 
     # -- what changes the lane ------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ async def save(lane: Lane, dep: Deployment | None) -> dict[int, str]:
     """keep_slots: save every slot of the running head before it stops."""
     if dep is None or not dep.keep_slots:
         return {}
-    addr = lane._head_addr()
+    addr = lane.head_addr()
     if addr is None:
         return {}
     try:
@@ -46,7 +46,7 @@ async def restore(lane: Lane, old: Deployment | None, new: Deployment,
     if not saved:
         return
     try:
-        addr = lane._head_addr()
+        addr = lane.head_addr()
         if old is None or addr is None or old.plan.model_path != new.plan.model_path \
                 or not new.keep_slots:
             report.notes.append("saved slots not restored: the new layout runs another "

@@ -390,7 +390,8 @@ class Lane:
             self._changed()
 
 
-    def _head_addr(self) -> tuple[str, int] | None:
+    def head_addr(self) -> tuple[str, int] | None:
+        """Where the running head answers HTTP, once it is READY (None before)."""
         sup = self.sup
         if sup is None or sup.head is None or sup.head.state is not State.READY:
             return None

@@ -410,7 +410,7 @@ def _names(lane: Lane, ref: str) -> bool:
 async def _warm_head(lane: Lane) -> float:
     """One short completion straight to the standby's head: its first request pays for
     the first graph build and page faults, not the first user request after a flip."""
-    addr = lane._head_addr()
+    addr = lane.head_addr()
     if addr is None:
         raise HydraError(f"{lane.name}: its head is not ready")
     host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
