@@ -56,7 +56,9 @@ def healthy(port: int) -> bool:
 
 
 def env_for(tmp: Path, tag: str) -> dict[str, str]:
-    base = free_port() + 100
+    # Below the kernel's ephemeral range (32768-60999): a port picked there at plan time can be
+    # taken by any client connection before llama-server binds it (seen on a busy machine).
+    base = 20000 + free_port() % 10000
     node = tmp / f"node-{tag}.yaml"
     # Ranges of its own for the heads too: a layout started by hand beside a running hydra
     # must not find (and time) that hydra's head on the default internal port.
