@@ -19,7 +19,7 @@ from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
 from hydra_supervisor.proc.managed import State
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.router.gate import Gate
-from hydra_supervisor.router.routes import Route
+from hydra_supervisor.router.routes import LocalReply, Route
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
@@ -381,6 +381,27 @@ def test_requests_held_while_the_head_is_not_ready(engine: Port) -> None:
         assert "loading model" in (route(engine).held or "")
         sup.head.to(State.READY, "health check passed")
         assert route(engine).held is None
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_health_answers_503_at_once_while_the_head_loads(engine: Port) -> None:
+    """A health checker is not held through a load: 503 "Loading model" as llama-server answers
+    while it loads; every other request is still held; once READY /health goes to the head."""
+    async def go() -> None:
+        await started(engine, dep("a"))
+        sup = lane_of(engine).sup
+        assert isinstance(sup, FakeSupervisor)
+        assert engine.select(None, "GET", "/health") is lane_of(engine).route
+        sup.head.to(State.STARTING, "spawning")
+        health = engine.select(None, "GET", "/health")
+        assert isinstance(health, LocalReply) and health.status == 503
+        assert health.body == {"error": {"code": 503, "message": "Loading model",
+                                         "type": "unavailable_error"}}
+        assert engine.select(None, "POST", "/v1/chat/completions") is lane_of(engine).route
+        sup.head.to(State.READY, "health check passed")
+        assert engine.select(None, "GET", "/health") is lane_of(engine).route
         await engine.shutdown("test")
 
     asyncio.run(go())

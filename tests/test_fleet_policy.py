@@ -397,6 +397,24 @@ def test_names_must_be_unique_and_default_served(tmp_path: Path) -> None:
         make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), default="z")
 
 
+def test_health_is_503_while_the_default_profile_has_failed(tmp_path: Path) -> None:
+    """A load balancer's check must take the host out when its default profile failed (a
+    stopped one is fine: the next request loads it)."""
+    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)), (prof("b"), fdep("b", 30201, gpu1=4)))
+    BEHAVIOUR["a"] = "crash"
+
+    async def body() -> None:
+        a = f.lanes["a"]
+        await until(lambda: a.phase is LaneState.FAILED)
+        health = f.select(None, "GET", "/health")
+        assert isinstance(health, LocalReply) and health.status == 503
+        assert isinstance(health.body, dict)
+        assert "the default profile a failed" in health.body["error"]["message"]
+        assert health.body["profiles"] == {"a": "failed", "b": "stopped"}
+
+    run(f, body)
+
+
 def test_monitoring_gets_do_not_load_a_stopped_default(tmp_path: Path) -> None:
     f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
              (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hydra")
 _DEMAND_WAIT_S = 5.0  # how long a router thread waits for the loop to take a request's load
 MODEL_PATHS = ("/v1/models", "/models")
+HEALTH_PATHS = ("/health", "/v1/health")
 
 
 class PortRouting:
@@ -54,6 +55,10 @@ class PortRouting:
             if self.standby is not None and method == "GET" and path in MODEL_PATHS \
                     and self.standby.wanted() is not None:
                 return LocalReply(200, self.models_json())  # says which layout stands by
+            if lane is not None and method == "GET" and path in HEALTH_PATHS:
+                held = self._health_while_held(lane)
+                if held is not None:
+                    return held
             return lane.route if lane is not None else self._none
         if method == "GET" and path in MODEL_PATHS:
             return LocalReply(200, self.models_json())
@@ -61,6 +66,11 @@ class PortRouting:
             idle = self._idle_default(path)
             if idle is not None:
                 return idle
+            default = self.lanes.get(self.default) if self.default is not None else None
+            if default is not None and method == "GET" and path in HEALTH_PATHS:
+                held = self._health_while_held(default)
+                if held is not None:
+                    return held
         name = self.default if not model else self.lookup.get(model)
         if name is None:
             known = ", ".join(sorted(self.lookup))
@@ -73,6 +83,17 @@ class PortRouting:
             self._demand(lane)
         return lane.route
 
+    @staticmethod
+    def _health_while_held(lane: Lane) -> LocalReply | None:
+        """GET /health while the lane holds its requests (its head loads or restarts): 503 at
+        once, as llama-server itself answers while it loads, instead of holding it: a health
+        checker (a load balancer, systemd, a monitor) must not wait out a load."""
+        if lane.route.gate.held_reason is None:
+            return None
+        return LocalReply(503, {"error": {"code": 503, "message": "Loading model",
+                                          "type": "unavailable_error"}},
+                          counter="health_while_loading")
+
     def _idle_default(self, path: str) -> LocalReply | None:
         """A GET without a model while the default lane is not loaded (a health checker, a
         monitor): answered here, so polling does not load (or keep loaded) a profile."""
@@ -80,6 +101,12 @@ class PortRouting:
         if lane is None or lane.phase not in (LaneState.STOPPED, LaneState.FAILED):
             return None
         words = {n: self.state_of(x) for n, x in self.lanes.items()}
+        if path == "/health" and lane.phase is LaneState.FAILED:
+            # A load balancer must take this host out: its default profile does not serve.
+            return LocalReply(503, {"error": {
+                "code": 503, "type": "unavailable_error",
+                "message": f"the default profile {lane.name} failed: {lane.error}"},
+                "profiles": words}, counter="default_failed")
         if path == "/health":
             return LocalReply(200, {"status": "ok", "profiles": words})
         if path == "/slots":
