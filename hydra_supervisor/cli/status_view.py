@@ -106,7 +106,8 @@ def _fleet_renderables(snap: dict[str, Any]) -> list[Any]:
                 uptime = _fmt_age(now - p["started"]) if p.get("started") else "-"
                 procs.add_row(p["name"], p["role"], str(p.get("device", "-")),
                               str(p["pid"] or "-"), str(p["port"]), p["state"], uptime,
-                              str(p["restarts"]), _fmt_mem(p), Text(p.get("reason", "")))
+                              str(p["restarts"]), _fmt_mem(p),
+                              Text(p.get("reason", "") + _remote_load(p)))
         if procs.row_count:
             parts.append(procs)
         r = mine[0].get("router") if mine else None
@@ -156,7 +157,8 @@ def _engine_renderables(eng: dict[str, Any]) -> list[Any]:
     now = time.time()
     for e in eng.get("processes", []):
         uptime = _fmt_age(now - e["started"]) if e.get("started") else "-"
-        reason = e.get("reason", "") + (f" [{e['warning']}]" if e.get("warning") else "")
+        reason = e.get("reason", "") + _remote_load(e) + \
+            (f" [{e['warning']}]" if e.get("warning") else "")
         table.add_row(e["name"], e["role"], str(e.get("device", "-")), str(e["pid"] or "-"),
                       str(e["port"]), e["state"], uptime, str(e["restarts"]), _fmt_mem(e),
                       Text(reason))
@@ -209,3 +211,15 @@ def _fmt_age(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _remote_load(proc: dict[str, Any]) -> str:
+    """A head loading onto remote peers: how much of their weights it has sent
+    (serve/progress.py)."""
+    rl = proc.get("remote_load")
+    if not isinstance(rl, dict) or not rl.get("remote_bytes"):
+        return ""
+    sent, total = int(rl["sent_bytes"]), int(rl["remote_bytes"])
+    return (f"; sent {sent / 2**20:,.0f} of {total / 2**20:,.0f} MiB to remote peers "
+            f"({sent / total:.0%}; a warm peer cache sends less)")
+

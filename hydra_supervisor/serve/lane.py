@@ -37,13 +37,14 @@ import psutil
 from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.plan.plan import Role
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import gpumem, llamaerr
 from hydra_supervisor.proc.managed import ManagedProcess, State
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router.routes import Addr, Route
-from hydra_supervisor.serve import change, loading, states
+from hydra_supervisor.serve import change, loading, progress, states
 from hydra_supervisor.serve.reports import (
     LayoutFailed,
     SwitchReport,
@@ -450,6 +451,8 @@ class Lane:
                 with contextlib.suppress(psutil.Error):
                     row["rss_bytes"] = psutil.Process(pid).memory_info().rss
             row["gpu_bytes"] = gpu.get(pid) if pid else None
+            if p.spec.role is Role.HEAD:  # how far a load onto remote peers has got
+                row["remote_load"] = progress.remote_load(sup.plan, row)
             rows.append(row)
         return rows
 
