@@ -203,12 +203,17 @@ def test_two_hydra_hosts_behind_haproxy_one_lost(net: Hosts, tmp_path: Path, fau
         # fault is served (refused connects, connect timeouts and empty answers go to host b);
         # the one request in flight on host a when it went may come back as a closed
         # connection — after a crash within a few seconds (shutdown-sessions when the check
-        # marks host a down), not after `timeout server`.
+        # marks host a down), not after `timeout server`. After a crash, one request sent in the
+        # seconds before the check fails may have every connect retry land on host a (leastconn
+        # prefers the host with no connections; its SYNs go unanswered) and be closed by
+        # shutdown-sessions when a is marked down: at most one such (once in 5 runs, CI).
+        may_lose = 1 if fault == "crash" else 0
         late = [e for t, e in load.errors if t >= t_kill]
-        assert not late, (late, log[-3000:])
+        assert len(late) <= may_lose, (late, log[-3000:])
         assert len(load.errors) <= 1, (load.errors, log[-3000:])
         assert all(t_end - t < marked_down + 5.0 for t, _, t_end in load.failed), load.errors
-        assert during["ok"] > 0 and set(during) == {"ok"}
+        assert during["ok"] > 0
+        assert sum(n for o, n in during.items() if o != "ok") <= may_lose, during
         for h, up in ups.items():  # nothing left on either host once its hydra stops
             assert up.stop() == 0, up.output()[-2000:]
             wait_until(lambda h=h: not net.pids(h), 15,
