@@ -166,12 +166,16 @@ def child_relay(design: str, upstream_port: int) -> None:
         router = Router(
             HOST,
             0,
-            Upstreams(http=up, rpc=up, hydra=None),
+            Upstreams(rpc=up, hydra=None),
             pump="copy" if design == "router-copy" else "splice",
             http="raw" if design == "router-raw" else "aware",
             max_pending=1024,
             name="bench",
         )
+        # What a port with one lane gives its router (serve/port.py): one route for HTTP.
+        route = router.new_route("bench")
+        route.http = up
+        router.table, router.route_by_model = (lambda _m, _meth, _p: route), False
         router.start()
         ready(router.port)
         sys.stdin.read()

@@ -24,6 +24,8 @@ import pytest
 import requests
 
 from hydra_supervisor.plan.ports import free_port as free_port  # re-exported
+from hydra_supervisor.router import Router
+from hydra_supervisor.router.routes import Addr, Route
 
 HOST = "127.0.0.1"
 DEADLINE = 10.0
@@ -67,6 +69,17 @@ def recv_to_eof(sock: socket.socket, timeout: float = DEADLINE) -> bytes:
         if not chunk:
             return bytes(out)
         out += chunk
+
+
+def one_route(r: Router, http: Addr | None, name: str = "lane") -> Route:
+    """Give `r` what a port with one lane gives its router: one Route (its gate, its upstream)
+    that every HTTP request goes to. Tests hold, release, drain and cut it as the lane does;
+    moving the upstream is `route.http = addr`."""
+    route = r.new_route(name)
+    route.http = http
+    r.table = lambda model, method, path: route
+    r.route_by_model = False
+    return route
 
 
 def wait_until(
@@ -394,7 +407,10 @@ import json, resource, sys
 soft, hard, up = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 from hydra_supervisor.router import Router, Upstreams, raise_nofile
-r = Router("127.0.0.1", 0, Upstreams(http=("127.0.0.1", up)), name="child")
+r = Router("127.0.0.1", 0, Upstreams(), name="child")
+route = r.new_route("lane")
+route.http = ("127.0.0.1", up)
+r.table, r.route_by_model = (lambda model, method, path: route), False
 r.start()
 print(json.dumps({"port": r.port, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)}),
       flush=True)

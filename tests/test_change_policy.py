@@ -43,6 +43,7 @@ from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
 from tests.fake_children import Behaviour, FakeWorld, deployment
+from tests.helpers_router import one_route
 from tests.test_engine_policy import BEHAVIOUR, FakeRoute, FakeRouter
 from tests.test_engine_policy import dep as edep
 from tests.test_fleet_policy import fdep, make, prof, route, run, until
@@ -392,7 +393,8 @@ def _post(port: int, out: list[bytes]) -> None:
 
 def test_a_drain_that_runs_out_resends_requests_without_a_response_byte() -> None:
     old, new = _Upstream(answer=False), _Upstream(answer=True)
-    r = Router("127.0.0.1", 0, Upstreams(http=("127.0.0.1", old.port)), allow=("127.0.0.0/8",))
+    r = Router("127.0.0.1", 0, Upstreams(), allow=("127.0.0.0/8",))
+    lane = one_route(r, ("127.0.0.1", old.port))
     r.start()
     try:
         replies: list[bytes] = []
@@ -404,14 +406,14 @@ def test_a_drain_that_runs_out_resends_requests_without_a_response_byte() -> Non
             time.sleep(0.01)
         assert old.got == 3
         # the switch: hold, drain (runs out), cut with requeue, new upstream, release
-        r.hold("switching to profile new")
-        assert r.wait_idle(0.2) == 3
-        assert r.cut_inflight("cut by the switch to new after 0s of draining",
+        lane.hold("switching to profile new")
+        assert lane.wait_idle(0.2) == 3
+        assert lane.cut_inflight("cut by the switch to new after 0s of draining",
                               requeue=True) == 0  # none had a response byte: none cut
         time.sleep(0.2)
         assert replies == []  # held, not answered 503
-        r.set_upstreams(Upstreams(http=("127.0.0.1", new.port)))
-        r.release()
+        lane.http = ("127.0.0.1", new.port)
+        lane.release()
         for t in clients:
             t.join(20)
         assert len(replies) == 3 and all(x.startswith(b"HTTP/1.1 200") for x in replies), \
@@ -427,7 +429,8 @@ def test_a_drain_that_runs_out_resends_requests_without_a_response_byte() -> Non
 
 def test_a_cut_without_requeue_still_answers_503() -> None:
     old = _Upstream(answer=False)
-    r = Router("127.0.0.1", 0, Upstreams(http=("127.0.0.1", old.port)), allow=("127.0.0.0/8",))
+    r = Router("127.0.0.1", 0, Upstreams(), allow=("127.0.0.0/8",))
+    lane = one_route(r, ("127.0.0.1", old.port))
     r.start()
     try:
         replies: list[bytes] = []
@@ -436,7 +439,7 @@ def test_a_cut_without_requeue_still_answers_503() -> None:
         deadline = time.monotonic() + 10
         while old.got < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert r.cut_inflight("cut: profile a stopped") == 1
+        assert lane.cut_inflight("cut: profile a stopped") == 1
         t.join(20)
         assert replies and replies[0].startswith(b"HTTP/1.1 503"), replies
     finally:

@@ -257,6 +257,11 @@ def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
     assert _ask(_client(p2), "side", False) == "side"
     with pytest.raises(openai.NotFoundError):
         _ask(_client(p2), "front", False)
+    # The wire protocol addresses a lane: each port's wire server its own default lane.
+    from tests.wire_client import WireClient
+    for port, want in ((p1, "front"), (p2, "side")):
+        with WireClient("127.0.0.1", port) as wc:
+            assert wc.info().meta["profile"] == want, (port, wc.info().meta)
     assert _ask(_client(p1), "front-moe", True) == "front-moe"
     # A request without a model on the second port: counted there, under its own default.
     req = urllib.request.Request(f"http://127.0.0.1:{p2}/v1/chat/completions",

@@ -28,7 +28,7 @@ import pytest
 from hydra_supervisor.router import Router, Upstreams
 from tests.harness import Up, free_port, make_env, status_json
 from tests.helpers_front_door import answered, ask, burst, connect, request
-from tests.helpers_router import HOST, wait_until
+from tests.helpers_router import HOST, one_route, wait_until
 from tests.sse_upstream import StandIn
 
 
@@ -231,8 +231,9 @@ def routers() -> Iterator[list[Router]]:
 def test_slowloris_closed_by_timeouts(standin: StandIn, routers: list[Router]) -> None:
     """The slow heads are closed by the router's own deadlines (first byte, then the whole
     request head), and normal requests are served meanwhile."""
-    router = Router(HOST, 0, Upstreams(http=standin.addr), name="slow",
+    router = Router(HOST, 0, Upstreams(), name="slow",
                     first_byte_timeout=2.0, request_timeout=3.0)
+    one_route(router, standin.addr)
     router.start()
     routers.append(router)
     drip = Drip(router.port, 100)
@@ -270,7 +271,8 @@ def test_acceptor_failure_restarted(standin: StandIn, routers: list[Router]) -> 
     """The accept loop fails once (a bug, injected): the router restarts its acceptor, keeps
     serving on the same port, counts it (stats()["events"]["acceptor_restart"]), and alive()
     stays True."""
-    router = Router(HOST, 0, Upstreams(http=standin.addr), name="acceptor-once")
+    router = Router(HOST, 0, Upstreams(), name="acceptor-once")
+    one_route(router, standin.addr)
     calls = _tick_failing(router, 1)
     router.start()
     routers.append(router)
@@ -287,7 +289,8 @@ def test_acceptor_failing_every_time_reports_dead(standin: StandIn,
                                                    routers: list[Router]) -> None:
     """The accept loop fails every time: the router does not restart it forever; alive() turns
     False (so `hydra`'s watchdog stops pinging systemd), and stop() is still bounded."""
-    router = Router(HOST, 0, Upstreams(http=standin.addr), name="acceptor-always")
+    router = Router(HOST, 0, Upstreams(), name="acceptor-always")
+    one_route(router, standin.addr)
     _tick_failing(router, None)
     router.start()
     wait_until(lambda: not router.alive(), timeout=30.0, what="alive() False")

@@ -48,6 +48,7 @@ from tests.helpers_router import (
     llama_bins,
     llama_extra_args,
     llama_process,
+    one_route,
     wait_health,
     wait_until,
 )
@@ -81,7 +82,8 @@ def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
     log = tmp_path_factory.mktemp("front-door") / "llama-server.log"
     with llama_process(argv, log) as proc:
         wait_health(port, proc, log)
-        router = Router(HOST, 0, Upstreams(http=(HOST, port)), name="front-door")
+        router = Router(HOST, 0, Upstreams(), name="front-door")
+        one_route(router, (HOST, port))
         router.start()
         try:
             yield Door(port, router.port, router)
@@ -266,7 +268,8 @@ def test_oversized_declared_body_413_before_upload() -> None:
     """Content-Length over max_body: 413 with Connection: close as soon as the head is in, not
     after the client has uploaded (or the router read) the body. No upstream needed."""
     up = FuncServer(lambda c: None)
-    router = Router(HOST, 0, Upstreams(http=up.addr), name="small-body", max_body=1 << 20)
+    router = Router(HOST, 0, Upstreams(), name="small-body", max_body=1 << 20)
+    one_route(router, up.addr)
     router.start()
     try:
         head = request("POST", "/completion", None, headers=[
@@ -352,7 +355,8 @@ def test_204_chunked_terminator_passes_and_connection_reusable() -> None:
     writes it: the client gets the terminator bytes too (a client that trusts the framing
     waits for them), does not hang, and the connection carries a second request."""
     up = _fake(lambda head: NO_CONTENT_CHUNKED if head.startswith(b"DELETE ") else HEALTH_REPLY)
-    router = Router(HOST, 0, Upstreams(http=up.addr), name="no-content")
+    router = Router(HOST, 0, Upstreams(), name="no-content")
+    one_route(router, up.addr)
     router.start()
     try:
         sock = connect(router.port)
@@ -397,9 +401,10 @@ def test_long_url_same_as_direct(door: Door, length: int) -> None:
 
 
 def test_odd_json_bodies_forwarded(door: Door) -> None:
-    """With a single upstream (no routing table) the body is forwarded as is, whatever the
-    router makes of it: a UTF-8 BOM before JSON that names a model, and JSON nested 5,000 deep
-    (Python's json gives up on it with RecursionError). Same status as llama-server."""
+    """With a single lane (one route, no routing by model) the body is forwarded as is,
+    whatever the router makes of it: a UTF-8 BOM before JSON that names a model, and JSON
+    nested 5,000 deep (Python's json gives up on it with RecursionError). Same status as
+    llama-server."""
     bom = b"\xef\xbb\xbf" + json.dumps({"model": "gemma", "prompt": "Hi", "n_predict": 1,
                                          "cache_prompt": False}).encode()
     deep = (b'{"prompt": "Hi", "n_predict": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
@@ -431,7 +436,8 @@ def test_stream_cut_midway_ends_cleanly() -> None:
             c.sendall(HEALTH_REPLY)
 
     up = FuncServer(handler)
-    router = Router(HOST, 0, Upstreams(http=up.addr), name="cut")
+    router = Router(HOST, 0, Upstreams(), name="cut")
+    one_route(router, up.addr)
     router.start()
     try:
         sock = connect(router.port)

@@ -14,20 +14,23 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router import defaults as request_defaults
+from hydra_supervisor.router.routes import Addr, Route
 from tests.helpers_router import (
     HOST,
     connect,
     free_port,
+    one_route,
     recv_to_eof,
     wait_until,
 )
 from tests.sse_upstream import StandIn
 
-RouterFactory = Callable[..., Router]
-MESSAGES = [{"role": "user", "content": "hi"}]
+RouterFactory = Callable[..., tuple[Router, Route]]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
@@ -41,11 +44,14 @@ def upstream() -> Iterator[StandIn]:
 def make_router() -> Iterator[RouterFactory]:
     routers: list[Router] = []
 
-    def make(upstreams: Upstreams, **kw: Any) -> Router:
-        r = Router(HOST, 0, upstreams, **kw)
+    def make(http: Addr, **kw: Any) -> tuple[Router, Route]:
+        """A started router whose every HTTP request goes to its one route (the lane), whose
+        upstream is `http`."""
+        r = Router(HOST, 0, Upstreams(), **kw)
+        lane = one_route(r, http)
         r.start()
         routers.append(r)
-        return r
+        return r, lane
 
     yield make
     for r in routers:
@@ -58,13 +64,13 @@ def client(r: Router) -> openai.OpenAI:
 
 
 def chat(c: openai.OpenAI, tokens: int = 3, **extra: Any) -> str:
-    reply = c.chat.completions.create(model="standin", messages=MESSAGES,  # type: ignore[arg-type]
+    reply = c.chat.completions.create(model="standin", messages=MESSAGES,
                                       max_tokens=tokens, extra_body=extra or None)
     return reply.choices[0].message.content or ""
 
 
 def stream(c: openai.OpenAI, tokens: int = 3, **extra: Any) -> str:
-    s = c.chat.completions.create(model="standin", messages=MESSAGES,  # type: ignore[arg-type]
+    s = c.chat.completions.create(model="standin", messages=MESSAGES,
                                   max_tokens=tokens, stream=True, extra_body=extra or None)
     return "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
 
@@ -103,7 +109,7 @@ def post(path: str, obj: Any, close: bool = True) -> bytes:
 def test_openai_client_keepalive_stream_and_not(make_router: RouterFactory,
                                                 upstream: StandIn) -> None:
     records: list[dict[str, Any]] = []
-    r = make_router(Upstreams(http=upstream.addr), on_request=records.append)
+    r, lane = make_router(upstream.addr, on_request=records.append)
     c = client(r)
     for _ in range(3):
         assert chat(c, tokens=2) == "t0 t1"
@@ -116,7 +122,7 @@ def test_openai_client_keepalive_stream_and_not(make_router: RouterFactory,
     st = r.stats()
     assert st["accepted"] <= 4
     assert st["refused"] == {}
-    wait_until(lambda: r.inflight() == 0, what="the last request's flight ended")
+    wait_until(lambda: lane.gate.inflight() == 0, what="the last request's flight ended")
     rec = nth_record(records, 7)
     assert rec["method"] == "POST" and rec["path"] == "/v1/chat/completions"
     assert rec["status"] == 200 and rec["outcome"] == "ok" and rec["model"] == "standin"
@@ -128,7 +134,7 @@ def test_openai_client_keepalive_stream_and_not(make_router: RouterFactory,
 
 def test_idle_keepalive_client_timed_out_and_slot_freed(make_router: RouterFactory,
                                                         upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr), idle_timeout=0.3)
+    r, _ = make_router(upstream.addr, idle_timeout=0.3)
     with connect(r.port) as c:
         c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         t0 = time.monotonic()
@@ -144,10 +150,10 @@ def test_idle_keepalive_client_timed_out_and_slot_freed(make_router: RouterFacto
 
 def test_hold_parks_requests_until_release(make_router: RouterFactory,
                                            upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr))
+    r, lane = make_router(upstream.addr)
     c = client(r)
     assert chat(c) == "t0 t1 t2"
-    r.hold("head restarting")
+    lane.hold("head restarting")
     results: list[str] = []
     errors: list[BaseException] = []
 
@@ -163,8 +169,8 @@ def test_hold_parks_requests_until_release(make_router: RouterFactory,
     wait_until(lambda: r.stats()["held"] == 6, what="6 requests parked")
     time.sleep(0.2)
     assert upstream.requests == 1, "parked requests must not reach the upstream"
-    assert r.inflight() == 0
-    r.release()
+    assert lane.gate.inflight() == 0
+    lane.release()
     for t in threads:
         t.join(10)
     assert not errors and sorted(results) == ["t0 t1 t2"] * 3 + ["t0 t1 t2 "] * 3
@@ -174,8 +180,8 @@ def test_hold_parks_requests_until_release(make_router: RouterFactory,
 def test_hold_timeout_503_with_retry_after(make_router: RouterFactory,
                                            upstream: StandIn) -> None:
     records: list[dict[str, Any]] = []
-    r = make_router(Upstreams(http=upstream.addr), hold_timeout=0.3, on_request=records.append)
-    r.hold("loading model")
+    r, lane = make_router(upstream.addr, hold_timeout=0.3, on_request=records.append)
+    lane.hold("loading model")
     t0 = time.monotonic()
     status, headers, body = raw_exchange(r.port, post("/v1/chat/completions", {"x": 1}))
     assert 0.25 < time.monotonic() - t0 < 5
@@ -195,8 +201,8 @@ def test_hold_timeout_503_with_retry_after(make_router: RouterFactory,
 
 
 def test_max_held_refuses_beyond(make_router: RouterFactory, upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr), max_held=2)
-    r.hold("switching")
+    r, lane = make_router(upstream.addr, max_held=2)
+    lane.hold("switching")
     parked = [connect(r.port) for _ in range(2)]
     for c in parked:
         c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -205,7 +211,7 @@ def test_max_held_refuses_beyond(make_router: RouterFactory, upstream: StandIn) 
                                          b"Connection: close\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 503 ") and "retry-after" in headers
     assert "switching" in json.loads(body)["error"]["message"]
-    r.release()
+    lane.release()
     for c in parked:
         c.settimeout(10)
         assert c.recv(65536).startswith(b"HTTP/1.1 200 ")
@@ -215,9 +221,9 @@ def test_max_held_refuses_beyond(make_router: RouterFactory, upstream: StandIn) 
 def test_set_unavailable_immediate_503_even_for_a_large_upload(
     make_router: RouterFactory, upstream: StandIn
 ) -> None:
-    r = make_router(Upstreams(http=upstream.addr))
+    r, lane = make_router(upstream.addr)
     msg = "no profile is loaded: run `hydra switch NAME` (profiles: a, b)"
-    r.set_unavailable(msg, retry_after=7)
+    lane.set_unavailable(msg, retry_after=7)
     status, headers, body = raw_exchange(r.port, post("/v1/chat/completions", {"a": 1}))
     assert status.startswith(b"HTTP/1.1 503 ") and headers["retry-after"] == "7"
     assert msg in json.loads(body)["error"]["message"]
@@ -229,17 +235,17 @@ def test_set_unavailable_immediate_503_even_for_a_large_upload(
         c.settimeout(10)
         head = c.recv(65536)
     assert head.startswith(b"HTTP/1.1 503 ") and msg.encode() in head
-    # A parked request gets the 503 when the router becomes unavailable, not at its timeout.
-    r.set_unavailable(None)
-    r.hold("switching")
+    # A parked request gets the 503 when the lane becomes unavailable, not at its timeout.
+    lane.set_unavailable(None)
+    lane.hold("switching")
     with connect(r.port) as c:
         c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         wait_until(lambda: r.stats()["held"] == 1, what="parked")
-        r.set_unavailable("switch failed: model file missing")
+        lane.set_unavailable("switch failed: model file missing")
         c.settimeout(5)
         assert b"switch failed" in c.recv(65536)
-    r.set_unavailable(None)
-    r.release()
+    lane.set_unavailable(None)
+    lane.release()
     assert chat(client(r)) == "t0 t1 t2"
     assert upstream.requests == 1
 
@@ -249,7 +255,7 @@ def test_set_unavailable_immediate_503_even_for_a_large_upload(
 
 def test_upstream_down_before_response_retried_after_release(make_router: RouterFactory) -> None:
     port = free_port()
-    r = make_router(Upstreams(http=(HOST, port)), retry_wait=0.5)
+    r, lane = make_router((HOST, port), retry_wait=0.5)
     result: list[str] = []
     errors: list[BaseException] = []
 
@@ -263,12 +269,12 @@ def test_upstream_down_before_response_retried_after_release(make_router: Router
     t.start()
     # The engine sees its head die and holds; the request waits for the next release.
     wait_until(lambda: r.stats()["http"]["retried"] == 1, what="first attempt refused")
-    r.hold("head restarting")
+    lane.hold("head restarting")
     wait_until(lambda: r.stats()["held"] == 1, what="request parked for its retry")
     time.sleep(0.3)
     revived = StandIn(port=port)
     try:
-        r.release()
+        lane.release()
         t.join(10)
         assert not errors and result == ["t0 t1 t2"]
         assert revived.requests == 1
@@ -279,19 +285,18 @@ def test_upstream_down_before_response_retried_after_release(make_router: Router
 def test_upstream_that_dies_before_answering_gets_the_request_once_more(
         make_router: RouterFactory) -> None:
     """A head that dies with the request (its listener goes with it, and the engine holds the
-    router): the request is sent again once the engine releases, and answered."""
+    lane): the request is sent again once the engine releases it, and answered."""
     records: list[dict[str, Any]] = []
     dying = socket.socket()
     dying.bind(("127.0.0.1", 0))
     dying.listen(8)
     port = dying.getsockname()[1]
-    r = make_router(Upstreams(http=("127.0.0.1", port)), retry_wait=0.05,
-                    on_request=records.append)
+    r, lane = make_router(("127.0.0.1", port), retry_wait=0.05, on_request=records.append)
 
     def die() -> None:
         conn, _ = dying.accept()
         conn.recv(65536)
-        r.hold("head restarting")  # what the engine does when it sees its head exit
+        lane.hold("head restarting")  # what the engine does when it sees its head exit
         dying.close()
         # A reset, not a FIN: no TIME_WAIT left on the port the replacement binds.
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -304,10 +309,10 @@ def test_upstream_that_dies_before_answering_gets_the_request_once_more(
         done: list[str] = []
         caller = threading.Thread(target=lambda: done.append(chat(client(r))), daemon=True)
         caller.start()
-        wait_until(lambda: r.stats()["http"]["retried"] == 1 and r.gate.held() == 1,
+        wait_until(lambda: r.stats()["http"]["retried"] == 1 and lane.gate.held() == 1,
                    what="the request retried and parked while held")
         replacement.append(StandIn(port))
-        r.release()
+        lane.release()
         caller.join(30)
         assert done == ["t0 t1 t2"]
         assert nth_record(records, 1)["outcome"] == "ok"
@@ -322,8 +327,7 @@ def test_upstream_down_twice_answers_503_saying_why(make_router: RouterFactory) 
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     records: list[dict[str, Any]] = []
-    r = make_router(Upstreams(http=("127.0.0.1", port)), retry_wait=0.05,
-                    on_request=records.append)
+    r, _ = make_router(("127.0.0.1", port), retry_wait=0.05, on_request=records.append)
     with pytest.raises(openai.APIStatusError, match="refused") as exc:
         chat(client(r).with_options(max_retries=0))
     assert exc.value.status_code == 503
@@ -338,7 +342,7 @@ def test_upstream_closing_on_purpose_is_passed_on_not_retried(make_router: Route
     while it keeps serving: the client's connection is closed as llama-server's would be, and
     the request is not sent again (it would get the same) nor answered 503."""
     records: list[dict[str, Any]] = []
-    r = make_router(Upstreams(http=upstream.addr), retry_wait=0.05, on_request=records.append)
+    r, _ = make_router(upstream.addr, retry_wait=0.05, on_request=records.append)
     upstream.drop(1)
     with socket.create_connection(("127.0.0.1", r.port), timeout=10) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -351,11 +355,11 @@ def test_upstream_closing_on_purpose_is_passed_on_not_retried(make_router: Route
 def test_stream_cut_midway_openai_client_raises(make_router: RouterFactory,
                                                 upstream: StandIn) -> None:
     records: list[dict[str, Any]] = []
-    r = make_router(Upstreams(http=upstream.addr), on_request=records.append)
+    r, _ = make_router(upstream.addr, on_request=records.append)
     c = client(r)
     got: list[str] = []
     with pytest.raises(openai.APIError, match="upstream closed mid-response"):
-        s = c.chat.completions.create(model="standin", messages=MESSAGES,  # type: ignore[arg-type]
+        s = c.chat.completions.create(model="standin", messages=MESSAGES,
                                       max_tokens=10, stream=True,
                                       extra_body={"x_die_after": 3})
         for ch in s:
@@ -366,8 +370,8 @@ def test_stream_cut_midway_openai_client_raises(make_router: RouterFactory,
 
 
 def test_inflight_wait_idle_and_cut(make_router: RouterFactory, upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr))
-    assert r.inflight() == 0 and r.wait_idle(0.01) == 0
+    r, lane = make_router(upstream.addr)
+    assert lane.gate.inflight() == 0 and lane.wait_idle(0.01) == 0
     errors: list[BaseException] = []
     done: list[str] = []
 
@@ -380,37 +384,37 @@ def test_inflight_wait_idle_and_cut(make_router: RouterFactory, upstream: StandI
     threads = [threading.Thread(target=one) for _ in range(3)]
     for t in threads:
         t.start()
-    wait_until(lambda: r.inflight() == 3, what="3 in flight")
+    wait_until(lambda: lane.gate.inflight() == 3, what="3 in flight")
     t0 = time.monotonic()
-    assert r.wait_idle(0.2) == 3
+    assert lane.wait_idle(0.2) == 3
     assert 0.15 < time.monotonic() - t0 < 2
-    assert r.cut_inflight("switching to moe35b") == 3
+    assert lane.cut_inflight("switching to moe35b") == 3
     for t in threads:
         t.join(10)
     assert not done and len(errors) == 3
     assert all(isinstance(e, openai.APIError) and "switching to moe35b" in str(e) for e in errors)
-    assert r.wait_idle(5) == 0 and r.stats()["http"]["cut"] == 3
+    assert lane.wait_idle(5) == 0 and r.stats()["http"]["cut"] == 3
     # Draining: wait_idle returns 0 once a short stream finishes by itself.
     t = threading.Thread(target=lambda: done.append(stream(client(r), tokens=10, x_delay=0.05)))
     t.start()
-    wait_until(lambda: r.inflight() == 1, what="1 in flight")
-    assert r.wait_idle(10) == 0
+    wait_until(lambda: lane.gate.inflight() == 1, what="1 in flight")
+    assert lane.wait_idle(10) == 0
     t.join(10)
     assert done == ["".join(f"t{i} " for i in range(10))]
 
 
 def test_client_gone_while_waiting_aborts_upstream(make_router: RouterFactory,
                                                    upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr))
+    r, lane = make_router(upstream.addr)
     with connect(r.port) as c:
         c.sendall(post("/v1/chat/completions", {"x_hang": True}, close=False))
-        wait_until(lambda: r.inflight() == 1, what="in flight")
+        wait_until(lambda: lane.gate.inflight() == 1, what="in flight")
     # The client left: the router closes the upstream leg, so llama-server would stop work.
-    wait_until(lambda: r.inflight() == 0, what="abandoned request ended")
+    wait_until(lambda: lane.gate.inflight() == 0, what="abandoned request ended")
 
 
 def test_bad_request_400(make_router: RouterFactory, upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr))
+    r, _ = make_router(upstream.addr)
     status, _, body = raw_exchange(r.port, b"GET /health HTTP/1.1\r\nContent-Length: x\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == 400
     assert r.stats()["refused"] == {"bad_request": 1} and upstream.requests == 0
@@ -420,11 +424,11 @@ def test_bad_request_400(make_router: RouterFactory, upstream: StandIn) -> None:
 
 
 def test_request_defaults_merged(make_router: RouterFactory, upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr))
+    r, _ = make_router(upstream.addr)
     r.set_request_defaults({"temperature": 0.2, "n_predict": 4})
     c = client(r)
-    c.chat.completions.create(model="standin", messages=MESSAGES)  # type: ignore[arg-type]
-    c.chat.completions.create(model="standin", messages=MESSAGES,  # type: ignore[arg-type]
+    c.chat.completions.create(model="standin", messages=MESSAGES)
+    c.chat.completions.create(model="standin", messages=MESSAGES,
                               max_tokens=2, temperature=0.9)
     raw_exchange(r.port, post("/completion", {"prompt": "x"}))
     raw_exchange(r.port, post("/v1/embeddings", {"input": "x"}))
@@ -455,13 +459,13 @@ def test_defaults_merge_is_pure() -> None:
 # --------------------------------------------------------------------------- lifecycle
 
 
-def test_set_upstreams_moves_new_requests(make_router: RouterFactory, upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr))
+def test_a_moved_route_upstream_moves_new_requests(make_router: RouterFactory, upstream: StandIn) -> None:
+    r, lane = make_router(upstream.addr)
     c = client(r)
     chat(c)
     other = StandIn()
     try:
-        r.set_upstreams(Upstreams(http=other.addr))
+        lane.http = other.addr
         chat(c)  # same client connection, next request goes to the new upstream
         assert upstream.requests == 1 and other.requests == 1
     finally:
@@ -469,7 +473,8 @@ def test_set_upstreams_moves_new_requests(make_router: RouterFactory, upstream: 
 
 
 def test_restart_after_stop(upstream: StandIn) -> None:
-    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r = Router(HOST, 0, Upstreams())
+    one_route(r, upstream.addr)
     assert not r.alive()
     r.start()
     try:
@@ -489,7 +494,7 @@ def test_restart_after_stop(upstream: StandIn) -> None:
 
 def test_framing_variants(make_router: RouterFactory, upstream: StandIn) -> None:
     """A chunked request body, HEAD, HTTP/1.0 without Host, pipelined requests."""
-    r = make_router(Upstreams(http=upstream.addr))
+    r, _ = make_router(upstream.addr)
     body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
     chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
                b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
@@ -510,7 +515,7 @@ def test_framing_variants(make_router: RouterFactory, upstream: StandIn) -> None
 
 def test_idle_keepalive_closed_to_admit_a_waiting_client(make_router: RouterFactory,
                                                         upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr), max_active=1)
+    r, _ = make_router(upstream.addr, max_active=1)
     get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     with connect(r.port) as a:
         a.sendall(get)
@@ -527,10 +532,11 @@ def test_idle_keepalive_closed_to_admit_a_waiting_client(make_router: RouterFact
 
 
 def test_stop_answers_parked_requests(upstream: StandIn) -> None:
-    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r = Router(HOST, 0, Upstreams())
+    lane = one_route(r, upstream.addr)
     r.start()
     try:
-        r.hold("switching")
+        lane.hold("switching")
         with connect(r.port) as c:
             c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             wait_until(lambda: r.stats()["held"] == 1, what="parked")
@@ -545,7 +551,7 @@ def test_stop_answers_parked_requests(upstream: StandIn) -> None:
 
 
 def test_slow_request_head_times_out(make_router: RouterFactory, upstream: StandIn) -> None:
-    r = make_router(Upstreams(http=upstream.addr), request_timeout=0.5)
+    r, _ = make_router(upstream.addr, request_timeout=0.5)
     with connect(r.port) as c:
         c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")  # 2nd never finishes
         t0 = time.monotonic()

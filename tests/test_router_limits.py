@@ -32,6 +32,7 @@ from tests.helpers_router import (
     child,
     connect,
     drive_streams,
+    one_route,
     readline,
     recv_exact,
     recv_to_eof,
@@ -77,10 +78,10 @@ def _unprivileged_python() -> tuple[list[str], dict[str, str]] | str:
         useradd = shutil.which("useradd")
         if useradd is None:
             return "useradd not found"
-        r = subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/bin/false",
-                            TEST_USER], capture_output=True, text=True, timeout=30)
-        if r.returncode != 0:
-            return f"useradd failed: {r.stderr.strip()}"
+        made = subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/bin/false",
+                               TEST_USER], capture_output=True, text=True, timeout=30)
+        if made.returncode != 0:
+            return f"useradd failed: {made.stderr.strip()}"
     # The venv's interpreter may live under /root (not traversable by others): use the system
     # interpreter of the same version with the venv's packages on the path.
     site = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -174,7 +175,8 @@ def test_thousand_streams_hard_limit_1024_all_served(upstream_child: int, as_use
 def test_silent_connections_do_not_starve_prompt_clients(upstream: StandIn) -> None:
     """200 silent connections from one address (what a NAT or a load balancer in front looks
     like): nobody is evicted (the queue has room for them), prompt clients are served."""
-    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r = Router(HOST, 0, Upstreams())
+    one_route(r, upstream.addr)
     r.start()
     silent: list[socket.socket] = []
     try:
@@ -201,7 +203,8 @@ def test_full_silent_queue_evicts_only_the_long_silent_with_a_503(upstream: Stan
     """A full silent queue evicts only connections silent past `evict_after`, oldest of the
     address with the most first; the evicted get a 503 with Retry-After, not a reset, and new
     connections wait in the kernel's backlog meanwhile rather than being refused."""
-    r = Router(HOST, 0, Upstreams(http=upstream.addr), max_pending=64, evict_after=0.5)
+    r = Router(HOST, 0, Upstreams(), max_pending=64, evict_after=0.5)
+    one_route(r, upstream.addr)
     r.start()
     socks: list[socket.socket] = []
 
@@ -267,7 +270,8 @@ def test_failed_thread_start_503_and_recovery(upstream: StandIn) -> None:
             return _NoStart(**kw)
         return threading.Thread(**kw)
 
-    r = Router(HOST, 0, Upstreams(http=upstream.addr), thread_factory=factory)
+    r = Router(HOST, 0, Upstreams(), thread_factory=factory)
+    one_route(r, upstream.addr)
     r.start()
     try:
         for _ in range(2):
@@ -289,7 +293,8 @@ def test_acceptor_start_failure_leaves_router_restartable(upstream: StandIn) -> 
         calls["n"] += 1
         return _NoStart(**kw) if calls["n"] == 1 else threading.Thread(**kw)
 
-    r = Router(HOST, 0, Upstreams(http=upstream.addr), thread_factory=factory)
+    r = Router(HOST, 0, Upstreams(), thread_factory=factory)
+    one_route(r, upstream.addr)
     with pytest.raises(RuntimeError):
         r.start()
     assert not r.alive()
@@ -331,7 +336,8 @@ def test_rejections_logged_at_most_once_per_interval(
     upstream: StandIn, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="hydra.router")
-    r = Router(HOST, 0, Upstreams(http=upstream.addr))
+    r = Router(HOST, 0, Upstreams())
+    one_route(r, upstream.addr)
     r.start()
     try:
         for _ in range(5):

@@ -22,6 +22,7 @@ from tests.helpers_router import (
     llama_bins,
     llama_extra_args,
     llama_process,
+    one_route,
     wait_health,
     wait_tcp,
     wait_until,
@@ -68,7 +69,8 @@ def test_openai_client_streams_through_router(tmp_path: Path, router_factory: li
     log = tmp_path / "llama-server.log"
     with llama_process(argv, log) as proc:
         wait_health(port, proc, log)
-        router = Router(HOST, 0, Upstreams(http=(HOST, port)), name="solo")
+        router = Router(HOST, 0, Upstreams(), name="solo")
+        one_route(router, (HOST, port))
         router.start()
         router_factory.append(router)
 
@@ -100,12 +102,8 @@ def test_combine_rpc_through_router(tmp_path: Path, router_factory: list[Router]
     rpc_argv = [str(bins / "ggml-rpc-server"), "-H", HOST, "-p", str(rpc_port)]
     with llama_process(rpc_argv, rpc_log) as rpc_proc:
         wait_tcp(rpc_port, rpc_proc, rpc_log)
-        router = Router(
-            HOST,
-            0,
-            Upstreams(http=(HOST, head_port), rpc=(HOST, rpc_port)),
-            name="combine",
-        )
+        router = Router(HOST, 0, Upstreams(rpc=(HOST, rpc_port)), name="combine")
+        one_route(router, (HOST, head_port))
         router.start()
         router_factory.append(router)
         head_argv = [
@@ -151,8 +149,9 @@ def test_hold_release_kill_and_retry_with_llama_server(
     bins, model = llama_bins(), gemma_path()
     port = free_port()
     records: list[dict[str, object]] = []
-    router = Router(HOST, 0, Upstreams(http=(HOST, port)), name="solo", retry_wait=0.5,
+    router = Router(HOST, 0, Upstreams(), name="solo", retry_wait=0.5,
                     on_request=records.append)
+    lane = one_route(router, (HOST, port))
     router.start()
     router_factory.append(router)
     client = openai.OpenAI(base_url=f"http://{HOST}:{router.port}/v1", api_key="x",
@@ -170,14 +169,14 @@ def test_hold_release_kill_and_retry_with_llama_server(
         assert ask()
 
         # hold -> parked (llama-server sees nothing) -> release -> served.
-        router.hold("head restarting")
+        lane.hold("head restarting")
         answers: list[str] = []
         threads = [threading.Thread(target=lambda: answers.append(ask())) for _ in range(2)]
         for t in threads:
             t.start()
         wait_until(lambda: router.stats()["held"] == 2, timeout=30, what="2 parked")
-        assert router.inflight() == 0
-        router.release()
+        assert lane.gate.inflight() == 0
+        lane.release()
         for t in threads:
             t.join(300)
         assert len(answers) == 2 and all(answers)
@@ -198,14 +197,14 @@ def test_hold_release_kill_and_retry_with_llama_server(
     t = threading.Thread(target=lambda: result.append(ask()))
     t.start()
     wait_until(lambda: router.stats()["http"]["retried"] == 1, timeout=30, what="refused once")
-    router.hold("head restarting after a crash")
+    lane.hold("head restarting after a crash")
     wait_until(lambda: router.stats()["held"] == 1, timeout=10, what="parked for its retry")
     log2 = tmp_path / "llama-server-2.log"
     with llama_process(_server_argv(bins, model, port), log2) as proc2:
         wait_health(port, proc2, log2)
-        router.release()
+        lane.release()
         t.join(300)
         assert result and result[0]
         assert isinstance(proc2, subprocess.Popen) and proc2.poll() is None
-    assert router.wait_idle(10) == 0
+    assert lane.wait_idle(10) == 0
     assert {r["outcome"] for r in records} >= {"ok", "cut"}

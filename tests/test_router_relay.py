@@ -2,8 +2,9 @@
 timeouts, queueing, half-close, upstream failures, and that it still serves afterwards.
 
 These tests exercise the byte relay (the ggml-RPC and Hydra path), so their routers relay HTTP
-as bytes too (``http="raw"``: echo upstreams are not HTTP servers) unless a test says otherwise;
-tests/test_router_http.py covers the request-aware HTTP leg."""
+as bytes too (``http="raw"``: echo upstreams are not HTTP servers) unless a test says otherwise.
+HTTP goes to the upstream of the router's one route (``make_router(..., http_up=...)``: what a
+port with one lane has); tests/test_router_http.py covers the request-aware HTTP leg."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.router.routes import Addr, Route
 from tests.helpers_router import (
     DEADLINE,
     HOST,
@@ -32,6 +34,7 @@ from tests.helpers_router import (
     fake_hydra_handler,
     hydra_read_response,
     hydra_request,
+    one_route,
     raise_nofile,
     recv_exact,
     recv_to_eof,
@@ -49,9 +52,13 @@ RouterFactory = Callable[..., Router]
 def make_router() -> Iterator[RouterFactory]:
     routers: list[Router] = []
 
-    def make(upstreams: Upstreams, **kw: object) -> Router:
+    def make(
+        upstreams: Upstreams | None = None, *, http_up: Addr | None = None, **kw: object
+    ) -> Router:
+        """A started router whose one route (see ``lane_of``) sends HTTP to ``http_up``."""
         kw.setdefault("http", "raw")
-        r = Router(HOST, 0, upstreams, **kw)  # type: ignore[arg-type]
+        r = Router(HOST, 0, upstreams or Upstreams(), **kw)  # type: ignore[arg-type]
+        one_route(r, http_up)
         r.start()
         routers.append(r)
         return r
@@ -70,7 +77,16 @@ def echoes() -> Iterator[dict[str, EchoServer]]:
 
 
 def upstreams_of(e: dict[str, EchoServer]) -> Upstreams:
-    return Upstreams(http=e["http"].addr, rpc=e["rpc"].addr, hydra=e["hydra"].addr)
+    """The byte-relay upstreams (ggml-RPC, Hydra); HTTP goes to ``e["http"]`` by the route."""
+    return Upstreams(rpc=e["rpc"].addr, hydra=e["hydra"].addr)
+
+
+def lane_of(r: Router) -> Route:
+    """The one route ``make_router`` gave ``r`` (every HTTP request goes to it)."""
+    assert r.table is not None
+    route = r.table(None, "", "")
+    assert isinstance(route, Route)
+    return route
 
 
 def roundtrip(port: int, payload: bytes, tag: bytes) -> None:
@@ -91,7 +107,7 @@ def assert_serves(router: Router, echo: EchoServer) -> None:
 def test_each_protocol_reaches_its_upstream(
     make_router: RouterFactory, echoes: dict[str, EchoServer], pump: str
 ) -> None:
-    r = make_router(upstreams_of(echoes), pump=pump)
+    r = make_router(upstreams_of(echoes), http_up=echoes["http"].addr, pump=pump)
     roundtrip(r.port, GET, b"http:")
     roundtrip(r.port, RPC_HELLO, b"rpc:")
     roundtrip(r.port, hydra_request(0x41), b"hydra:")
@@ -110,7 +126,7 @@ def test_each_protocol_reaches_its_upstream(
 def test_prefix_split_over_several_segments(make_router: RouterFactory) -> None:
     echo = EchoServer()
     try:
-        r = make_router(Upstreams(http=echo.addr))
+        r = make_router(http_up=echo.addr)
         want = b"POST /v1 HTTP/1.1\r\n\r\n"
         with connect(r.port) as c:
             for part in (b"P", b"O", b"S", b"T", want[4:]):
@@ -141,7 +157,7 @@ def test_large_transfer_intact_both_ways(
 ) -> None:
     echo = EchoServer()
     try:
-        r = make_router(Upstreams(http=echo.addr), pump=pump)
+        r = make_router(http_up=echo.addr, pump=pump)
         data = b"POST " + os.urandom(16 << 20)
         got = bytearray()
         with connect(r.port) as c:
@@ -168,7 +184,7 @@ def test_large_transfer_intact_both_ways(
 
 
 def test_slowloris_no_first_byte(make_router: RouterFactory, echoes: dict[str, EchoServer]) -> None:
-    r = make_router(upstreams_of(echoes), first_byte_timeout=0.3)
+    r = make_router(upstreams_of(echoes), http_up=echoes["http"].addr, first_byte_timeout=0.3)
     t0 = time.monotonic()
     quiet = [connect(r.port) for _ in range(5)]
     try:
@@ -186,7 +202,7 @@ def test_slowloris_no_first_byte(make_router: RouterFactory, echoes: dict[str, E
 def test_slowloris_partial_prefix(
     make_router: RouterFactory, echoes: dict[str, EchoServer]
 ) -> None:
-    r = make_router(upstreams_of(echoes), first_byte_timeout=0.3)
+    r = make_router(upstreams_of(echoes), http_up=echoes["http"].addr, first_byte_timeout=0.3)
     with connect(r.port) as c:
         c.sendall(b"GE")  # a valid start, then nothing
         assert recv_to_eof(c, timeout=3) == b""
@@ -200,7 +216,7 @@ def test_slowloris_partial_prefix(
 def test_garbage_first_bytes_closed_at_once(
     make_router: RouterFactory, echoes: dict[str, EchoServer], garbage: bytes
 ) -> None:
-    r = make_router(upstreams_of(echoes))
+    r = make_router(upstreams_of(echoes), http_up=echoes["http"].addr)
     t0 = time.monotonic()
     with connect(r.port) as c:
         c.sendall(garbage)
@@ -214,7 +230,7 @@ def test_garbage_first_bytes_closed_at_once(
 def test_source_not_allow_listed(make_router: RouterFactory, echoes: dict[str, EchoServer]) -> None:
     # The test's source is 127.0.0.1; an allow list without loopback must keep ggml-RPC and
     # Hydra control away from their upstreams, while HTTP stays open.
-    r = make_router(upstreams_of(echoes), allow=("10.0.0.0/8",))
+    r = make_router(upstreams_of(echoes), http_up=echoes["http"].addr, allow=("10.0.0.0/8",))
     for payload in (RPC_HELLO, hydra_request(0x40, payload=b"{}")):
         with connect(r.port) as c:
             c.sendall(payload)
@@ -227,7 +243,7 @@ def test_source_not_allow_listed(make_router: RouterFactory, echoes: dict[str, E
 def test_default_allow_list_admits_loopback(
     make_router: RouterFactory, echoes: dict[str, EchoServer]
 ) -> None:
-    r = make_router(upstreams_of(echoes))
+    r = make_router(upstreams_of(echoes), http_up=echoes["http"].addr)
     roundtrip(r.port, RPC_HELLO, b"rpc:")
     assert "denied" not in r.stats()["refused"]
 
@@ -241,7 +257,7 @@ def test_thousand_concurrent_connections(make_router: RouterFactory) -> None:
     echo = EchoServer()
     clients: list[socket.socket] = []
     try:
-        r = make_router(Upstreams(http=echo.addr), max_active=n + 24, max_pending=n + 24)
+        r = make_router(http_up=echo.addr, max_active=n + 24, max_pending=n + 24)
         for i in range(n):
             c = connect(r.port)
             c.sendall(b"GET /%d HTTP/1.1\r\n\r\n" % i)
@@ -270,7 +286,7 @@ def test_thousand_concurrent_connections(make_router: RouterFactory) -> None:
 def test_bounded_queue_never_drops_active(make_router: RouterFactory) -> None:
     echo = EchoServer()
     try:
-        r = make_router(Upstreams(http=echo.addr), max_active=2, max_waiting=2)
+        r = make_router(http_up=echo.addr, max_active=2, max_waiting=2)
         active = [connect(r.port) for _ in range(2)]
         for c in active:
             c.sendall(b"GET /a HTTP/1.1\r\n\r\n")
@@ -309,7 +325,7 @@ def test_bounded_queue_never_drops_active(make_router: RouterFactory) -> None:
 def test_queue_timeout_answers_http_503(make_router: RouterFactory) -> None:
     echo = EchoServer()
     try:
-        r = make_router(Upstreams(http=echo.addr), max_active=1, queue_timeout=0.3)
+        r = make_router(http_up=echo.addr, max_active=1, queue_timeout=0.3)
         with connect(r.port) as busy:
             busy.sendall(GET)
             recv_exact(busy, len(GET))
@@ -337,7 +353,7 @@ def test_client_half_close_propagates(make_router: RouterFactory, pump: str) -> 
 
     up = FuncServer(until_eof_then_answer)
     try:
-        r = make_router(Upstreams(http=up.addr), pump=pump)
+        r = make_router(http_up=up.addr, pump=pump)
         with connect(r.port) as c:
             c.sendall(b"POST /upload HTTP/1.1\r\n\r\n" + b"x" * 100_000)
             c.shutdown(socket.SHUT_WR)
@@ -347,7 +363,7 @@ def test_client_half_close_propagates(make_router: RouterFactory, pump: str) -> 
         assert not up.errors
         assert_serves_func = EchoServer()
         try:
-            r.set_upstreams(Upstreams(http=assert_serves_func.addr))
+            lane_of(r).http = assert_serves_func.addr
             assert_serves(r, assert_serves_func)
         finally:
             assert_serves_func.close()
@@ -392,7 +408,7 @@ def test_upstream_dies_mid_relay(make_router: RouterFactory) -> None:
     try:
         assert child.stdout is not None
         port = int(child.stdout.readline())
-        r = make_router(Upstreams(rpc=(HOST, port), http=echo.addr))
+        r = make_router(Upstreams(rpc=(HOST, port)), http_up=echo.addr)
         with connect(r.port) as c:
             c.sendall(RPC_HELLO)
             assert recv_exact(c, len(RPC_HELLO)) == RPC_HELLO
@@ -415,7 +431,7 @@ def test_upstream_down_http_gets_503_json(make_router: RouterFactory, http: str)
     with socket.socket() as s:  # a port with nobody listening
         s.bind((HOST, 0))
         dead = (HOST, int(s.getsockname()[1]))
-    r = make_router(Upstreams(http=dead, rpc=dead), http=http, retry_wait=0.05)
+    r = make_router(Upstreams(rpc=dead), http_up=dead, http=http, retry_wait=0.05)
     t0 = time.monotonic()
     with connect(r.port) as c:
         c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
@@ -451,14 +467,14 @@ def test_missing_upstreams_close(make_router: RouterFactory, http: str) -> None:
 # --------------------------------------------------------------------------- lifecycle
 
 
-def test_set_upstreams_affects_new_connections_only(make_router: RouterFactory) -> None:
+def test_a_moved_upstream_affects_new_connections_only(make_router: RouterFactory) -> None:
     old, new = EchoServer(b"old:"), EchoServer(b"new:")
     try:
-        r = make_router(Upstreams(http=old.addr))
+        r = make_router(http_up=old.addr)
         with connect(r.port) as kept:
             kept.sendall(GET)
             assert recv_exact(kept, 4 + len(GET)) == b"old:" + GET
-            r.set_upstreams(Upstreams(http=new.addr))
+            lane_of(r).http = new.addr
             roundtrip(r.port, GET, b"new:")
             kept.sendall(b"x")
             assert recv_exact(kept, 1) == b"x"  # the open relay keeps its upstream
@@ -471,7 +487,7 @@ def test_set_upstreams_affects_new_connections_only(make_router: RouterFactory) 
 def test_idle_timeout_closes_quiet_relay(make_router: RouterFactory) -> None:
     echo = EchoServer()
     try:
-        r = make_router(Upstreams(http=echo.addr), idle_timeout=0.4)
+        r = make_router(http_up=echo.addr, idle_timeout=0.4)
         with connect(r.port) as c:
             c.sendall(GET)
             recv_exact(c, len(GET))
@@ -485,6 +501,7 @@ def test_idle_timeout_closes_quiet_relay(make_router: RouterFactory) -> None:
 
 def test_stop_is_bounded_with_open_relays(echoes: dict[str, EchoServer]) -> None:
     r = Router(HOST, 0, upstreams_of(echoes), http="raw")
+    one_route(r, echoes["http"].addr)
     r.start()
     clients = []
     try:
@@ -512,7 +529,7 @@ def test_one_debug_line_per_connection(
     make_router: RouterFactory, echoes: dict[str, EchoServer], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="hydra.router")
-    r = make_router(upstreams_of(echoes), name="e1")
+    r = make_router(upstreams_of(echoes), http_up=echoes["http"].addr, name="e1")
     roundtrip(r.port, GET, b"http:")
     with connect(r.port) as c:
         c.sendall(b"\xff")
@@ -532,7 +549,7 @@ def test_one_debug_line_per_connection(
 def test_upstreams_must_be_loopback() -> None:
     with pytest.raises(ValueError, match="loopback"):
         Upstreams(rpc=("10.1.2.3", 50052))
-    Upstreams(http=("127.0.0.1", 1), rpc=("localhost", 2), hydra=("::1", 3))
+    Upstreams(rpc=("localhost", 2), hydra=("::1", 3))
 
 
 def test_bad_arguments() -> None:

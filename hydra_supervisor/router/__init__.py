@@ -1,4 +1,4 @@
-"""The first-byte router: one external port per engine carrying ggml-RPC, Hydra control and HTTP.
+"""The first-byte router: one external port carrying ggml-RPC, Hydra control and HTTP.
 
 ``classify`` owns the sans-IO decision on a connection's first bytes; ``conn`` one connection's
 state and where it goes; ``core`` is the ``Router`` (its public API and counters), built of
@@ -6,8 +6,10 @@ state and where it goes; ``core`` is the ``Router`` (its public API and counters
 worker pool and the byte relay to the engine's local ggml-rpc-server or hydra's control
 handler); ``http`` is the request-aware HTTP leg to the internal llama-server (h11): its
 session, with ``upstream`` (the upstream pool, forwarding, retries, cuts) and ``replies`` (what
-the router writes itself, the request record); ``gate`` decides when a request may go upstream
-(hold/release, unavailable, in flight); ``defaults`` merges T1 defaults into bodies; ``limits``
+the router writes itself, the request record); ``routes`` the route table's Routes (each HTTP
+request goes to the one its table picks: the router has no gate of its own) and their limiters;
+``gate`` decides when a route's request may go upstream (hold/release, unavailable, in flight);
+``defaults`` merges T1 defaults into bodies; ``limits``
 owns the process limits (open files, thread stacks, pipes). docs/router.md says why the relay is
 built the way it is, with the measurements.
 """

@@ -24,11 +24,13 @@ from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 from hydra_supervisor.router.conn import (
     Conn,
     Pending,
+    Queues,
     Upstreams,
     fmt_addr,
     set_keepalive,
     set_nodelay,
     source_ip,
+    unwatch,
 )
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER
 from hydra_supervisor.router.replies import http_error_response
@@ -54,50 +56,6 @@ _IDLE_CLOSE_MIN_S = 0.05
 # The acceptor restarts its loop after a failure; this many failures within the window end it.
 _ACCEPTOR_MAX_FAILS = 5
 _ACCEPTOR_FAIL_WINDOW_S = 10.0
-
-
-def _unwatch(sel: selectors.BaseSelector, conn: Conn) -> None:
-    """Stop selecting on ``conn`` (already gone from the selector, or closed: nothing to do)."""
-    try:
-        sel.unregister(conn.client)
-    except (KeyError, ValueError, OSError):
-        pass
-
-
-class _Queues:
-    """What the acceptor holds between its runs: silent connections (``pending``), classified
-    ones waiting for a relay slot (``waiting``), and refused ones lingering until the client's
-    EOF (``lingering``); each in deadline order because each has one fixed timeout."""
-
-    def __init__(self) -> None:
-        self.pending = Pending()
-        self.waiting: collections.deque[Conn] = collections.deque()
-        self.lingering: collections.deque[Conn] = collections.deque()
-        self.linger_ids: set[int] = set()
-
-    def forget(self, conn: Conn) -> None:
-        self.pending.remove(conn)
-        if conn.id in self.linger_ids:
-            self.linger_ids.discard(conn.id)
-            try:
-                self.lingering.remove(conn)
-            except ValueError:
-                pass
-
-    def everyone(self) -> list[Conn]:
-        return [*self.pending.all.values(), *self.waiting, *self.lingering]
-
-    def reregister(self, sel: selectors.BaseSelector) -> list[Conn]:
-        """Register the silent and lingering connections with a new selector; returns (and
-        forgets) those whose socket cannot be registered any more."""
-        lost = []
-        for conn in [*self.pending.all.values(), *self.lingering]:
-            try:
-                sel.register(conn.client, selectors.EVENT_READ, conn)
-            except (KeyError, ValueError, OSError):
-                self.forget(conn)
-                lost.append(conn)
-        return lost
 
 
 class Acceptor:
@@ -169,7 +127,7 @@ class Acceptor:
         backlog, and ``alive()`` turns False for the owner to see (hydra status, watchdog)."""
         listener, wake_r = self._listener, self._wake_r
         assert listener is not None and wake_r is not None
-        q = _Queues()
+        q = Queues()
         fails: collections.deque[float] = collections.deque()
         try:
             while not self._stopping:
@@ -200,7 +158,7 @@ class Acceptor:
                 self._n_pending = 0
             listener.close()
 
-    def _accept_run(self, listener: socket.socket, wake_r: socket.socket, q: _Queues) -> None:
+    def _accept_run(self, listener: socket.socket, wake_r: socket.socket, q: Queues) -> None:
         """One run of the acceptor's select loop over the queues ``q`` (kept across runs)."""
         sel = selectors.DefaultSelector()
         try:
@@ -266,7 +224,7 @@ class Acceptor:
         finally:
             sel.close()
 
-    def _on_readable(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn) -> None:
+    def _on_readable(self, sel: selectors.BaseSelector, q: Queues, conn: Conn) -> None:
         """Bytes (or EOF) from a connection the acceptor still holds. A connection evicted
         earlier in the same select pass is not read again; a failure here is this
         connection's alone."""
@@ -278,23 +236,23 @@ class Acceptor:
         except Exception as e:
             self._conn_failed(sel, q, conn, e)
 
-    def _conn_failed(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn,
+    def _conn_failed(self, sel: selectors.BaseSelector, q: Queues, conn: Conn,
                      e: BaseException) -> None:
         log.warning("router %s #%d %s: dropped after an error in the acceptor: %s: %s",
                     self.name, conn.id, fmt_addr(conn.peer), type(e).__name__, e,
                     exc_info=log.isEnabledFor(logging.DEBUG))
         q.forget(conn)
-        _unwatch(sel, conn)
+        unwatch(sel, conn)
         self._drop(conn, f"acceptor error: {type(e).__name__}: {e}", "conn_error")
 
     def _tick(self, now: float) -> None:
-        keep = {self._upstreams.http, *(r.http for r in self._routes)}
+        keep = {r.http for r in self._routes}
         self.pool.reap(keep={k for k in keep if k is not None})
         self._reap_idle(now)
 
     def _unpend(self, sel: selectors.BaseSelector, pending: Pending, conn: Conn) -> None:
         pending.remove(conn)
-        _unwatch(sel, conn)
+        unwatch(sel, conn)
 
     def _room_at(self, pending: Pending, now: float) -> float:
         """When a new connection can be taken: now while the silent queue has room or holds a
@@ -304,7 +262,7 @@ class Acceptor:
             return now
         return pending.oldest_of_largest().accepted + self._evict_after
 
-    def _evict_silent(self, sel: selectors.BaseSelector, q: _Queues, victim: Conn,
+    def _evict_silent(self, sel: selectors.BaseSelector, q: Queues, victim: Conn,
                       why: str, counter: str) -> None:
         """Close a silent connection to make room: an HTTP client that was merely slow gets a
         503 with Retry-After (not a reset), then the connection lingers until EOF."""
@@ -315,7 +273,7 @@ class Acceptor:
             503, "hydra router: too many connections waiting, try again",
             DEFAULT_RETRY_AFTER))
 
-    def _accept_batch(self, sel: selectors.BaseSelector, q: _Queues) -> bool:
+    def _accept_batch(self, sel: selectors.BaseSelector, q: Queues) -> bool:
         """Accept what the kernel has queued. False when out of descriptors (caller backs off)."""
         listener = self._listener
         assert listener is not None
@@ -349,7 +307,7 @@ class Acceptor:
                 self._conn_failed(sel, q, conn, e)
         return True
 
-    def _take(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn, now: float) -> None:
+    def _take(self, sel: selectors.BaseSelector, q: Queues, conn: Conn, now: float) -> None:
         if q.pending.from_source(conn.src) >= self._max_per_source:
             # An operator-set cap per address (off by default: one address may be a NAT or
             # a load balancer with thousands of clients behind it).
@@ -377,7 +335,7 @@ class Acceptor:
         # another trip through select (saves tens of microseconds per connection).
         self._read_prefix(sel, conn, q)
 
-    def _linger(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn,
+    def _linger(self, sel: selectors.BaseSelector, q: Queues, conn: Conn,
                 reply: bytes) -> None:
         """Answer ``reply`` (best effort, non-blocking), half-close, and keep reading what the
         client still sends until its EOF or ``_LINGER_DRAIN_S``: closing with unread bytes
@@ -396,7 +354,7 @@ class Acceptor:
         except (KeyError, ValueError, OSError):
             pass
 
-    def _linger_read(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn) -> None:
+    def _linger_read(self, sel: selectors.BaseSelector, q: Queues, conn: Conn) -> None:
         try:
             data = conn.client.recv(FIRST_READ)
         except (BlockingIOError, InterruptedError):
@@ -406,12 +364,12 @@ class Acceptor:
         if not data:
             self._unlinger(sel, q, conn)
 
-    def _unlinger(self, sel: selectors.BaseSelector, q: _Queues, conn: Conn) -> None:
+    def _unlinger(self, sel: selectors.BaseSelector, q: Queues, conn: Conn) -> None:
         q.forget(conn)
-        _unwatch(sel, conn)
+        unwatch(sel, conn)
         self._drop(conn, conn.reason or "closed", None)
 
-    def _read_prefix(self, sel: selectors.BaseSelector, conn: Conn, q: _Queues) -> None:
+    def _read_prefix(self, sel: selectors.BaseSelector, conn: Conn, q: Queues) -> None:
         try:
             # Classification needs MAX_PREFIX bytes at most, but taking whatever has arrived
             # (typically a whole HTTP request) lets the relay forward it in one write.

@@ -1,6 +1,7 @@
 """One client connection and where it goes: the upstream addresses, the allow list's view of a
 source address, the per-connection state the acceptor and relay threads share, and the queue of
-connections that have not spoken yet ("silent"), from which the oldest is evicted first.
+connections that have not spoken yet ("silent"), from which the oldest is evicted first, with
+the acceptor's three queues (``Queues``: silent, waiting for a relay slot, lingering).
 
 No threads and no I/O policy here; router/acceptor.py and router/relay.py own those.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import ipaddress
+import selectors
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,17 +52,17 @@ class Handoff(Protocol):
 
 @dataclass(frozen=True)
 class Upstreams:
-    """Where each protocol goes. ``None`` means "not available now": the client is closed
-    (HTTP: 503). All targets are local by design: llama-server and ggml-rpc-server bind to
+    """Where the byte-relayed protocols go (ggml-RPC, Hydra); HTTP goes where the router's
+    route table says (router/routes.py). ``None`` means "not available now": the client is
+    closed. All targets are local by design: llama-server and ggml-rpc-server bind to
     127.0.0.1 only, and the router is the sole way in from outside. ``hydra`` may also be a
     ``Handoff`` (hydra's wire server): the socket itself is handed over, nothing is relayed."""
 
-    http: Addr | None = None
     rpc: Addr | None = None
     hydra: Addr | Handoff | None = None
 
     def __post_init__(self) -> None:
-        for name in ("http", "rpc", "hydra"):
+        for name in ("rpc", "hydra"):
             addr = getattr(self, name)
             if isinstance(addr, tuple) and not is_loopback(addr[0]):
                 raise ValueError(
@@ -69,8 +71,6 @@ class Upstreams:
                 )
 
     def for_kind(self, kind: Kind) -> Addr | None:
-        if kind is Kind.HTTP:
-            return self.http
         if kind is Kind.RPC:
             return self.rpc
         if kind is Kind.HYDRA:
@@ -276,3 +276,47 @@ class Pending:
         address evicts its own connections, not a prompt client's from elsewhere."""
         q = max(self.by_src.values(), key=len)
         return q[0]
+
+
+def unwatch(sel: selectors.BaseSelector, conn: Conn) -> None:
+    """Stop selecting on ``conn`` (already gone from the selector, or closed: nothing to do)."""
+    try:
+        sel.unregister(conn.client)
+    except (KeyError, ValueError, OSError):
+        pass
+
+
+class Queues:
+    """What the acceptor holds between its runs: silent connections (``pending``), classified
+    ones waiting for a relay slot (``waiting``), and refused ones lingering until the client's
+    EOF (``lingering``); each in deadline order because each has one fixed timeout."""
+
+    def __init__(self) -> None:
+        self.pending = Pending()
+        self.waiting: collections.deque[Conn] = collections.deque()
+        self.lingering: collections.deque[Conn] = collections.deque()
+        self.linger_ids: set[int] = set()
+
+    def forget(self, conn: Conn) -> None:
+        self.pending.remove(conn)
+        if conn.id in self.linger_ids:
+            self.linger_ids.discard(conn.id)
+            try:
+                self.lingering.remove(conn)
+            except ValueError:
+                pass
+
+    def everyone(self) -> list[Conn]:
+        return [*self.pending.all.values(), *self.waiting, *self.lingering]
+
+    def reregister(self, sel: selectors.BaseSelector) -> list[Conn]:
+        """Register the silent and lingering connections with a new selector; returns (and
+        forgets) those whose socket cannot be registered any more."""
+        lost = []
+        for conn in [*self.pending.all.values(), *self.lingering]:
+            try:
+                sel.register(conn.client, selectors.EVENT_READ, conn)
+            except (KeyError, ValueError, OSError):
+                self.forget(conn)
+                lost.append(conn)
+        return lost

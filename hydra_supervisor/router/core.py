@@ -1,9 +1,10 @@
 """The first-byte router of one external port: ``Router``, its public API and its counters.
 
 ``Router`` listens on an engine's external port, admits, classifies and relays; the owner
-starts and stops it, points it at upstreams and routes, holds, releases and cuts HTTP requests,
-and reads ``stats``. This module owns that API, the Router's configuration and state, and the
-counting every part reports into; the work is done by its parts:
+starts and stops it, points it at its byte upstreams (ggml-RPC, Hydra) and at a route table
+(router/routes.py: every HTTP request goes to the Route it picks, whose gate holds, releases
+and cuts it), and reads ``stats``. This module owns that API, the Router's configuration and
+state, and the counting every part reports into; the work is done by its parts:
 
 - router/acceptor.py: one *acceptor* thread (a ``selectors`` loop) accepts, reads each new
   connection's first bytes without blocking, enforces the first-byte timeout, the allow list
@@ -19,7 +20,7 @@ Invariants: a relaying connection is never dropped to admit another (new ones wa
 queue; silent ones are evicted first); admission is sized from the descriptors the process
 really has, so an admitted relay does not die of EMFILE; every wait has a deadline except a relay
 that is actually open (an HTTP request in flight, a ggml-RPC link a head holds), which ends on
-EOF, error, ``cut_inflight`` or ``stop()``.
+EOF, error, a route's ``cut_inflight`` or ``stop()``.
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ from hydra_supervisor.router.conn import (
     fmt_addr,
     parse_allow,
 )
-from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate
+from hydra_supervisor.router.gate import HOLD_TIMEOUT_S, MAX_HELD, Gate
 from hydra_supervisor.router.http import HttpSession
 from hydra_supervisor.router.relay import Relay
 from hydra_supervisor.router.replies import Record
-from hydra_supervisor.router.routes import Limiter, Route, RouteTable
+from hydra_supervisor.router.routes import Addr, Limiter, Route, RouteTable
 from hydra_supervisor.router.upstream import UpstreamPool
 
 log = logging.getLogger("hydra.router")
@@ -67,7 +68,8 @@ class Router(Acceptor, Relay):
     """First-byte router for one engine's external port. Runs its own threads; ``start`` and
     ``stop`` are blocking but bounded, so an asyncio supervisor calls them directly (they take
     milliseconds) or through ``asyncio.to_thread``. Every other public method is thread-safe and
-    returns at once, except ``wait_idle`` (bounded by its timeout)."""
+    returns at once. HTTP requests are held, drained and cut per Route (router/routes.py):
+    the router itself has no gate."""
 
     def __init__(
         self,
@@ -89,8 +91,9 @@ class Router(Acceptor, Relay):
         connect_timeout: float = _CONNECT_TIMEOUT,
         pump: str = "splice",
         http: str = "aware",
-        hold_timeout: float = 120.0,
-        max_held: int = 1024,
+        hold_timeout: float = HOLD_TIMEOUT_S,
+        max_held: int = MAX_HELD,
+        table: RouteTable | None = None,
         on_request: Callable[[dict[str, Any]], None] | None = None,
         retry_wait: float = 1.0,
         max_body: int = 64 << 20,
@@ -142,12 +145,15 @@ class Router(Acceptor, Relay):
         self.request_timeout = request_timeout
         self._thread_factory = thread_factory
         self.request_defaults: dict[str, Any] = {}
-        self.gate = Gate(hold_timeout, max_held)
+        if hold_timeout <= 0 or max_held < 1:
+            raise ValueError("hold_timeout must be positive and max_held at least 1")
         self.hold_timeout = hold_timeout
         self._max_held = max_held
-        # Routing by model (router/routes.py): None sends every HTTP request to `upstreams.http`
-        # through `gate`; a table picks a Route (its own gate and upstream) per request.
-        self.table: RouteTable | None = None
+        # Every HTTP request goes where the table says (router/routes.py): a Route (its own
+        # gate, upstream and limiter: the only place requests are held, drained or cut) or a
+        # LocalReply. The router has no gate of its own: until a table is set, HTTP requests
+        # get 503.
+        self.table: RouteTable | None = table
         # Whether the table picks by the request's `model` (the body is read for it); a port
         # with one lane routes every request to it without reading bodies.
         self.route_by_model = True
@@ -216,7 +222,6 @@ class Router(Acceptor, Relay):
             self._tasks = queue.SimpleQueue()
             self._idle_workers = 0
             self._fd_budget = limits.fd_budget(reserved)
-        self.gate.restart()
         for route in self._routes:
             route.gate.restart()
         self._listener, self._wake_r, self._wake_w = listener, wake_r, wake_w
@@ -263,40 +268,6 @@ class Router(Acceptor, Relay):
         """New connections and new HTTP requests use ``u``; open byte relays keep theirs."""
         self._upstreams = u
 
-    def hold(self, reason: str) -> None:
-        """Park new HTTP requests (read whole, not sent) until release(); bounded per request
-        by hold_timeout and in number by max_held (then 503 with Retry-After)."""
-        self.gate.hold(reason)
-        log.info("router %s: holding new requests (%s)", self.name, reason)
-
-    def release(self) -> None:
-        """Send parked requests upstream (to the current upstreams)."""
-        held = self.gate.held()
-        self.gate.release()
-        log.info("router %s: released (%d requests were held)", self.name, held)
-
-    def set_unavailable(self, reason: str | None, retry_after: int = DEFAULT_RETRY_AFTER) -> None:
-        """New (and parked) HTTP requests get 503 ``reason`` with Retry-After; None clears."""
-        self.gate.set_unavailable(reason, retry_after)
-        log.info("router %s: %s", self.name,
-                 f"unavailable: {reason}" if reason is not None else "available")
-
-    def inflight(self) -> int:
-        """HTTP requests sent upstream whose response has not completed."""
-        return self.gate.inflight()
-
-    def wait_idle(self, timeout: float) -> int:
-        """Block until no HTTP request is in flight or ``timeout``; returns how many still are."""
-        return self.gate.wait_idle(timeout)
-
-    def cut_inflight(self, reason: str, requeue: bool = False) -> int:
-        """Abort in-flight HTTP requests (streams end with an SSE error event); how many.
-        `requeue`: those without a response byte are sent again instead (gate.py)."""
-        n = self.gate.cut_inflight(reason, requeue)
-        if n:
-            log.info("router %s: cut %d in-flight requests (%s)", self.name, n, reason)
-        return n
-
     def new_route(self, name: str, limit: int | None = None, queue: int = 0) -> Route:
         """A lane of its own (gate, upstream, limiter) for a table to hand out; stopped and
         started with the router."""
@@ -327,7 +298,6 @@ class Router(Acceptor, Relay):
             for conn in self._active.values():
                 conn.note("router stopped")
                 conn.shutdown_all()
-        self.gate.stop()
         for route in self._routes:
             route.gate.stop()
         self._wake()
@@ -366,8 +336,10 @@ class Router(Acceptor, Relay):
             out["http"] = dict(self._http)
             out["fds"] = {"nofile": self._nofile[0], "budget": self._fd_budget,
                           "relays": self._fds_active}
-        out["held"] = self.gate.held()
-        out["inflight"] = self.gate.inflight()
+        with self._lock:
+            routes = list(self._routes)
+        out["held"] = sum(r.gate.held() for r in routes)
+        out["inflight"] = sum(r.gate.inflight() for r in routes)
         out["pooled"] = self.pool.idle()
         out["alive"] = self.alive()
         out["acceptor_error"] = self.acceptor_error
@@ -449,8 +421,14 @@ class Router(Acceptor, Relay):
 
     # ---------------------------------------------------------------- HTTP sessions
 
+    def raw_http_target(self) -> Addr | None:
+        """Where ``http="raw"`` relays an HTTP connection's bytes: the upstream of the route
+        the table gives a request without a model (no gate: a byte relay is not held)."""
+        table = self.table
+        sel = table(None, "", "") if table is not None else None
+        return sel.http if isinstance(sel, Route) else None
+
     def _http_session(self, conn: Conn, ups: Upstreams) -> None:
-        conn.target = ups.http
         try:
             HttpSession(self, conn).run()
         except Exception:  # a bug in one session must not leak its sockets or kill the worker

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_RETRY_AFTER = 5
+HOLD_TIMEOUT_S = 120.0  # how long a held request waits for its release (then 503)
+MAX_HELD = 1024  # how many requests one gate holds at once (then 503 at once)
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def _silent_for(sock: socket.socket) -> float:
 
 
 class Gate:
-    def __init__(self, hold_timeout: float, max_held: int) -> None:
+    def __init__(self, hold_timeout: float = HOLD_TIMEOUT_S, max_held: int = MAX_HELD) -> None:
         if hold_timeout <= 0 or max_held < 1:
             raise ValueError("hold_timeout must be positive and max_held at least 1")
         self.hold_timeout = hold_timeout

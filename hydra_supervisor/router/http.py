@@ -6,10 +6,11 @@ defaults into bodies, end a cut stream with an error the client can read, and lo
 per request. h11 (a maintained sans-IO HTTP/1.1 parser) does the framing; this module does the
 I/O with blocking sockets, like the rest of the router (docs/router.md says why threads).
 
-Per client connection: read a request (head and body, bounded by ``max_body``), ask the gate
-whether it may go upstream (it may park here while the router is held), send it on a pooled
-upstream connection, and forward the response as it arrives: each chunk the upstream sends is
-written to the client at once, so SSE token streams are not buffered. Keep-alive on both legs is
+Per client connection: read a request (head and body, bounded by ``max_body``), ask the route
+table where it goes and that route's gate whether it may go upstream (it may park there while
+its lane is held), send it on a pooled upstream connection, and forward the response as it
+arrives: each chunk the upstream sends is written to the client at once, so SSE token streams
+are not buffered. Keep-alive on both legs is
 independent: a client's idle keep-alive connection holds no upstream connection (llama-server's
 HTTP threads are a fixed pool; an idle connection would pin one).
 
@@ -28,7 +29,7 @@ import h11
 
 from hydra_supervisor.router import defaults as request_defaults
 from hydra_supervisor.router import head
-from hydra_supervisor.router.gate import Refusal
+from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Refusal
 from hydra_supervisor.router.replies import Record, _json_response, error_body
 from hydra_supervisor.router.routes import LocalReply, Route
 from hydra_supervisor.router.upstream import RECV, Forwarding, _ClientGone, _Outgoing
@@ -226,7 +227,18 @@ class HttpSession(Forwarding):
                               "invalid_request_error", close=True)
             self._linger()
             return False
-        refusal = self.r.gate.refusal_now()
+        table = self.r.table
+        # A port that routes without reading bodies knows the route now: a refused request
+        # (its lane unavailable) is answered without waiting for a large upload.
+        early = table(None, rec.method, rec.path) if table is not None and not \
+            self.r.route_by_model else None
+        if table is None:
+            refusal: Refusal | None = Refusal(503, "hydra router: no route table is set",
+                                              DEFAULT_RETRY_AFTER, "error", "upstream_down")
+        elif isinstance(early, Route):
+            refusal = early.gate.refusal_now()
+        else:
+            refusal = None
         try:
             body, complete = self._read_body(deadline, self.r.max_body)
         except TimeoutError:
@@ -254,13 +266,7 @@ class HttpSession(Forwarding):
             if merged is not None:
                 body = merged
         fwd = _Outgoing(req, body, lent_host)
-        table = self.r.table
-        if table is None:
-            refusal = self.r.gate.wait_turn()
-            if refusal is not None:
-                self._refuse(rec, refusal)
-                return True
-            return self._forward(fwd, rec, None)
+        assert table is not None  # refused above
         if rec.model is None and req.method == b"POST" and self.r.route_by_model:
             rec.model, readable = request_defaults.model_in(body)
             if not readable:
@@ -271,7 +277,7 @@ class HttpSession(Forwarding):
                                   "body (nested too deeply or malformed)",
                                   "invalid_request_error")
                 return True
-        sel = table(rec.model, rec.method, rec.path)
+        sel = early if early is not None else table(rec.model, rec.method, rec.path)
         if isinstance(sel, LocalReply):
             self._local_reply(rec, sel)
             return True

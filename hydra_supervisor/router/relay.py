@@ -81,6 +81,7 @@ class Relay:
         def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None: ...
         def count_event(self, reason: str, detail: str = "") -> None: ...
         def _log_close(self, conn: Conn) -> None: ...
+        def raw_http_target(self) -> Addr | None: ...
         def _wake(self) -> None: ...
 
     # ---------------------------------------------------------------- worker pool
@@ -231,7 +232,7 @@ class Relay:
         """Connect to the connection's upstream and forward the classified prefix.
         None when that failed; the client has then been answered (HTTP 503) or closed."""
         assert conn.kind is not None
-        target = ups.for_kind(conn.kind)
+        target = self.raw_http_target() if conn.kind is Kind.HTTP else ups.for_kind(conn.kind)
         conn.target = target
         if target is None:
             self._upstream_down(conn, f"no {conn.kind.value} upstream configured")

@@ -152,14 +152,13 @@ class Forwarding:
 
     # ------------------------------------------------------------ upstream side
 
-    def _forward(self, fwd: _Outgoing, rec: Record, route: Route | None) -> bool:
-        """Send upstream: `route`'s upstream through its gate, or (no route table) the
-        router's own."""
-        gate = self.r.gate if route is None else route.gate
+    def _forward(self, fwd: _Outgoing, rec: Record, route: Route) -> bool:
+        """Send upstream: `route`'s upstream, through its gate."""
+        gate = route.gate
         retried = False
         requeued = 0
         while True:
-            target = self.r.upstreams.http if route is None else route.http
+            target = route.http
             if target is None:
                 self._refuse(rec, Refusal(503, "no http upstream configured",
                                           DEFAULT_RETRY_AFTER, "error", "upstream_down"))

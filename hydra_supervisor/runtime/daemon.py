@@ -123,7 +123,7 @@ class Daemon:
         self.ended: str | None = None  # why the run ended, once it has (the crash record)
         self.started = time.time()
         self.ctl: control.ControlServer | None = None
-        self.wire: EngineWire | None = None
+        self.wires: list[EngineWire] = []  # one per port with a router
         self._ints = 0
         # The last switches between the profiles of a port that routes by model (the node's
         # activate reports, newest last): the snapshot carries them for the dashboard.
@@ -322,11 +322,14 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         for p in self.ports:
             p.open()
-        # The wire protocol addresses a lane: the first port's default lane (docs/routing.md);
-        # reachable at once, also before (or without) a profile: INFO says what runs.
-        self.wire = EngineWire(self.ports[0], loop, self.opts.node_file,
-                               published=self._published)
-        self.ports[0].set_hydra_upstream(self.wire.start())
+        # The wire protocol addresses a lane: each port's wire server its port's default lane
+        # (docs/routing.md); reachable at once, also before (or without) a profile: INFO says
+        # what runs. A port without a router has no wire server (llama-server holds it).
+        for p in self.ports:
+            if p.router is not None:
+                wire = EngineWire(p, loop, self.opts.node_file, published=self._published)
+                self.wires.append(wire)
+                p.set_hydra_upstream(wire.start())
         self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
         self.ctl.start()
         self.publisher.bind(loop)
@@ -366,7 +369,8 @@ class Daemon:
             self.ended = self.stop_reason
             self._changed()
             self.ctl.stop()
-            self.wire.stop()
+            for wire in self.wires:
+                wire.stop()
             for p in self.ports:
                 p.close()
             log.warning("stopped: %s", self.stop_reason)

@@ -1,9 +1,9 @@
 """A port's wire lane as the wire server sees it (wire.control.EngineControl), and its life.
 
-The wire protocol addresses a lane: the default lane of the first port (the one profile of a
-hydra started with one). The wire server runs on its own threads; everything here that changes
-the lane hands a
-coroutine to the daemon's event loop and waits for it (asyncio.run_coroutine_threadsafe), so
+The wire protocol addresses a lane: each port with a router has its own wire server, and it
+addresses that port's default lane (the one profile of a port that serves one). The wire server
+runs on its own threads; everything here that changes the lane hands a coroutine to the
+daemon's event loop and waits for it (asyncio.run_coroutine_threadsafe), so
 processes are still only spawned from the loop's thread. What is read on every request (info,
 busy, head_http, slot_dir) reads plain attributes and never waits on the switch lock.
 

@@ -99,7 +99,7 @@ class Port(PortRouting, PortStatus):
         self._created = int(time.time())
         self._rpc: Addr | None = None
         # Where requests go while the port has no lane (503 naming `hydra switch NAME`).
-        self._none = Route("none", Gate(120.0, 1024), where=f"port {port}")
+        self._none = Route("none", Gate(), where=f"port {port}")
         self._pending: list[tuple[Profile | None, Deployment]] = []
         # Reports of changes that left the port without a lane (a failed first switch).
         self.reports: collections.deque[SwitchReport] = collections.deque(maxlen=20)
@@ -118,7 +118,7 @@ class Port(PortRouting, PortStatus):
         if self.router is not None:
             route = self.router.new_route(name, conc, queue)
         else:  # router: false: llama-server holds the port; the route only records
-            route = Route(name, Gate(120.0, 1024),
+            route = Route(name, Gate(),
                           limiter=Limiter(name, conc, queue) if conc else None)
         route.where = f"port {self.port}"
         return route
