@@ -65,7 +65,8 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     For a running engine, `keep` is its current plan (whose ports are reused) and `external`
     its own external port (held by its router, so not checked)."""
     lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=overrides, keep=keep, profile=profile, reserved=reserved)
+                       overrides=overrides, keep=keep, profile=profile, reserved=reserved,
+                       need_binaries=True)
     bins = layout.find_binaries(lay)
     ours: set[int] = {external} if external is not None else set()
     if keep is not None:

@@ -64,18 +64,23 @@ def free_rpc_ports(node: Node, count: int, exclude: set[int],
 def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
           overrides: dict[str, Any] | None = None, check_ports: bool = True,
           keep: Plan | None = None, profile: Profile | None = None,
-          reserved: frozenset[int] = frozenset()) -> Layout:
+          reserved: frozenset[int] = frozenset(), need_binaries: bool = False) -> Layout:
     """`keep`: the plan of the layout running on this engine now; its internal and peer ports
     are reused (they are ours: the old processes free them before the new ones start), so an
     engine's ports stay put across switches and reloads. `profile`: an already loaded (and
     possibly reconfigured) profile to plan instead of reading `profile_ref`. `reserved`: ports
-    other profiles of this hydra have planned (not to be handed out again, running or not)."""
+    other profiles of this hydra have planned (not to be handed out again, running or not).
+    `need_binaries`: fail at once when the binary every plan of this mode runs is missing,
+    before the model is read (a first read of a large vocabulary takes seconds)."""
     node = load_node(find_node_file(node_file))
     if profile is None:
         path = find_profile(profile_ref, profiles_dir)
         profile = load_profile(path, node, overrides)
     else:
         path = Path(profile.source)
+    if need_binaries:
+        binaries.find("ggml-rpc-server" if profile.mode is Mode.PEER else "llama-server",
+                      dict(node.binaries))
     inv = devices.inventory()
     devs = devices.devices(node, inv)
 
