@@ -459,7 +459,8 @@ def test_defaults_merge_is_pure() -> None:
 # --------------------------------------------------------------------------- lifecycle
 
 
-def test_a_moved_route_upstream_moves_new_requests(make_router: RouterFactory, upstream: StandIn) -> None:
+def test_a_moved_route_upstream_moves_new_requests(
+        make_router: RouterFactory, upstream: StandIn) -> None:
     r, lane = make_router(upstream.addr)
     c = client(r)
     chat(c)
