@@ -13,8 +13,12 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.harness import Up, make_env
-from tests.wire_fakes import FakeSlots, StubControl
+# The shared fakes and rigs assert too: give their asserts pytest's messages (before import).
+pytest.register_assert_rewrite("tests.fake_children", "tests.lane_fakes", "tests.harness",
+                               "tests.helpers_router", "tests.notify_listener")
+
+from tests.harness import Up, make_env  # noqa: E402
+from tests.wire_fakes import FakeSlots, StubControl  # noqa: E402
 
 # `slow` means something: a test that starts a real llama.cpp process is marked slow, and
 # `-m "not slow"` starts none. Outside slow tests the binaries hydra finds are stand-ins that

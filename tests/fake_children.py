@@ -5,6 +5,10 @@ case that takes minutes of policy time runs in milliseconds — with the supervi
 
 A test scripts each engine's behaviour per spawn (load time, exit at load, crash later, ignore
 signals) and then injects faults: kill, SIGSTOP, busy, hung, a remote peer going away.
+
+`Run` drives one real Supervisor on a FakeWorld (its run() as a task, waits in policy time) and
+`go` runs a test body on a fresh FakeWorld: shared by tests/test_policy.py, test_stall.py and
+test_remote_silence.py.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +25,11 @@ from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, RestartPolic
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
 from hydra_supervisor.proc import process
+from hydra_supervisor.proc.managed import ManagedProcess, State
 from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, Version
 from hydra_supervisor.proc.seams import Seams
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.supervisor import Supervisor
 
 SCALE = 50.0
 
@@ -303,3 +310,46 @@ class UpstreamMoves:
         self.moves.append((kind, old, new_port))
         if kind == "http" and self.http == old:
             self.http = (old[0], new_port)
+
+
+# -- one real Supervisor driven on a FakeWorld (the policy tests' rig) -----------------------------
+
+
+class Run:
+    """One Supervisor on a FakeWorld, its run() as a task, and helpers to wait in policy time."""
+
+    def __init__(self, world: FakeWorld, dep: Deployment, tmp: Path) -> None:
+        self.world = world
+        self.sup = Supervisor(dep, StateDir(tmp / "state"), seams=world.seams())
+        self.transitions: list[tuple[str, str, str]] = []
+        self.sup.listeners.append(
+            lambda mp: self.transitions.append((mp.name, mp.state.value, mp.reason)))
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> Run:
+        self.task = asyncio.ensure_future(self.sup.run())
+        return self
+
+    def mp(self, name: str) -> ManagedProcess:
+        return next(p for p in self.sup.procs if p.name == name)
+
+    async def until(self, pred: Callable[[], Any], timeout: float = 120.0) -> Any:
+        def check() -> Any:
+            if self.task is not None and self.task.done() and not pred():
+                self.task.result()
+                raise AssertionError(f"supervisor ended: fatal={self.sup.fatal}")
+            return pred()
+        return await self.world.wait_for(check, timeout)
+
+    async def all_ready(self, timeout: float = 120.0) -> None:
+        await self.until(lambda: all(p.state is State.READY for p in self.sup.procs)
+                         and self.sup.first_ready.is_set(), timeout)
+
+    async def stop(self) -> None:
+        await self.sup.shutdown("test done")
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 10)
+
+
+def go(tmp: Path, body: Callable[[FakeWorld, Path], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(FakeWorld(), tmp), 50))

@@ -44,9 +44,8 @@ from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
 from tests.fake_children import Behaviour, FakeWorld, deployment
 from tests.helpers_router import one_route
-from tests.test_engine_policy import BEHAVIOUR, FakeRoute, FakeRouter
-from tests.test_engine_policy import dep as edep
-from tests.test_fleet_policy import fdep, make, prof, route, run, until
+from tests.lane_fakes import BEHAVIOUR, FakeRoute, FakeRouter, fdep, make, prof, route, run, until
+from tests.lane_fakes import dep as edep
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -451,7 +450,7 @@ def test_a_failed_change_of_a_running_profile_is_not_marked_failed_while_it_roll
         tmp_path: Path) -> None:
     """A profile's new layout fails fast (its supervisor ends FATAL at once); the port must not
     take that for the serving lane going FATAL: the lane rolls back and it serves on."""
-    from tests.test_fleet_policy import FleetFake
+    from tests.lane_fakes import FleetFake
 
     class Breaks(FleetFake):
         async def run(self) -> None:

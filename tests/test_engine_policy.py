@@ -10,196 +10,25 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from hydra_supervisor.plan.deployment import Deployment, Timeouts
-from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.proc.managed import State
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.router.gate import Gate
-from hydra_supervisor.router.routes import LocalReply, Route
+from hydra_supervisor.router.routes import LocalReply
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy, SwitchTimeouts
-
-
-class FakeRoute(Route):
-    """A lane's route that records what the lane does with it (hold, release, unavailable,
-    upstream, cut) and fakes the requests in flight; its gate is real (held/unavailable
-    reasons are read from it)."""
-
-    calls: list[tuple[str, Any]]
-    inflight_left: int
-    unanswered: int
-
-    def __init__(self, name: str, gate: Gate) -> None:
-        super().__init__(name, gate)
-        self.calls = []
-        self.inflight_left = 0
-        self.unanswered = 0  # of inflight_left: without a response byte (re-sent on a cut)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "http" and "calls" in self.__dict__:
-            self.calls.append(("upstreams", value))
-        super().__setattr__(name, value)
-
-    @property
-    def held(self) -> str | None:
-        return self.gate.held_reason
-
-    @property
-    def unavailable(self) -> str | None:
-        return self.gate.unavailable_reason()
-
-    def hold(self, reason: str) -> None:
-        super().hold(reason)
-        self.calls.append(("hold", reason))
-
-    def release(self) -> None:
-        super().release()
-        self.calls.append(("release", None))
-
-    def set_unavailable(self, reason: str | None, retry_after: int = 5) -> None:
-        super().set_unavailable(reason, retry_after)
-        self.calls.append(("unavailable", reason))
-
-    def wait_idle(self, timeout: float) -> int:
-        return self.inflight_left
-
-    def cut_inflight(self, reason: str, requeue: bool = False) -> int:
-        n, self.inflight_left = self.inflight_left, 0
-        self.calls.append(("cut", requeue))
-        return n - self.unanswered if requeue else n
-
-
-class FakeRouter:
-    def __init__(self, host: str, port: int, upstreams: Any, **kw: Any) -> None:
-        self.calls: list[tuple[str, Any]] = []
-        self.port = port
-        self.upstreams = upstreams
-        self.running = False
-        self.fail_start = 0  # the next N start() calls raise OSError (port taken)
-        self.routes: list[FakeRoute] = []
-        self.route_by_model = False
-        self.table: Any = None
-
-    def new_route(self, name: str, limit: int | None = None, queue: int = 0) -> FakeRoute:
-        route = FakeRoute(name, Gate(120.0, 1024))
-        self.routes.append(route)
-        return route
-
-    def start(self) -> None:
-        self.calls.append(("start", None))
-        if self.fail_start:
-            self.fail_start -= 1
-            raise OSError(98, "Address already in use")
-        self.running = True
-
-    def stop(self) -> None:
-        self.calls.append(("stop", None))
-        self.running = False
-
-    def alive(self) -> bool:
-        return self.running
-
-    def set_upstreams(self, u: Any) -> None:
-        self.upstreams = u
-        self.calls.append(("upstreams", u))
-
-    def set_request_defaults(self, d: dict[str, Any]) -> None:
-        self.calls.append(("defaults", d))
-
-    def stats(self) -> dict[str, Any]:
-        return {"alive": self.running, "open": 0}
-
-
-class FakeProc:
-    def __init__(self, name: str, role: Role, owner: FakeSupervisor) -> None:
-        self.name = name
-        self.spec = type("S", (), {"role": role})()
-        self.state = State.STOPPED
-        self.reason = ""
-        self.pid: int | None = None
-        self.owner = owner
-
-    def to(self, st: State, reason: str = "") -> None:
-        self.state, self.reason = st, reason
-        for fn in self.owner.listeners:
-            fn(self)
-
-    def log_tail(self) -> list[str]:
-        return [f"{self.name} log line"]
-
-    def row(self) -> dict[str, Any]:
-        return {"name": self.name, "state": self.state.value}
-
-
-# How each fake profile behaves when started.
-BEHAVIOUR: dict[str, str] = {}
-STARTED: list[FakeSupervisor] = []
-
-
-class FakeSupervisor:
-    def __init__(self, dep: Deployment, state: StateDir) -> None:
-        self.plan = dep.plan
-        self.timeouts = dep.timeouts
-        self.model_label = "m"
-        self.first_ready = asyncio.Event()
-        self.stopping = asyncio.Event()
-        self.fatal: str | None = None
-        self.degraded: str | None = None
-        self.listeners: list[Any] = []
-        # the lane's seams (issue 18: `router` is gone): its route (stall rule), a moved
-        # upstream's callback, fail-fast for a change, the planned head swap
-        self.traffic: Any = None
-        self.on_upstream_moved: Any = None
-        self.fail_fast = False
-        self.before_head_swap: Any = None
-        self.head = FakeProc("head", Role.HEAD, self)
-        self.procs = [FakeProc(e.name, e.role, self) for e in dep.plan.peers] + [self.head]
-        self.restarted: list[str] = []
-        self.unkillable: list[str] = []
-        self.on_publish: Any = None
-        STARTED.append(self)
-
-    def request_stop(self, reason: str) -> None:
-        self.stopping.set()
-
-    async def run(self) -> None:
-        how = BEHAVIOUR.get(self.plan.profile, "ok")
-        for p in self.procs:
-            p.to(State.STARTING, "spawning")
-            p.pid = 1000 + len(STARTED)
-        await asyncio.sleep(0.01)
-        if how == "crash":
-            self.head.to(State.BACKOFF, "exit 1; restart in 1s")
-        elif how == "ok":
-            for p in self.procs:
-                p.to(State.READY, "ok")
-            self.first_ready.set()
-        await self.stopping.wait()
-        for p in self.procs:
-            p.to(State.STOPPED, "stopped")
-            p.pid = None
-
-    async def restart(self, name: str, fail_fast: bool = False) -> None:
-        self.restarted.append(name)
-
-
-def dep(name: str, peers: int = 0, load: float = 5.0) -> Deployment:
-    head = EngineSpec(name="head", role=Role.HEAD, program="llama-server", args=("-m", name),
-                      env=(), host="127.0.0.1", port=30200, device="cpu", start_order=peers)
-    ps = tuple(EngineSpec(name=f"peer-{i}", role=Role.PEER, program="ggml-rpc-server", args=(),
-                          env=(), host="127.0.0.1", port=30052 + i, device="cpu",
-                          start_order=i) for i in range(peers))
-    plan = Plan(profile=name, source=f"{name}.yaml", model_path="m.gguf", model_kind="dense",
-                mode="combine" if peers else "solo", transport="rpc", host="127.0.0.1",
-                port=8080, engines=(*ps, head),
-                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", 30200), None, ()))
-    return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=load, peer=1.0))
+from tests.lane_fakes import (
+    BEHAVIOUR,
+    STARTED,
+    FakeRoute,
+    FakeRouter,
+    FakeSupervisor,
+    dep,
+)
 
 
 @pytest.fixture

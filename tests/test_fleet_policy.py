@@ -11,79 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan.deployment import Deployment, Timeouts
-from hydra_supervisor.plan.devices import Device, Kind
-from hydra_supervisor.plan.plan import EngineSpec, Placement, Plan, Role, RouterSpec
 from hydra_supervisor.proc.managed import State
-from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.router.routes import LocalReply, Route
+from hydra_supervisor.router.routes import LocalReply
 from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.serve import lane as lane_mod
-from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import Busy, SwitchTimeouts
+from hydra_supervisor.serve.reports import Busy
 from hydra_supervisor.serve.states import LaneState
-from tests.test_engine_policy import BEHAVIOUR, STARTED, FakeSupervisor
-
-GIB = 1 << 30
-
-
-class FleetFake(FakeSupervisor):
-    def adopt_head(self, dep: Deployment) -> None:  # a head-only reload (plandiff HEAD)
-        self.plan = dep.plan
-        self.timeouts = dep.timeouts
-DEVICES = {"gpu0": Device("gpu0", Kind.CUDA, 24 * GIB, 24 * GIB, cuda_index=0),
-           "gpu1": Device("gpu1", Kind.CUDA, 16 * GIB, 16 * GIB, cuda_index=1)}
-
-
-def fdep(name: str, port: int, **gib: float) -> Deployment:
-    head = EngineSpec(name="head", role=Role.HEAD, program="llama-server", args=("-m", name),
-                      env=(), host="127.0.0.1", port=port, device=next(iter(gib)),
-                      start_order=0)
-    places = tuple(Placement(dev, 1, int(n * GIB), 0, 0, 0) for dev, n in gib.items())
-    plan = Plan(profile=name, source=f"{name}.yaml", model_path=f"{name}.gguf",
-                model_kind="dense", mode="solo", transport="rpc", host="127.0.0.1", port=0,
-                engines=(head,), placements=places,
-                router=RouterSpec("127.0.0.1", 0, ("127.0.0.1", port), None, ()))
-    return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=5.0, peer=1.0),
-                      # what a lane reads of its layout.Layout: devices, and the profile
-                      # (None here: the test gives the lane its Profile)
-                      layout=SimpleNamespace(devices=DEVICES, profile=None))
-
-
-def prof(name: str, **kw: Any) -> Profile:
-    return Profile(name=name, source=f"{name}.yaml", model=name, **kw)
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
-class FakeClock:
-    """The policy's clock (cooldowns, loaded_at, failed_at), moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, s: float) -> None:
-        self.now += s
+from tests.lane_fakes import (
+    BEHAVIOUR,
+    GIB,
+    STARTED,
+    FakeClock,
+    fdep,
+    make,
+    prof,
+    route,
+    run,
+    until,
+)
 
 
 async def ticks(f: Port, n: int = 2) -> None:
@@ -91,45 +44,6 @@ async def ticks(f: Port, n: int = 2) -> None:
     assertion after it holds because the policy looked, not because time went by."""
     t0 = f.ticks
     await until(lambda: f.ticks >= t0 + n)
-
-
-def make(tmp_path: Path, *members: tuple[Profile, Deployment], default: str = "a",
-         drain: float = 0.2, clock: Callable[[], float] | None = None) -> Port:
-    BEHAVIOUR.clear()
-    STARTED.clear()
-    node = Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0)
-    f = Port(StateDir(tmp_path), "127.0.0.1", 0, node=node, by_model=True,
-             allow=("127.0.0.0/8",), switch_timeouts=SwitchTimeouts(drain=drain, gpu_free=0.1),
-             load_wait=5.0, make_supervisor=FleetFake,
-             **({"clock": clock} if clock is not None else {}))
-    f.default = default
-    for prof_, dep_ in members:
-        f.plan_lane(prof_, dep_)
-    try:
-        f.open()
-    except BaseException:
-        f.close()  # a refused port does not keep its router running
-        raise
-    return f
-
-
-def run(f: Port, body: Callable[[], Any], initial: list[str] | None = None) -> None:
-    async def go() -> None:
-        await f.start(["a"] if initial is None else initial)
-        await asyncio.wait_for(f.started.wait(), 5)
-        try:
-            await body()
-        finally:
-            await f.shutdown("test")
-            f.close()
-
-    asyncio.run(go())
-
-
-def route(f: Port, model: str | None) -> Route:
-    sel = f.select(model, "POST", "/v1/chat/completions")
-    assert isinstance(sel, Route), sel
-    return sel
 
 
 def test_routing_by_name_alias_and_default(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,34 +22,7 @@ from hydra_supervisor.runtime.notify import (
     status_text,
     watchdog_loop,
 )
-
-DEADLINE = 10.0
-
-
-class Listener:
-    """A datagram socket standing in for systemd's notify socket."""
-
-    def __init__(self, address: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(address)
-        self.sock.settimeout(DEADLINE)
-
-    def recv(self) -> dict[str, str]:
-        data = self.sock.recv(4096).decode()
-        return dict(line.split("=", 1) for line in data.split("\n"))
-
-    def drain(self) -> list[dict[str, str]]:
-        """Every datagram queued right now (no waiting)."""
-        out = []
-        self.sock.setblocking(False)
-        try:
-            while True:
-                out.append(self.recv())
-        except BlockingIOError:
-            pass
-        finally:
-            self.sock.settimeout(DEADLINE)
-        return out
+from tests.notify_listener import DEADLINE, Listener
 
 
 @pytest.fixture

@@ -8,60 +8,16 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, RestartPolicy
-from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.proc.managed import ManagedProcess, State
-from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.proc.supervisor import Supervisor
-from tests.fake_children import Behaviour, FakeWorld, UpstreamMoves, deployment
+from hydra_supervisor.proc.managed import State
+from tests.fake_children import Behaviour, FakeWorld, Run, UpstreamMoves, deployment, go
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Run:
-    """One Supervisor on a FakeWorld, its run() as a task, and helpers to wait in policy time."""
-
-    def __init__(self, world: FakeWorld, dep: Deployment, tmp: Path) -> None:
-        self.world = world
-        self.sup = Supervisor(dep, StateDir(tmp / "state"), seams=world.seams())
-        self.transitions: list[tuple[str, str, str]] = []
-        self.sup.listeners.append(
-            lambda mp: self.transitions.append((mp.name, mp.state.value, mp.reason)))
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> Run:
-        self.task = asyncio.ensure_future(self.sup.run())
-        return self
-
-    def mp(self, name: str) -> ManagedProcess:
-        return next(p for p in self.sup.procs if p.name == name)
-
-    async def until(self, pred: Callable[[], Any], timeout: float = 120.0) -> Any:
-        def check() -> Any:
-            if self.task is not None and self.task.done() and not pred():
-                self.task.result()
-                raise AssertionError(f"supervisor ended: fatal={self.sup.fatal}")
-            return pred()
-        return await self.world.wait_for(check, timeout)
-
-    async def all_ready(self, timeout: float = 120.0) -> None:
-        await self.until(lambda: all(p.state is State.READY for p in self.sup.procs)
-                         and self.sup.first_ready.is_set(), timeout)
-
-    async def stop(self) -> None:
-        await self.sup.shutdown("test done")
-        assert self.task is not None
-        await asyncio.wait_for(self.task, 10)
-
-
-def go(tmp: Path, body: Callable[[FakeWorld, Path], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(body(FakeWorld(), tmp), 50))
 
 
 def states(run: Run, name: str) -> list[str]:

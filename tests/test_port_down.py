@@ -39,15 +39,19 @@ from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.portwatch import PortWatch
 from hydra_supervisor.serve.reports import SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
-from tests.test_engine_policy import (
+from tests.lane_fakes import (
     BEHAVIOUR,
+    GIB,
     STARTED,
     FakeRouter,
     FakeSupervisor,
+    FleetFake,
     dep,
+    fdep,
+    prof,
+    until,
 )
-from tests.test_fleet_policy import GIB, FleetFake, fdep, prof, until
-from tests.test_notify import Listener
+from tests.notify_listener import Listener
 
 # -- the watch alone (fake router, fake clock) -----------------------------------------------
 

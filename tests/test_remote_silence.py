@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from hydra_supervisor.proc.managed import State
-from tests.fake_children import FakeWorld, deployment
-from tests.test_policy import Run, go
+from tests.fake_children import FakeWorld, Run, deployment, go
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,7 @@ import pytest
 from hydra_supervisor.config.profile import HealthPolicy, PeerLoss
 from hydra_supervisor.proc.managed import State
 from hydra_supervisor.router.gate import Gate
-from tests.fake_children import Behaviour, FakeChild, FakeWorld, deployment
-from tests.test_policy import Run
+from tests.fake_children import Behaviour, FakeChild, FakeWorld, Run, deployment
 
 # FAST_HEALTH: interval 0.5, hang_timeout 5 → stall_timeout 5 (its default is hang_timeout).
 STALL = 5.0

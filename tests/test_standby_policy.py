@@ -30,7 +30,7 @@ from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchTimeouts
 from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
-from tests.test_engine_policy import STARTED, FakeRouter, FakeSupervisor
+from tests.lane_fakes import STARTED, FakeRouter, FakeSupervisor
 
 MIB = 1 << 20
 
