@@ -98,6 +98,35 @@ def test_unwritable_state_dir(hydra_env, tmp_path):
     assert "state dir" in res.stderr and "HYDRA_STATE_DIR" in res.stderr
 
 
+def test_full_state_dir_names_the_file_and_the_fix(hydra_env, tmp_path):
+    """A state dir on a full filesystem (a 16 KiB tmpfs, filled, in a private mount
+    namespace): `hydra up` says which file it could not write, not a traceback."""
+    import shutil
+    import subprocess
+    import sys
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs unshare (util-linux) for a private tmpfs")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    script = (f"mount -t tmpfs -o size=16k tmpfs {mnt} && "
+              f"(dd if=/dev/zero of={mnt}/fill bs=1k count=64 2>/dev/null; true) && "
+              f'exec "$0" -m hydra_supervisor up --profile demo --port {free_port()}')
+    env = dict(hydra_env, HYDRA_STATE_DIR=str(mnt / "state"))
+    try:
+        res = subprocess.run([unshare, "-rm", "sh", "-c", script, sys.executable], env=env,
+                             capture_output=True, text=True, timeout=60,
+                             cwd=Path(__file__).resolve().parent.parent, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hydra up on a full state dir did not end within 60 s")
+    if "mount" in res.stderr and res.returncode != 2:
+        pytest.skip(f"no private tmpfs here: {res.stderr.strip()[:200]}")
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"state dir {mnt / 'state'}: cannot write" in res.stderr
+    assert "No space left on device" in res.stderr and "HYDRA_STATE_DIR" in res.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["logs", "nosuch"], "no log for engine 'nosuch'"),
 ])

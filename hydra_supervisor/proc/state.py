@@ -118,8 +118,9 @@ class StateDir:
                     f"{self.root} (lock {path})",
                     hint="`hydra down` first (`hydra status` shows it), `hydra switch PROFILE` to "
                          "change its layout, or set HYDRA_STATE_DIR for a second hydra") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            with self.writing(path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             try:
                 yield
             finally:
@@ -130,11 +131,24 @@ class StateDir:
 
     # -- the supervisor ---------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def writing(self, path: Path) -> Iterator[None]:
+        """A write into the state dir that `hydra up` cannot start without: an OSError (a
+        full disk, a read-only mount) becomes a HydraError naming the file and the fix."""
+        try:
+            yield
+        except OSError as exc:
+            raise HydraError(f"state dir {self.root}: cannot write {path}: "
+                             f"{exc.strerror or exc}",
+                             hint="free space on its filesystem, or set HYDRA_STATE_DIR to a "
+                                  "writable directory") from exc
+
     def write_supervisor(self, profile: str, source: str) -> None:
         me = psutil.Process()
-        _write_json(self.root / "supervisor.json", {
-            "pid": me.pid, "create_time": me.create_time(), "profile": profile,
-            "source": source, "started": time.time()})
+        path = self.root / "supervisor.json"
+        with self.writing(path):
+            _write_json(path, {"pid": me.pid, "create_time": me.create_time(),
+                               "profile": profile, "source": source, "started": time.time()})
 
     def running_supervisor(self) -> dict[str, Any] | None:
         """The live `hydra up` of this state dir, or None (a stale file is ignored)."""
