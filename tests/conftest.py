@@ -39,14 +39,34 @@ def _stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+_LLAMA = (("HYDRA_LLAMA_SERVER", "llama-server"), ("HYDRA_RPC_SERVER", "ggml-rpc-server"),
+          ("HYDRA_LLAMA_BENCH", "llama-bench"))
+
+
+@pytest.fixture(scope="session")
+def _llama_missing() -> str | None:
+    """Why the real llama.cpp binaries cannot be found (None: they can); slow tests skip
+    with it. `./scripts/test` builds them first, so there this is always None."""
+    from hydra_supervisor.errors import HydraError
+    from hydra_supervisor.tools import binaries
+    try:
+        for _, name in _LLAMA[:2]:
+            binaries.find(name)
+    except HydraError as exc:
+        first = str(exc).splitlines()[0]
+        return f"llama.cpp binaries not installed ({first}): run `hydra install-llama`"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _llama_only_in_slow_tests(request: pytest.FixtureRequest,
-                              monkeypatch: pytest.MonkeyPatch, _stand_ins: Path) -> None:
+                              monkeypatch: pytest.MonkeyPatch, _stand_ins: Path,
+                              _llama_missing: str | None) -> None:
     if request.node.get_closest_marker("slow") is None:
-        for var, name in (("HYDRA_LLAMA_SERVER", "llama-server"),
-                          ("HYDRA_RPC_SERVER", "ggml-rpc-server"),
-                          ("HYDRA_LLAMA_BENCH", "llama-bench")):
+        for var, name in _LLAMA:
             monkeypatch.setenv(var, str(_stand_ins / name))
+    elif _llama_missing is not None:
+        pytest.skip(_llama_missing)
 
 
 @pytest.fixture

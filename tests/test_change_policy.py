@@ -36,15 +36,25 @@ from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.serve import lane as lane_mod
-from hydra_supervisor.serve import node as node_mod
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
 from tests.fake_children import Behaviour, FakeWorld, deployment
-from tests.helpers_router import one_route
-from tests.lane_fakes import BEHAVIOUR, FakeRoute, FakeRouter, fdep, make, prof, route, run, until
+from tests.helpers_router import one_route, wait_until
+from tests.lane_fakes import (
+    BEHAVIOUR,
+    FakeClock,
+    FakeRoute,
+    FakeRouter,
+    fdep,
+    make,
+    prof,
+    route,
+    run,
+    until,
+)
 from tests.lane_fakes import dep as edep
 
 pytestmark = pytest.mark.timeout(60)
@@ -238,20 +248,26 @@ def test_reloads_during_a_reload_are_coalesced_and_the_last_edit_wins(tmp_path: 
         edits = ["v1"]  # the profile file; each run reads it when it starts
         runs: list[str] = []
 
+        done = asyncio.Event()  # a run ends when the test says so, not after a time
+
         async def once() -> dict[str, Any]:
             seen = edits[-1]
             runs.append(seen)
-            await asyncio.sleep(0.2)
+            await done.wait()
             return {"result": "ok", "applied": seen}
 
         d._reload_once = once  # type: ignore[method-assign]
         first = asyncio.ensure_future(d.reload())
-        await asyncio.sleep(0.05)
+        await until(lambda: runs == ["v1"])  # the first run has read the files
         edits.append("v2")
         second = asyncio.ensure_future(d.reload())  # SIGHUP 1 during the reload
-        await asyncio.sleep(0.05)
+        await until(lambda: d.reloads._next is not None)  # queued behind the first
         edits.append("v3")
-        third = asyncio.ensure_future(d.reload())  # SIGHUP 2, 0.05 s later: same run
+        third = asyncio.ensure_future(d.reload())  # SIGHUP 2 while it waits: same run
+        for _ in range(3):  # (no clock in this: each step lets the new task run its ask)
+            await asyncio.sleep(0)
+        assert runs == ["v1"]  # nothing more ran yet: the second run waits for the first
+        done.set()
         r1, r2, r3 = await asyncio.gather(first, second, third)
         assert r1["applied"] == "v1"
         assert r2["applied"] == r3["applied"] == "v3"  # one run after the first: last edit
@@ -299,8 +315,9 @@ def test_a_failed_change_is_said_on_the_status_line_until_one_works(tmp_path: Pa
 def test_a_failed_profile_does_not_evict_a_healthy_one_each_time_it_is_asked_for(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lane_mod, "FAIL_COOLDOWN", 0.2)
+    clock = FakeClock()  # cooldowns pass when the test says so
     f = make(tmp_path, (prof("a", min_resident=0.0), fdep("a", 30200, gpu0=20)),
-             (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)))
+             (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)), clock=clock)
 
     async def body() -> None:
         # (the Fleet's phase RUNNING is the lane's SERVING)
@@ -313,7 +330,7 @@ def test_a_failed_profile_does_not_evict_a_healthy_one_each_time_it_is_asked_for
         await until(lambda: a.phase is LaneState.SERVING)
         # Asked for again after its cooldown: it does not stop a to try again.
         for n in (2, 3):
-            await asyncio.sleep(b.cooldown + 0.05)
+            clock.advance(b.cooldown + 0.05)
             route(f, "b")
             await until(lambda n=n: b.fails == n)  # type: ignore[misc]
             assert b.phase is LaneState.FAILED and a.phase is LaneState.SERVING
@@ -409,7 +426,7 @@ def test_a_drain_that_runs_out_resends_requests_without_a_response_byte() -> Non
         assert lane.wait_idle(0.2) == 3
         assert lane.cut_inflight("cut by the switch to new after 0s of draining",
                               requeue=True) == 0  # none had a response byte: none cut
-        time.sleep(0.2)
+        wait_until(lambda: lane.gate.held() == 3, what="the 3 re-sent requests held")
         assert replies == []  # held, not answered 503
         lane.http = ("127.0.0.1", new.port)
         lane.release()
@@ -475,7 +492,8 @@ def test_a_failed_change_of_a_running_profile_is_not_marked_failed_while_it_roll
             router=replace(bad.plan.router, rpc=("127.0.0.1", 50999))))
         rep = await f.apply_to("a", bad)
         assert rep.result == "rolled_back" and BAD_ARG in (rep.error or ""), rep
-        await asyncio.sleep(node_mod.TICK * 2)  # a tick would have marked it failed
+        ticks = f.ticks
+        await until(lambda: f.ticks >= ticks + 2)  # a tick would have marked it failed
         assert a.phase is LaneState.SERVING and a.error is None
         assert a.state_now().value == "serving"
 

@@ -28,6 +28,7 @@ from tests.lane_fakes import (
     FakeRouter,
     FakeSupervisor,
     dep,
+    until,
 )
 
 
@@ -159,7 +160,7 @@ def test_second_switch_is_refused_while_one_runs(engine: Port) -> None:
         await started(engine, dep("a"))
         BEHAVIOUR["slow"] = "hang"
         first = asyncio.create_task(engine.switch_to(dep("slow", load=0.5)))
-        await asyncio.sleep(0.05)
+        await until(lambda: any(lane.lock.locked() for lane in engine.lanes.values()))
         with pytest.raises(Busy, match="already running"):
             await engine.switch_to(dep("b"))
         await first
@@ -188,7 +189,7 @@ def test_cancel_mid_switch_leaves_nothing_running(engine: Port) -> None:
         await started(engine, dep("a"))
         BEHAVIOUR["slow"] = "hang"
         task = asyncio.create_task(engine.switch_to(dep("slow", load=30)))
-        await asyncio.sleep(0.1)
+        await until(lambda: any(s.plan.profile == "slow" for s in STARTED))  # mid-switch
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
