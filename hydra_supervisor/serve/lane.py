@@ -102,7 +102,10 @@ class Lane:
                  switch_timeouts: SwitchTimeouts | None = None,
                  make_supervisor: Callable[[Deployment, StateDir], Runner] = Supervisor,
                  clock: Callable[[], float] = time.monotonic,
-                 exit_on_fatal: bool = False, prefix_names: bool = False) -> None:
+                 exit_on_fatal: bool = False, prefix_names: bool = False,
+                 load_wait: float | None = None) -> None:
+        """`load_wait`: the lane loads on request (a port routed by model): its held requests
+        wait for a whole load plus this long for room."""
         self.port = port
         self.route = route
         self.state = state
@@ -128,6 +131,12 @@ class Lane:
         self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
         self._switch_count = 0
         self.unkillable: list[str] = []
+        if load_wait is not None:
+            # A request that loads its lane waits for the whole load (a big model on a slow
+            # disk takes minutes), not just the router's usual hold; a failed load answers it
+            # at once anyway.
+            route.gate.hold_timeout = max(route.gate.hold_timeout, self.dep.timeouts.load
+                                          + self.dep.timeouts.peer + load_wait)
         self.loaded_at: float | None = None
         self.error: str | None = None
         self.failed_at = float("-inf")
@@ -253,6 +262,14 @@ class Lane:
             return f"loading model ({head.reason})" if head.reason else "loading model"
         state = head.state.value.lower()
         return f"head {state}: {head.reason}" if head.reason else f"head {state}"
+
+    def hold(self, reason: str, *, clear_refusal: bool = False) -> None:
+        """New requests wait (a load is coming: on request, or once there is room beside the
+        others); `clear_refusal`: a failure's 503 is lifted first, so they wait for the load
+        instead. The Port and the Node ask; only the lane writes its route."""
+        if clear_refusal:
+            self.route.set_unavailable(None)
+        self.route.hold(reason)
 
     def stopped_gate(self) -> None:
         """What a request for a lane that is not loaded meets."""

@@ -105,7 +105,7 @@ class Node:
             if waiting != _shape(room.reason):  # the countdown alone is not news
                 waiting = _shape(room.reason)
                 log.info("profile %s: %s", lane.name, room.reason)
-            lane.route.hold(f"loading profile {lane.name}: {room.reason}")
+            lane.hold(f"loading profile {lane.name}: {room.reason}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.room_changed.wait(), TICK)
 

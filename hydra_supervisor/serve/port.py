@@ -129,13 +129,8 @@ class Port(PortRouting, PortStatus):
         lane = Lane(self, dep, route, state=self.state, profile=profile, node=self.node,
                     switch_timeouts=self.switch_timeouts, make_supervisor=self.make_supervisor,
                     clock=self.clock, exit_on_fatal=not self.by_model,
-                    prefix_names=self.by_model)
-        if self.by_model:
-            # A request that loads its lane waits for the whole load (a big model on a slow
-            # disk takes minutes), not just the router's usual hold; a failed load answers it
-            # at once anyway.
-            route.gate.hold_timeout = max(route.gate.hold_timeout, lane.dep.timeouts.load
-                                          + lane.dep.timeouts.peer + self.load_wait)
+                    prefix_names=self.by_model,
+                    load_wait=self.load_wait if self.by_model else None)
         self.lookup = self._names([*(x.profile_or_name() for x in self.lanes.values()),
                                    (lane.name, lane.aliases)])
         self.lanes[lane.name] = lane

@@ -152,8 +152,8 @@ class PortRouting:
             if self.clock() - lane.failed_at < lane.cooldown:
                 return  # its route answers 503 with the failure until the cooldown is over
             # Before the request reaches the gate: it must wait for the load, not get the 503.
-            lane.route.set_unavailable(None)
-            lane.route.hold(f"loading profile {lane.name} (on request, after a failure)")
+            lane.hold(f"loading profile {lane.name} (on request, after a failure)",
+                      clear_refusal=True)
         if later and self.loop is not None:
             self.loop.call_soon(self._want, name)
         else:
