@@ -243,8 +243,8 @@ def test_restart_names_the_engines_it_knows(engine: Port) -> None:
         lane = lane_of(engine)
         with pytest.raises(Exception, match="engines: peer-0, head"):
             await lane.restart("nope")
-        res = await lane.restart("peer-0")
-        assert res["engine"] == "peer-0"
+        res = await lane.restart("peer-0")  # one report type: a SwitchReport
+        assert res.result == "ok" and res.restarted == ["peer-0"]
         assert lane.sup is not None and lane.sup.restarted == ["peer-0"]  # type: ignore
         await engine.shutdown("test")
 

@@ -82,18 +82,21 @@ async def _r_restart(d: Daemon, body: dict[str, Any]) -> tuple[int, dict[str, An
 
 
 async def restart(d: Daemon, name: str) -> dict[str, Any]:
-    """`hydra restart NAME`: the lane running that process restarts it."""
-    for lane in d.lanes():
-        if lane.sup is not None and any(p.name == name for p in lane.sup.procs):
-            return await lane.restart(name)
-    single = d.single
-    if single is not None and single.only() is not None:
-        return await single.lanes[next(iter(single.lanes))].restart(name)  # names them
-    if single is not None:
-        raise HydraError("no profile is running on this hydra: nothing to restart")
-    running = [p.name for lane in d.lanes() if lane.sup is not None
-               for p in lane.sup.procs]
-    raise HydraError(f"no running process '{name}'; running: {', '.join(running) or 'none'}")
+    """`hydra restart NAME`: the lane running that process restarts it; the reply is its
+    report, with the process, its profile and the seconds until it was ready again."""
+    lanes = d.lanes()
+    lane = next((lane for lane in lanes if lane.sup is not None
+                 and any(p.name == name for p in lane.sup.procs)), None)
+    if lane is None and len(lanes) == 1:
+        lane = lanes[0]  # it names its processes in its error (or says it is not running)
+    if lane is None:
+        running = [p.name for lane in lanes if lane.sup is not None for p in lane.sup.procs]
+        if not running:
+            raise HydraError("no profile is running on this hydra: nothing to restart")
+        raise HydraError(f"no running process '{name}'; running: {', '.join(running)}")
+    report = await lane.restart(name)
+    return {**report.to_json(), "engine": name, "profile": report.to,
+            "seconds": round(report.total_s, 3)}
 
 
 async def _r_reload(d: Daemon, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:

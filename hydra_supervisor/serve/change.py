@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import plandiff
@@ -249,7 +249,10 @@ def _finish(lane: Lane, report: SwitchReport, phase: Phases) -> None:
 
 # -- restart one process -------------------------------------------------------------------
 
-async def restart(lane: Lane, name: str) -> dict[str, Any]:
+async def restart(lane: Lane, name: str) -> SwitchReport:
+    """`hydra restart NAME`: the report says what restarted (`restarted`), how long until
+    it was ready again (`total_s`) and what keep_slots restored (`notes`); a restart that
+    fails raises RestartFailed after the rollback (its message says what serves now)."""
     sup = lane.sup
     if sup is None:
         raise HydraError(f"profile {lane.name} is not running: nothing to restart")
@@ -268,10 +271,11 @@ async def restart(lane: Lane, name: str) -> dict[str, Any]:
             await lane._ready(sup, sup.timeouts.load + sup.timeouts.peer)
         except (LayoutFailed, Fatal) as exc:
             raise RestartFailed(await _restart_failed(lane, name, sup, dep, exc)) from exc
-        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile)
+        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, result="ok",
+                           restarted=[name])
         await keepslots.restore(lane, dep, dep, saved, rep)
-        return {"engine": name, "profile": sup.plan.profile,
-                "seconds": round(time.monotonic() - t0, 3), "notes": rep.notes}
+        rep.total_s = time.monotonic() - t0
+        return rep
 
 
 async def _restart_failed(lane: Lane, name: str, sup: Runner, dep: Deployment,

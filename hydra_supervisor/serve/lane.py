@@ -393,7 +393,7 @@ class Lane:
         """Run `dep` in place of the running layout, restarting only what changes (plandiff)."""
         return await change.apply(self, dep)
 
-    async def restart(self, name: str) -> dict[str, Any]:
+    async def restart(self, name: str) -> SwitchReport:
         """A planned restart of one process (`hydra restart NAME`)."""
         return await change.restart(self, name)
 
