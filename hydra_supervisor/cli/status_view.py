@@ -11,6 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from hydra_supervisor.cli.shared import out, styled
+from hydra_supervisor.serve import states
+from hydra_supervisor.serve.states import LaneState
 
 
 def _serving_now(status: dict[str, Any]) -> str | None:
@@ -18,7 +20,7 @@ def _serving_now(status: dict[str, Any]) -> str | None:
     profile switched to, not the one it started with)."""
     profiles = status.get("profiles")
     if isinstance(profiles, dict):  # several profiles: those loaded now
-        names = [n for n, st in profiles.items() if st not in ("stopped", "failed")]
+        names = [n for n, st in profiles.items() if st not in states.NOT_LOADED]
         if not names:
             return "hydra (no profile was loaded)"
         return f"profile{'s' if len(names) > 1 else ''} {', '.join(names)}"
@@ -85,7 +87,7 @@ def _fleet_renderables(snap: dict[str, Any]) -> list[Any]:
             loaded = _fmt_age(fl["resident_s"]) if fl["resident_s"] is not None else "-"
             held = (fl.get("held_reason") or "").removeprefix(f"loading profile {e['profile']}: ")
             note = fl["error"] or (fl["why"] if e["state"] == "stopped" else
-                                   held if e["state"] == "loading" else "")
+                                   held if e["state"] == LaneState.LOADING.value else "")
             if fl.get("running") is not None:
                 note = f"{fl['running']}/{fl['concurrency']} running, {fl['waiting']} " \
                        f"queued" + (f"; {note}" if note else "")
@@ -136,7 +138,7 @@ def _engine_renderables(eng: dict[str, Any]) -> list[Any]:
     needs = ", ".join(f"{k} {v:,} MiB" for k, v in (eng.get("needs_mib") or {}).items())
     if eng.get("standby"):  # the other layout, kept loaded beside the active one (standby:)
         how = ("`hydra switch " + str(eng["profile"]) + "` flips to it at once"
-               if eng["state"] == "serving" else eng.get("why") or eng["state"])
+               if eng["state"] == LaneState.SERVING.value else eng.get("why") or eng["state"])
         parts.append(Text.assemble(("standby ", ""), (str(eng["profile"]), "bold"),
                                    f" ({eng['mode'] or '-'}) for {eng.get('standby_of')} — "
                                    f"{eng['state']}; plan {needs or '-'}; {how}"))

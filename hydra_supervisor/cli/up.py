@@ -40,6 +40,8 @@ else:
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import client_host, host_port
 from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.serve import states
+from hydra_supervisor.serve.states import LaneState
 
 
 @click.command()
@@ -226,7 +228,7 @@ async def _present_one(p: Any) -> None:
     what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
     # A status string is always read as markup; a reason such as "RPC0[127.0.0.1:30052]" is not.
     with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as spin:
-        while lane.state_now().value == "loading":
+        while lane.state_now() is LaneState.LOADING:
             cur = next((p for p in sup.procs if p.state.value != "READY"), None)
             if cur is not None:
                 bar = _load_bar(cur.pid, model_bytes) if cur.spec.role.value == "head" else ""
@@ -234,7 +236,7 @@ async def _present_one(p: Any) -> None:
                                  f"{cur.reason or 'starting'} {bar}"
                                  f"({time.monotonic() - cur.since:.0f}s)"))
             await asyncio.sleep(0.2)
-    if lane.state_now().value not in ("serving", "degraded"):
+    if lane.state_now().value not in states.ANSWERING:
         return
     if plan.router and not plan.router.http:
         r = plan.router

@@ -30,7 +30,7 @@ from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.runtime import control
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import Busy, RestartFailed
+from hydra_supervisor.serve.reports import Busy, RestartFailed, Result
 
 if TYPE_CHECKING:
     from hydra_supervisor.runtime.daemon import Daemon
@@ -131,7 +131,7 @@ async def switch(d: Daemon, profile: str, profiles_dir: str | None = None) -> di
     if port is None:
         report = await d.node.activate(lane_named(d, profile))
         done = report.to_json()
-        if report.result != "noop":
+        if report.result != Result.NOOP:
             d.switch_log = [*d.switch_log[-19:], {**done, "at": time.time()}]
         return done
     if port.standby is not None and port.standby.ready_for(profile):
@@ -150,7 +150,7 @@ async def switch(d: Daemon, profile: str, profiles_dir: str | None = None) -> di
     report = await port.switch_to(dep)
     report.phases = {"plan": plan_s, **report.phases}
     report.total_s += plan_s
-    d.opts.profile = profile if report.result == "ok" else d.opts.profile
+    d.opts.profile = profile if report.result == Result.OK else d.opts.profile
     return report.to_json()
 
 
@@ -231,7 +231,7 @@ async def reload_once(d: Daemon) -> dict[str, Any]:
     report = await lane.apply(new)
     if skipped:
         log.warning("reload of %s: not applied: %s", name, "; ".join(skipped))
-    if report.result == "noop":
+    if report.result == Result.NOOP:
         log.info("reload: %s is unchanged; nothing to do", ref)
         return {"to": new.profile, "result": "noop", "not_applied": skipped,
                 "reason": "nothing it can apply changed" if skipped

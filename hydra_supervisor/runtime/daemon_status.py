@@ -11,6 +11,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hydra_supervisor.runtime import notify
+from hydra_supervisor.serve import states
+from hydra_supervisor.serve.reports import Result
+from hydra_supervisor.serve.states import LaneState
 
 if TYPE_CHECKING:
     from hydra_supervisor.runtime.daemon import Daemon
@@ -34,12 +37,13 @@ def fleet_status(daemon: Daemon, snap: dict[str, Any]) -> dict[str, Any]:
     """status.json of a node serving several profiles: every profile's processes."""
     rows = snap["engines"]
     words = {r["profile"]: r["state"] for r in rows}
-    serving = [n for n, st in words.items() if st in ("serving", "degraded", "recovering")]
+    serving = [n for n, st in words.items() if st in states.UP]
     down = [d for f in snap["fleets"] if (d := f["down"])]
     return {"pid": os.getpid(), "profile": ",".join(words), "source": "-",
             "mode": "profiles", "model": None,
             "url": ", ".join(p.url for p in daemon.by_model),
-            "state": "port down" if down else "serving" if serving else "idle",
+            "state": states.PORT_DOWN if down else LaneState.SERVING.value if serving
+            else states.IDLE,
             "down": "; ".join(down) or None, "fatal": None, "degraded": None,
             "updated": time.time(), "stopped": daemon.ended, "profiles": words,
             "unkillable": list(daemon.unkillable),
@@ -62,7 +66,7 @@ def change_failed(daemon: Daemon) -> str | None:
                *(p.reports for p in daemon.ports if not p.lanes)]
     for done in records:
         rep = done[-1] if done else None
-        if rep is not None and rep.result in ("rolled_back", "failed"):
+        if rep is not None and rep.result in (Result.ROLLED_BACK, Result.FAILED):
             return f"{rep.to}: {rep.error}"
     return None
 

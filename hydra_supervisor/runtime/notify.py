@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hydra_supervisor.serve import states
+
 log = logging.getLogger("hydra.notify")
 
 
@@ -172,7 +174,7 @@ def status_text(snapshot: Mapping[str, Any]) -> str:
         if e.get("standby"):  # the other layout kept loaded beside it (serve/standby.py)
             parts.append(f"standby {what}: {state}" + (f" ({e['why']})" if e.get("why") else ""))
             continue
-        if state in ("serving", "degraded") and e.get("url"):
+        if state in states.ANSWERING and e.get("url"):
             line += f" at {e['url']}"
         why = e.get("down") or e.get("fatal") or e.get("degraded")
         if why:

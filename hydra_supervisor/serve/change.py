@@ -32,6 +32,7 @@ from hydra_supervisor.serve.reports import (
     LayoutFailed,
     Phases,
     RestartFailed,
+    Result,
     SwitchReport,
 )
 from hydra_supervisor.serve.runner import Runner
@@ -96,7 +97,7 @@ async def _switch(lane: Lane, dep: Deployment) -> SwitchReport:
             lane._to(LaneState.SERVING)
             lane.loaded_at = lane.clock()
             lane.sync_gate()
-        report.result = "ok"
+        report.result = Result.OK
     except (LayoutFailed, HydraError, OSError) as exc:
         report.failed_phase = phase.current
         report.error = str(exc)
@@ -105,7 +106,7 @@ async def _switch(lane: Lane, dep: Deployment) -> SwitchReport:
         await _rollback(lane, old, report, phase, started_new)
     except asyncio.CancelledError:
         # hydra is stopping mid-switch: whatever runs is stopped by the caller's shutdown.
-        report.result = "failed"
+        report.result = Result.FAILED
         report.error = "hydra stopped during the switch"
         raise
     finally:
@@ -127,7 +128,7 @@ async def apply(lane: Lane, dep: Deployment) -> SwitchReport:
         raise HydraError(d.reason)
     if d.change is plandiff.Change.NONE and cur.policy == dep.policy \
             and cur.timeouts == dep.timeouts:
-        rep = SwitchReport(to=dep.profile, frm=cur.profile, result="noop")
+        rep = SwitchReport(to=dep.profile, frm=cur.profile, result=Result.NOOP)
         rep.notes.append("nothing changes")
         return rep
     if d.change is not plandiff.Change.HEAD:
@@ -160,7 +161,7 @@ async def _restart_head(lane: Lane, old: Deployment, dep: Deployment, sup: Runne
             await lane._ready(sup, dep.timeouts.load)
         await keepslots.restore(lane, old, dep, saved, report)
         lane.last_good = dep
-        report.result = "ok"
+        report.result = Result.OK
     except (LayoutFailed, HydraError, OSError, Fatal) as exc:
         report.failed_phase = phase.current
         report.error = str(exc)
@@ -173,7 +174,7 @@ async def _restart_head(lane: Lane, old: Deployment, dep: Deployment, sup: Runne
                 lane._adopt(old)
                 await sup.restart(names[0], fail_fast=True)
                 await lane._ready(sup, old.timeouts.load)
-                report.result = "rolled_back"
+                report.result = Result.ROLLED_BACK
         except (LayoutFailed, HydraError, OSError, Fatal) as exc2:
             # the old head did not come back in place: the last good layout afresh
             log.error("the old head of %s did not come back in place (%s); starting "
@@ -215,7 +216,7 @@ async def _rollback(lane: Lane, old: Deployment | None, report: SwitchReport, ph
             await lane._stop_current(f"switch to {report.to} failed")
         back = lane.last_good or old
         if back is None:
-            report.result = "failed"
+            report.result = Result.FAILED
             lane.switching = None
             lane.error = report.error
             lane.failed_at = lane.clock()
@@ -228,9 +229,9 @@ async def _rollback(lane: Lane, old: Deployment | None, report: SwitchReport, ph
             lane._adopt(back)
             sup = lane._launch(back)
             await lane._ready(sup, back.timeouts.load + back.timeouts.peer)
-            report.result = "rolled_back"
+            report.result = Result.ROLLED_BACK
         except LayoutFailed as exc:
-            report.result = "failed"
+            report.result = Result.FAILED
             report.error = f"{report.error}; the rollback to {back.profile} failed too: {exc}"
         lane.switching = None
         if lane.phase is LaneState.SWITCHING:
@@ -271,7 +272,7 @@ async def restart(lane: Lane, name: str) -> SwitchReport:
             await lane._ready(sup, sup.timeouts.load + sup.timeouts.peer)
         except (LayoutFailed, Fatal) as exc:
             raise RestartFailed(await _restart_failed(lane, name, sup, dep, exc)) from exc
-        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, result="ok",
+        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, result=Result.OK,
                            restarted=[name])
         await keepslots.restore(lane, dep, dep, saved, rep)
         rep.total_s = time.monotonic() - t0
@@ -293,7 +294,7 @@ async def _restart_failed(lane: Lane, name: str, sup: Runner, dep: Deployment,
         await _rollback(lane, dep, rep, phase, started_new=True)
     finally:
         _finish(lane, rep, phase)
-    if rep.result == "rolled_back":
+    if rep.result == Result.ROLLED_BACK:
         return (f"restart of {name} failed: {exc}; the last good layout was started "
                 "again and serves")
     return f"restart of {name} failed: {rep.error}"

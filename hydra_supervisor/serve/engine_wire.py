@@ -36,7 +36,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import SwitchReport
+from hydra_supervisor.serve.reports import Result, SwitchReport
 from hydra_supervisor.tools import binaries, buildid
 from hydra_supervisor.wire import tier_diff, tiers, trust
 from hydra_supervisor.wire.control import ConfigureRefused
@@ -200,7 +200,7 @@ class EngineWire:
                                        "reconfigure (hydra switch NAME first)")
             new = tier_diff.apply_to_profile(prof, rest)
             rep = self._apply(new)
-            meta["restarted"] = rep.restarted if rep.result != "noop" else []
+            meta["restarted"] = rep.restarted if rep.result != Result.NOOP else []
             meta["result"] = rep.result
             meta["phases"] = {k: round(v, 3) for k, v in rep.phases.items()}
             if rep.result not in ("ok", "noop"):

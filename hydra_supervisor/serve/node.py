@@ -21,7 +21,7 @@ from collections.abc import Callable
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.serve.lane import Lane
-from hydra_supervisor.serve.reports import Busy, Phases, SwitchReport
+from hydra_supervisor.serve.reports import Busy, Phases, Result, SwitchReport
 from hydra_supervisor.serve.states import LaneState
 
 log = logging.getLogger("hydra")
@@ -113,7 +113,7 @@ class Node:
         """`hydra switch NAME` among several profiles: stop the lanes that share its devices
         (drained, then cut), load it; if it fails, bring the stopped ones back."""
         if lane.phase is LaneState.SERVING:
-            return SwitchReport(to=lane.name, frm=None, result="noop",
+            return SwitchReport(to=lane.name, frm=None, result=Result.NOOP,
                                 reason=f"{lane.name} is already serving")
         if lane.job is not None or any(o.phase is LaneState.UNLOADING
                                        for o in self.lanes.values()):
@@ -133,9 +133,9 @@ class Node:
         lane.job = asyncio.current_task()
         with phase("start"):
             ok = await lane.load("hydra switch", force=True)
-        report.result = "ok"
+        report.result = Result.OK
         if not ok:
-            report.result = "rolled_back" if stopped else "failed"
+            report.result = Result.ROLLED_BACK if stopped else "failed"
             report.failed_phase = "start"
             report.error = lane.error
             report.log_tail = next(
@@ -144,7 +144,7 @@ class Node:
             for o in stopped:
                 o.job = asyncio.current_task()
                 if not await o.load(f"rollback of the switch to {lane.name}"):
-                    report.result = "failed"
+                    report.result = Result.FAILED
         phase.done()
         lane.record(report)
         return report

@@ -48,7 +48,7 @@ from hydra_supervisor.serve.node import TICK, Node
 from hydra_supervisor.serve.port_routing import PortRouting
 from hydra_supervisor.serve.port_status import PortStatus
 from hydra_supervisor.serve.portwatch import PortWatch
-from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
+from hydra_supervisor.serve.reports import Result, SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
 
 if TYPE_CHECKING:
@@ -391,7 +391,7 @@ class Port(PortRouting, PortStatus):
                 if rep.result not in ("ok", "noop"):
                     raise HydraError(f"reload of {lane.name}: {rep.result}: {rep.error}")
                 did = (f"restarted {', '.join(rep.restarted)} in {rep.total_s:.2f}s"
-                       if rep.result == "ok" else "routing settings only, nothing restarted")
+                       if rep.result == Result.OK else "routing settings only, nothing restarted")
             lane.dep, lane.profile = dep, prof
             lane.fails = 0  # new settings: a failed lane may make room for itself again
             self.lookup = lookup

@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra_supervisor.errors import HydraError
@@ -36,13 +37,23 @@ class SwitchTimeouts:
     gate_extra: float = 0.0  # added to the new layout's own load timeout
 
 
+class Result(StrEnum):
+    """How a change ended (a report's `result`; the API, metrics and the CLI use the words)."""
+
+    RUNNING = "running"
+    OK = "ok"
+    ROLLED_BACK = "rolled_back"  # it failed; the layout before it serves again
+    FAILED = "failed"  # it failed, and nothing serves
+    NOOP = "noop"  # nothing to do (already serving, nothing changed)
+
+
 @dataclass
 class SwitchReport:
     """What a change did, phase by phase; the API reply and hydra.log carry it."""
 
     to: str
     frm: str | None
-    result: str = "running"  # ok | rolled_back | failed | noop
+    result: str = Result.RUNNING  # a Result (a str: `report.result == "ok"` holds)
     phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     failed_phase: str | None = None

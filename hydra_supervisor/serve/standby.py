@@ -41,7 +41,7 @@ from hydra_supervisor.plan import deployment, fleetplan
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.serve import keepslots
 from hydra_supervisor.serve.lane import Lane
-from hydra_supervisor.serve.reports import Busy, Phases, SwitchReport
+from hydra_supervisor.serve.reports import Busy, Phases, Result, SwitchReport
 from hydra_supervisor.serve.states import LaneState
 
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ class Standby:
         sb, active = self.lane, self._active()
         if sb is None or active is None or not self.ready():
             raise Busy(f"the standby cannot take over now ({self.not_instant() or 'busy'})")
-        report = SwitchReport(to=sb.name, frm=active.name, result="running")
+        report = SwitchReport(to=sb.name, frm=active.name, result=Result.RUNNING)
         phase = Phases(report)
         if active.dep.keep_slots and sb.dep.keep_slots:
             async with active.lock:  # no other change of the old head while it saves
@@ -322,7 +322,7 @@ class Standby:
         with phase("flip"):
             inflight = active.route.gate.inflight()
             self._swap(active, sb)
-        report.result = "ok"
+        report.result = Result.OK
         report.instant = True
         report.notes.append(f"instant: {sb.name} was loaded and warm; {active.name} finishes "
                             f"its {inflight} request(s) in flight and stands by")

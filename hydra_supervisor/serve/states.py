@@ -43,6 +43,11 @@ MODEL_STATUS = {
     LaneState.UNLOADING: "unloading", LaneState.FAILED: "failed",
 }
 
+# Groups of those words, for readers that hold a published row (a plain string), not a lane.
+ANSWERING = frozenset({LaneState.SERVING.value, LaneState.DEGRADED.value})  # requests answered
+UP = ANSWERING | {LaneState.RECOVERING.value}  # loaded and (soon again) answering
+NOT_LOADED = frozenset({LaneState.STOPPED.value, LaneState.FAILED.value})
+
 PORT_DOWN = "port down"  # the port's word: its router accepts no connections
 IDLE = "idle"  # the port's word: no lane (hydra up --no-profile)
 # Every word a status row's "state" may carry (metrics export one gauge per word).
