@@ -9,7 +9,7 @@ and prefill_tps at least, ttft_ms at most. Run with --concurrency 1 (the default
 single-stream goals: per-request decode speed drops when slots share a GPU.
 
 Exit status: 0 pass, 1 a threshold missed or a request failed, 2 bad input / nothing serving.
-The lead registers the command in cli.py: `main.add_command(bench)`.
+cli.py's _LazyGroup imports this module when `hydra bench` is run.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class Options:
     port: int = 8080
     switch_timeouts: SwitchTimeouts = field(default_factory=SwitchTimeouts)
     metrics_port: int | None = None  # Prometheus on 127.0.0.1:PORT (None or 0: off)
-    profiles: list[str] = field(default_factory=list)  # several: served by model (fleet.py)
+    profiles: list[str] = field(default_factory=list)  # several: one port, routed by model
 
 
 class Daemon:
