@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hydra_supervisor.cli.configure_cmd import configure_command, parse_settings
 from hydra_supervisor.plan.ports import free_port
-from hydra_supervisor.wire.cli_configure import configure_command, parse_settings
 from hydra_supervisor.wire.server import WireServer
 from tests.wire_fakes import StubControl
 
