@@ -89,7 +89,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     except KeyboardInterrupt:
         logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
         err.print("interrupted before serving; nothing left running", markup=False)
-        code = 130
+        code = exits.INTERRUPTED
     sys.exit(code)
 
 
