@@ -205,8 +205,7 @@ def test_router_false_target_is_refused_before_anything_stops(tmp_path: Path) ->
                                                      profile="own-port"))
         for call in (eng.switch_to, lane.apply):
             with pytest.raises(HydraError, match="router: false"):
-                # the daemon asks this before a switch and a reload (the Engine's switch
-                # and apply did themselves)
+                # the daemon asks this before a switch and a reload
                 Daemon._check_servable(eng, target)
                 await call(target)
         assert lane.sup is sup and not sup.stopping.is_set() and w.spawned("head") == ["head"]
@@ -320,7 +319,6 @@ def test_a_failed_profile_does_not_evict_a_healthy_one_each_time_it_is_asked_for
              (prof("b", min_resident=0.0), fdep("b", 30201, gpu0=20)), clock=clock)
 
     async def body() -> None:
-        # (the Fleet's phase RUNNING is the lane's SERVING)
         a, b = f.lanes["a"], f.lanes["b"]
         BEHAVIOUR["b"] = "crash"
         route(f, "b")  # its first try may evict a (it never failed before)

@@ -17,6 +17,7 @@ from openai import OpenAI
 
 from hydra_supervisor.proc import rpcproto
 from tests.harness import free_port, run_hydra, status_json, wait_until
+from tests.rpc_fakes import encode_hello_response
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +153,7 @@ def test_rpc_protocol_mismatch_is_refused(hydra_env, tmp_path):
                 return
             with conn:
                 conn.recv(64)
-                conn.sendall(rpcproto.encode_hello_response(rpcproto.Version(6, 1, 0)))
+                conn.sendall(encode_hello_response(rpcproto.Version(6, 1, 0)))
 
     threading.Thread(target=answer, daemon=True).start()
     try:

@@ -242,7 +242,7 @@ def test_older_flat_router_counters() -> None:
 
 
 def test_switch_counts_survive_a_bounded_report_list() -> None:
-    """The Engine keeps the last 20 reports; the counters must not drop when old ones go."""
+    """A lane keeps its last 20 reports; the counters must not drop when old ones go."""
     def report(i: int) -> dict[str, Any]:
         return {"seq": i + 1, "to": f"p{i % 2}", "from": None,
                 "result": "ok" if i % 3 else "rolled_back",

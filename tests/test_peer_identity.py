@@ -31,6 +31,7 @@ from hydra_supervisor.tools import buildid, install
 from hydra_supervisor.tools.buildid import BuildIdentity
 from hydra_supervisor.wire import codec
 from tests.harness import Up, free_port, make_env, run_hydra
+from tests.rpc_fakes import encode_hello_response
 
 HERE = BuildIdentity(11434, "sdist-b0a2feb64c6f", "0.6.0-dev", "7.0.0", ("CPU", "RPC"),
                      "GNU 12.2.0", "Linux x86_64")
@@ -88,7 +89,7 @@ class FakePeer:
         if first[0] == rpcproto.RPC_CMD_HELLO:
             self.seen.append("HELLO")
             self._read(conn, 8 + rpcproto.CAPS_SIZE)
-            conn.sendall(rpcproto.encode_hello_response(self.hello))
+            conn.sendall(encode_hello_response(self.hello))
             return
         if first != b"Y" or self.identity is None:
             self.seen.append("closed")

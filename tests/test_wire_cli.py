@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hydra_supervisor.cli.configure_cmd import configure_command, parse_settings
 from hydra_supervisor.plan.ports import free_port
-from hydra_supervisor.wire.cli_configure import configure_command, parse_settings
+from hydra_supervisor.runtime import exits
 from hydra_supervisor.wire.server import WireServer
 from tests.wire_fakes import StubControl
 
@@ -53,12 +54,21 @@ def test_configure_cli(served: tuple[WireServer, StubControl]) -> None:
     assert code == 0 and json.loads(out)["state_chunk_size_applied"] == 65536
 
 
-def test_usage_and_connection_errors() -> None:
+def test_usage_errors() -> None:
     code, out = run("temperature", "-p", "1")
     assert code == 2 and "KEY=VALUE" in out
     code, out = run("-p", "1")
     assert code == 2
-    code, out = run("top_k=3", "-p", str(free_port()), "--timeout", "2")
-    assert code == 2 and "cannot connect" in out
     code, out = run("--keys")
     assert code == 0 and "ctx_size" in out and "T2" in out
+
+
+def test_nothing_listening_is_not_running() -> None:
+    """A port where nothing listens: exit 3 (not running), like the other client commands."""
+    code, out = run("top_k=3", "-p", str(free_port()), "--timeout", "2")
+    assert code == exits.NOT_RUNNING and "cannot connect" in out, out
+
+
+def test_a_bad_token_file_is_bad_input(tmp_path: Path) -> None:
+    code, out = run("top_k=3", "-p", "1", "--token-file", str(tmp_path / "missing"))
+    assert code == exits.BAD_INPUT and "cannot read the token" in out, out

@@ -32,7 +32,7 @@ PROMPT = ("The quick brown fox jumps over the lazy dog. " * 24) + "Tell me a sto
 
 class LlamaControl:
     """A test EngineControl over one running llama-server: no switching, so T2/T3 CONFIGURE
-    and SET_EXPERT_MODE are recorded (the Engine does the real thing)."""
+    and SET_EXPERT_MODE are recorded (serve/engine_wire.py does the real thing)."""
 
     def __init__(self, port: int, slot_dir: Path, proc: subprocess.Popen[bytes]) -> None:
         self.port, self._slot_dir, self.proc = port, slot_dir, proc

@@ -441,7 +441,7 @@ def test_hydra_configure_token_file(control: StubControl, tmp_path: Path) -> Non
     owner's) presents the token; without it the same command is refused (exit 1)."""
     from click.testing import CliRunner
 
-    from hydra_supervisor.wire.cli_configure import configure_command
+    from hydra_supervisor.cli.configure_cmd import configure_command
 
     path, tok = trust.ensure_token(tmp_path / "state")
     server, router = _stack(control, Trust(token=tok, owner_uids=(2**31 - 7,)))

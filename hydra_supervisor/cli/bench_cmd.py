@@ -9,7 +9,7 @@ and prefill_tps at least, ttft_ms at most. Run with --concurrency 1 (the default
 single-stream goals: per-request decode speed drops when slots share a GPU.
 
 Exit status: 0 pass, 1 a threshold missed or a request failed, 2 bad input / nothing serving.
-The lead registers the command in cli.py: `main.add_command(bench)`.
+cli.py's _LazyGroup imports this module when `hydra bench` is run.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from hydra_supervisor.config.config import find_node_file, find_profile, load_no
 from hydra_supervisor.config.profile import Mode
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import client_host
+from hydra_supervisor.runtime import exits
 
 EXPECT_KEYS = ("decode_tps", "prefill_tps", "ttft_ms")
 AT_MOST = frozenset({"ttft_ms"})  # the others are "at least"
@@ -337,7 +338,7 @@ def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: st
         click.echo(json.dumps(asdict(report), indent=2))
     else:
         _print(report)
-    sys.exit(0 if report.passed else 1)
+    sys.exit(exits.OK if report.passed else exits.FAILED)
 
 
 def _sweep(profile: str, model: str, url: str | None, levels: list[int], plot: Path | None, *,
@@ -388,7 +389,7 @@ def _sweep(profile: str, model: str, url: str | None, levels: list[int], plot: P
                                "reports": [asdict(r) for r in reports]}, indent=2))
     else:
         click.echo("PASS" if passed else "FAIL")
-    sys.exit(0 if passed else 1)
+    sys.exit(exits.OK if passed else exits.FAILED)
 
 
 def _check_serving(url: str, profile: str, timeout: float) -> None:

@@ -20,6 +20,7 @@ import click
 from hydra_supervisor.cli.clickutil import exits_2
 from hydra_supervisor.cli.lazy import lazy_module
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.runtime import exits
 
 if TYPE_CHECKING:
     from hydra_supervisor.tools import rpccache
@@ -155,4 +156,4 @@ def status_cmd(models: tuple[str, ...], cache_dir: Path | None, profile: str | N
                        + ("" if s.complete else f"; missing: {', '.join(s.missing[:4])}"
                           + (", ..." if len(s.missing) > 4 else "")))
     if not all(s.complete for s in rows):
-        raise SystemExit(1)
+        raise SystemExit(exits.FAILED)

@@ -8,7 +8,8 @@ pay for the daemon's imports (tests/test_cli_imports.py).
     plan_cmd.py     plan, profiles: what a profile resolves to, nothing started
     setup_cmds.py   install-llama, doctor, synth: getting binaries and models ready
     shared.py       consoles, styled text, HydraError -> exit 2, shared options
-    bench, systemd, cache, configure: their own modules, imported when run (_LazyGroup)
+    bench, systemd, cache, configure: their own modules (bench_cmd.py, systemd_cmd.py,
+                    cache_cmd.py, configure_cmd.py), imported when run (_LazyGroup)
 
 Every HydraError ends the command with its message on stderr and exit status 2; nothing else
 prints a traceback for bad input.
@@ -29,7 +30,7 @@ class _LazyGroup(click.Group):
     lazy = {"bench": "hydra_supervisor.cli.bench_cmd:bench",
             "systemd": "hydra_supervisor.cli.systemd_cmd:systemd",
             "cache": "hydra_supervisor.cli.cache_cmd:cache",
-            "configure": "hydra_supervisor.wire.cli_configure:configure_command"}
+            "configure": "hydra_supervisor.cli.configure_cmd:configure_command"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hydra_supervisor.cli.shared import F, err, friendly, node_opt, out
+from hydra_supervisor.runtime import exits
 
 if TYPE_CHECKING:
     from hydra_supervisor.tools import install
@@ -45,7 +46,7 @@ def doctor(node_file: str | None, peers: bool) -> None:
     from hydra_supervisor.cli import doctor as doc
 
     ok = doc.run(out, node_file, peers=peers)
-    sys.exit(0 if ok else 1)
+    sys.exit(exits.OK if ok else exits.FAILED)
 
 
 @click.group()

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.runtime import control_client
+from hydra_supervisor.runtime import control_client, exits
 
 # soft_wrap: long argv and paths stay on one line (copy-pastable), also when piped.
 # Piped output (logs, scripts, tests) is not cut to 80 columns: tables keep one row per line.
@@ -46,7 +46,7 @@ def friendly(fn: F) -> F:
             return fn(*args, **kwargs)
         except HydraError as exc:
             err.print(styled(("error:", "bold red"), f" {exc}"), soft_wrap=True)
-            sys.exit(2)
+            sys.exit(exits.BAD_INPUT)
 
     return wrapper  # type: ignore[return-value]
 

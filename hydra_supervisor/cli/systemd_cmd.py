@@ -1,6 +1,6 @@
 """`hydra systemd render|install`: the I/O around systemd_units (find this node's facts, write
-the files, create the user, reload systemd). The lead registers the group in cli.py with
-`main.add_command(systemd)`.
+the files, create the user, reload systemd). cli.py's _LazyGroup imports this module when
+`hydra systemd` is run.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     except KeyboardInterrupt:
         logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
         err.print("interrupted before serving; nothing left running", markup=False)
-        code = 130
+        code = exits.INTERRUPTED
     sys.exit(code)
 
 
@@ -142,12 +142,12 @@ def _up_locked(state: StateDir, names: list[str], node_file: str | None,
     if len(names) > 1:
         ports, node = serve_setup.build(state, names, node_file=node_file,
                                         profiles_dir=profiles_dir, overrides=overrides,
-                                        slot_dir=daemon.slot_dir(state))
+                                        slot_dir=state.slots())
     else:
         dep = None
         if names:
             dep = deployment.prepare(names[0], node_file=node_file, profiles_dir=profiles_dir,
-                                     overrides=overrides, slot_dir=daemon.slot_dir(state))
+                                     overrides=overrides, slot_dir=state.slots())
             if dep.plan.port == 0 and dep.plan.router is None:
                 raise HydraError(f"{dep.plan.source}: port 0 (any free port) needs hydra's "
                                  "router, and this profile has router: false",

@@ -1,7 +1,7 @@
 """What the dashboard shows, gathered off the event loop: the daemon's published snapshot, the
 devices' memory, the heads' own token counters, and process logs read by offset.
 
-Threads here never touch an Engine, a Fleet or a Supervisor. The snapshot is the dict the daemon
+Threads here never touch a Port, a Lane or a Supervisor. The snapshot is the dict the daemon
 publishes on every status change (the one status.json and `hydra status --json` are built from);
 when the page asks for something fresher than `max_age`, a new one is taken *on the loop*
 (asyncio.run_coroutine_threadsafe) and published, so the HTTP thread only ever reads a finished

@@ -4,7 +4,8 @@ A Deployment bundles everything a Supervisor needs to run one profile's layout (
 binaries' paths, the restart / health / peer-loss policies, the timeouts, the SOLO fallback for
 on_peer_loss: degrade, and how to move a peer whose port was taken). It is plain frozen data:
 `hydra up`, `hydra switch` and `hydra reload` all build one with `prepare()` (which has no side
-effects beyond reading files and probing ports) and hand it to an Engine.
+effects beyond reading files and probing ports) and hand it to a Lane, which runs it under a
+Supervisor.
 """
 
 from __future__ import annotations

@@ -40,11 +40,6 @@ class HelloError(Exception):
     """The peer answered, but not with a valid HELLO response."""
 
 
-def encode_hello_response(v: Version) -> bytes:
-    """What a server sends (used by tests' fake peers)."""
-    return struct.pack("<QBBBB", 4 + CAPS_SIZE, v.major, v.minor, v.patch, 0) + bytes(CAPS_SIZE)
-
-
 def decode_hello_response(data: bytes) -> Version:
     if len(data) < 12:
         raise HelloError(f"short HELLO response ({len(data)} bytes)")

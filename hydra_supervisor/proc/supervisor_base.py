@@ -62,7 +62,7 @@ class SupervisorBase:
         # When set, called instead of writing status.json (the daemon owns that file then).
         self.on_publish: Callable[[], None] | None = None
         # Awaited before a head swap the supervisor decides itself (degraded SOLO → COMBINE):
-        # the Engine makes it a planned switch (hold, drain) once it exists. Arg: "combine".
+        # the lane makes it a planned switch (hold, drain; Lane._before_head_swap). Arg: "combine".
         self.before_head_swap: Callable[[str], Awaitable[None]] | None = None
         self._requests: asyncio.Queue[tuple[str, asyncio.Future[None], bool]] = asyncio.Queue()
         # A planned change's start: the first failure ends it (ChangeFailed) instead of backing
@@ -109,7 +109,7 @@ class SupervisorBase:
         }
 
     def publish(self) -> None:
-        if self.on_publish is not None:  # an Engine publishes the whole daemon's status
+        if self.on_publish is not None:  # under a lane, the daemon publishes its whole status
             self.on_publish()
             return
         try:

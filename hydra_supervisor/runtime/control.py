@@ -13,8 +13,9 @@ from the loop's thread. Routes:
   POST /down                      stop hydra (the reply comes before the stop completes)
 
 (Runtime reconfigure by tiers is the wire protocol's CONFIGURE: `hydra configure`, wire/.)
-Errors are {"error": message} with 400 (bad input), 409 (busy), 503 (hydra is stopping) or
-500; exits.of_reply maps them to exit statuses.
+Errors are {"error": message} with 400 (bad input), 404 (no such route), 409 (busy), 500
+(internal error; a restart that did not come back), 503 (hydra is stopping), 504 (the loop did
+not answer in call_timeout); exits.of_reply maps them to exit statuses.
 """
 
 from __future__ import annotations

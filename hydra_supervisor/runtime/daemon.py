@@ -46,7 +46,6 @@ from hydra_supervisor.runtime import (
     metrics,
     notify,
 )
-from hydra_supervisor.runtime.daemon_actions import slot_dir as slot_dir  # hydra up's
 from hydra_supervisor.serve import portwatch
 from hydra_supervisor.serve.engine_wire import EngineWire
 from hydra_supervisor.serve.lane import Lane
@@ -85,7 +84,7 @@ class Options:
     port: int = 8080
     switch_timeouts: SwitchTimeouts = field(default_factory=SwitchTimeouts)
     metrics_port: int | None = None  # Prometheus on 127.0.0.1:PORT (None or 0: off)
-    profiles: list[str] = field(default_factory=list)  # several: served by model (fleet.py)
+    profiles: list[str] = field(default_factory=list)  # several: one port, routed by model
 
 
 class Daemon:
@@ -117,7 +116,7 @@ class Daemon:
             p.listeners.append(self._changed)
             if not p.by_model:  # a profile's `standby:` layout (serve/standby.py)
                 p.standby = Standby(p, node_file=opts.node_file, profiles_dir=opts.profiles_dir,
-                                    overrides=opts.overrides, slot_dir=slot_dir(state))
+                                    overrides=opts.overrides, slot_dir=state.slots())
         self.stop_event = asyncio.Event()
         self.stop_reason = "stop requested"
         self.ended: str | None = None  # why the run ended, once it has (the crash record)

@@ -2,7 +2,7 @@
 use the same handlers) and the actions behind them: switch, restart, reload (one at a time,
 those asked for meanwhile coalesced: `Reloads`) and what a reload cannot apply (`not_applied`).
 Free functions of the Daemon: its `switch`, `restart`, `reload`, `routes` and `_check_servable`
-call them. slot_dir lives here (a switch plans with it); daemon.py re-exports it.
+call them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra_supervisor.config.config import (
@@ -26,7 +25,6 @@ from hydra_supervisor.config.config import (
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment
 from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.runtime import control
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.port import Port
@@ -36,11 +34,6 @@ if TYPE_CHECKING:
     from hydra_supervisor.runtime.daemon import Daemon
 
 log = logging.getLogger("hydra")
-
-
-def slot_dir(state: StateDir) -> Path:
-    """Where heads save KV slots (StateDir.slots)."""
-    return state.slots()
 
 
 # -- control routes -----------------------------------------------------------------------------
@@ -123,7 +116,7 @@ def prepare(d: Daemon, profile: str, profiles_dir: str | None,
         profile, node_file=d.opts.node_file,
         profiles_dir=profiles_dir or d.opts.profiles_dir,
         overrides={"host": port.host, "port": port.port, **keep_name}, keep=running,
-        external=port.port, slot_dir=slot_dir(d.state))
+        external=port.port, slot_dir=d.state.slots())
 
 
 async def switch(d: Daemon, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
@@ -302,7 +295,7 @@ def prepare_lane(d: Daemon, p: Port, lane: Lane) -> tuple[Profile, Deployment] |
                              overrides={"host": p.host, "port": p.port,
                                         "profile": lane.name},  # its name is fixed
                              keep=lane.dep.plan, external=p.port,
-                             slot_dir=slot_dir(d.state),
+                             slot_dir=d.state.slots(),
                              reserved=d.node.planned_ports(but=lane))
     prof = dep.layout.profile if dep.layout is not None else lane.profile
     if prof is None:

@@ -186,7 +186,7 @@ class Port(PortRouting, PortStatus):
         """Bind the external port (the router). Without a router the head binds it itself."""
         planned = {d.profile for _, d in self._pending} | set(self.lanes)
         if self.by_model and self.default is not None and self.default not in planned:
-            # (as the Fleet did) a default no lane serves would fail every model-less request
+            # a default no lane serves would fail every model-less request
             raise HydraError(f"default profile '{self.default}' is not served on port "
                              f"{self.port}")
         if self.use_router:
@@ -338,8 +338,8 @@ class Port(PortRouting, PortStatus):
         rep = await lane.switch(dep)
         if made and lane.sup is None:
             # The first switch of a port with no lane failed and had nothing to roll back to:
-            # the port has no lane again (idle; its 503 names `hydra switch NAME`), as the
-            # Engine left it, not a failed lane of a profile nobody runs.
+            # the port has no lane again (idle; its 503 names `hydra switch NAME`), as it was
+            # before, not a failed lane of a profile nobody runs.
             self._drop(lane)
         if self.standby is not None:
             self.standby.after_switch(rep)

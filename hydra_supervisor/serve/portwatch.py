@@ -1,7 +1,8 @@
 """Keeps an external port accepting connections: notices when its router's acceptor is not
 running, says so, and restarts the router.
 
-An Engine (one profile) or a Fleet (several profiles) owns one external port and its Router.
+A Port (serve/port.py; one lane, none, or several routed by model) owns one external address
+and its Router.
 If the router's acceptor is not running, every connection to the port is refused although the
 processes behind it are fine. The owner's PortWatch makes that visible and short-lived:
 

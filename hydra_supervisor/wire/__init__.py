@@ -7,7 +7,7 @@
 - ``slots``: llama-server's slot save/restore API as the handlers use it;
 - ``handlers``: what each opcode does; ``server``: connections the router hands over, on its
   own threads (no port of its own); ``trust``: who may drive it (peer uid, the owner's token);
-- ``cli_configure``: ``hydra configure KEY=VALUE…``.
+- ``client``: a blocking client (``hydra configure``, cli/configure_cmd.py, uses it).
 docs/protocol.md is the protocol as served.
 """
 

@@ -27,9 +27,15 @@ class WireError(Exception):
     pass
 
 
+class NotListening(WireError):
+    """The connection was refused: nothing listens on the port."""
+
+
 def connect(host: str, port: int, timeout: float) -> socket.socket:
     try:
         s = socket.create_connection((host, port), timeout=timeout)
+    except ConnectionRefusedError as e:
+        raise NotListening(f"cannot connect to {host}:{port}: {e}") from None
     except OSError as e:
         raise WireError(f"cannot connect to {host}:{port}: {e}") from None
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

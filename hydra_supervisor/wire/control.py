@@ -1,9 +1,10 @@
 """What the wire server needs from the engine it fronts: the `EngineControl` protocol.
 
-The lead's Engine implements it. Every method is called from a wire-server thread (never from
-the supervisor's asyncio loop), so blocking is allowed, but `info()`, `busy()`, `head_http()`
-and `slot_dir()` are called on every request and must answer in milliseconds (no waiting on the
-switch lock). `configure` and `set_expert_mode` may take as long as a switch takes.
+serve/engine_wire.py implements it for a port's default lane. Every method is called from a
+wire-server thread (never from the supervisor's asyncio loop), so blocking is allowed, but
+`info()`, `busy()`, `head_http()` and `slot_dir()` are called on every request and must answer
+in milliseconds (no waiting on the switch lock). `configure` and `set_expert_mode` may take as
+long as a switch takes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The same path Hydra.Core uses (the wire protocol through the engine's router), s
 operator sees is what a coordinator gets: the tier, what changed, what was already so, unknown
 keys, or why it was refused. VALUE is read as JSON when it parses (`0.2`, `true`, `[21,44]`)
 and as a string otherwise (`q8_0`, `21/44`); the server's key table does the rest.
-Exit status: 0 applied (or nothing to do), 1 refused or unknown keys, 2 usage or connection.
+Exit status (runtime/exits.py): 0 applied (or nothing to do), 1 refused or unknown keys, 2 usage
+or another connection error (host unreachable, no complete reply), 3 nothing listens on the port.
 
 Only hydra's owner may change settings (docs/protocol.md "Trust model"): on the same host that
 is hydra's own user (or root); from elsewhere, `--token-file` presents the token hydra keeps in
@@ -19,6 +20,7 @@ from typing import Any
 
 import click
 
+from hydra_supervisor.runtime import exits
 from hydra_supervisor.wire import client, tiers, trust
 from hydra_supervisor.wire.codec import Op, Status
 
@@ -103,18 +105,21 @@ def configure_command(settings: tuple[str, ...], host: str, port: int, slot: str
             token = trust.read_token(token_file)
         except OSError as e:
             click.echo(f"hydra configure: cannot read the token: {e}", err=True)
-            raise SystemExit(2) from None
+            raise SystemExit(exits.BAD_INPUT) from None
     try:
         status, meta, _ = client.request(host, port, Op.CONFIGURE, slot,
                                          json.dumps(params).encode(), timeout=timeout,
                                          trace=trust.with_token(token))
+    except client.NotListening as e:
+        click.echo(f"hydra configure: {e} (is hydra up on that port?)", err=True)
+        raise SystemExit(exits.NOT_RUNNING) from None
     except client.WireError as e:
         click.echo(f"hydra configure: {e}", err=True)
-        raise SystemExit(2) from None
+        raise SystemExit(exits.BAD_INPUT) from None
     if as_json:
         click.echo(json.dumps({"status": status, **meta}, indent=2))
     else:
         for line in describe(status, meta):
             click.echo(line, err=status != Status.OK)
     if status != Status.OK or meta.get("unknown_keys"):
-        raise SystemExit(1)
+        raise SystemExit(exits.FAILED)
