@@ -417,3 +417,29 @@ def test_identical_switch_reports_counted_once_each_by_their_seq() -> None:
     assert value(second, "hydra_switches_total", engine="main", result="rolled_back") == 2
     # 40 after the last scrape, 20 of them still listed: the 20 others were never seen
     assert value(third, "hydra_switches_total", engine="main", result="rolled_back") == 22
+
+
+def test_lanes_sharing_a_port_count_their_own_switches() -> None:
+    """Each lane numbers its switch reports (seq) on its own: two lanes on one port must not
+    share a tally. Switches a1, b1, a2, b2 with a scrape after each: a and b end at 2 each (one
+    tally per port read 1, 1, 2, 2 for both: b's seq 1 was skipped after a's, and so on)."""
+    def rep(seq: int) -> dict[str, Any]:
+        return {"seq": seq, "to": "x", "from": None, "result": "ok",
+                "phases": {"start": 1.0}, "total_s": 1.0, "error": None}
+
+    a: list[dict[str, Any]] = []
+    b: list[dict[str, Any]] = []
+    snap = {"engines": [{"name": "port-8080/a", "profile": "a", "port": 8080, "switches": a},
+                        {"name": "port-8080/b", "profile": "b", "port": 8080, "switches": b}]}
+    seen: list[tuple[float, float]] = []
+    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+        for reports, seq in ((a, 1), (b, 1), (a, 2), (b, 2)):
+            reports.append(rep(seq))
+            s = scrape(ms.url)
+            seen.append((value(s, "hydra_switches_total", engine="port-8080/a", result="ok"),
+                         value(s, "hydra_switches_total", engine="port-8080/b", result="ok")))
+    assert seen == [(1, 0), (1, 1), (2, 1), (2, 2)]
+    assert value(s, "hydra_switch_phase_seconds_count", engine="port-8080/a",
+                 phase="start") == 2
+    assert value(s, "hydra_switch_phase_seconds_count", engine="port-8080/b",
+                 phase="start") == 2

@@ -58,7 +58,7 @@ class SnapshotCollector(Collector):
 
     def __init__(self, snapshot: SnapshotFn) -> None:
         self._snapshot = snapshot
-        self._tallies: dict[Any, _SwitchTally] = {}
+        self._tallies: dict[str, _SwitchTally] = {}
         self._lock = threading.Lock()  # concurrent scrapes
 
     def collect(self) -> Iterator[Metric]:
@@ -288,9 +288,11 @@ class SnapshotCollector(Collector):
         for e in engines:
             name = str(e.get("name", ""))
             switches = [s for s in e.get("switches") or [] if isinstance(s, Mapping)]
-            # Keyed by the external port: it stays put across switches, the name may not.
+            # Keyed by the row's name: a lane numbers its reports (seq) on its own, so lanes
+            # sharing a port each need their own tally. The name is stable across switches
+            # (port-N for a port's one lane, port-N/PROFILE for a lane among several).
             with self._lock:
-                tally = self._tallies.setdefault(e.get("port", name), _SwitchTally())
+                tally = self._tallies.setdefault(name, _SwitchTally())
                 tally.update(switches)
                 results = dict(tally.results)
                 sums = {k: (tally.phase_count[k], v) for k, v in tally.phase_sum.items()}

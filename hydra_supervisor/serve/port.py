@@ -136,6 +136,10 @@ class Port(PortRouting, PortStatus):
             # at once anyway.
             route.gate.hold_timeout = max(route.gate.hold_timeout, lane.dep.timeouts.load
                                           + lane.dep.timeouts.peer + self.load_wait)
+        # The port's row (port-N) showed the reports of a lane dropped after a failed first
+        # switch; this lane numbers on from them, so metrics (which count by seq per row
+        # name) see its switches as new.
+        lane._switch_count = max((r.seq for r in self.reports), default=0)
         self.lookup = self._names([*(x.profile_or_name() for x in self.lanes.values()),
                                    (lane.name, lane.aliases)])
         self.lanes[lane.name] = lane
