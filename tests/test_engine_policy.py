@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -247,5 +248,51 @@ def test_restart_names_the_engines_it_knows(engine: Port) -> None:
         assert res.result == "ok" and res.restarted == ["peer-0"]
         assert lane.sup is not None and lane.sup.restarted == ["peer-0"]  # type: ignore
         await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_router_series_keep_their_port_labels_across_a_switch(engine: Port) -> None:
+    """The router is the port's: its counters are on the port's status (`ports`), and its
+    metric series are labelled engine="port-8080" alone, so a switch from profile a to b
+    keeps the same series and their counts carry on (they moved to profile b before)."""
+    from hydra_supervisor.runtime.metrics_state import SnapshotCollector
+    from hydra_supervisor.serve.snapshot import Snapshot
+
+    counts = {"accepted": 0}
+
+    def take() -> dict[str, Any]:
+        return Snapshot.build(pid=1, started=0.0, state_dir="/s", rows=engine.snapshot({}),
+                              ports=[engine.status_row()]).to_json()
+
+    def router_series(snap: dict[str, Any]) -> dict[tuple[str, frozenset[Any]], float]:
+        c = SnapshotCollector(lambda: snap)
+        return {(s.name, frozenset(s.labels.items())): s.value for m in c.collect()
+                for s in m.samples if s.name.startswith("hydra_router_")}
+
+    async def go() -> None:
+        await started(engine, dep("a"))
+        router = engine.router
+        assert isinstance(router, FakeRouter)
+        plain = router.stats
+        router.stats = lambda: {**plain(), **counts}  # type: ignore[method-assign]
+        counts["accepted"] = 5
+        before = take()
+        rep = await engine.switch_to(dep("b"))
+        assert rep.result == "ok", rep
+        counts["accepted"] = 9
+        after = take()
+        await engine.shutdown("test")
+        assert [r["profile"] for r in before["engines"]] == ["a"]
+        assert [r["profile"] for r in after["engines"]] == ["b"]
+        assert [p["name"] for p in after["ports"]] == ["port-8080"]
+        assert after["ports"][0]["router"]["accepted"] == 9
+        s0, s1 = router_series(before), router_series(after)
+        assert s0.keys() == s1.keys()  # the same series, the same labels
+        key = ("hydra_router_connections_accepted_total",
+               frozenset({("engine", "port-8080")}))
+        assert (s0[key], s1[key]) == (5, 9)
+        assert all(dict(lv) == {"engine": "port-8080"} for name, lv in s1
+                   if name != "hydra_router_fds")
 
     asyncio.run(go())

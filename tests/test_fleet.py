@@ -301,6 +301,10 @@ def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
     for prof in ("front", "front-moe", "side"):
         assert samples[("hydra_profile_loads_total", prof, None)] == 1.0
         assert samples[("hydra_engine_state", prof, "serving")] == 1.0
-    # The port's router counters once per port, not once per profile.
-    routers = [k for k in samples if k[0] == "hydra_router_alive"]
-    assert len(routers) == 2, routers
+    # The port's router counters once per port, not once per profile. (They are labelled by
+    # the port alone now, engine="port-N" and no profile: the key above has no engine, so
+    # count them by their own labels.)
+    routers = [s.labels for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "hydra_router_alive"]
+    assert sorted(r["engine"] for r in routers) == sorted([f"port-{p1}", f"port-{p2}"]), routers
+    assert not any("profile" in r for r in routers), routers

@@ -108,8 +108,21 @@ def fake_head() -> Iterator[FakeHead]:
 def make_snapshot(head_port: int) -> dict[str, Any]:
     proc = {"pid": 1234, "host": "127.0.0.1", "reason": "", "log": "/x.log",
             "started": 1_700_000_100.0}
+    router = {  # Router.stats() as the router branch returns it
+        "accepted": 12, "refused": {"first_byte_timeout": 3, "unrecognised": 2},
+        "events": {"emfile_waited": 1}, "bytes_up": 1000, "bytes_down": 5000,
+        "bytes": 6000, "open": 2, "open_peak": 5, "pending": 0, "held": 4,
+        "inflight": 1, "pooled": 1, "alive": True,
+        "by_kind": {"http": 7, "rpc": 2, "hydra": 0},
+        "http": {"requests": 6, "1xx": 0, "2xx": 5, "3xx": 0, "4xx": 0, "5xx": 1,
+                 "cut": 1, "retried": 2},
+        "fds": {"nofile": 65536, "budget": 60000, "relays": 4},
+    }
     return {
         "pid": 999, "started": 1_700_000_000.0, "state_dir": "/tmp/state",
+        # the port's own row: its router's counters, which metrics read
+        "ports": [{"name": "port-8080", "port": 8080, "url": "http://127.0.0.1:8080",
+                   "router": router}],
         "engines": [{
             "name": "main", "profile": "demo", "mode": "solo", "model": "gemma3-270m",
             "host": "127.0.0.1", "port": 8080, "url": "http://127.0.0.1:8080",
@@ -123,16 +136,7 @@ def make_snapshot(head_port: int) -> dict[str, Any]:
                 {**proc, "name": "peer-gpu2", "role": "peer", "port": 30053,
                  "device": "gpu2", "state": "STARTING", "restarts": 0, "last_exit": None},
             ],
-            "router": {  # Router.stats() as the router branch returns it
-                "accepted": 12, "refused": {"first_byte_timeout": 3, "unrecognised": 2},
-                "events": {"emfile_waited": 1}, "bytes_up": 1000, "bytes_down": 5000,
-                "bytes": 6000, "open": 2, "open_peak": 5, "pending": 0, "held": 4,
-                "inflight": 1, "pooled": 1, "alive": True,
-                "by_kind": {"http": 7, "rpc": 2, "hydra": 0},
-                "http": {"requests": 6, "1xx": 0, "2xx": 5, "3xx": 0, "4xx": 0, "5xx": 1,
-                         "cut": 1, "retried": 2},
-                "fds": {"nofile": 65536, "budget": 60000, "relays": 4},
-            },
+            "router": router,  # a copy on the port's first row (hydra status)
             "switches": [
                 {"seq": 1, "to": "demo", "result": "ok", "phases": {"hold": 0.25, "drain": 0.5,
                                                           "start": 3.0}, "total_s": 3.75,
@@ -170,27 +174,32 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
         assert not [k for k in s if k[0] == "hydra_process_last_exit_code"
                     and ("process", "peer-gpu2") in k[1]]  # never exited: no series
         assert value(s, "hydra_process_start_time_seconds", **head) == 1_700_000_100.0
-        # router
-        assert value(s, "hydra_router_connections_accepted_total", **e) == 12
-        assert value(s, "hydra_router_connections_total", **e, protocol="http",
+        # router: labelled by the port alone (was engine+profile, which moved the port's
+        # counters to another profile on a switch); one series per port
+        r = {"engine": "port-8080"}
+        assert not [k for k in s if k[0].startswith("hydra_router_")
+                    and dict(k[1]).keys() - {"engine", "protocol", "outcome", "reason",
+                                             "direction", "status_class", "event", "kind"}]
+        assert value(s, "hydra_router_connections_accepted_total", **r) == 12
+        assert value(s, "hydra_router_connections_total", **r, protocol="http",
                      outcome="relayed") == 7
-        assert value(s, "hydra_router_connections_total", **e, protocol="rpc") == 2
-        assert value(s, "hydra_router_connections_refused_total", **e,
+        assert value(s, "hydra_router_connections_total", **r, protocol="rpc") == 2
+        assert value(s, "hydra_router_connections_refused_total", **r,
                      reason="first_byte_timeout") == 3
-        assert value(s, "hydra_router_connections_refused_total", **e,
+        assert value(s, "hydra_router_connections_refused_total", **r,
                      reason="unrecognised") == 2
-        assert value(s, "hydra_router_open", **e) == 2
-        assert value(s, "hydra_router_held", **e) == 4
-        assert value(s, "hydra_router_inflight", **e) == 1
-        assert value(s, "hydra_router_bytes_total", **e, direction="down") == 5000
-        assert value(s, "hydra_router_http_responses_total", **e, status_class="5xx") == 1
-        assert value(s, "hydra_router_http_requests_total", **e) == 6
-        assert value(s, "hydra_router_events_total", **e, event="emfile_waited") == 1
-        assert value(s, "hydra_router_alive", **e) == 1
-        assert value(s, "hydra_router_fds", **e, kind="relays") == 4
-        assert value(s, "hydra_router_open_peak", **e) == 5
-        assert value(s, "hydra_router_http_cut_total", **e) == 1
-        assert value(s, "hydra_router_http_retried_total", **e) == 2
+        assert value(s, "hydra_router_open", **r) == 2
+        assert value(s, "hydra_router_held", **r) == 4
+        assert value(s, "hydra_router_inflight", **r) == 1
+        assert value(s, "hydra_router_bytes_total", **r, direction="down") == 5000
+        assert value(s, "hydra_router_http_responses_total", **r, status_class="5xx") == 1
+        assert value(s, "hydra_router_http_requests_total", **r) == 6
+        assert value(s, "hydra_router_events_total", **r, event="emfile_waited") == 1
+        assert value(s, "hydra_router_alive", **r) == 1
+        assert value(s, "hydra_router_fds", **r, kind="relays") == 4
+        assert value(s, "hydra_router_open_peak", **r) == 5
+        assert value(s, "hydra_router_http_cut_total", **r) == 1
+        assert value(s, "hydra_router_http_retried_total", **r) == 2
         # switches
         assert value(s, "hydra_switches_total", engine="main", result="ok") == 1
         assert value(s, "hydra_switches_total", engine="main", result="rolled_back") == 1
@@ -417,3 +426,79 @@ def test_identical_switch_reports_counted_once_each_by_their_seq() -> None:
     assert value(second, "hydra_switches_total", engine="main", result="rolled_back") == 2
     # 40 after the last scrape, 20 of them still listed: the 20 others were never seen
     assert value(third, "hydra_switches_total", engine="main", result="rolled_back") == 22
+
+
+def test_lanes_sharing_a_port_count_their_own_switches() -> None:
+    """Each lane numbers its switch reports (seq) on its own: two lanes on one port must not
+    share a tally. Switches a1, b1, a2, b2 with a scrape after each: a and b end at 2 each (one
+    tally per port read 1, 1, 2, 2 for both: b's seq 1 was skipped after a's, and so on)."""
+    def rep(seq: int) -> dict[str, Any]:
+        return {"seq": seq, "to": "x", "from": None, "result": "ok",
+                "phases": {"start": 1.0}, "total_s": 1.0, "error": None}
+
+    a: list[dict[str, Any]] = []
+    b: list[dict[str, Any]] = []
+    snap = {"engines": [{"name": "port-8080/a", "profile": "a", "port": 8080, "switches": a},
+                        {"name": "port-8080/b", "profile": "b", "port": 8080, "switches": b}]}
+    seen: list[tuple[float, float]] = []
+    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+        for reports, seq in ((a, 1), (b, 1), (a, 2), (b, 2)):
+            reports.append(rep(seq))
+            s = scrape(ms.url)
+            seen.append((value(s, "hydra_switches_total", engine="port-8080/a", result="ok"),
+                         value(s, "hydra_switches_total", engine="port-8080/b", result="ok")))
+    assert seen == [(1, 0), (1, 1), (2, 1), (2, 2)]
+    assert value(s, "hydra_switch_phase_seconds_count", engine="port-8080/a",
+                 phase="start") == 2
+    assert value(s, "hydra_switch_phase_seconds_count", engine="port-8080/b",
+                 phase="start") == 2
+
+
+def test_router_series_stay_with_the_port_across_a_switch() -> None:
+    """The router is the port's: after `hydra switch` from profile a to b on a one-profile
+    port, its series keep their labels (engine="port-8080", no profile) and their counts carry
+    on; none appears under the new profile, none is left under the old one."""
+    def router(accepted: int, requests: int, held: int) -> dict[str, Any]:
+        return {"accepted": accepted, "open": 1, "held": held, "inflight": 0, "alive": True,
+                "by_kind": {"http": accepted}, "http": {"requests": requests, "2xx": requests}}
+
+    def snap(profile: str, st: dict[str, Any]) -> dict[str, Any]:
+        return {"pid": 1,
+                "ports": [{"name": "port-8080", "port": 8080, "url": "http://127.0.0.1:8080",
+                           "router": st}],
+                "engines": [{"name": "port-8080", "profile": profile, "port": 8080,
+                             "state": "serving",
+                             # the row's copy, with the lane's own gate: not what metrics read
+                             "router": {**st, "held": 0}}]}
+
+    live = {"snap": snap("a", router(5, 4, 2))}
+    with MetricsServer(snapshot=lambda: live["snap"], heads=lambda: []) as ms:
+        before = scrape(ms.url)
+        live["snap"] = snap("b", router(9, 7, 3))  # switched: the router counted on
+        after = scrape(ms.url)
+
+    def router_keys(s: Series) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+        return {k for k in s if k[0].startswith("hydra_router_")}
+
+    assert router_keys(before) == router_keys(after)  # the same series, the same labels
+    assert all(dict(lv).get("engine") == "port-8080" and "profile" not in dict(lv)
+               for _, lv in router_keys(after))
+    for s, accepted, n_requests, held in ((before, 5, 4, 2), (after, 9, 7, 3)):
+        assert value(s, "hydra_router_connections_accepted_total",
+                     engine="port-8080") == accepted
+        assert value(s, "hydra_router_http_requests_total", engine="port-8080") == n_requests
+        assert value(s, "hydra_router_held", engine="port-8080") == held  # the port's
+    # the lane's own series do follow the profile
+    assert value(after, "hydra_engine_state", engine="port-8080", profile="b",
+                 state="serving") == 1
+
+
+def test_router_counted_once_per_port_from_an_older_snapshot() -> None:
+    """A snapshot without `ports` (its shape before) has the counters on the port's first
+    lane row: they are read from there, labelled by the port."""
+    st = {"accepted": 3, "alive": True}
+    snap = {"engines": [{"name": "port-8080/a", "profile": "a", "port": 8080, "router": st},
+                        {"name": "port-8080/b", "profile": "b", "port": 8080, "router": st}]}
+    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+        s = scrape(ms.url)
+    assert value(s, "hydra_router_connections_accepted_total", engine="port-8080") == 3

@@ -59,3 +59,17 @@ def test_it_is_frozen_and_every_reader_gets_its_own_copy() -> None:
     a["engines"][0]["router"]["open"] = 99
     b, _ = pub.get(max_age=60)
     assert b["engines"][0]["state"] == "serving" and b["engines"][0]["router"]["open"] == 1
+
+
+def test_every_port_with_its_router_counters_under_ports() -> None:
+    """The router's counters are the port's (`ports`, every port; metrics read them there); the
+    `fleets` entries keep their shape."""
+    port = {"port": 8080, "url": "http://127.0.0.1:8080", "default": "demo",
+            "profiles": ["demo"], "alive": True, "down": None}
+    snap = Snapshot.build(pid=1, started=2.0, state_dir="/s", rows=[ROW], by_model=[port],
+                          ports=[{**port, "name": "port-8080", "router": {"open": 1}}])
+    out = snap.to_json()
+    assert out["ports"] == [{"name": "port-8080", **port, "router": {"open": 1}}]
+    assert out["fleets"] == [port]
+    assert "ports" not in Snapshot.build(pid=1, started=2.0, state_dir="/s",
+                                         rows=[ROW]).to_json()

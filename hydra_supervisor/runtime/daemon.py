@@ -160,6 +160,7 @@ class Daemon:
             pid=os.getpid(), started=self.started, state_dir=str(self.state.root),
             rows=[row for p in self.ports for row in p.snapshot(gpu)],
             by_model=[p.port_row() for p in self.by_model],
+            ports=[p.status_row() for p in self.ports],
             switches=self.switch_log if self.by_model else ())
 
     def snapshot(self) -> dict[str, Any]:

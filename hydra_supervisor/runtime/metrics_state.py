@@ -47,6 +47,26 @@ def engine_labels(engine: Mapping[str, Any]) -> tuple[str, str]:
     return str(engine.get("name", "")), str(engine.get("profile") or "")
 
 
+def router_stats(snap: Snapshot) -> list[tuple[str, Mapping[str, Any]]]:
+    """(port label, router counters) once per port. The router is the port's: its series are
+    labelled by the port alone (engine="port-N"), so a switch does not move them to another
+    profile. From `ports` (the daemon's snapshot); a snapshot without it (an older shape) has
+    them on a port's first engine row."""
+    out: dict[str, Mapping[str, Any]] = {}
+    ports = snap.get("ports")
+    if isinstance(ports, Sequence) and not isinstance(ports, str):
+        for p in ports:
+            if isinstance(p, Mapping) and isinstance(p.get("router"), Mapping):
+                out.setdefault(str(p.get("name") or f"port-{p.get('port')}"), p["router"])
+        return list(out.items())
+    for e in snap.get("engines") or []:
+        st = e.get("router")
+        if isinstance(st, Mapping):
+            port = e.get("port")
+            out.setdefault(f"port-{port}" if port is not None else str(e.get("name", "")), st)
+    return list(out.items())
+
+
 def num(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -58,7 +78,7 @@ class SnapshotCollector(Collector):
 
     def __init__(self, snapshot: SnapshotFn) -> None:
         self._snapshot = snapshot
-        self._tallies: dict[Any, _SwitchTally] = {}
+        self._tallies: dict[str, _SwitchTally] = {}
         self._lock = threading.Lock()  # concurrent scrapes
 
     def collect(self) -> Iterator[Metric]:
@@ -73,7 +93,7 @@ class SnapshotCollector(Collector):
                                     "When this hydra started (unix time)", value=started)
         yield from self._engines(engines)
         yield from self._processes(engines)
-        yield from self._routers(engines)
+        yield from self._routers(router_stats(snap))
         yield from self._switches(engines)
         yield from self._profiles(engines)
 
@@ -168,8 +188,8 @@ class SnapshotCollector(Collector):
 
     # -- routers
     @staticmethod
-    def _routers(engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
-        el = ["engine", "profile"]
+    def _routers(routers: list[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
+        el = ["engine"]  # the port (port-N): no profile, the router is the port's
         conns = CounterMetricFamily(
             "hydra_router_connections",
             "Connections the router accepted, by protocol (first bytes) and outcome",
@@ -221,11 +241,8 @@ class SnapshotCollector(Collector):
         retried = CounterMetricFamily("hydra_router_http_retried",
                                       "HTTP requests retried after the upstream refused them",
                                       labels=el)
-        for e in engines:
-            st = e.get("router")
-            if not isinstance(st, Mapping):
-                continue  # router: false (llama-server on the external port itself)
-            lv = list(engine_labels(e))
+        for name, st in routers:  # none for router: false (llama-server on the port itself)
+            lv = [name]
             total = num(st.get("accepted", st.get("total")))
             if total is not None:
                 accepted.add_metric(lv, total)
@@ -288,9 +305,11 @@ class SnapshotCollector(Collector):
         for e in engines:
             name = str(e.get("name", ""))
             switches = [s for s in e.get("switches") or [] if isinstance(s, Mapping)]
-            # Keyed by the external port: it stays put across switches, the name may not.
+            # Keyed by the row's name: a lane numbers its reports (seq) on its own, so lanes
+            # sharing a port each need their own tally. The name is stable across switches
+            # (port-N for a port's one lane, port-N/PROFILE for a lane among several).
             with self._lock:
-                tally = self._tallies.setdefault(e.get("port", name), _SwitchTally())
+                tally = self._tallies.setdefault(name, _SwitchTally())
                 tally.update(switches)
                 results = dict(tally.results)
                 sums = {k: (tally.phase_count[k], v) for k, v in tally.phase_sum.items()}

@@ -103,9 +103,10 @@ class Lane:
                  make_supervisor: Callable[[Deployment, StateDir], Runner] = Supervisor,
                  clock: Callable[[], float] = time.monotonic,
                  exit_on_fatal: bool = False, prefix_names: bool = False,
-                 load_wait: float | None = None) -> None:
+                 load_wait: float | None = None, seq_from: int = 0) -> None:
         """`load_wait`: the lane loads on request (a port routed by model): its held requests
-        wait for a whole load plus this long for room."""
+        wait for a whole load plus this long for room. `seq_from`: its reports are numbered
+        after this (the port's own, of a lane dropped before it)."""
         self.port = port
         self.route = route
         self.state = state
@@ -129,7 +130,7 @@ class Lane:
         self.phase = LaneState.STOPPED
         self.switching: str | None = None
         self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
-        self._switch_count = 0
+        self._switch_count = seq_from
         self.unkillable: list[str] = []
         if load_wait is not None:
             # A request that loads its lane waits for the whole load (a big model on a slow

@@ -130,7 +130,11 @@ class Port(PortRouting, PortStatus):
                     switch_timeouts=self.switch_timeouts, make_supervisor=self.make_supervisor,
                     clock=self.clock, exit_on_fatal=not self.by_model,
                     prefix_names=self.by_model,
-                    load_wait=self.load_wait if self.by_model else None)
+                    load_wait=self.load_wait if self.by_model else None,
+                    # The port's row (port-N) showed the reports of a lane dropped after a
+                    # failed first switch; this lane numbers on from them, so metrics (which
+                    # count by seq per row name) see its switches as new.
+                    seq_from=max((r.seq for r in self.reports), default=0))
         self.lookup = self._names([*(x.profile_or_name() for x in self.lanes.values()),
                                    (lane.name, lane.aliases)])
         self.lanes[lane.name] = lane

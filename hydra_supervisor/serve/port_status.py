@@ -1,5 +1,6 @@
-"""A port's status rows: one per lane (or the port's own, with no lane), its router's
-counters on the first row only, and the port's row for the daemon's snapshot.
+"""A port's status rows: one per lane (or the port's own, with no lane), and the port's row for
+the daemon's snapshot, which carries its router's counters (metrics label them by the port: a
+switch does not move them). The first lane row carries a copy for `hydra status`.
 
 A part of ``Port`` (serve/port.py) as a mixin; runs on the loop (the snapshot is built there).
 """
@@ -42,15 +43,23 @@ class PortStatus:
         def down(self) -> str | None: ...
         def state_of(self, lane: Lane) -> str: ...
 
-    def _router_stats(self, lane: Lane | None) -> dict[str, Any] | None:
+    def router_stats(self) -> dict[str, Any] | None:
+        """The port's router counters (held/inflight: every route's gate), None without a
+        router (router: false)."""
         if self.router is None:
             return None
         st = self.router.stats()
-        if lane is not None and not self.by_model:
-            st["held"] = lane.route.gate.held()  # the port's one lane: its gate is the port's
-            st["inflight"] = lane.route.gate.inflight()
         if self.watch is not None:
             st.update(self.watch.counts())
+        return st
+
+    def _router_stats(self, lane: Lane | None) -> dict[str, Any] | None:
+        """The copy on a lane row (`hydra status`, the dashboard): a port's one lane shows its
+        own gate's held/inflight."""
+        st = self.router_stats()
+        if st is not None and lane is not None and not self.by_model:
+            st["held"] = lane.route.gate.held()
+            st["inflight"] = lane.route.gate.inflight()
         return st
 
     def row(self, lane: Lane | None, gpu: dict[int, int]) -> dict[str, Any]:
@@ -85,8 +94,8 @@ class PortStatus:
         return row
 
     def snapshot(self, gpu: dict[int, int] | None = None) -> list[dict[str, Any]]:
-        """A row per lane; the port's router counters ride on the first row only (they are the
-        port's, not a lane's: metrics must not count them once per lane)."""
+        """A row per lane; a copy of the port's router counters rides on the first row only
+        (for `hydra status`; metrics read the port's own, `status_row()`)."""
         if gpu is None:
             running = any(x.sup is not None for x in self.lanes.values())
             gpu = gpumem.used_by_pid() if running else {}
@@ -100,3 +109,7 @@ class PortStatus:
     def port_row(self) -> dict[str, Any]:
         return {"port": self.port, "url": self.url, "default": self.default,
                 "profiles": list(self.lanes), "alive": self.alive(), "down": self.down()}
+
+    def status_row(self) -> dict[str, Any]:
+        """The port in the snapshot's `ports`: its row and its router's counters."""
+        return {**self.port_row(), "name": f"port-{self.port}", "router": self.router_stats()}

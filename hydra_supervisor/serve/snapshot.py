@@ -102,7 +102,10 @@ class LaneStatus:
     degraded: str | None
     requests_last_min: int | None
     processes: tuple[ProcessStatus, ...]
-    router: Mapping[str, Any] | None  # the port's counters (on its first row only)
+    # The port's router counters, on its first row only, for `hydra status` and older readers
+    # (a port's one lane: held/inflight are its gate's). They are the port's, not the lane's:
+    # metrics read them from the port (`ports` in JSON, PortStatus.router).
+    router: Mapping[str, Any] | None
     switches: tuple[Mapping[str, Any], ...]
     lane: Mapping[str, Any] | None  # routing facts of a lane among several ("fleet" in JSON)
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -132,7 +135,8 @@ class LaneStatus:
 
 @dataclass(frozen=True)
 class PortStatus:
-    """A port that serves several profiles, routed by model ("fleets" in JSON)."""
+    """An external port: every port is in `ports` (JSON), with its router's counters; a port
+    that serves several profiles, routed by model, is also in `fleets`."""
 
     port: int
     url: str
@@ -140,16 +144,25 @@ class PortStatus:
     profiles: tuple[str, ...]
     alive: bool
     down: str | None
+    name: str = ""  # metric label: port-N, stable across switches
+    router: Mapping[str, Any] | None = None  # Router.stats() (None: router: false)
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> PortStatus:
         return cls(port=int(row["port"]), url=str(row["url"]), default=row.get("default"),
                    profiles=tuple(row.get("profiles") or ()), alive=bool(row.get("alive")),
-                   down=row.get("down"))
+                   down=row.get("down"), name=str(row.get("name") or f"port-{row['port']}"),
+                   router=freeze(row["router"]) if row.get("router") is not None else None)
 
     def to_json(self) -> dict[str, Any]:
+        """The port in `fleets`."""
         return {"port": self.port, "url": self.url, "default": self.default,
                 "profiles": list(self.profiles), "alive": self.alive, "down": self.down}
+
+    def port_json(self) -> dict[str, Any]:
+        """The port in `ports`: its name and router counters too."""
+        return {"name": self.name, **self.to_json(),
+                "router": thaw(self.router) if self.router is not None else None}
 
 
 @dataclass(frozen=True)
@@ -161,22 +174,27 @@ class Snapshot:
     state_dir: str
     rows: tuple[LaneStatus, ...]
     by_model: tuple[PortStatus, ...] = ()  # ports that serve several profiles
+    ports: tuple[PortStatus, ...] = ()  # every port, with its router's counters
     switches: tuple[Mapping[str, Any], ...] = ()  # activations among several profiles
     taken: float = field(default_factory=time.time)
 
     @classmethod
     def build(cls, *, pid: int, started: float, state_dir: str,
               rows: Iterable[Mapping[str, Any]], by_model: Iterable[Mapping[str, Any]] = (),
-              switches: Iterable[Mapping[str, Any]] = ()) -> Snapshot:
+              switches: Iterable[Mapping[str, Any]] = (),
+              ports: Iterable[Mapping[str, Any]] = ()) -> Snapshot:
         return cls(pid=pid, started=started, state_dir=state_dir,
                    rows=tuple(LaneStatus.of(r) for r in rows),
                    by_model=tuple(PortStatus.of(p) for p in by_model),
+                   ports=tuple(PortStatus.of(p) for p in ports),
                    switches=tuple(freeze(s) for s in switches))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pid": self.pid, "started": self.started,
                                "state_dir": self.state_dir,
                                "engines": [r.to_json() for r in self.rows]}
+        if self.ports:
+            out["ports"] = [p.port_json() for p in self.ports]
         if self.by_model:
             out["fleets"] = [p.to_json() for p in self.by_model]
             out["switches"] = [thaw(s) for s in self.switches]
