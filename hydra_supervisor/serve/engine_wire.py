@@ -4,8 +4,11 @@ The wire protocol addresses a lane: each port with a router has its own wire ser
 addresses that port's default lane (the one profile of a port that serves one). The wire server
 runs on its own threads; everything here that changes the lane hands a coroutine to the
 daemon's event loop and waits for it (asyncio.run_coroutine_threadsafe), so
-processes are still only spawned from the loop's thread. What is read on every request (info,
-busy, head_http, slot_dir) reads plain attributes and never waits on the switch lock.
+processes are still only spawned from the loop's thread. What is read on every request never
+waits on the switch lock and reads only published values: INFO the published snapshot (states,
+processes) and `WireView` (the lane's frozen Deployment and Profile, rebuilt on the loop after
+each change); `busy` and `head_http` one value each (the lane's lock flag, its route's
+upstream address).
 
 CONFIGURE by tier (wire.tiers has the one table of keys):
 - T1 settings become request-body defaults in the router (no process restarts);
@@ -26,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,8 @@ from hydra_supervisor.config import config, models
 from hydra_supervisor.config.config import Mode, Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment
-from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.plan.plan import Plan
+from hydra_supervisor.serve import states
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Result, SwitchReport
 from hydra_supervisor.tools import binaries, buildid
@@ -43,6 +47,19 @@ from hydra_supervisor.wire.control import ConfigureRefused
 from hydra_supervisor.wire.server import WireServer
 
 CALL_TIMEOUT = 3600.0
+
+
+@dataclass(frozen=True)
+class WireView:
+    """What the wire server's threads read of the port's wire lane: one immutable value,
+    rebuilt on the loop after every change of the port's lanes (Port.listeners). Its
+    Deployment and Profile are frozen too; the state words come from the published
+    snapshot."""
+
+    lane: str | None = None
+    dep: deployment.Deployment | None = None
+    profile: Profile | None = None
+    standby_mode: str | None = None  # the port's standby layout's mode (serve/standby.py)
 
 
 class EngineWire:
@@ -62,6 +79,19 @@ class EngineWire:
         self._build: dict[str, str] | None = None
         self.server: WireServer | None = None
         self.token_path: Path | None = None
+        self.view = WireView()
+        self.refresh()  # made on the loop (Daemon.run); rebuilt there after every change
+        port.listeners.append(self.refresh)
+
+    def refresh(self) -> None:
+        """(The loop's thread.) Publish the wire lane as the wire server's threads see it."""
+        lane = self.port.wire_lane()
+        dep = lane.dep if lane is not None else None
+        lay = dep.layout if dep is not None else None
+        sb = self.port.standby.lane if self.port.standby is not None else None
+        self.view = WireView(lane=lane.name if lane is not None else None, dep=dep,
+                             profile=lay.profile if lay is not None else None,
+                             standby_mode=str(sb.dep.plan.mode) if sb is not None else None)
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -88,10 +118,7 @@ class EngineWire:
     # -- what is read on every request ----------------------------------------------------------
 
     def _profile(self) -> Profile | None:
-        lane = self.port.wire_lane()
-        dep = lane.dep if lane is not None else None
-        lay = dep.layout if dep is not None else None
-        return lay.profile if lay is not None else None
+        return self.view.profile
 
     def build(self) -> dict[str, str]:
         if self._build is None:
@@ -109,10 +136,10 @@ class EngineWire:
         return self._build
 
     def info(self) -> dict[str, Any]:
-        lane = self.port.wire_lane()
-        snap = self._row(lane)
-        dep = lane.dep if lane is not None else None
-        prof = self._profile()
+        view = self.view  # one read: every field below describes the same layout
+        snap = self._row(view.lane)
+        dep = view.dep
+        prof = view.profile
         plan = dep.plan if dep is not None else None
         return {
             "profile": snap["profile"], "mode": snap["mode"], "model": snap["model"],
@@ -141,28 +168,26 @@ class EngineWire:
             "request_defaults": dict(self.defaults),
         }
 
-    def _row(self, lane: Lane | None) -> dict[str, Any]:
+    def _row(self, lane: str | None) -> dict[str, Any]:
         """The lane's status row (the port's, when it has no lane), from the published
         snapshot."""
         if self.published is not None:
             with contextlib.suppress(RuntimeError):  # none yet: hydra is starting
                 rows = [r for r in self.published().get("engines") or []
                         if r.get("port") == self.port.port]
-                mine = [r for r in rows if lane is not None and r.get("profile") == lane.name]
+                mine = [r for r in rows if lane is not None and r.get("profile") == lane]
                 if mine or rows:
                     row: dict[str, Any] = (mine or rows)[0]
                     return row
-        return {"profile": lane.name if lane is not None else None, "mode": None,
-                "model": None, "state": lane.state_now().value if lane is not None else "idle",
-                "processes": []}
+        return {"profile": lane, "mode": None, "model": None,
+                "state": states.IDLE if lane is None else "?", "processes": []}
 
     def _expert_modes(self) -> list[str]:
         prof = self._profile()
         if prof is None:
             return []
-        sb = self.port.standby.lane if self.port.standby is not None else None
-        if prof.mode is Mode.COMBINE or self.combine_profile is not None or (
-                sb is not None and sb.dep.plan.mode == "combine"):
+        if prof.mode is Mode.COMBINE or self.combine_profile is not None or \
+                self.view.standby_mode == "combine":
             return ["solo", "combined"]
         return ["solo"]
 
@@ -225,19 +250,19 @@ class EngineWire:
 
     def _apply(self, prof: Profile) -> SwitchReport:
         port = self.port
-        lane = port.wire_lane()
-        running = lane.dep.plan if lane is not None and lane.sup is not None else None
 
-        def prepare() -> deployment.Deployment:
+        def prepare(running: Plan | None) -> deployment.Deployment:
             # planned on the address the port holds (a profile read with port 0 included)
             here = replace(prof, host=port.host, port=port.port)
             return deployment.prepare(prof.name, node_file=self.node_file,
                                       keep=running, external=port.port, profile=here,
                                       slot_dir=self.slot_dir())
 
-        async def go() -> SwitchReport:
+        async def go() -> SwitchReport:  # on the loop: it reads the lane there
+            lane = port.wire_lane()
+            running = lane.dep.plan if lane is not None and lane.sup is not None else None
             try:
-                dep = await asyncio.to_thread(prepare)
+                dep = await asyncio.to_thread(prepare, running)
             except HydraError as exc:
                 raise ConfigureRefused(str(exc)) from exc
             try:
