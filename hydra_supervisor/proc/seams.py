@@ -7,12 +7,24 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from hydra_supervisor.plan.ports import port_free
 from hydra_supervisor.proc import health, process
 from hydra_supervisor.proc.health import Gated as Traffic
 from hydra_supervisor.proc.rpcproto import Version
+
+
+class Moved(StrEnum):
+    """Which upstream of a layout the supervisor moved to a free port (`on_upstream_moved`)."""
+
+    HTTP = "http"  # the head's llama-server (the lane's route points at it)
+    RPC = "rpc"  # a ggml-rpc-server (a lent device's: the port's ggml-RPC upstream)
+
+
+# The supervisor's callback for a moved upstream: (which, old address, new port).
+UpstreamMoved = Callable[[Moved, tuple[str, int], int], None]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from hydra_supervisor.plan.ports import client_host, port_holder
 from hydra_supervisor.proc import llamaerr, logfiles, process
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
 from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError
+from hydra_supervisor.proc.seams import Moved
 from hydra_supervisor.proc.watching import SupervisorWatching
 
 log = logging.getLogger("hydra")
@@ -58,7 +59,7 @@ class SupervisorStarting(SupervisorWatching):
                 self.combine_head = self.combine_head.repointed(old_ep, mp.spec.endpoint)
                 if not self.degraded:
                     self.head.spec = self.combine_head
-            self._move_upstream("rpc", spec, new)
+            self._move_upstream(Moved.RPC, spec, new)
         else:
             behind_router = self.plan.router is not None and self.plan.router.http is not None
             new = self.pick_internal_port(taken) if behind_router and \
@@ -72,11 +73,11 @@ class SupervisorStarting(SupervisorWatching):
                 self.combine_head = _with_http_port(self.combine_head, new)
             if self.solo_head is not None:
                 self.solo_head = _with_http_port(self.solo_head, new)
-            self._move_upstream("http", spec, new)
+            self._move_upstream(Moved.HTTP, spec, new)
         log.warning("%s: port %d is taken by another process; moved to %d", mp.name,
                     spec.port, new)
 
-    def _move_upstream(self, kind: str, old: EngineSpec, new_port: int) -> None:
+    def _move_upstream(self, kind: Moved, old: EngineSpec, new_port: int) -> None:
         if self.on_upstream_moved is not None:
             self.on_upstream_moved(kind, (old.host, old.port), new_port)
 

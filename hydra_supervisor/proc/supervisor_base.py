@@ -23,7 +23,7 @@ from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import process
 from hydra_supervisor.proc.health import Gated as Traffic
 from hydra_supervisor.proc.managed import RUNNING, ManagedProcess, State
-from hydra_supervisor.proc.seams import Seams
+from hydra_supervisor.proc.seams import Seams, UpstreamMoved
 from hydra_supervisor.proc.state import StateDir
 
 log = logging.getLogger("hydra")
@@ -56,7 +56,7 @@ class SupervisorBase:
         self.traffic: Traffic | None = None
         # Told when a process moves to another port because another process took its own:
         # (kind "http" | "rpc", the old address, the new port). The lane re-points its route.
-        self.on_upstream_moved: Callable[[str, tuple[str, int], int], None] | None = None
+        self.on_upstream_moved: UpstreamMoved | None = None
         # Called on every transition (the lane holds its route while the head is not READY).
         self.listeners: list[Callable[[ManagedProcess], None]] = []
         # When set, called instead of writing status.json (the daemon owns that file then).

@@ -154,7 +154,7 @@ class Daemon:
 
     def take(self) -> Snapshot:
         """The status as one frozen, typed value (serve/snapshot.py), built here on the loop."""
-        running = any(lane.sup is not None for lane in self.lanes())
+        running = any(lane.running for lane in self.lanes())
         gpu = gpumem.used_by_pid() if running else {}  # one NVML session for every lane
         return Snapshot.build(
             pid=os.getpid(), started=self.started, state_dir=str(self.state.root),

@@ -78,12 +78,11 @@ async def restart(d: Daemon, name: str) -> dict[str, Any]:
     """`hydra restart NAME`: the lane running that process restarts it; the reply is its
     report, with the process, its profile and the seconds until it was ready again."""
     lanes = d.lanes()
-    lane = next((lane for lane in lanes if lane.sup is not None
-                 and any(p.name == name for p in lane.sup.procs)), None)
+    lane = next((lane for lane in lanes if name in lane.process_names()), None)
     if lane is None and len(lanes) == 1:
         lane = lanes[0]  # it names its processes in its error (or says it is not running)
     if lane is None:
-        running = [p.name for lane in lanes if lane.sup is not None for p in lane.sup.procs]
+        running = [n for lane in lanes for n in lane.process_names()]
         if not running:
             raise HydraError("no profile is running on this hydra: nothing to restart")
         raise HydraError(f"no running process '{name}'; running: {', '.join(running)}")
@@ -110,7 +109,7 @@ def prepare(d: Daemon, profile: str, profiles_dir: str | None,
     port = d.single
     assert port is not None
     lane = port.only()
-    running = lane.dep.plan if lane is not None and lane.sup is not None else None
+    running = lane.running_plan if lane is not None else None
     keep_name = {"profile": name} if name else {}
     return deployment.prepare(
         profile, node_file=d.opts.node_file,
@@ -132,7 +131,7 @@ async def switch(d: Daemon, profile: str, profiles_dir: str | None = None) -> di
         d.opts.profile = report.to
         return report.to_json()
     lane = port.only()
-    if lane is not None and lane.lock.locked():
+    if lane is not None and lane.busy:
         raise Busy(f"a switch is already running (to {lane.switching}); "
                    "try again when it is done")
     t0 = time.monotonic()
@@ -214,7 +213,7 @@ async def reload_once(d: Daemon) -> dict[str, Any]:
     if port is None:
         return await reload_lanes(d)
     lane = port.only()
-    if lane is None or lane.sup is None:
+    if lane is None or not lane.running:
         return {"result": "noop", "reason": "no profile is loaded"}
     ref = lane.dep.plan.source
     name = lane.name

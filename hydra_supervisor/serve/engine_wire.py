@@ -193,7 +193,7 @@ class EngineWire:
 
     def busy(self) -> bool:
         lane = self.port.wire_lane()
-        return lane is not None and lane.lock.locked()
+        return lane is not None and lane.busy
 
     def head_http(self) -> tuple[str, int] | None:
         lane = self.port.wire_lane()
@@ -260,7 +260,7 @@ class EngineWire:
 
         async def go() -> SwitchReport:  # on the loop: it reads the lane there
             lane = port.wire_lane()
-            running = lane.dep.plan if lane is not None and lane.sup is not None else None
+            running = lane.running_plan if lane is not None else None
             try:
                 dep = await asyncio.to_thread(prepare, running)
             except HydraError as exc:

@@ -37,13 +37,14 @@ import psutil
 from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.plan import fleetplan
 from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.plan.plan import Role
+from hydra_supervisor.plan.plan import Plan, Role
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import gpumem, llamaerr
 from hydra_supervisor.proc.managed import ManagedProcess, State
+from hydra_supervisor.proc.seams import Moved
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
-from hydra_supervisor.router.routes import Addr, Route
+from hydra_supervisor.router.routes import Addr, Limiter, Route
 from hydra_supervisor.serve import change, loading, progress, states
 from hydra_supervisor.serve.reports import (
     LayoutFailed,
@@ -159,6 +160,34 @@ class Lane:
         return self.name, self.aliases
 
     @property
+    def running(self) -> bool:
+        """A layout of it runs (its Supervisor exists: loading, serving or recovering)."""
+        return self.sup is not None
+
+    @property
+    def running_plan(self) -> Plan | None:
+        """The plan of the layout that runs now (None: nothing runs)."""
+        return self.dep.plan if self.sup is not None else None
+
+    @property
+    def busy(self) -> bool:
+        """A change (switch, reload, restart, load, unload) holds it now."""
+        return self.lock.locked()
+
+    def process_names(self) -> list[str]:
+        """The names of its running processes (none when nothing runs)."""
+        return [p.name for p in self.sup.procs] if self.sup is not None else []
+
+    def take_settings(self, dep: Deployment, profile: Profile) -> None:
+        """A reload's new settings (the caller applied them to a running layout, or they
+        wait for the next load): its plan, profile, needs and request limits."""
+        self.dep, self.profile = dep, profile
+        self.fails = 0  # new settings: a failed lane may make room for itself again
+        self.needs = needs_of(dep)
+        self.route.limiter = (Limiter(self.name, profile.concurrency, profile.queue)
+                              if profile.concurrency else None)
+
+    @property
     def aliases(self) -> tuple[str, ...]:
         return tuple(getattr(self.profile, "aliases", ()) or ())
 
@@ -213,11 +242,11 @@ class Lane:
             return
         self.sync_gate()
 
-    def _on_upstream_moved(self, kind: str, old: Addr, new_port: int) -> None:
+    def _on_upstream_moved(self, kind: Moved, old: Addr, new_port: int) -> None:
         """The supervisor moved a process whose port another process took."""
-        if kind == "http" and self.route.http == old:
+        if kind is Moved.HTTP and self.route.http == old:
             self.route.http = (old[0], new_port)
-        elif kind == "rpc":
+        elif kind is Moved.RPC:
             spec = self.dep.plan.router
             if spec is not None and spec.rpc == old:  # the lent device only (mode: peer);
                 self.port.set_rpc((old[0], new_port))  # a COMBINE's own peers stay private

@@ -68,7 +68,7 @@ class Node:
             loaded = o.loaded_at if o.loaded_at is not None else self.clock()
             out.append(fleetplan.Occupant(
                 o.name, o.needs, o.route.last_used, loaded + o.min_resident,
-                movable=o.phase is LaneState.SERVING and not o.lock.locked(),
+                movable=o.phase is LaneState.SERVING and not o.busy,
                 standby=o.standby))  # a standby layout goes first (serve/standby.py)
         return out
 

@@ -43,7 +43,7 @@ from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.router.gate import Gate
 from hydra_supervisor.router.routes import Limiter, Route
-from hydra_supervisor.serve.lane import Lane, needs_of
+from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import TICK, Node
 from hydra_supervisor.serve.port_routing import PortRouting
 from hydra_supervisor.serve.port_status import PortStatus
@@ -312,7 +312,7 @@ class Port(PortRouting, PortStatus):
                 if lane.phase is LaneState.STOPPED and lane.on_demand and lane.route.gate.held():
                     self._want(lane.name)  # requests parked while it was being stopped
                 elif lane.phase is LaneState.SERVING and lane.ttl is not None \
-                        and not lane.lock.locked():
+                        and not lane.busy:
                     st = lane.route.stats()
                     idle = now - lane.route.last_used
                     if idle >= lane.ttl and not st["inflight"] and not st["held"] \
@@ -340,7 +340,7 @@ class Port(PortRouting, PortStatus):
             profile = dep.layout.profile if dep.layout is not None else None
             lane = self.add_lane(profile, dep)
         rep = await lane.switch(dep)
-        if made and lane.sup is None:
+        if made and not lane.running:
             # The first switch of a port with no lane failed and had nothing to roll back to:
             # the port has no lane again (idle; its 503 names `hydra switch NAME`), as it was
             # before, not a failed lane of a profile nobody runs.
@@ -396,12 +396,8 @@ class Port(PortRouting, PortStatus):
                     raise HydraError(f"reload of {lane.name}: {rep.result}: {rep.error}")
                 did = (f"restarted {', '.join(rep.restarted)} in {rep.total_s:.2f}s"
                        if rep.result == Result.OK else "routing settings only, nothing restarted")
-            lane.dep, lane.profile = dep, prof
-            lane.fails = 0  # new settings: a failed lane may make room for itself again
+            lane.take_settings(dep, prof)
             self.lookup = lookup
-            lane.needs = needs_of(dep)
-            lane.route.limiter = (Limiter(lane.name, prof.concurrency, prof.queue)
-                                  if prof.concurrency else None)
             if lane.phase is LaneState.STOPPED:
                 lane.stopped_gate()
             self._announce()

@@ -97,7 +97,7 @@ class PortStatus:
         """A row per lane; a copy of the port's router counters rides on the first row only
         (for `hydra status`; metrics read the port's own, `status_row()`)."""
         if gpu is None:
-            running = any(x.sup is not None for x in self.lanes.values())
+            running = any(x.running for x in self.lanes.values())
             gpu = gpumem.used_by_pid() if running else {}
         if not self.lanes:
             return [self.row(None, gpu)]

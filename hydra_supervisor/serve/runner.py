@@ -16,6 +16,7 @@ from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import Plan
 from hydra_supervisor.proc.health import Gated
 from hydra_supervisor.proc.managed import ManagedProcess
+from hydra_supervisor.proc.seams import UpstreamMoved
 
 
 class Runner(Protocol):
@@ -32,7 +33,7 @@ class Runner(Protocol):
     fail_fast: bool
     # seams the lane sets before run()
     traffic: Gated | None
-    on_upstream_moved: Callable[[str, tuple[str, int], int], None] | None
+    on_upstream_moved: UpstreamMoved | None
     listeners: list[Callable[[ManagedProcess], None]]
     on_publish: Callable[[], None] | None
     before_head_swap: Callable[[str], Awaitable[None]] | None
