@@ -136,13 +136,27 @@ def measure(port: int, n_predict: int) -> tuple[float, float]:
     return float(timings["predicted_per_second"]), float(timings["prompt_per_second"])
 
 
-def bench(profile: str, rounds: int, n_predict: int, tmp: Path) -> dict[str, float]:
+def head_port(env: dict[str, str]) -> int:
+    """The internal port of the head hydra started (its llama-server, behind the router)."""
+    out = subprocess.run([*HYDRA, "status", "--json"], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    rows = json.loads(out)["daemon"]["engines"]
+    return int(next(p["port"] for r in rows for p in r["processes"] if p["role"] == "head"))
+
+
+def bench(profile: str, rounds: int, n_predict: int, tmp: Path, direct: bool = False,
+          hand_first: bool = False) -> dict[str, float]:
     hp, mp = free_port(), free_port()
     henv, menv = env_for(tmp, f"{profile}-hydra"), env_for(tmp, f"{profile}-hand")
-    hydra = start_hydra(profile, hp, henv, tmp)
     hand: list[subprocess.Popen[bytes]] = []
-    try:
+    if hand_first:  # which copy starts first: an effect of the order shows up as a flip
         hand, mp = start_by_hand(profile, mp, menv, tmp)
+    hydra = start_hydra(profile, hp, henv, tmp)
+    try:
+        if not hand_first:
+            hand, mp = start_by_hand(profile, mp, menv, tmp)
+        if direct:  # hydra's head on its own port: the router left out of the comparison
+            hp = head_port(henv)
         measure(hp, 8)  # warm both (page cache, first-request allocations)
         measure(mp, 8)
         dec: dict[str, list[float]] = {"hydra": [], "hand": []}
@@ -166,12 +180,12 @@ def bench(profile: str, rounds: int, n_predict: int, tmp: Path) -> dict[str, flo
     finally:
         hydra.send_signal(signal.SIGTERM)
         hydra.wait(30)
-        for p in reversed(hand):
-            p.terminate()
+        for proc in reversed(hand):
+            proc.terminate()
             try:
-                p.wait(10)
+                proc.wait(10)
             except subprocess.TimeoutExpired:
-                p.kill()
+                proc.kill()
 
 
 def main() -> int:
@@ -179,13 +193,20 @@ def main() -> int:
     ap.add_argument("--profiles", default="demo,demo-combine")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--n-predict", type=int, default=64)
+    ap.add_argument("--direct", action="store_true",
+                    help="measure hydra's head on its internal port (no router in between)")
+    ap.add_argument("--hand-first", action="store_true",
+                    help="start the by-hand copy before hydra's (default: hydra's first)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="hydra-bench-") as d:
         for profile in args.profiles.split(","):
-            rows.append((profile, bench(profile, args.rounds, args.n_predict, Path(d))))
+            rows.append((profile, bench(profile, args.rounds, args.n_predict, Path(d),
+                                        direct=args.direct, hand_first=args.hand_first)))
+    how = ", ".join(w for w, on in (("hydra's head direct", args.direct),
+                                    ("by-hand started first", args.hand_first)) if on)
     print(f"\nhydra overhead: {args.rounds} alternating rounds, n_predict {args.n_predict}, "
-          "median tokens/s (llama-server timings)")
+          f"median tokens/s (llama-server timings){'; ' + how if how else ''}")
     print(f"{'profile':16} {'decode hydra':>12} {'by hand':>9} {'ratio':>6}   "
           f"{'prefill hydra':>13} {'by hand':>9} {'ratio':>6}")
     ok = True
