@@ -229,7 +229,8 @@ class HttpSession(Forwarding):
             return False
         table = self.r.table
         # A port that routes without reading bodies knows the route now: a refused request
-        # (its lane unavailable) is answered without waiting for a large upload.
+        # (its lane unavailable) is answered without waiting for a large upload. (The route
+        # is asked again once the body is read: a standby flip may change it meanwhile.)
         early = table(None, rec.method, rec.path) if table is not None and not \
             self.r.route_by_model else None
         if table is None:
@@ -277,7 +278,7 @@ class HttpSession(Forwarding):
                                   "body (nested too deeply or malformed)",
                                   "invalid_request_error")
                 return True
-        sel = early if early is not None else table(rec.model, rec.method, rec.path)
+        sel = table(rec.model, rec.method, rec.path)
         if isinstance(sel, LocalReply):
             self._local_reply(rec, sel)
             return True
