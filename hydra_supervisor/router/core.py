@@ -336,7 +336,6 @@ class Router(Acceptor, Relay):
             out["http"] = dict(self._http)
             out["fds"] = {"nofile": self._nofile[0], "budget": self._fd_budget,
                           "relays": self._fds_active}
-        with self._lock:
             routes = list(self._routes)
         out["held"] = sum(r.gate.held() for r in routes)
         out["inflight"] = sum(r.gate.inflight() for r in routes)

@@ -156,11 +156,15 @@ class Daemon:
         """The status as one frozen, typed value (serve/snapshot.py), built here on the loop."""
         running = any(lane.running for lane in self.lanes())
         gpu = gpumem.used_by_pid() if running else {}  # one NVML session for every lane
+        rows: list[dict[str, Any]] = []
+        ports: list[dict[str, Any]] = []
+        for p in self.ports:
+            st = p.router_stats()  # once per port: its row in `ports` and its first lane row
+            rows += p.snapshot(gpu, router=st)
+            ports.append(p.status_row(router=st))
         return Snapshot.build(
             pid=os.getpid(), started=self.started, state_dir=str(self.state.root),
-            rows=[row for p in self.ports for row in p.snapshot(gpu)],
-            by_model=[p.port_row() for p in self.by_model],
-            ports=[p.status_row() for p in self.ports],
+            rows=rows, by_model=[p.port_row() for p in self.by_model], ports=ports,
             switches=self.switch_log if self.by_model else ())
 
     def snapshot(self) -> dict[str, Any]:

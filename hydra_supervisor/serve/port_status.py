@@ -53,17 +53,21 @@ class PortStatus:
             st.update(self.watch.counts())
         return st
 
-    def _router_stats(self, lane: Lane | None) -> dict[str, Any] | None:
-        """The copy on a lane row (`hydra status`, the dashboard): a port's one lane shows its
-        own gate's held/inflight."""
-        st = self.router_stats()
-        if st is not None and lane is not None and not self.by_model:
+    def _row_router(self, st: dict[str, Any] | None, lane: Lane | None
+                    ) -> dict[str, Any] | None:
+        """The copy of the port's counters `st` on its first row (`hydra status`, the
+        dashboard): a port's one lane shows its own gate's held/inflight."""
+        if st is None:
+            return None
+        st = dict(st)
+        if lane is not None and not self.by_model:
             st["held"] = lane.route.gate.held()
             st["inflight"] = lane.route.gate.inflight()
         return st
 
     def row(self, lane: Lane | None, gpu: dict[int, int]) -> dict[str, Any]:
-        """One status row: a lane (or, for a port with none, the port itself)."""
+        """One status row: a lane (or, for a port with none, the port itself); its `router`
+        is None (`snapshot` puts the port's counters on the first row)."""
         sup = lane.sup if lane is not None else None
         dep = lane.dep if lane is not None else None
         if lane is None:
@@ -84,7 +88,7 @@ class PortStatus:
             "degraded": sup.degraded if sup is not None else None,
             "processes": lane.process_rows(gpu) if lane is not None else [],
             "requests_last_min": lane.requests_last_min() if lane is not None else None,
-            "router": self._router_stats(lane),
+            "router": None,
             "switches": [s.to_json() for s in (lane.switches if lane is not None
                                                 else self.reports)],
         }
@@ -93,23 +97,28 @@ class PortStatus:
                             **lane.lane_row()}
         return row
 
-    def snapshot(self, gpu: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    def snapshot(self, gpu: dict[int, int] | None = None,
+                 router: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """A row per lane; a copy of the port's router counters rides on the first row only
-        (for `hydra status`; metrics read the port's own, `status_row()`)."""
+        (for `hydra status`; metrics read the port's own, `status_row()`). `router`: those
+        counters when the caller has taken them already (one `Router.stats()` per snapshot)."""
         if gpu is None:
             running = any(x.running for x in self.lanes.values())
             gpu = gpumem.used_by_pid() if running else {}
+        st = router if router is not None else self.router_stats()
+        first = next(iter(self.lanes.values()), None)
+        rows = [self.row(lane, gpu) for lane in self.lanes.values()] or [self.row(None, gpu)]
+        rows[0]["router"] = self._row_router(st, first)
         if not self.lanes:
-            return [self.row(None, gpu)]
-        rows = [self.row(lane, gpu) for lane in self.lanes.values()]
-        for row in rows[1:]:
-            row["router"] = None
+            return rows
         return self.standby.rows(rows, gpu) if self.standby is not None else rows
 
     def port_row(self) -> dict[str, Any]:
         return {"port": self.port, "url": self.url, "default": self.default,
                 "profiles": list(self.lanes), "alive": self.alive(), "down": self.down()}
 
-    def status_row(self) -> dict[str, Any]:
-        """The port in the snapshot's `ports`: its row and its router's counters."""
-        return {**self.port_row(), "name": f"port-{self.port}", "router": self.router_stats()}
+    def status_row(self, router: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The port in the snapshot's `ports`: its row and its router's counters (`router`:
+        taken already by the caller)."""
+        return {**self.port_row(), "name": f"port-{self.port}",
+                "router": router if router is not None else self.router_stats()}
