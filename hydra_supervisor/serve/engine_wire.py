@@ -60,6 +60,7 @@ class WireView:
     dep: deployment.Deployment | None = None
     profile: Profile | None = None
     standby_mode: str | None = None  # the port's standby layout's mode (serve/standby.py)
+    state: str = states.IDLE  # the lane's state word when it was built (before a snapshot)
 
 
 class EngineWire:
@@ -91,7 +92,8 @@ class EngineWire:
         sb = self.port.standby.lane if self.port.standby is not None else None
         self.view = WireView(lane=lane.name if lane is not None else None, dep=dep,
                              profile=lay.profile if lay is not None else None,
-                             standby_mode=str(sb.dep.plan.mode) if sb is not None else None)
+                             standby_mode=str(sb.dep.plan.mode) if sb is not None else None,
+                             state=lane.state_now().value if lane is not None else states.IDLE)
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -137,7 +139,7 @@ class EngineWire:
 
     def info(self) -> dict[str, Any]:
         view = self.view  # one read: every field below describes the same layout
-        snap = self._row(view.lane)
+        snap = self._row(view)
         dep = view.dep
         prof = view.profile
         plan = dep.plan if dep is not None else None
@@ -168,9 +170,10 @@ class EngineWire:
             "request_defaults": dict(self.defaults),
         }
 
-    def _row(self, lane: str | None) -> dict[str, Any]:
+    def _row(self, view: WireView) -> dict[str, Any]:
         """The lane's status row (the port's, when it has no lane), from the published
-        snapshot."""
+        snapshot (before the first one: what the view says)."""
+        lane = view.lane
         if self.published is not None:
             with contextlib.suppress(RuntimeError):  # none yet: hydra is starting
                 rows = [r for r in self.published().get("engines") or []
@@ -179,8 +182,8 @@ class EngineWire:
                 if mine or rows:
                     row: dict[str, Any] = (mine or rows)[0]
                     return row
-        return {"profile": lane, "mode": None, "model": None,
-                "state": states.IDLE if lane is None else "?", "processes": []}
+        return {"profile": lane, "mode": None, "model": None, "state": view.state,
+                "processes": []}
 
     def _expert_modes(self) -> list[str]:
         prof = self._profile()
@@ -228,10 +231,10 @@ class EngineWire:
             meta["restarted"] = rep.restarted if rep.result != Result.NOOP else []
             meta["result"] = rep.result
             meta["phases"] = {k: round(v, 3) for k, v in rep.phases.items()}
-            if rep.result not in ("ok", "noop"):
+            if rep.result not in (Result.OK, Result.NOOP):
+                back = "rolled back" if rep.result == Result.ROLLED_BACK else ""
                 raise ConfigureRefused(f"the new settings failed to start "
-                                       f"({rep.failed_phase}: {rep.error}); "
-                                       f"{'rolled back' if rep.result == 'rolled_back' else ''}")
+                                       f"({rep.failed_phase}: {rep.error}); {back}")
         return meta
 
     def _check_model(self, ref: str) -> None:
@@ -305,7 +308,7 @@ class EngineWire:
         rep = self._apply(new)
         now = self._profile()
         in_effect = "solo" if now is not None and now.mode is Mode.SOLO else "combined"
-        if rep.result not in ("ok", "noop"):
+        if rep.result not in (Result.OK, Result.NOOP):
             raise ConfigureRefused(f"switching to {mode} failed ({rep.failed_phase}: "
                                    f"{rep.error}); mode in effect: {in_effect}")
         return {"mode": in_effect, "changed": True, "restarted": rep.restarted,

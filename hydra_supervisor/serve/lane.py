@@ -304,8 +304,8 @@ class Lane:
     def stopped_gate(self) -> None:
         """What a request for a lane that is not loaded meets."""
         if self.on_demand:
-            self.route.set_unavailable(None)
-            self.route.hold(f"profile {self.name} is not loaded; loading it on request")
+            self.hold(f"profile {self.name} is not loaded; loading it on request",
+                      clear_refusal=True)
         else:
             self.route.set_unavailable(
                 f"profile {self.name} is not loaded ({self.why}) and loads only with "
