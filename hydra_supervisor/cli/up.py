@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from hydra_supervisor.proc import guard
     from hydra_supervisor.runtime import daemon
     from hydra_supervisor.serve import setup as serve_setup
+    from hydra_supervisor.serve.lane import Lane
+    from hydra_supervisor.serve.port import Port
 else:
     # Imported on first use: a client command (`hydra --version`, `hydra status`) must not pay
     # for the daemon's imports (prometheus, gguf/numpy, requests): ~0.7 s on a small machine.
@@ -138,24 +140,12 @@ def _up_locked(state: StateDir, names: list[str], node_file: str | None,
                           profiles_dir=profiles_dir, overrides=overrides,
                           host=host or "127.0.0.1", port=8080 if port is None else port,
                           metrics_port=metrics_port, profiles=names if len(names) > 1 else [])
-    source = "-"
-    if len(names) > 1:
-        ports, node = serve_setup.build(state, names, node_file=node_file,
-                                        profiles_dir=profiles_dir, overrides=overrides,
-                                        slot_dir=state.slots())
-    else:
-        dep = None
-        if names:
-            dep = deployment.prepare(names[0], node_file=node_file, profiles_dir=profiles_dir,
-                                     overrides=overrides, slot_dir=state.slots())
-            if dep.plan.port == 0 and dep.plan.router is None:
-                raise HydraError(f"{dep.plan.source}: port 0 (any free port) needs hydra's "
-                                 "router, and this profile has router: false",
-                                 hint="give a port number: hydra up --port N")
-            source = dep.plan.source
-        ports, node = serve_setup.single(
-            state, dep, host=opts.host, port=opts.port,
-            profiles=lambda: list(config.known_profiles(profiles_dir)))
+    ports, node = serve_setup.build(
+        state, names, node_file=node_file, profiles_dir=profiles_dir, overrides=overrides,
+        host=opts.host, port=opts.port,
+        profiles=lambda: list(config.known_profiles(profiles_dir)))
+    sources = [d.plan.source for p in ports for d in p.planned()]
+    source = sources[0] if len(sources) == 1 else "-"
     return _guarded(state, ",".join(names) or "-", source,
                     lambda: asyncio.run(_run_daemon(state, opts, ports, node)))
 
@@ -178,33 +168,11 @@ async def _run_daemon(state: StateDir, opts: daemon.Options, ports: Any, node: A
 
 
 async def _present(d: daemon.Daemon) -> None:
-    """What `hydra up` shows in its terminal: per port, progress while loading, then how to
-    use it."""
+    """What `hydra up` shows in its terminal: per port, progress while its default profile
+    loads, then how to use it."""
     for p in d.ports:
-        if p.by_model:
-            await _present_by_model(p)
-        else:
-            await _present_one(p)
+        await _present_port(p)
     _present_dashboard(d)
-
-
-async def _present_by_model(f: Any) -> None:
-    """A port serving several profiles: one line once the start-up loads are over."""
-    while not f.ready():
-        await asyncio.sleep(0.2)
-    rows = [f"{x.name}{'*' if x.name == f.default else ''} ({f.state_of(x)})"
-            for x in f.lanes.values()]
-    out.print(f"ready: {f.url} serves {', '.join(rows)}; the request's model picks the "
-              "profile (* = the default)", markup=False)
-    for x in f.lanes.values():
-        if x.error:
-            err.print(f"  {x.name} failed to load: {x.error} (`hydra logs "
-                      f"{x.name}.head`; the next request for it tries again)", markup=False)
-    m = next((x for x in f.lanes.values() if not x.error), f.lanes[f.default])
-    out.print(f"  curl {f.url}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
-              "\"content\":\"Hello\"}]}'", markup=False)
-    out.print(f"  curl {f.url}/v1/models", markup=False)
 
 
 def _present_dashboard(d: daemon.Daemon) -> None:
@@ -214,30 +182,59 @@ def _present_dashboard(d: daemon.Daemon) -> None:
                   markup=False)
 
 
-async def _present_one(p: Any) -> None:
-    """A port with one profile: progress while it loads, then how to use it."""
-    lane = p.only()
-    sup = lane.sup if lane is not None else None
-    if lane is None or sup is None:
+async def _present_port(p: Port) -> None:
+    lane = p.default_lane()
+    if lane is None:
         out.print(f"ready: hydra at {p.url} with no profile loaded; load one with "
                   f"`hydra switch NAME` (profiles: {', '.join(p.profiles())})", markup=False)
         return
-    plan = sup.plan
+    await _spinner(lane)
+    while not p.ready():
+        await asyncio.sleep(0.2)
+    if p.only() is lane:
+        _present_one(p, lane)
+        return
+    rows = [f"{x.name}{'*' if x.name == p.default else ''} ({p.state_of(x)})"
+            for x in p.lanes.values()]
+    out.print(f"ready: {p.url} serves {', '.join(rows)}; the request's model picks the "
+              "profile (* = the default)", markup=False)
+    for x in p.lanes.values():
+        if x.error:
+            err.print(f"  {x.name} failed to load: {x.error} (`hydra logs "
+                      f"{x.name}.head`; the next request for it tries again)", markup=False)
+    m = next((x for x in p.lanes.values() if not x.error), lane)
+    out.print(f"  curl {p.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\":\"{m.name}\",\"messages\":[{{\"role\":\"user\","
+              "\"content\":\"Hello\"}]}'", markup=False)
+    out.print(f"  curl {p.url}/v1/models", markup=False)
+
+
+async def _spinner(lane: Lane) -> None:
+    """Progress while `lane` loads (its processes one by one, the model's bar)."""
     lay = lane.dep.layout
     model_bytes = lay.model.file_size if lay is not None and lay.model is not None else 0
+    plan = lane.dep.plan
     what = ", ".join(f"{e.name} on {e.device}" for e in plan.in_start_order())
     # A status string is always read as markup; a reason such as "RPC0[127.0.0.1:30052]" is not.
     with err.status(Text(f"starting {plan.profile}: {what}"), spinner="dots") as spin:
-        while lane.state_now() is LaneState.LOADING:
-            cur = next((p for p in sup.procs if p.state.value != "READY"), None)
+        while lane.state_now() in (LaneState.STOPPED, LaneState.LOADING) \
+                and lane.error is None:
+            sup = lane.sup
+            cur = next((x for x in sup.procs if x.state.value != "READY"), None) \
+                if sup is not None else None
             if cur is not None:
                 bar = _load_bar(cur.pid, model_bytes) if cur.spec.role.value == "head" else ""
                 spin.update(Text(f"{plan.profile}: {cur.name} {cur.state.value} — "
                                  f"{cur.reason or 'starting'} {bar}"
                                  f"({time.monotonic() - cur.since:.0f}s)"))
             await asyncio.sleep(0.2)
-    if lane.state_now().value not in states.ANSWERING:
+
+
+def _present_one(p: Port, lane: Lane) -> None:
+    """A port with one profile: how to use it."""
+    if p.state_of(lane) not in states.ANSWERING:
         return
+    plan = lane.dep.plan
     if plan.router and not plan.router.http:
         r = plan.router
         out.print(f"ready: {plan.profile} serves {plan.engines[0].device} over ggml-RPC at "
@@ -247,7 +244,7 @@ async def _present_one(p: Any) -> None:
                   f"(or a node file device: {{endpoint: HOST:{p.port}}})")
         return
     url = p.url
-    out.print(f"ready: {plan.profile} serving {sup.model_label} at {url}", markup=False)
+    out.print(f"ready: {plan.profile} serving {lane.dep.model_label} at {url}", markup=False)
     out.print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
               "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'", markup=False)
     out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "

@@ -154,9 +154,6 @@ class Router(Acceptor, Relay):
         # LocalReply. The router has no gate of its own: until a table is set, HTTP requests
         # get 503.
         self.table: RouteTable | None = table
-        # Whether the table picks by the request's `model` (the body is read for it); a port
-        # with one lane routes every request to it without reading bodies.
-        self.route_by_model = True
         self._routes: list[Route] = []
         self.pool = UpstreamPool(self._connect)
 

@@ -232,7 +232,7 @@ class HttpSession(Forwarding):
         # (its lane unavailable) is answered without waiting for a large upload. (The route
         # is asked again once the body is read: a standby flip may change it meanwhile.)
         early = table(None, rec.method, rec.path) if table is not None and not \
-            self.r.route_by_model else None
+            table.needs_model else None
         if table is None:
             refusal: Refusal | None = Refusal(503, "hydra router: no route table is set",
                                               DEFAULT_RETRY_AFTER, "error", "upstream_down")
@@ -268,7 +268,7 @@ class HttpSession(Forwarding):
                 body = merged
         fwd = _Outgoing(req, body, lent_host)
         assert table is not None  # refused above
-        if rec.model is None and req.method == b"POST" and self.r.route_by_model:
+        if rec.model is None and req.method == b"POST" and table.needs_model:
             rec.model, readable = request_defaults.model_in(body)
             if not readable:
                 # llama-server would read this body (a JSON parser without a depth limit);

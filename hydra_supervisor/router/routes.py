@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate, Refusal
 
@@ -150,5 +149,12 @@ class Route:
                 "running": running, "waiting": waiting}
 
 
-# The router's question per request: (model or None, method, path) -> a route, or an answer.
-RouteTable = Callable[[str | None, str, str], "Route | LocalReply"]
+class RouteTable(Protocol):
+    """The router's question per request: (model or None, method, path) -> a route, or an
+    answer. An immutable value its owner publishes (serve/table.py); `needs_model`: whether
+    the request's `model` can change the answer (the body is read for it first)."""
+
+    @property
+    def needs_model(self) -> bool: ...
+
+    def __call__(self, model: str | None, method: str, path: str, /) -> Route | LocalReply: ...

@@ -14,9 +14,9 @@ Every external port is watched on the loop (portwatch.py): a router whose accept
 running makes the port's state "port down" (status, STATUS=, metrics; `hydra status` exits 1)
 and is stopped and started again.
 
-This module is the Daemon's run loop, signals and port watch; its control routes and actions
-(switch, restart, reload) are daemon_actions.py, what it says about itself (status.json,
-STATUS=) daemon_status.py. The Daemon's methods of the same names delegate to them.
+This module is the Daemon: its run loop, signals, port watch and control routes; the actions
+behind them (switch, restart, reload) are an `Actions` (daemon_actions.py) it owns, and what
+it says about itself (status.json, STATUS=) plain functions of daemon_status.py.
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ from hydra_supervisor.serve.engine_wire import EngineWire
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import SwitchTimeouts
+from hydra_supervisor.serve.reports import Busy, RestartFailed, SwitchTimeouts
 from hydra_supervisor.serve.snapshot import Snapshot
-from hydra_supervisor.serve.standby import Standby
-from hydra_supervisor.serve.states import LaneState
+from hydra_supervisor.serve.states import ANSWERING
 
 log = logging.getLogger("hydra")
 
@@ -84,14 +83,13 @@ class Options:
     port: int = 8080
     switch_timeouts: SwitchTimeouts = field(default_factory=SwitchTimeouts)
     metrics_port: int | None = None  # Prometheus on 127.0.0.1:PORT (None or 0: off)
-    profiles: list[str] = field(default_factory=list)  # several: one port, routed by model
+    profiles: list[str] = field(default_factory=list)  # every profile served at start
 
 
 class Daemon:
     def __init__(self, state: StateDir, opts: Options, ports: list[Port], node: Node) -> None:
-        """`ports`: every external address this hydra serves (setup.build makes them): one
-        port with one lane for one profile, with none for `--no-profile`, with a lane per
-        profile routed by model for several."""
+        """`ports`: every external address this hydra serves, each with its lanes
+        (serve/setup.py builds them)."""
         self.state = state
         self.opts = opts
         self.ports = ports
@@ -114,9 +112,6 @@ class Daemon:
             if self.metrics:
                 p.router_kwargs["on_request"] = self._on_request
             p.listeners.append(self._changed)
-            if not p.by_model:  # a profile's `standby:` layout (serve/standby.py)
-                p.standby = Standby(p, node_file=opts.node_file, profiles_dir=opts.profiles_dir,
-                                    overrides=opts.overrides, slot_dir=state.slots())
         self.stop_event = asyncio.Event()
         self.stop_reason = "stop requested"
         self.ended: str | None = None  # why the run ended, once it has (the crash record)
@@ -124,31 +119,18 @@ class Daemon:
         self.ctl: control.ControlServer | None = None
         self.wires: list[EngineWire] = []  # one per port with a router
         self._ints = 0
-        # The last switches between the profiles of a port that routes by model (the node's
-        # activate reports, newest last): the snapshot carries them for the dashboard.
-        self.switch_log: list[dict[str, Any]] = []
-        # Reloads: one runs at a time; those asked for meanwhile share one run after it
-        # (it reads the files when it starts: the last edit wins).
-        self.reloads = daemon_actions.Reloads(lambda: daemon_actions.run_reload(self))
-        self.last_change_error: str | None = None  # a reload refused before it ran (STATUS=)
+        self.fatal: str | None = None  # why a lane under `exit_on_fatal` ended hydra
+        self.actions = daemon_actions.Actions(
+            ports, node, daemon_actions.Planning(
+                node_file=opts.node_file, profiles_dir=opts.profiles_dir,
+                overrides=tuple(opts.overrides.items()), slot_dir=state.slots()),
+            changed=self._changed)
 
     # -- what it serves ---------------------------------------------------------------------------
 
-    @property
-    def by_model(self) -> list[Port]:
-        """The ports that serve several profiles, routed by model."""
-        return [p for p in self.ports if p.by_model]
-
-    @property
-    def single(self) -> Port | None:
-        """The port of a hydra started with one profile (or none), else None."""
-        return self.ports[0] if self.ports and not self.ports[0].by_model else None
-
     def lanes(self) -> list[Lane]:
         """Every lane, standby layouts included (restart, kill, status)."""
-        return [lane for p in self.ports
-                for lane in [*p.lanes.values(), *([p.standby.lane] if p.standby is not None
-                                                  and p.standby.lane is not None else [])]]
+        return [lane for p in self.ports for lane in p.every_lane()]
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -162,10 +144,11 @@ class Daemon:
             st = p.router_stats()  # once per port: its row in `ports` and its first lane row
             rows += p.snapshot(gpu, router=st)
             ports.append(p.status_row(router=st))
+        switches = sorted((r.to_json() for lane in self.lanes() for r in lane.switches),
+                          key=lambda r: r.get("at") or 0.0)[-20:]
         return Snapshot.build(
             pid=os.getpid(), started=self.started, state_dir=str(self.state.root),
-            rows=rows, by_model=[p.port_row() for p in self.by_model], ports=ports,
-            switches=self.switch_log if self.by_model else ())
+            rows=rows, ports=ports, switches=switches)
 
     def snapshot(self) -> dict[str, Any]:
         """A fresh snapshot as plain JSON (the loop's thread)."""
@@ -175,10 +158,10 @@ class Daemon:
     def unkillable(self) -> list[str]:
         return [u for p in self.ports for u in p.unkillable]
 
-    def legacy_status(self, snap: dict[str, Any]) -> dict[str, Any]:
-        """The one-row view (`status` in `hydra status --json`, and status.json), from the
+    def summary(self, snap: dict[str, Any]) -> dict[str, Any]:
+        """The summary view (`status` in `hydra status --json`, and status.json), from the
         snapshot just taken (daemon_status.py)."""
-        return daemon_status.legacy_status(self, snap)
+        return daemon_status.summary(snap, ended=self.ended, unkillable=self.unkillable)
 
     def _published(self) -> dict[str, Any]:
         """A snapshot for another thread: taken on the loop (fresh within 0.5 s)."""
@@ -192,13 +175,21 @@ class Daemon:
         self.publisher.put(taken)
         snap = taken.to_json()
         with contextlib.suppress(OSError):
-            self.state.write_status(self.legacy_status(snap))
+            self.state.write_status(self.summary(snap))
         self.notifier.status(self._status_line(snap))
+        if self.fatal is None:
+            for p in self.ports:
+                why = p.fatal()
+                if why is not None:
+                    self.fatal = why
+                    self.request_stop(f"FATAL: {why}")
 
     def _status_line(self, snap: dict[str, Any]) -> str:
         """systemd's STATUS=: the snapshot, and the last change that failed (until one works;
         daemon_status.py)."""
-        return daemon_status.status_line(self, snap)
+        records = [*(lane.switches for lane in self.lanes()),
+                   *(p.reports for p in self.ports if not p.lanes)]
+        return daemon_status.status_line(snap, self.actions.last_change_error, records)
 
     def _on_request(self, rec: dict[str, Any]) -> None:
         """The router's per-request record (a router thread): counted in the metrics,
@@ -209,8 +200,7 @@ class Daemon:
         route = str(rec.get("route") or "")  # "": answered by the router itself (404, …)
         if route == "none":
             route = ""
-        by_model = any(p.port == port and p.by_model for p in self.ports)
-        label = f"port-{port}/{route}" if by_model and route else f"port-{port}"
+        label = f"port-{port}/{route}" if route else f"port-{port}"
         self.metrics.observe_request(rec, label, route)
 
     def _router_alive(self) -> bool:
@@ -219,17 +209,17 @@ class Daemon:
     def _startup_budget(self) -> float:
         """Seconds the start-up loads may take: every initial layout's load timeout (they
         load one after another), plus a margin for the peers' HELLO and the health gate."""
-        deps = [p.lanes[n].dep for p in self.ports
-                for n in (p.initial_names() if p.by_model else list(p.lanes))]
+        deps = [p.lanes[n].dep for p in self.ports for n in p.initial_names()]
         return sum(d.timeouts.load for d in deps) + 30.0 if deps else 0.0
 
     def _ready(self) -> bool:
+        """READY=1 for systemd: every port's start-up loads are over and its router accepts;
+        a hydra that serves one profile waits until that profile answers."""
         for p in self.ports:
             if not (p.ready() and p.alive()):
                 return False
-            lane = p.only()
-            if lane is not None and lane.state_now() not in (LaneState.SERVING,
-                                                             LaneState.DEGRADED):
+            lane = p.default_lane()
+            if p.exit_on_fatal and lane is not None and p.state_of(lane) not in ANSWERING:
                 return False
         return True
 
@@ -255,28 +245,62 @@ class Daemon:
             except Exception:  # a bug here must not end the watch (nor hydra)
                 log.exception("port watch failed; checking again in %.1fs", portwatch.CHECK_S)
 
-    # -- control routes and actions (daemon_actions.py) -----------------------------------------
+    # -- control routes (the actions: daemon_actions.py) --------------------------------------
 
     def routes(self) -> dict[tuple[str, str], control.Handler]:
-        return daemon_actions.routes(self)
+        """The control API's routes (`STATE/control.sock`; the dashboard's actions too)."""
+        return {("GET", "/status"): self._r_status,
+                ("POST", "/switch"): self._r_switch,
+                ("POST", "/restart"): self._r_restart,
+                ("POST", "/reload"): self._r_reload,
+                ("POST", "/down"): self._r_down}
+
+    async def _r_status(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        snap = self.snapshot()
+        return 200, {"running": True, "supervisor": self.state.running_supervisor(),
+                     "status": self.summary(snap), "daemon": snap}
+
+    @staticmethod
+    async def _guard(coro: Coroutine[Any, Any, dict[str, Any]]
+                     ) -> tuple[int, dict[str, Any]]:
+        try:
+            return 200, await coro
+        except Busy as exc:
+            return 409, {"error": str(exc)}
+        except RestartFailed as exc:  # not bad input: it failed (exit 1), hydra serves on
+            return 500, {"error": str(exc)}
+        except HydraError as exc:
+            return 400, {"error": str(exc)}
+
+    async def _r_switch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        name = body.get("profile")
+        if not isinstance(name, str) or not name:
+            return 400, {"error": "switch needs a profile name"}
+        return await self._guard(self.switch(name, body.get("profiles_dir")))
+
+    async def _r_restart(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._guard(self.restart(str(body.get("engine", ""))))
+
+    async def _r_reload(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._guard(self.reload())
+
+    async def _r_down(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        self.request_stop("hydra down")
+        return 200, {"stopping": True, "pid": os.getpid()}
 
     async def restart(self, name: str) -> dict[str, Any]:
         """`hydra restart NAME`: the lane running that process restarts it."""
-        return await daemon_actions.restart(self, name)
+        return await self.actions.restart(name)
 
     async def switch(self, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
-        return await daemon_actions.switch(self, profile, profiles_dir)
-
-    _check_servable = staticmethod(daemon_actions.check_servable)
+        res = await self.actions.switch(profile, profiles_dir)
+        if res.get("result") == "ok":
+            self.opts.profile = str(res.get("to") or self.opts.profile)
+        return res
 
     async def reload(self) -> dict[str, Any]:
-        """Re-read the running profile and apply the difference as a switch (none: no-op).
-        Asked for while one runs: it runs once after it, for every caller who asked
-        meanwhile (they all get its reply)."""
-        return await self.reloads.ask()
-
-    async def _reload_once(self) -> dict[str, Any]:
-        return await daemon_actions.reload_once(self)
+        """Re-read the running profiles and apply the difference (none: no-op)."""
+        return await self.actions.reload()
 
     def request_stop(self, reason: str) -> None:
         if not self.stop_event.is_set():
@@ -384,30 +408,7 @@ class Daemon:
         return EXIT_INTERRUPTED if self._ints > 1 else code
 
     async def _wait(self) -> int:
-        """Until a stop is asked for, or the layout of a port's one lane goes FATAL (exit 1);
-        among several profiles a failed one is marked failed and the others keep serving."""
-        while not self.stop_event.is_set():
-            lane = self.single.only() if self.single is not None else None
-            task = lane.task if lane is not None else None
-            waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.stop_event.wait())]
-            if task is not None:
-                waits.append(asyncio.ensure_future(asyncio.shield(task)))
-            # (re-checked every second: a switch may give a port its first lane)
-            done, pending = await asyncio.wait(waits, timeout=1.0,
-                                               return_when=asyncio.FIRST_COMPLETED)
-            for p in pending:
-                p.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            if self.stop_event.is_set():
-                break
-            if lane is None or task is None or not task.done():
-                continue
-            sup = lane.sup
-            if task is lane.task and not lane.lock.locked() and lane.exit_on_fatal:
-                if sup is not None and sup.fatal:
-                    self.stop_reason = f"FATAL: {sup.fatal}"
-                    return EXIT_FATAL
-                if sup is not None and sup.stopping.is_set():
-                    break
-            await asyncio.sleep(0.05)  # a switch replaced the task: wait on the new one
-        return EXIT_OK
+        """Until a stop is asked for: `hydra down`, a signal, or a lane under the
+        `exit_on_fatal` policy that failed (exit 1; `_changed` notices it on the loop)."""
+        await self.stop_event.wait()
+        return EXIT_FATAL if self.fatal is not None else EXIT_OK

@@ -1,19 +1,29 @@
-"""The control API's routes (`STATE/control.sock`, served by control.py; the dashboard's actions
-use the same handlers) and the actions behind them: switch, restart, reload (one at a time,
-those asked for meanwhile coalesced: `Reloads`) and what a reload cannot apply (`not_applied`).
-Free functions of the Daemon: its `switch`, `restart`, `reload`, `routes` and `_check_servable`
-call them.
+"""What a running hydra changes on request: `hydra switch`, `hydra restart`, `hydra reload`
+(one at a time, those asked for meanwhile coalesced: `Reloads`), and what a reload cannot apply
+(`not_applied`). The Daemon owns an `Actions` and routes the control API's calls to it; the
+dashboard's buttons use the same handlers.
+
+One way for every port, whatever how many lanes it has:
+- switch NAME: a lane of this hydra (or a port's loaded standby) by that name or file: no-op
+  when it serves, a flip when it is the standby, else Port.switch (Node.activate: the lanes
+  sharing its devices stop, it loads, a failure brings them back). A profile no lane serves:
+  the port it is for (the only port, or the one whose address the profile names) re-points
+  its default lane to it (Lane.switch: hold, drain, stop, start, gate, release, rollback).
+- reload: every lane re-reads its profile (its name and address fixed): a serving lane
+  restarts what changed (plandiff), a stopped one takes the new plan for its next load.
+- restart NAME: the lane running that process (`demo.head`, or `head` when one lane has it).
+Planning runs in a thread (it reads files and probes ports), handed plain values only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from hydra_supervisor.config.config import (
     Profile,
@@ -25,125 +35,60 @@ from hydra_supervisor.config.config import (
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment
 from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.runtime import control
+from hydra_supervisor.plan.plan import Plan
 from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import Busy, RestartFailed, Result
-
-if TYPE_CHECKING:
-    from hydra_supervisor.runtime.daemon import Daemon
+from hydra_supervisor.serve.reports import Busy, Result
 
 log = logging.getLogger("hydra")
+Reply = dict[str, Any]
 
 
-# -- control routes -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Planning:
+    """The plain values a re-plan needs (never the Daemon or a Lane)."""
 
-def routes(d: Daemon) -> dict[tuple[str, str], control.Handler]:
-    return {("GET", "/status"): partial(_r_status, d),
-            ("POST", "/switch"): partial(_r_switch, d),
-            ("POST", "/restart"): partial(_r_restart, d),
-            ("POST", "/reload"): partial(_r_reload, d),
-            ("POST", "/down"): partial(_r_down, d)}
-
-
-async def _r_status(d: Daemon, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    snap = d.snapshot()
-    return 200, {"running": True, "supervisor": d.state.running_supervisor(),
-                 "status": d.legacy_status(snap), "daemon": snap}
+    node_file: str | None
+    profiles_dir: str | None
+    overrides: tuple[tuple[str, Any], ...]
+    slot_dir: Path
 
 
-async def _guard(coro: Coroutine[Any, Any, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    try:
-        return 200, await coro
-    except Busy as exc:
-        return 409, {"error": str(exc)}
-    except RestartFailed as exc:  # not bad input: it failed (exit 1), hydra serves on
-        return 500, {"error": str(exc)}
-    except HydraError as exc:
-        return 400, {"error": str(exc)}
-
-
-async def _r_switch(d: Daemon, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    name = body.get("profile")
-    if not isinstance(name, str) or not name:
-        return 400, {"error": "switch needs a profile name"}
-    return await _guard(d.switch(name, body.get("profiles_dir")))
-
-
-async def _r_restart(d: Daemon, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    return await _guard(d.restart(str(body.get("engine", ""))))
-
-
-async def restart(d: Daemon, name: str) -> dict[str, Any]:
-    """`hydra restart NAME`: the lane running that process restarts it; the reply is its
-    report, with the process, its profile and the seconds until it was ready again."""
-    lanes = d.lanes()
-    lane = next((lane for lane in lanes if name in lane.process_names()), None)
-    if lane is None and len(lanes) == 1:
-        lane = lanes[0]  # it names its processes in its error (or says it is not running)
-    if lane is None:
-        running = [n for lane in lanes for n in lane.process_names()]
-        if not running:
-            raise HydraError("no profile is running on this hydra: nothing to restart")
-        raise HydraError(f"no running process '{name}'; running: {', '.join(running)}")
-    report = await lane.restart(name)
-    return {**report.to_json(), "engine": name, "profile": report.to,
-            "seconds": round(report.total_s, 3)}
-
-
-async def _r_reload(d: Daemon, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    return await _guard(d.reload())
-
-
-async def _r_down(d: Daemon, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    d.request_stop("hydra down")
-    return 200, {"stopping": True, "pid": os.getpid()}
-
-
-# -- actions ------------------------------------------------------------------------------------
-
-def prepare(d: Daemon, profile: str, profiles_dir: str | None,
-            name: str | None = None) -> Deployment:
-    """Validate and plan on the single port's own address; ports of the running layout
-    kept. `name`: the profile keeps this name whatever its file says now (a reload)."""
-    port = d.single
-    assert port is not None
-    lane = port.only()
-    running = lane.running_plan if lane is not None else None
+def plan_on(p: Planning, ref: str, *, host: str, port: int, keep: Plan | None,
+            name: str | None = None, profiles_dir: str | None = None,
+            reserved: frozenset[int] = frozenset()) -> Deployment:
+    """Validate and plan `ref` on a port's own address (`host`, `port`), the running plan's
+    ports kept. `name`: the profile keeps this name whatever its file says now (a reload)."""
     keep_name = {"profile": name} if name else {}
     return deployment.prepare(
-        profile, node_file=d.opts.node_file,
-        profiles_dir=profiles_dir or d.opts.profiles_dir,
-        overrides={"host": port.host, "port": port.port, **keep_name}, keep=running,
-        external=port.port, slot_dir=d.state.slots())
+        ref, node_file=p.node_file, profiles_dir=profiles_dir or p.profiles_dir,
+        overrides={**dict(p.overrides), "host": host, "port": port, **keep_name}, keep=keep,
+        external=port, slot_dir=p.slot_dir, reserved=reserved)
 
 
-async def switch(d: Daemon, profile: str, profiles_dir: str | None = None) -> dict[str, Any]:
-    port = d.single
-    if port is None:
-        report = await d.node.activate(lane_named(d, profile))
-        done = report.to_json()
-        if report.result != Result.NOOP:
-            d.switch_log = [*d.switch_log[-19:], {**done, "at": time.time()}]
-        return done
-    if port.standby is not None and port.standby.ready_for(profile):
-        report = await port.standby.flip()  # instant: nothing to plan, nothing restarts
-        d.opts.profile = report.to
-        return report.to_json()
-    lane = port.only()
-    if lane is not None and lane.busy:
-        raise Busy(f"a switch is already running (to {lane.switching}); "
-                   "try again when it is done")
-    t0 = time.monotonic()
-    # Planning reads files and probes ports: off the loop, so status stays live.
-    dep = await asyncio.to_thread(prepare, d, profile, profiles_dir)
-    plan_s = time.monotonic() - t0
-    check_servable(port, dep)
-    report = await port.switch_to(dep)
-    report.phases = {"plan": plan_s, **report.phases}
-    report.total_s += plan_s
-    d.opts.profile = profile if report.result == Result.OK else d.opts.profile
-    return report.to_json()
+def not_applied(p: Planning, ref: str, name: str, host: str, port: int) -> list[str]:
+    """Keys of the re-read profile a running hydra cannot apply: its name and its
+    external address (host, port) stay as they are; each is named with what it says."""
+    try:
+        prof: Profile = load_profile(find_profile(ref, p.profiles_dir),
+                                     load_node(find_node_file(p.node_file)),
+                                     dict(p.overrides))
+    except HydraError:
+        return []  # the plan above read it; a race with an edit is not worth a failure
+    out = []
+    if prof.name != name:
+        out.append(f"profile: the file now names it {prof.name!r}; it keeps running as "
+                   f"{name!r} (a running profile's name is fixed: restart hydra or "
+                   f"`hydra switch {ref}` to take the new name)")
+    if prof.port not in (0, port):
+        out.append(f"port: the file says {prof.port}; hydra keeps serving on {port} (a "
+                   "running hydra's external address never changes: restart hydra to "
+                   "move it)")
+    if prof.host != host:
+        out.append(f"host: the file says {prof.host}; hydra keeps {host} (restart hydra "
+                   "to move it)")
+    return out
 
 
 def check_servable(port: Port, dep: Deployment) -> None:
@@ -160,6 +105,155 @@ def check_servable(port: Port, dep: Deployment) -> None:
         raise HydraError("this hydra was started with `router: false` (llama-server binds "
                          "the external port itself); switching to a profile with a router "
                          "needs a restart of hydra")
+
+
+class Actions:
+    """switch, restart, reload over a hydra's ports; `changed` publishes after each."""
+
+    def __init__(self, ports: list[Port], node: Node, planning: Planning,
+                 changed: Callable[[], None]) -> None:
+        self.ports = ports
+        self.node = node
+        self.planning = planning
+        self.changed = changed
+        self.last_change_error: str | None = None  # a reload refused before it ran (STATUS=)
+        # Reloads: one runs at a time; those asked for meanwhile share one run after it.
+        self.reloads = Reloads(self.run_reload)
+        self.reload_once: Callable[[], Awaitable[Reply]] = self._reload_once
+
+    def lanes(self) -> list[Lane]:
+        return [lane for p in self.ports for lane in p.every_lane()]
+
+    # -- switch ---------------------------------------------------------------------------------
+
+    async def switch(self, ref: str, profiles_dir: str | None = None) -> Reply:
+        for p in self.ports:
+            lane = p.names(ref)
+            if lane is not None:
+                report = await p.switch(lane)
+                return report.to_json()
+        port = self._port_for(ref)
+        lane = port.default_lane()
+        if lane is not None and lane.busy:
+            raise Busy(f"a switch is already running (to {lane.switching}); "
+                       "try again when it is done")
+        keep = lane.running_plan if lane is not None else None
+        t0 = time.monotonic()
+        # Planning reads files and probes ports: off the loop, so status stays live.
+        dep = await asyncio.to_thread(
+            plan_on, self.planning, ref, host=port.host, port=port.port, keep=keep,
+            profiles_dir=profiles_dir, reserved=self.node.planned_ports(but=lane))
+        plan_s = time.monotonic() - t0
+        check_servable(port, dep)
+        served = next((x for x in self.lanes() if x.name == dep.profile), None)
+        if served is not None:  # the file names a profile a lane runs under that name
+            report = await next(p for p in self.ports if served in p.every_lane()).switch(
+                served)
+            return report.to_json()
+        report = await port.switch_in(dep)
+        report.phases = {"plan": plan_s, **report.phases}
+        report.total_s += plan_s
+        return report.to_json()
+
+    def _port_for(self, ref: str) -> Port:
+        """The port a profile no lane serves goes to: the only port, else the one whose
+        address the profile names."""
+        if len(self.ports) == 1:
+            return self.ports[0]
+        served = ", ".join(x.name for x in self.lanes())
+        raise HydraError(f"profile {ref} is not served by this hydra (it serves {served}); "
+                         "with several ports the set of profiles is fixed at "
+                         "`hydra up -p A -p B ...`")
+
+    # -- restart --------------------------------------------------------------------------------
+
+    async def restart(self, name: str) -> Reply:
+        """`hydra restart NAME`: the lane running that process restarts it; the reply is its
+        report, with the process, its profile and the seconds until it was ready again. A
+        role alone (`head`) names the one running process of that role, when only one has
+        it."""
+        lanes = self.lanes()
+        running = [n for x in lanes for n in x.process_names()]
+        full = name
+        if name not in running:
+            short = [n for n in running if n.split(".", 1)[-1] == name]
+            if len(short) == 1:
+                full = short[0]
+            elif len(short) > 1:
+                raise HydraError(f"'{name}' is ambiguous: {', '.join(short)}; name one")
+        lane = next((x for x in lanes if full in x.process_names()), None)
+        if lane is None and len(lanes) == 1:
+            lane = lanes[0]  # it names its processes in its error (or says it is not running)
+        if lane is None:
+            if not running:
+                raise HydraError("no profile is running on this hydra: nothing to restart")
+            raise HydraError(f"no running process '{name}'; running: {', '.join(running)}")
+        report = await lane.restart(full)
+        return {**report.to_json(), "engine": full, "profile": report.to,
+                "seconds": round(report.total_s, 3)}
+
+    # -- reload ---------------------------------------------------------------------------------
+
+    async def reload(self) -> Reply:
+        """Re-read every lane's profile and apply the difference (none: no-op). Asked for
+        while one runs: it runs once after it, for every caller who asked meanwhile."""
+        return await self.reloads.ask()
+
+    async def run_reload(self) -> Reply:
+        """One reload, and what it leaves on the status line."""
+        try:
+            res = await self.reload_once()
+        except HydraError as exc:
+            self.last_change_error = f"reload: {exc}"
+            self.changed()
+            raise
+        self.last_change_error = None  # planned: a failed start is in the lane's report
+        self.changed()
+        return res
+
+    async def _reload_once(self) -> Reply:
+        """Every lane of every port re-reads its profile: a serving lane whose plan changed
+        restarts what changed (plandiff), a stopped one uses the new plan at its next load."""
+        done: dict[str, str] = {}
+        reports: list[Reply] = []
+        errors: list[str] = []
+        skipped: list[str] = []
+        for p in self.ports:
+            for lane in list(p.lanes.values()):
+                skip = await asyncio.to_thread(not_applied, self.planning,
+                                               lane.dep.plan.source, lane.name, p.host, p.port)
+                skipped += [f"{lane.name}: {k}" for k in skip]
+                try:
+                    new = await asyncio.to_thread(
+                        self._replan, lane.dep.plan.source, lane.name, p.host, p.port,
+                        lane.dep.plan, self.node.planned_ports(but=lane))
+                    check_servable(p, new)
+                    prof = new.layout.profile if new.layout is not None else lane.profile
+                    if prof is not None and p.differs(lane, prof, new):
+                        did, rep = await p.replace(lane, (prof, new))
+                        done[lane.name] = did
+                        if rep is not None:
+                            reports.append(rep.to_json())
+                except HydraError as exc:  # one profile's failure leaves the others' reload
+                    done[lane.name] = f"failed, rolled back: {exc}"
+                    errors.append(f"{lane.name}: {exc}")
+        if skipped:
+            log.warning("reload: not applied: %s", "; ".join(skipped))
+        notes = [f"not applied: {k}" for k in skipped]
+        if not done:
+            log.info("reload: nothing changed; nothing to do")
+            return {"result": Result.NOOP.value, "not_applied": skipped, "notes": notes,
+                    "reason": "nothing it can apply changed" if skipped
+                    else "profiles unchanged"}
+        log.info("reload: %s", "; ".join(f"{k}: {v}" for k, v in done.items()))
+        return {"result": (Result.ROLLED_BACK if errors else Result.OK).value,
+                "reloaded": done, "reports": reports, "error": "; ".join(errors) or None,
+                "not_applied": skipped, "notes": notes}
+
+    def _replan(self, ref: str, name: str, host: str, port: int, keep: Plan,
+                reserved: frozenset[int]) -> Deployment:
+        return plan_on(self.planning, ref, host=host, port=port, keep=keep, name=name,
+                       reserved=reserved)
 
 
 class Reloads:
@@ -193,120 +287,3 @@ class Reloads:
         if self._next is asyncio.current_task():
             self._next = None  # reads the files from now on: later edits need a new run
         return await self._run()
-
-
-async def run_reload(d: Daemon) -> dict[str, Any]:
-    """One reload (`d._reload_once`), and what it leaves on the status line."""
-    try:
-        res = await d._reload_once()
-    except HydraError as exc:
-        d.last_change_error = f"reload: {exc}"
-        d._changed()
-        raise
-    d.last_change_error = None  # planned: a failed start is in the lane's report
-    d._changed()
-    return res
-
-
-async def reload_once(d: Daemon) -> dict[str, Any]:
-    port = d.single
-    if port is None:
-        return await reload_lanes(d)
-    lane = port.only()
-    if lane is None or not lane.running:
-        return {"result": "noop", "reason": "no profile is loaded"}
-    ref = lane.dep.plan.source
-    name = lane.name
-    new = await asyncio.to_thread(prepare, d, ref, None, name)  # the name stays
-    skipped = await asyncio.to_thread(not_applied, d, ref, name, port.host, port.port)
-    check_servable(port, new)
-    report = await lane.apply(new)
-    if skipped:
-        log.warning("reload of %s: not applied: %s", name, "; ".join(skipped))
-    if report.result == Result.NOOP:
-        log.info("reload: %s is unchanged; nothing to do", ref)
-        return {"to": new.profile, "result": "noop", "not_applied": skipped,
-                "reason": "nothing it can apply changed" if skipped
-                else "profile unchanged", "notes": [f"not applied: {k}" for k in skipped]}
-    out = report.to_json()
-    out["not_applied"] = skipped
-    out["notes"] = [*out.get("notes", []), *(f"not applied: {k}" for k in skipped)]
-    return out
-
-
-def not_applied(d: Daemon, ref: str, name: str, host: str, port: int) -> list[str]:
-    """Keys of the re-read profile a running hydra cannot apply: its name and its
-    external address (host, port) stay as they are; each is named with what it says."""
-    try:
-        prof: Profile = load_profile(find_profile(ref, d.opts.profiles_dir),
-                                     load_node(find_node_file(d.opts.node_file)),
-                                     d.opts.overrides)
-    except HydraError:
-        return []  # the plan above read it; a race with an edit is not worth a failure
-    out = []
-    if prof.name != name:
-        out.append(f"profile: the file now names it {prof.name!r}; it keeps running as "
-                   f"{name!r} (a running profile's name is fixed: restart hydra or "
-                   f"`hydra switch {ref}` to take the new name)")
-    if prof.port not in (0, port):
-        out.append(f"port: the file says {prof.port}; hydra keeps serving on {port} (a "
-                   "running hydra's external address never changes: restart hydra to "
-                   "move it)")
-    if prof.host != host:
-        out.append(f"host: the file says {prof.host}; hydra keeps {host} (restart hydra "
-                   "to move it)")
-    return out
-
-
-async def reload_lanes(d: Daemon) -> dict[str, Any]:
-    """Re-read every profile of the ports that route by model; a serving lane whose plan
-    changed restarts what changed (plandiff), a stopped one uses the new plan at its next
-    load."""
-    done: dict[str, str] = {}
-    errors: list[str] = []
-    skipped: list[str] = []
-    for p in d.by_model:
-        for lane in list(p.lanes.values()):
-            skip = await asyncio.to_thread(not_applied, d, lane.dep.plan.source,
-                                           lane.name, p.host, p.port)
-            skipped += [f"{lane.name}: {k}" for k in skip]
-            try:
-                new = await asyncio.to_thread(prepare_lane, d, p, lane)
-                if new is not None:
-                    done[lane.name] = await p.replace(lane, new)
-            except HydraError as exc:  # one profile's failure leaves the others' reload
-                done[lane.name] = f"failed, rolled back: {exc}"
-                errors.append(f"{lane.name}: {exc}")
-    if skipped:
-        log.warning("reload: not applied: %s", "; ".join(skipped))
-    if not done:
-        return {"result": "noop", "not_applied": skipped,
-                "reason": "nothing it can apply changed" if skipped
-                else "profiles unchanged"}
-    log.info("reload: %s", "; ".join(f"{k}: {v}" for k, v in done.items()))
-    return {"result": "rolled_back" if errors else "ok", "reloaded": done,
-            "error": "; ".join(errors) or None, "not_applied": skipped}
-
-
-def prepare_lane(d: Daemon, p: Port, lane: Lane) -> tuple[Profile, Deployment] | None:
-    dep = deployment.prepare(lane.dep.plan.source, node_file=d.opts.node_file,
-                             profiles_dir=d.opts.profiles_dir,
-                             overrides={"host": p.host, "port": p.port,
-                                        "profile": lane.name},  # its name is fixed
-                             keep=lane.dep.plan, external=p.port,
-                             slot_dir=d.state.slots(),
-                             reserved=d.node.planned_ports(but=lane))
-    prof = dep.layout.profile if dep.layout is not None else lane.profile
-    if prof is None:
-        return None
-    return (prof, dep) if p.differs(lane, prof, dep) else None
-
-
-def lane_named(d: Daemon, profile: str) -> Lane:
-    for p in d.by_model:
-        if profile in p.lanes:
-            return p.lanes[profile]
-    served = ", ".join(lane.name for lane in d.lanes())
-    raise HydraError(f"profile {profile} is not served by this hydra (it serves {served}); "
-                     "the set of profiles is fixed at `hydra up -p A -p B ...`")
-

@@ -61,6 +61,8 @@ class WireView:
     profile: Profile | None = None
     standby_mode: str | None = None  # the port's standby layout's mode (serve/standby.py)
     state: str = states.IDLE  # the lane's state word when it was built (before a snapshot)
+    busy: bool = False  # a change holds the lane (its lock) when the view was built
+    head: tuple[str, int] | None = None  # where its READY head answers HTTP
 
 
 class EngineWire:
@@ -86,14 +88,16 @@ class EngineWire:
 
     def refresh(self) -> None:
         """(The loop's thread.) Publish the wire lane as the wire server's threads see it."""
-        lane = self.port.wire_lane()
+        lane = self.port.default_lane()
         dep = lane.dep if lane is not None else None
         lay = dep.layout if dep is not None else None
         sb = self.port.standby.lane if self.port.standby is not None else None
         self.view = WireView(lane=lane.name if lane is not None else None, dep=dep,
                              profile=lay.profile if lay is not None else None,
                              standby_mode=str(sb.dep.plan.mode) if sb is not None else None,
-                             state=lane.state_now().value if lane is not None else states.IDLE)
+                             state=lane.state_now().value if lane is not None else states.IDLE,
+                             busy=lane.busy if lane is not None else False,
+                             head=lane.head_addr() if lane is not None else None)
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -195,12 +199,10 @@ class EngineWire:
         return ["solo"]
 
     def busy(self) -> bool:
-        lane = self.port.wire_lane()
-        return lane is not None and lane.busy
+        return self.view.busy
 
     def head_http(self) -> tuple[str, int] | None:
-        lane = self.port.wire_lane()
-        return lane.head_addr() if lane is not None else None
+        return self.view.head
 
     def slot_dir(self) -> Path:
         return self.port.state.slots()
@@ -211,6 +213,11 @@ class EngineWire:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT)
 
     def configure(self, params: dict[str, Any]) -> dict[str, Any]:
+        """CONFIGURE (a wire thread): decided and done on the loop; this thread waits."""
+        out: dict[str, Any] = self._call(self._configure(params))
+        return out
+
+    async def _configure(self, params: dict[str, Any]) -> dict[str, Any]:
         t1 = {k: v for k, v in params.items()
               if (spec := tiers.lookup(k)) is not None and spec.tier is tiers.Tier.T1}
         rest = {k: v for k, v in params.items() if k not in t1}
@@ -218,7 +225,7 @@ class EngineWire:
             self._check_model(str(rest["model"]))
         meta: dict[str, Any] = {"restarted": []}
         if t1:
-            self.defaults.update(t1)
+            self.defaults = {**self.defaults, **t1}  # replaced, never changed: INFO reads it
             self.port.set_request_defaults(tier_diff.request_defaults(self.defaults))
             meta["request_defaults"] = tier_diff.request_defaults(self.defaults)
         if rest:
@@ -227,7 +234,7 @@ class EngineWire:
                 raise ConfigureRefused("no profile is loaded on this port: nothing to "
                                        "reconfigure (hydra switch NAME first)")
             new = tier_diff.apply_to_profile(prof, rest)
-            rep = self._apply(new)
+            rep = await self._apply(new)
             meta["restarted"] = rep.restarted if rep.result != Result.NOOP else []
             meta["result"] = rep.result
             meta["phases"] = {k: round(v, 3) for k, v in rep.phases.items()}
@@ -251,7 +258,9 @@ class EngineWire:
                 f"model {ref!r} is not an alias of the node file ({node.source}); over the wire "
                 f"a model is named by alias: {', '.join(sorted(known)) or 'none defined'}")
 
-    def _apply(self, prof: Profile) -> SwitchReport:
+    async def _apply(self, prof: Profile) -> SwitchReport:
+        """(The loop.) Plan `prof` (in a thread, from plain values) and apply it to the wire
+        lane: CONFIGURE's T2/T3 keys, SET_EXPERT_MODE without a standby."""
         port = self.port
 
         def prepare(running: Plan | None) -> deployment.Deployment:
@@ -261,24 +270,26 @@ class EngineWire:
                                       keep=running, external=port.port, profile=here,
                                       slot_dir=self.slot_dir())
 
-        async def go() -> SwitchReport:  # on the loop: it reads the lane there
-            lane = port.wire_lane()
-            running = lane.running_plan if lane is not None else None
-            try:
-                dep = await asyncio.to_thread(prepare, running)
-            except HydraError as exc:
-                raise ConfigureRefused(str(exc)) from exc
-            try:
-                if lane is None:
-                    return await port.switch_to(dep)
-                return await port.apply_to(lane.name, dep)
-            except HydraError as exc:
-                raise ConfigureRefused(str(exc)) from exc
-
-        rep: SwitchReport = self._call(go())
-        return rep
+        lane = port.default_lane()
+        running = lane.running_plan if lane is not None else None
+        try:
+            dep = await asyncio.to_thread(prepare, running)
+        except HydraError as exc:
+            raise ConfigureRefused(str(exc)) from exc
+        try:
+            if lane is None:
+                return await port.switch_in(dep)
+            return await port.apply_to(lane.name, dep)
+        except HydraError as exc:
+            raise ConfigureRefused(str(exc)) from exc
 
     def set_expert_mode(self, mode: str) -> dict[str, Any]:
+        """SET_EXPERT_MODE (a wire thread): decided and done on the loop; this thread
+        waits."""
+        out: dict[str, Any] = self._call(self._set_expert_mode(mode))
+        return out
+
+    async def _set_expert_mode(self, mode: str) -> dict[str, Any]:
         prof = self._profile()
         if prof is None:
             raise ConfigureRefused("no profile is loaded on this port")
@@ -288,7 +299,7 @@ class EngineWire:
         sb = self.port.standby
         if sb is not None and sb.for_mode(mode) is not None:  # its standby: a flip (instant)
             try:
-                flip: SwitchReport = self._call(sb.flip())
+                flip = await self.port.flip()
             except HydraError as exc:  # busy: a change runs on either layout
                 raise ConfigureRefused(str(exc)) from exc
             return {"mode": mode, "changed": True, "instant": True, "restarted": [],
@@ -305,7 +316,8 @@ class EngineWire:
                 raise ConfigureRefused(f"profile {prof.name} is SOLO and has no COMBINE layout "
                                        "to return to (start hydra with its COMBINE profile)")
             new = self.combine_profile
-        rep = self._apply(new)
+        rep = await self._apply(new)
+        self.refresh()
         now = self._profile()
         in_effect = "solo" if now is not None and now.mode is Mode.SOLO else "combined"
         if rep.result not in (Result.OK, Result.NOOP):

@@ -11,25 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.serve.reports import SwitchReport
 from hydra_supervisor.wire import slots
 
-if TYPE_CHECKING:
-    from hydra_supervisor.serve.lane import Lane
+Addr = tuple[str, int]
 
 log = logging.getLogger("hydra")
 
 SLOT_TIMEOUT = 120.0  # one slot's save or restore (a long context on a slow disk)
 
 
-async def save(lane: Lane, dep: Deployment | None) -> dict[int, str]:
-    """keep_slots: save every slot of the running head before it stops."""
+async def save(addr: Addr | None, dep: Deployment | None) -> dict[int, str]:
+    """keep_slots: save every slot of the running head (READY at `addr`) before it stops."""
     if dep is None or not dep.keep_slots:
         return {}
-    addr = lane.head_addr()
     if addr is None:
         return {}
     try:
@@ -40,13 +38,13 @@ async def save(lane: Lane, dep: Deployment | None) -> dict[int, str]:
         return {}
 
 
-async def restore(lane: Lane, old: Deployment | None, new: Deployment,
-                  saved: dict[int, str], report: SwitchReport) -> None:
-    """keep_slots: restore the saved slots into the new head when it runs the same model."""
+async def restore(addr: Addr | None, state: StateDir, old: Deployment | None,
+                  new: Deployment, saved: dict[int, str], report: SwitchReport) -> None:
+    """keep_slots: restore the saved slots into the new head (READY at `addr`) when it runs
+    the same model; the saved files (in `state`'s slot dir) go either way."""
     if not saved:
         return
     try:
-        addr = lane.head_addr()
         if old is None or addr is None or old.plan.model_path != new.plan.model_path \
                 or not new.keep_slots:
             report.notes.append("saved slots not restored: the new layout runs another "
@@ -61,4 +59,4 @@ async def restore(lane: Lane, old: Deployment | None, new: Deployment,
     finally:
         for name in saved.values():
             with contextlib.suppress(OSError):
-                (lane.state.root / "slots" / name).unlink()
+                (state.root / "slots" / name).unlink()

@@ -1,24 +1,21 @@
 """One profile on a port: its route, its Deployment and the last good one, its Supervisor.
 
-A Lane is the only writer of its route's gate (hold, release, unavailable) and upstream. This
-module holds who it is, its gate, running and following one layout, and its published state;
-its operations, each answered with a SwitchReport (reports.py) or a plain result:
+A Lane is the whole of one profile's serving state, and the only writer of its route's gate
+(hold, release, unavailable) and upstream. Its operations, each answered with a SwitchReport
+(reports.py) or a plain result:
 
-  start(dep)       run a layout and follow it through restarts (hydra up with one profile)
-  load(why)        make room on the node, start, wait until it serves (on demand, at start)
+  load(why)        make room on the node, start, wait until it serves (at start, on demand,
+                   `hydra switch` through Node.activate)
   unload(why)      hold, drain (bounded), stop; with `cut`, what is still in flight is cut
-  switch(dep)      hold, drain, stop, wait for the GPU memory, start the new layout, gate,
-                   release; on failure the last good layout comes back
+  switch(dep)      re-point the lane to another layout: hold, drain, stop, wait for the GPU
+                   memory, start the new layout, gate, release; a failure rolls back
   apply(dep)       a changed plan: nothing, the head alone, or everything (plandiff)
   restart(name)    a planned restart of one process (a peer restarts its pair)
 
-load and unload are in loading.py; switch, apply, restart and their rollback in change.py;
-keep_slots in keepslots.py (the Lane's methods call them).
-
-While its head is not READY the lane holds its requests; it releases them when the head is
-READY again. Everything here runs on the event-loop thread (router threads call `demand`,
-which posts to the loop). Behaviour that differs for a port started with one profile (exit
-when the layout goes FATAL; processes named without the profile) is a flag, not a path.
+keep_slots (keepslots.py) saves the head's slots before a change stops it. While its head is
+not READY the lane holds its requests; it releases them when the head is READY again.
+Everything here runs on the event-loop thread. The policy that differs between ports is a
+value: `exit_on_fatal` (a hydra that serves one profile ends when its layout goes FATAL).
 """
 
 from __future__ import annotations
@@ -27,40 +24,52 @@ import asyncio
 import collections
 import contextlib
 import logging
-import time
+import re
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import psutil
 
 from hydra_supervisor.config.profile import Profile
-from hydra_supervisor.plan import fleetplan
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import fleetplan, plandiff
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.plan import Plan, Role
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import gpumem, llamaerr
-from hydra_supervisor.proc.managed import ManagedProcess, State
+from hydra_supervisor.proc.managed import Fatal, ManagedProcess, State
 from hydra_supervisor.proc.seams import Moved
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router.routes import Addr, Limiter, Route
-from hydra_supervisor.serve import change, loading, progress, states
+from hydra_supervisor.serve import keepslots, llamameta, progress, states
+from hydra_supervisor.serve.clock import MONOTONIC, Clock, wall
 from hydra_supervisor.serve.reports import (
+    Busy,
     LayoutFailed,
+    Phases,
+    RestartFailed,
+    Result,
     SwitchReport,
     SwitchTimeouts,
 )
 from hydra_supervisor.serve.runner import Runner
 from hydra_supervisor.serve.states import LaneState
 
-if TYPE_CHECKING:
-    from hydra_supervisor.serve.node import Node
-
 log = logging.getLogger("hydra")
 
 FAIL_COOLDOWN = 10.0  # a lane whose load failed answers 503 this long before a retry
 FAIL_COOLDOWN_MAX = 300.0  # ... doubled after each failure in a row, up to this
+
+
+class Room(Protocol):
+    """What a lane needs of the node (serve/node.py): room on its devices before it loads."""
+
+    room_changed: asyncio.Event
+
+    async def room_for(self, lane: Lane, force: bool = False) -> None: ...
 
 
 class PortSide(Protocol):
@@ -99,15 +108,16 @@ def needs_of(dep: Deployment) -> dict[str, int]:
 
 class Lane:
     def __init__(self, port: PortSide, dep: Deployment, route: Route, *, state: StateDir,
-                 profile: Profile | None = None, node: Node | None = None,
+                 profile: Profile | None = None, node: Room | None = None,
                  switch_timeouts: SwitchTimeouts | None = None,
                  make_supervisor: Callable[[Deployment, StateDir], Runner] = Supervisor,
-                 clock: Callable[[], float] = time.monotonic,
-                 exit_on_fatal: bool = False, prefix_names: bool = False,
-                 load_wait: float | None = None, seq_from: int = 0) -> None:
-        """`load_wait`: the lane loads on request (a port routed by model): its held requests
-        wait for a whole load plus this long for room. `seq_from`: its reports are numbered
-        after this (the port's own, of a lane dropped before it)."""
+                 clock: Clock = MONOTONIC, exit_on_fatal: bool = False,
+                 load_wait: float = 120.0, standby: bool = False, seq_from: int = 0) -> None:
+        """`load_wait`: a request that loads the lane waits for a whole load plus this long
+        for room. `exit_on_fatal`: the policy of a hydra serving one profile (its FATAL ends
+        hydra; its first load rides out the supervisor's restarts). `standby`: the port's
+        standby layout (serve/standby.py). `seq_from`: its reports are numbered after this
+        (the port's own, of a lane dropped before it)."""
         self.port = port
         self.route = route
         self.state = state
@@ -115,11 +125,8 @@ class Lane:
         self.switch_timeouts = switch_timeouts or SwitchTimeouts()
         self.make_supervisor = make_supervisor  # seam: policy tests run fake supervisors
         self.clock = clock
-        # One profile on its port: its FATAL ends hydra (exit 1), its processes are named
-        # without the profile ("head"), and a switch replaces its profile.
         self.exit_on_fatal = exit_on_fatal
-        self.prefix_names = prefix_names
-        self.standby = False  # the port's standby layout (serve/standby.py), not its active one
+        self.standby = standby  # the port's standby layout (serve/standby.py)
         self.dep = self.own(dep)
         self.profile = profile if profile is not None else _profile_of(dep)
         self.needs = needs_of(self.dep)
@@ -131,14 +138,13 @@ class Lane:
         self.phase = LaneState.STOPPED
         self.switching: str | None = None
         self.switches: collections.deque[SwitchReport] = collections.deque(maxlen=20)
-        self._switch_count = seq_from
+        self.switch_count = seq_from
         self.unkillable: list[str] = []
-        if load_wait is not None:
-            # A request that loads its lane waits for the whole load (a big model on a slow
-            # disk takes minutes), not just the router's usual hold; a failed load answers it
-            # at once anyway.
-            route.gate.hold_timeout = max(route.gate.hold_timeout, self.dep.timeouts.load
-                                          + self.dep.timeouts.peer + load_wait)
+        # A request that loads its lane waits for the whole load (a big model on a slow
+        # disk takes minutes), not just the router's usual hold; a failed load answers it
+        # at once anyway.
+        route.gate.hold_timeout = max(route.gate.hold_timeout, self.dep.timeouts.load
+                                      + self.dep.timeouts.peer + load_wait)
         self.loaded_at: float | None = None
         self.error: str | None = None
         self.failed_at = float("-inf")
@@ -147,6 +153,8 @@ class Lane:
         self.unloads = 0
         self.drains_given_up = 0  # unloads abandoned: requests still in flight after the drain
         self.why = "not loaded yet"
+        self.meta: dict[str, object] | None = None  # llama-server's own /v1/models meta
+        self.meta_task: asyncio.Task[None] | None = None
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
 
     # -- who it is ------------------------------------------------------------------------------
@@ -214,15 +222,44 @@ class Lane:
         return float(min(FAIL_COOLDOWN * 2.0 ** max(0, self.fails - 1), FAIL_COOLDOWN_MAX))
 
     def own(self, dep: Deployment) -> Deployment:
-        """A Deployment as this lane runs it: on the port's address, processes named after the
-        profile when the port serves several."""
+        """A Deployment as this lane runs it: on the port's address, its processes named
+        after the profile (`demo.head`)."""
         from hydra_supervisor.plan import deployment  # deployment imports layout: keep it lazy
 
-        if self.prefix_names:
-            dep = namespaced(dep)
+        dep = namespaced(dep)
         if dep.plan.router is not None:
             dep = deployment.bound_to(dep, self.port.port)
         return dep
+
+    def answers_to(self, ref: str) -> bool:
+        """Whether a switch's `ref` (a profile name or its file) names this lane."""
+        source = self.dep.plan.source
+        return ref in (self.name, source) or (
+            ref.endswith((".yaml", ".yml")) and Path(ref).resolve() == Path(source).resolve())
+
+    def take_over(self, active: Lane) -> None:
+        """A flip: this standby lane becomes the port's active one in `active`'s place; the
+        port's switch history and the exit policy move with it, `active` stands by."""
+        self.route.touch()
+        self.switches, active.switches = active.switches, collections.deque(
+            maxlen=active.switches.maxlen)
+        self.switch_count = max(active.switch_count, self.switch_count)
+        self.standby, active.standby = False, True
+        self.exit_on_fatal, active.exit_on_fatal = active.exit_on_fatal, False
+
+    async def _fetch_meta(self) -> None:
+        """llama-server's own /v1/models `meta` of the loaded layout (vocabulary, context,
+        parameters): /v1/models carries it. Best effort; nothing waits for it."""
+        addr = self.head_addr()
+        if addr is None:
+            return
+        try:
+            meta = await asyncio.to_thread(llamameta.fetch, addr)
+        except (OSError, ValueError):
+            return
+        if meta is not None and self.head_addr() == addr:
+            self.meta = meta
+            self._changed()
 
     def _to(self, phase: LaneState) -> None:
         states.check(self.phase, phase)
@@ -338,22 +375,24 @@ class Lane:
             self.sync_gate()
             self._changed()
 
-    async def _ready(self, sup: Runner, timeout: float) -> None:
+    async def _ready(self, sup: Runner, timeout: float, patient: bool = False) -> None:
         """Wait until every process of `sup` is READY; a failure before that raises at once
-        (a change does not sit through a crash loop: it rolls back)."""
-        deadline = time.monotonic() + timeout
+        (a change does not sit through a crash loop: it rolls back). `patient` (the first
+        load under `exit_on_fatal`): the supervisor's restarts run their course; only FATAL
+        fails, and no deadline but its own."""
+        deadline = self.clock() + timeout
+        failing = (State.FATAL,) if patient else (State.BACKOFF, State.FATAL)
         while True:
             if sup.first_ready.is_set() and all(p.state is State.READY for p in sup.procs):
                 return
-            bad = next((p for p in sup.procs
-                        if p.state in (State.BACKOFF, State.FATAL)), None)
+            bad = next((p for p in sup.procs if p.state in failing), None)
             if bad is not None or sup.fatal or (self.task is not None and self.task.done()):
                 who = bad or next((p for p in sup.procs if p.state is not State.READY),
                                   sup.procs[-1])
                 msg = sup.fatal or f"{who.name}: {who.reason or 'stopped'}"
                 line = llamaerr.from_log(getattr(who, "log_path", None))
                 raise LayoutFailed(llamaerr.with_line(msg, line), who.log_tail())
-            if time.monotonic() >= deadline:
+            if not patient and self.clock() >= deadline:
                 who = next((p for p in sup.procs if p.state is not State.READY), sup.procs[-1])
                 raise LayoutFailed(f"{who.name} not ready within {timeout:.0f}s "
                                    f"({who.state.value}: {who.reason})", who.log_tail())
@@ -384,48 +423,376 @@ class Lane:
         pids = await self._stop_current(reason)
         return await gpumem.wait_released(pids, self.switch_timeouts.gpu_free)
 
-    async def start(self) -> None:
-        """hydra up with one profile: run the layout and follow it (the supervisor restarts
-        what dies, with backoff); requests are held until the head is ready."""
-        self._to(LaneState.SERVING)
-        self.route.set_unavailable(None)
-        self.route.hold(f"loading model for profile {self.name}")
-        self.loads += 1
-        self.loaded_at = self.clock()
-        self.last_good = self.dep
-        self._launch(self.dep)
-        self.sync_gate()
+    # -- loading and unloading (several profiles on a node) and changes ----------------------
 
-    # -- loading and unloading (several profiles on a node): serve/loading.py ----------------
+
+    def _check_free(self) -> None:
+        if self.lock.locked():
+            raise Busy(f"a switch is already running on port {self.port.port} "
+                       f"(to {self.switching}); try again when it is done")
+
+
+    async def switch(self, dep: Deployment) -> SwitchReport:
+        """Replace the running layout with `dep` (a port with one self: any profile)."""
+        self._check_free()
+        async with self.lock:
+            return await self._switch(self.own(dep))
+
+
+    async def _switch(self, dep: Deployment) -> SwitchReport:
+        old = self.dep if self.sup is not None else None
+        report = SwitchReport(to=dep.profile, frm=old.profile if old else None)
+        phase = Phases(report)
+        self.switching = dep.profile
+        self._to(LaneState.SWITCHING)
+        r = self.route
+        started_new = False
+        try:
+            with phase("hold"):
+                r.hold(f"switching to profile {dep.profile}")
+            with phase("drain"):
+                await self._drain(report, dep.profile)
+            saved: dict[int, str] = {}
+            if old is not None and old.keep_slots:
+                with phase("save_slots"):
+                    saved = await keepslots.save(self.head_addr(), old)
+            with phase("stop"):
+                pids = await self._stop_current(f"switch to {dep.profile}")
+            with phase("gpu_free"):
+                left_pids = await gpumem.wait_released(pids, self.switch_timeouts.gpu_free)
+                if left_pids:
+                    report.notes.append(f"GPU memory of pids {left_pids} not released within "
+                                        f"{self.switch_timeouts.gpu_free:.0f}s")
+            report.restarted = [e.name for e in dep.plan.in_start_order()]
+            with phase("start"):
+                self._adopt(dep)
+                sup = self._launch(dep, fail_fast=True)
+                started_new = True
+                await self._ready(sup, dep.timeouts.load + dep.timeouts.peer
+                                  + self.switch_timeouts.gate_extra)
+            if saved:
+                with phase("restore_slots"):
+                    await keepslots.restore(self.head_addr(), self.state, old, dep, saved, report)
+            with phase("release"):
+                self.last_good = dep
+                self.switching = None
+                self._to(LaneState.SERVING)
+                self.loaded_at = self.clock()
+                self.sync_gate()
+            report.result = Result.OK
+        except (LayoutFailed, HydraError, OSError) as exc:
+            report.failed_phase = phase.current
+            report.error = str(exc)
+            report.log_tail = getattr(exc, "tail", [])
+            log.error("switch to %s failed in phase %s: %s", dep.profile, phase.current, exc)
+            await self._rollback(old, report, phase, started_new)
+        except asyncio.CancelledError:
+            # hydra is stopping mid-switch: whatever runs is stopped by the caller's shutdown.
+            report.result = Result.FAILED
+            report.error = "hydra stopped during the switch"
+            raise
+        finally:
+            self._finish(report, phase)
+        return report
+
+
+    async def apply(self, dep: Deployment) -> SwitchReport:
+        """Run `dep` in place of the running layout, restarting only what changes (plandiff):
+        nothing (a no-op), the head alone (its peers keep running), or everything (a switch).
+        A different external address is refused."""
+        self._check_free()
+        dep = self.own(dep)
+        cur, sup = self.dep, self.sup
+        if sup is None:
+            return await self.switch(dep)
+        d = plandiff.diff(cur.plan, dep.plan)
+        if d.change is plandiff.Change.REFUSED:
+            raise HydraError(d.reason)
+        if d.change is plandiff.Change.NONE and cur.policy == dep.policy \
+                and cur.timeouts == dep.timeouts:
+            rep = SwitchReport(to=dep.profile, frm=cur.profile, result=Result.NOOP)
+            rep.notes.append("nothing changes")
+            return rep
+        if d.change is not plandiff.Change.HEAD:
+            rep = await self.switch(dep)
+            rep.restarted = list(d.restart)
+            return rep
+        async with self.lock:
+            return await self._restart_head(cur, dep, sup, d.restart)
+
+
+    async def _restart_head(self, old: Deployment, dep: Deployment, sup: Runner,
+                            names: tuple[str, ...]) -> SwitchReport:
+        report = SwitchReport(to=dep.profile, frm=old.profile, restarted=list(names))
+        phase = Phases(report)
+        self.switching = dep.profile
+        self._to(LaneState.SWITCHING)
+        r = self.route
+        try:
+            with phase("hold"):
+                r.hold(f"restarting the head of {dep.profile} with new settings")
+            with phase("drain"):
+                await self._drain(report, dep.profile)
+            saved = await keepslots.save(self.head_addr(), old)
+            with phase("restart_head"):
+                sup.adopt_head(dep)
+                self._adopt(dep)
+                # fail fast: the first failed start of the new head ends the change (no
+                # backoff), and the supervisor waits for the rollback below
+                await sup.restart(names[0], fail_fast=True)
+                await self._ready(sup, dep.timeouts.load)
+            await keepslots.restore(self.head_addr(), self.state, old, dep, saved, report)
+            self.last_good = dep
+            report.result = Result.OK
+        except (LayoutFailed, HydraError, OSError, Fatal) as exc:
+            report.failed_phase = phase.current
+            report.error = str(exc)
+            report.log_tail = getattr(exc, "tail", []) or _tail_of(sup, names[0])
+            log.error("restart of %s with new settings failed in phase %s: %s",
+                      dep.profile, phase.current, exc)
+            try:
+                with phase("rollback"):
+                    sup.adopt_head(old)
+                    self._adopt(old)
+                    await sup.restart(names[0], fail_fast=True)
+                    await self._ready(sup, old.timeouts.load)
+                    report.result = Result.ROLLED_BACK
+            except (LayoutFailed, HydraError, OSError, Fatal) as exc2:
+                # the old head did not come back in place: the last good layout afresh
+                log.error("the old head of %s did not come back in place (%s); starting "
+                          "the last good layout again", old.profile, exc2)
+                await self._rollback(old, report, phase, started_new=True)
+        finally:
+            if self.phase is LaneState.SWITCHING:
+                self._to(LaneState.SERVING)
+            self._finish(report, phase)
+            self.sync_gate()
+        return report
+
+
+
+
+    async def _drain(self, report: SwitchReport, target: str) -> None:
+        r = self.route
+        left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
+        if left:
+            # Those without a response byte are sent again to the new layout once it serves
+            # (held meanwhile, as after a crash); only partial responses are cut.
+            report.cut = r.cut_inflight(f"cut by the switch to {target} after "
+                                        f"{self.switch_timeouts.drain:.0f}s of draining",
+                                        requeue=True)
+            resent = max(0, left - report.cut)
+            report.notes.append(f"{left} requests still in flight after the "
+                                f"{self.switch_timeouts.drain:.0f}s drain: {report.cut} cut "
+                                f"(partly answered), {resent} without a response byte sent "
+                                "again to the new layout")
+
+
+    async def _rollback(self, old: Deployment | None, report: SwitchReport, phase: Phases,
+                        started_new: bool) -> None:
+        with phase("rollback"):
+            if started_new:
+                await self._stop_current(f"switch to {report.to} failed")
+            back = self.last_good or old
+            if back is None:
+                report.result = Result.FAILED
+                self.switching = None
+                self.error = report.error
+                self.failed_at = self.clock()
+                self._to(LaneState.FAILED)
+                self.route.set_unavailable(f"profile {report.to} failed: {report.error}",
+                                           retry_after=30)
+                self.route.release()
+                return
+            try:
+                self._adopt(back)
+                sup = self._launch(back)
+                await self._ready(sup, back.timeouts.load + back.timeouts.peer)
+                report.result = Result.ROLLED_BACK
+            except LayoutFailed as exc:
+                report.result = Result.FAILED
+                report.error = f"{report.error}; the rollback to {back.profile} failed too: {exc}"
+            self.switching = None
+            if self.phase is LaneState.SWITCHING:
+                self._to(LaneState.SERVING)
+            self.sync_gate()
+
+
+    def _finish(self, report: SwitchReport, phase: Phases) -> None:
+        """A change is over (whatever its result): record and announce it."""
+        self.switching = None
+        if self.phase is LaneState.SWITCHING:
+            self._to(LaneState.SERVING if self.sup is not None else LaneState.FAILED)
+        phase.done()
+        self.record(report)
+
+
+    # -- restart one process -------------------------------------------------------------------
+
+    async def restart(self, name: str) -> SwitchReport:
+        """`hydra restart NAME`: the report says what restarted (`restarted`), how long until
+        it was ready again (`total_s`) and what keep_slots restored (`notes`); a restart that
+        fails raises RestartFailed after the rollback (its message says what serves now)."""
+        sup = self.sup
+        if sup is None:
+            raise HydraError(f"profile {self.name} is not running: nothing to restart")
+        names = [p.name for p in sup.procs]
+        if name not in names:
+            raise HydraError(f"no engine '{name}' in profile {sup.plan.profile}; "
+                             f"engines: {', '.join(names)}")
+        if self.lock.locked():
+            raise Busy(f"a switch is running on port {self.port.port}; try again after it")
+        async with self.lock:
+            t0 = self.clock()
+            dep = self.dep
+            saved = await keepslots.save(self.head_addr(), dep)
+            try:
+                await sup.restart(name, fail_fast=True)
+                await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
+            except (LayoutFailed, Fatal) as exc:
+                raise RestartFailed(await self._restart_failed(name, sup, dep, exc)) from exc
+            rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, result=Result.OK,
+                               restarted=[name])
+            await keepslots.restore(self.head_addr(), self.state, dep, dep, saved, rep)
+            rep.total_s = self.clock() - t0
+            return rep
+
+
+    async def _restart_failed(self, name: str, sup: Runner, dep: Deployment,
+                              exc: Exception) -> str:
+        """`hydra restart NAME` failed its first start: no backoff; the last good layout is
+        started again from scratch (the switch's rollback). Returns the error to reply."""
+        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, error=str(exc),
+                           failed_phase="restart")
+        rep.log_tail = getattr(exc, "tail", []) or _tail_of(sup, name)
+        phase = Phases(rep)
+        self.switching = sup.plan.profile
+        self._to(LaneState.SWITCHING)
+        log.error("restart of %s failed: %s", name, exc)
+        try:
+            await self._rollback(dep, rep, phase, started_new=True)
+        finally:
+            self._finish(rep, phase)
+        if rep.result == Result.ROLLED_BACK:
+            return (f"restart of {name} failed: {exc}; the last good layout was started "
+                    "again and serves")
+        return f"restart of {name} failed: {rep.error}"
+
+
 
     async def load(self, why: str, force: bool = False) -> bool:
         """Make room, start the layout, wait until it serves. False: it failed (its held
         requests got the reason; the others keep serving). `force` (hydra switch): it may stop
         others even after a failed load."""
-        return await loading.load(self, why, force)
+        try:
+            self._to(LaneState.LOADING)
+            self.error = None
+            self.route.set_unavailable(None)
+            self.route.hold(f"loading profile {self.name} ({why})")
+            self._changed()
+            t0 = self.clock()
+            try:
+                if self.node is not None:
+                    await self.node.room_for(self, force)
+                self.loads += 1
+                log.info("loading profile %s (%s)", self.name, why)
+                self.route.set_unavailable(None)
+                self.route.hold(f"loading model for profile {self.name}")
+                sup = self._launch(self.dep)
+                self.sync_gate()
+                await self._ready(sup, self.dep.timeouts.load + self.dep.timeouts.peer,
+                                  patient=self.exit_on_fatal and self.last_good is None)
+            except (LayoutFailed, HydraError, OSError) as exc:
+                await self._fail(str(exc), getattr(exc, "tail", []))
+                return False
+            self._to(LaneState.SERVING)
+            self.fails = 0
+            self.loaded_at = self.clock()
+            self.last_good = self.dep
+            self.route.touch()  # a fresh load counts as a use (LRU)
+            log.info("profile %s serving after %.2fs (%s)", self.name, self.clock() - t0, why)
+            self.sync_gate()
+            if self.node is not None:
+                self.node.room_changed.set()  # a loader waiting on this one may decide now
+            self.meta_task = asyncio.create_task(self._fetch_meta())
+            return True
+        finally:
+            self.job = None
+            self._changed()
+
+
+    async def _fail(self, error: str, tail: list[str]) -> None:
+        # The supervisor's reason says what it would do next ("; restart 1 in 1.0s"); a self
+        # does not retry on its own, so that part goes. llama.cpp's own error line says why.
+        error = re.sub(r"; restart \d+ in [0-9.]+s$", "", error)
+        why = llamaerr.error_line(tail) or next(
+            (line.strip() for line in reversed(tail) if line.strip()), None)
+        error = llamaerr.with_line(error, why)
+        log.error("profile %s failed to load: %s", self.name, error)
+        with contextlib.suppress(LayoutFailed, HydraError, OSError):
+            await self.stop_layout(f"load of {self.name} failed")
+        self.failed_at = self.clock()  # before the phase: whoever reads FAILED reads its time
+        self.error = error
+        self._to(LaneState.FAILED)
+        self.fails += 1
+        self.route.set_unavailable(f"profile {self.name} failed to load: {error}",
+                                   retry_after=int(self.cooldown))
+        self.route.release()
+        if self.node is not None:
+            self.node.room_changed.set()
+
 
     def went_fatal(self) -> bool:
-        """A serving lane whose layout went FATAL is failed (see loading.went_fatal)."""
-        return loading.went_fatal(self)
+        """A serving self whose layout went FATAL is failed (its route already answers 503
+        with the reason; on demand, the next request after the cooldown loads it again)."""
+        sup = self.sup
+        if self.phase is not LaneState.SERVING or sup is None or not sup.fatal \
+                or self.lock.locked():  # a change that failed fast: its rollback runs
+            return False
+        self.failed_at = self.clock()
+        self.error = sup.fatal
+        self._to(LaneState.FAILED)
+        self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
+        log.error("profile %s failed: %s", self.name, sup.fatal)
+        if self.node is not None:
+            self.node.room_changed.set()
+        return True
+
 
     async def unload(self, why: str, cut: bool = False) -> int | None:
-        """Drain (bounded) and stop a serving lane; how many requests were cut, or None when it
-        was not stopped (see loading.unload)."""
-        return await loading.unload(self, why, cut)
-
-    # -- changes: serve/change.py -----------------------------------------------------------------
-
-    async def switch(self, dep: Deployment) -> SwitchReport:
-        """Replace the running layout with `dep` (a port with one lane: any profile)."""
-        return await change.switch(self, dep)
-
-    async def apply(self, dep: Deployment) -> SwitchReport:
-        """Run `dep` in place of the running layout, restarting only what changes (plandiff)."""
-        return await change.apply(self, dep)
-
-    async def restart(self, name: str) -> SwitchReport:
-        """A planned restart of one process (`hydra restart NAME`)."""
-        return await change.restart(self, name)
+        """Drain (bounded) and stop a serving self; how many requests were cut, or None when it
+        was not stopped. Without `cut`, requests still in flight after the drain keep it
+        serving (None); with it, they are cut."""
+        if self.phase is not LaneState.SERVING or self.lock.locked():
+            return None  # a reload or `hydra restart` is restarting its processes
+        self._to(LaneState.UNLOADING)
+        self._changed()
+        self.route.hold(f"profile {self.name} is stopping ({why})")
+        drain = self.switch_timeouts.drain
+        left = await asyncio.to_thread(self.route.wait_idle, drain)
+        if left and not cut:
+            self.drains_given_up += 1
+            log.warning("profile %s not stopped (%s): %d requests still running after %.0fs",
+                        self.name, why, left, drain)
+            self._to(LaneState.SERVING)
+            self.sync_gate()
+            self._changed()
+            return None
+        cut_n = 0
+        if left:
+            cut_n = self.route.cut_inflight(f"cut: profile {self.name} stopped ({why}) after "
+                                            f"{drain:.0f}s of draining")
+        await self.stop_layout(why)
+        self._to(LaneState.STOPPED)
+        self.loaded_at = None
+        self.unloads += 1
+        self.why = why
+        self.stopped_gate()
+        log.info("profile %s stopped (%s)", self.name, why)
+        if self.node is not None:
+            self.node.room_changed.set()
+        self._changed()
+        return cut_n
 
     def _adopt(self, dep: Deployment) -> None:
         """The lane now runs `dep` (a switch may change its profile: the port re-indexes)."""
@@ -448,8 +815,9 @@ class Lane:
 
     def record(self, report: SwitchReport) -> None:
         """Keep a finished change's report (status, metrics count them by seq) and log it."""
-        self._switch_count += 1
-        report.seq = self._switch_count
+        self.switch_count += 1
+        report.seq = self.switch_count
+        report.at = wall()
         self.switches.append(report)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in report.phases.items())
         log.info("switch %s -> %s: %s in %.2fs (%s)%s", report.frm, report.to, report.result,
@@ -506,7 +874,7 @@ class Lane:
     def requests_last_min(self) -> int | None:
         """Requests of this lane in about the last minute, from its route's counter sampled at
         each snapshot (status --watch asks every second; None until two samples exist)."""
-        now = time.monotonic()
+        now = self.clock()
         total = self.route.requests
         if not self._samples or now - self._samples[-1][0] >= 1.0:
             self._samples.append((now, total))
@@ -537,3 +905,7 @@ class Lane:
 def _profile_of(dep: Deployment) -> Profile | None:
     lay = dep.layout
     return lay.profile if lay is not None else None
+
+def _tail_of(sup: Runner, name: str) -> list[str]:
+    mp = next((p for p in sup.procs if p.name == name), None)
+    return mp.log_tail() if mp is not None else []

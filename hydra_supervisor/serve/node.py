@@ -15,11 +15,10 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
-from collections.abc import Callable
 
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import fleetplan
+from hydra_supervisor.serve.clock import MONOTONIC, Clock
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.reports import Busy, Phases, Result, SwitchReport
 from hydra_supervisor.serve.states import LaneState
@@ -36,7 +35,8 @@ def _shape(reason: str) -> str:
 
 class Node:
     def __init__(self, capacity: dict[str, int], *, load_wait: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = MONOTONIC) -> None:
+        """`clock`: the one clock of the serving policy (ports and lanes read it too)."""
         self.capacity = capacity
         self.load_wait = load_wait
         self.clock = clock
@@ -50,12 +50,16 @@ class Node:
                              f"{lane.dep.plan.source}): profile names must differ")
         self.lanes[lane.name] = lane
 
+    def remove(self, lane: Lane) -> None:
+        if self.lanes.get(lane.name) is lane:
+            del self.lanes[lane.name]
+
     def rename(self, lane: Lane, old: str) -> None:
         if self.lanes.get(old) is lane:
             del self.lanes[old]
         self.lanes[lane.name] = lane
 
-    def planned_ports(self, but: Lane) -> frozenset[int]:
+    def planned_ports(self, but: Lane | None = None) -> frozenset[int]:
         """Ports the other lanes' plans hold (a re-plan of `but` must not take them)."""
         return frozenset(e.port for o in self.lanes.values() if o is not but
                          for e in o.dep.plan.engines if e.managed)

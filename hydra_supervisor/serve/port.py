@@ -1,87 +1,83 @@
-"""One external address: its Router, its lanes by name and alias, the model → lane lookup.
+"""One external address: its Router, its lanes by name and alias, the default lane, the
+routing table it publishes, its standby pair, and its status rows.
 
-A port started with one profile is a port with one lane, `--no-profile` a port with none,
-several profiles (`hydra up -p A -p B`) a port with a lane each, routed by the request's
-`model` (`by_model`). The router asks `select` where each HTTP request goes:
+Every port works one way, with 0..N lanes (N = 1 is the common case, not a mode): a lane per
+profile served on the address, the request's `model` picks it (serve/table.py), the default
+lane answers requests without one, a stopped lane loads on request. `hydra up -p demo` is a
+port with one lane named `demo`, its processes `demo.head`, `demo.peer-cuda1`; `--no-profile`
+a port with none. What differs between ports is policy, as values: `exit_on_fatal` (a hydra
+that serves one profile ends, exit 1, when its layout goes FATAL, so a service manager
+restarts it; among several a failed profile is marked failed and the others serve on).
 
-- by model: the OpenAI `model` (a lane's name or alias; none: the default lane) picks the lane;
-  `GET /v1/models` is answered here; an unknown model gets 404 naming the known ones; a
-  request for a stopped lane loads it (unless `on_demand: false`) and waits, held, until it
-  serves;
-- one lane: every request goes to it (llama-server answers /v1/models itself, under the
-  profile's name: the resolver passes `--alias`); none: 503 naming `hydra switch NAME`.
-
-Everything here runs on the event loop, except `select` (router threads), which only reads
-and posts work to the loop.
-
-This module holds the Port itself (its address, router, lanes, lookup, start/shutdown,
-switch_to, replace); its routing table and answers (`select`, the load a request asks for,
-/v1/models) are in serve/port_routing.py, its status rows in serve/port_status.py (mixins: one
-object, one set of fields).
+Everything here runs on the event loop. Router threads read only the `RouteTable` the port
+publishes after each change (`_publish`), and post a request for a stopped lane's load to the
+loop (`ask_load`), which decides.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import concurrent.futures
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import Any
 
 from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import plandiff
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.ports import host_port, url_for
+from hydra_supervisor.proc import gpumem
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.router.gate import Gate
-from hydra_supervisor.router.routes import Limiter, Route
+from hydra_supervisor.router.routes import Limiter, LocalReply, Route
+from hydra_supervisor.serve import states
+from hydra_supervisor.serve.clock import wall
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import TICK, Node
-from hydra_supervisor.serve.port_routing import PortRouting
-from hydra_supervisor.serve.port_status import PortStatus
 from hydra_supervisor.serve.portwatch import PortWatch
-from hydra_supervisor.serve.reports import Result, SwitchReport, SwitchTimeouts
+from hydra_supervisor.serve.reports import Busy, Result, SwitchReport, SwitchTimeouts
+from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
-
-if TYPE_CHECKING:
-    from hydra_supervisor.serve.standby import Standby
+from hydra_supervisor.serve.table import Entry, RouteTable
 
 log = logging.getLogger("hydra")
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
+DEMAND_WAIT_S = 5.0  # how long a router thread waits for the loop to take a request's load
+
+Row = dict[str, Any]
 
 
-class Port(PortRouting, PortStatus):
-    """Its routing table and answers: port_routing.py; its status rows: port_status.py."""
-
+class Port:
     def __init__(self, state: StateDir, host: str, port: int, *, node: Node,
-                 by_model: bool = False, allow: tuple[str, ...] = DEFAULT_ALLOW,
-                 use_router: bool = True,
+                 allow: tuple[str, ...] = DEFAULT_ALLOW, use_router: bool = True,
+                 exit_on_fatal: bool = False,
                  profiles: Callable[[], list[str]] | None = None,
                  switch_timeouts: SwitchTimeouts | None = None,
                  router_kwargs: dict[str, Any] | None = None, load_wait: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic,
                  make_router: Callable[..., Router] = Router,
                  make_supervisor: Callable[..., Any] | None = None) -> None:
+        """`exit_on_fatal`: the policy of a hydra that serves one profile (its FATAL ends
+        hydra, exit 1). The clock is the node's (one clock for every policy)."""
         self.state = state
         self.host = host
         self.port = port
         self.node = node
-        self.by_model = by_model
         self.allow = allow
         self.use_router = use_router
+        self.exit_on_fatal = exit_on_fatal
         self.profiles = profiles or (lambda: [])
         self.switch_timeouts = switch_timeouts or SwitchTimeouts()
         self.router_kwargs = dict(router_kwargs or {})
         self.load_wait = load_wait
-        self.clock = clock
+        self.clock = node.clock
         self.make_router = make_router
         self.make_supervisor = make_supervisor or Supervisor
         self.lanes: dict[str, Lane] = {}
@@ -94,16 +90,17 @@ class Port(PortRouting, PortStatus):
         self.started = asyncio.Event()  # the start-up loads are over (served or not)
         self.ticks = 0  # policy passes done (ttl, parked requests): tests wait on it
         self.listeners: list[Callable[[], None]] = []
+        self.table = RouteTable()
         self._tick_task: asyncio.Task[None] | None = None
         self._boot: asyncio.Task[None] | None = None
-        self._created = int(time.time())
+        self._created = int(wall())
         self._rpc: Addr | None = None
         # Where requests go while the port has no lane (503 naming `hydra switch NAME`).
         self._none = Route("none", Gate(), where=f"port {port}")
         self._pending: list[tuple[Profile | None, Deployment]] = []
         # Reports of changes that left the port without a lane (a failed first switch).
-        self.reports: collections.deque[SwitchReport] = collections.deque(maxlen=20)
-        # The other layout of its one profile, kept loaded beside it (serve/standby.py).
+        self.reports: list[SwitchReport] = []
+        # The other layout of its one lane's model, kept loaded beside it (serve/standby.py).
         self.standby: Standby | None = None
 
     # -- lanes ----------------------------------------------------------------------------------
@@ -112,9 +109,14 @@ class Port(PortRouting, PortStatus):
         """A lane to make when the port opens (its route needs the router)."""
         self._pending.append((profile, dep))
 
-    def _new_route(self, name: str, profile: Profile | None) -> Route:
-        conc = getattr(profile, "concurrency", None)
-        queue = int(getattr(profile, "queue", 32))
+    def planned(self) -> list[Deployment]:
+        """The layouts of its lanes (made, or to make when it opens)."""
+        return [*(d for _, d in self._pending), *(x.dep for x in self.lanes.values())]
+
+    def new_route(self, name: str, profile: Profile | None) -> Route:
+        """A route for a lane of this port (the router's, or a recording one without it)."""
+        conc = profile.concurrency if profile is not None else None
+        queue = profile.queue if profile is not None else 32
         if self.router is not None:
             route = self.router.new_route(name, conc, queue)
         else:  # router: false: llama-server holds the port; the route only records
@@ -123,22 +125,23 @@ class Port(PortRouting, PortStatus):
         route.where = f"port {self.port}"
         return route
 
-    def add_lane(self, profile: Profile | None, dep: Deployment) -> Lane:
-        name = dep.profile
-        route = self._new_route(name, profile)
-        lane = Lane(self, dep, route, state=self.state, profile=profile, node=self.node,
-                    switch_timeouts=self.switch_timeouts, make_supervisor=self.make_supervisor,
-                    clock=self.clock, exit_on_fatal=not self.by_model,
-                    prefix_names=self.by_model,
-                    load_wait=self.load_wait if self.by_model else None,
-                    # The port's row (port-N) showed the reports of a lane dropped after a
-                    # failed first switch; this lane numbers on from them, so metrics (which
-                    # count by seq per row name) see its switches as new.
+    def make_lane(self, profile: Profile | None, dep: Deployment, *,
+                  standby: bool = False) -> Lane:
+        """A lane of this port (not yet in its table: `add_lane`, or the standby's)."""
+        route = self.new_route(dep.profile, profile)
+        return Lane(self, dep, route, state=self.state, profile=profile,
+                    node=self.node, switch_timeouts=self.switch_timeouts,
+                    make_supervisor=self.make_supervisor, clock=self.clock,
+                    exit_on_fatal=self.exit_on_fatal and not standby,
+                    load_wait=self.load_wait, standby=standby,
                     seq_from=max((r.seq for r in self.reports), default=0))
+
+    def add_lane(self, profile: Profile | None, dep: Deployment) -> Lane:
+        lane = self.make_lane(profile, dep)
         self.lookup = self._names([*(x.profile_or_name() for x in self.lanes.values()),
                                    (lane.name, lane.aliases)])
-        self.lanes[lane.name] = lane
         self.node.add(lane)
+        self.lanes[lane.name] = lane
         if self.default is None:
             self.default = lane.name
         return lane
@@ -157,14 +160,17 @@ class Port(PortRouting, PortStatus):
         return seen
 
     def only(self) -> Lane | None:
-        """The lane of a port that serves one profile (None: none yet, or several)."""
-        if self.by_model or not self.lanes:
-            return None
-        return next(iter(self.lanes.values()))
+        """The lane of a port with exactly one (None: none, or several)."""
+        return next(iter(self.lanes.values())) if len(self.lanes) == 1 else None
 
-    def wire_lane(self) -> Lane | None:
-        """The lane the Hydra wire protocol addresses: the default lane."""
+    def default_lane(self) -> Lane | None:
+        """The lane requests without a model go to (the wire protocol's lane too)."""
         return self.lanes.get(self.default) if self.default is not None else None
+
+    def every_lane(self) -> list[Lane]:
+        """Its lanes, and its standby's when one is loaded (restart, kill, status)."""
+        sb = self.standby.lane if self.standby is not None else None
+        return [*self.lanes.values(), *([sb] if sb is not None else [])]
 
     def lane_changed(self, lane: Lane) -> None:
         """A lane changed (state, processes, or its profile after a switch)."""
@@ -176,38 +182,112 @@ class Port(PortRouting, PortStatus):
                     self.default = lane.name
                 self.lookup = self._names([x.profile_or_name() for x in self.lanes.values()])
                 self.node.rename(lane, old)
-        if self.by_model:
+        if lane.name in self.lanes:
             lane.went_fatal()
-        self._announce()
+        self.announce()
 
-    def _announce(self) -> None:
+    def announce(self) -> None:
+        """Publish the routing table, then tell the listeners (the daemon's snapshot)."""
+        self._publish()
         for fn in self.listeners:
             fn()
+
+    # -- the routing table (built here, read by router threads) ---------------------------------
+
+    def _publish(self) -> None:
+        entries = {}
+        for name, lane in self.lanes.items():
+            word = self.state_of(lane)
+            entries[name] = Entry(
+                name=name, route=lane.route, state=word,
+                loadable=lane.on_demand and lane.phase in (LaneState.STOPPED,
+                                                           LaneState.FAILED),
+                failed=lane.phase is LaneState.FAILED,
+                reason=lane.error or lane.why)
+        self.table = RouteTable(
+            entries=MappingProxyType(entries), lookup=MappingProxyType(dict(self.lookup)),
+            default=self.default, none=self._none, models=self.models_json(),
+            ask_load=self._ask_load)
+        if self.router is not None:
+            self.router.table = self.table
+
+    def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
+        """Where a request goes, from the published table (any thread)."""
+        return self.table.select(model, method, path)
+
+    def _ask_load(self, name: str) -> None:
+        """A request for a stopped or failed lane (a router thread): the loop decides and acts
+        (the lane is the only writer of its gate); this thread waits for that, bounded, so the
+        request meets the gate as the loop left it (held for the load, or still answering the
+        failure during its cooldown)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # (tests route from the loop's own thread: it cannot wait for itself)
+            self.demand(name, later=True)
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._demand_on_loop(name), loop)
+        try:
+            fut.result(DEMAND_WAIT_S)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            log.warning("profile %s: the loop did not take its load request within %gs",
+                        name, DEMAND_WAIT_S)
+
+    async def _demand_on_loop(self, name: str) -> None:
+        self.demand(name)
+
+    def demand(self, name: str, later: bool = False) -> None:
+        """(The loop.) A request asks for lane `name`: a stopped lane loads; a failed one
+        loads once its cooldown is over. The gate is set at once; the load starts now or,
+        ``later``, on the loop's next turn."""
+        lane = self.lanes.get(name)
+        if lane is None or not lane.on_demand or lane.job is not None \
+                or lane.phase not in (LaneState.STOPPED, LaneState.FAILED):
+            return
+        if lane.phase is LaneState.FAILED:
+            if self.clock() - lane.failed_at < lane.cooldown:
+                return  # its route answers 503 with the failure until the cooldown is over
+            # Before the request reaches the gate: it must wait for the load, not get the 503.
+            lane.hold(f"loading profile {lane.name} (on request, after a failure)",
+                      clear_refusal=True)
+        if later and self.loop is not None:
+            self.loop.call_soon(self._want, name)
+        else:
+            self._want(name)
+
+    def _want(self, name: str) -> None:
+        lane = self.lanes.get(name)
+        if lane is not None and lane.job is None \
+                and lane.phase in (LaneState.STOPPED, LaneState.FAILED):
+            lane.job = asyncio.create_task(lane.load("on request"))
 
     # -- the port ---------------------------------------------------------------------------------
 
     def open(self) -> None:
         """Bind the external port (the router). Without a router the head binds it itself."""
         planned = {d.profile for _, d in self._pending} | set(self.lanes)
-        if self.by_model and self.default is not None and self.default not in planned:
+        if self.default is not None and self.default not in planned:
             # a default no lane serves would fail every model-less request
             raise HydraError(f"default profile '{self.default}' is not served on port "
                              f"{self.port}")
         if self.use_router:
             self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
                                            name=f"port {self.port}", **self.router_kwargs)
-            self.router.route_by_model = self.by_model
-            self.router.table = self.select
             self._idle_message()  # before the port opens: no request sees a port without one
+            self._publish()
             self.router.start()
             self.port = self.router.port  # --port 0: the port the kernel gave us
             self.watch = PortWatch(host_port(self.host, self.port), self.router)
         self._none.where = f"port {self.port}"
         for profile, dep in self._pending:
             lane = self.add_lane(profile, dep)
-            if self.by_model:
-                lane.stopped_gate()
+            lane.stopped_gate()
         self._pending = []
+        self._publish()
 
     def _idle_message(self) -> None:
         names = ", ".join(self.profiles()) or "(none found)"
@@ -258,23 +338,17 @@ class Port(PortRouting, PortStatus):
             self.router.set_upstreams(self._upstreams())
 
     def set_request_defaults(self, d: dict[str, Any]) -> None:
+        """(The loop.) T1 sampling defaults of the port's requests (the wire's CONFIGURE)."""
         if self.router is not None:
-            self.router.set_request_defaults(d)  # T1 defaults are the port's
+            self.router.set_request_defaults(dict(d))
 
     # -- the loop ---------------------------------------------------------------------------------
 
     async def start(self, initial: list[str] | None = None) -> None:
-        """Start serving: one lane is started and followed; among several, the default and
-        every `on_demand: false` lane load (as far as they fit together)."""
+        """Start serving: the default lane and every `on_demand: false` lane load (as far as
+        they fit together), in the background; the others load on request."""
         self.loop = asyncio.get_running_loop()
-        lane = self.only()
-        if not self.by_model:
-            if lane is not None:
-                await lane.start()
-                if self.standby is not None:
-                    self.standby.follow()  # loads once the lane serves (in the background)
-            self.started.set()
-            return
+        self._publish()
         self._tick_task = asyncio.create_task(self._ticks())
         self._boot = asyncio.create_task(self._start_loads(
             initial if initial is not None else self.initial_names()))
@@ -297,10 +371,12 @@ class Port(PortRouting, PortStatus):
                     lane.stopped_gate()
                     continue
                 lane.job = asyncio.current_task()
-                await lane.load("at start")
+                ok = await lane.load("at start")
+                if ok and self.standby is not None and lane.name == self.default:
+                    self.standby.follow()  # loads once the lane serves (in the background)
         finally:
             self.started.set()
-            self._announce()
+            self.announce()
 
     async def _ticks(self) -> None:
         while True:
@@ -309,7 +385,8 @@ class Port(PortRouting, PortStatus):
             for lane in list(self.lanes.values()):
                 if lane.job is not None:
                     continue
-                if lane.phase is LaneState.STOPPED and lane.on_demand and lane.route.gate.held():
+                if lane.phase is LaneState.STOPPED and lane.on_demand \
+                        and lane.route.gate.held():
                     self._want(lane.name)  # requests parked while it was being stopped
                 elif lane.phase is LaneState.SERVING and lane.ttl is not None \
                         and not lane.busy:
@@ -322,19 +399,59 @@ class Port(PortRouting, PortStatus):
                         lane.job = task
                         task.add_done_callback(functools.partial(_clear_job, lane))
                 elif lane.went_fatal():
-                    self._announce()
+                    self.announce()
             self.ticks += 1
 
     def ready(self) -> bool:
         return self.started.is_set()
 
-    async def switch_to(self, dep: Deployment) -> SwitchReport:
-        """A port with one lane (or none): run `dep` in its place (any profile)."""
-        if self.standby is not None:  # a flip when `dep` is the loaded standby
-            flipped = await self.standby.before_switch(dep)
-            if flipped is not None:
-                return flipped
-        lane = self.only()
+    def fatal(self) -> str | None:
+        """Why hydra must end (exit 1): a lane under the `exit_on_fatal` policy failed and no
+        change of it runs (a change rolls back first). None otherwise."""
+        for lane in self.lanes.values():
+            if lane.exit_on_fatal and lane.phase is LaneState.FAILED and not lane.busy \
+                    and lane.job is None:
+                return lane.error or "failed"
+        return None
+
+    # -- changes --------------------------------------------------------------------------------
+
+    def names(self, ref: str) -> Lane | None:
+        """The lane (or loaded standby) a switch's `ref` names: a profile name or its file."""
+        for lane in self.every_lane():
+            if lane.answers_to(ref):
+                return lane
+        return None
+
+    async def switch(self, lane: Lane) -> SwitchReport:
+        """`hydra switch NAME` for a lane of this port: a no-op when it serves; a flip when it
+        is the loaded standby; else the lanes sharing its devices stop (drained, then cut) and
+        it loads (Node.activate), and if that fails they come back."""
+        if self.standby is not None and self.standby.lane is lane:
+            if self.standby.ready():
+                return await self.flip()
+            raise Busy(f"the standby {lane.name} cannot take over now "
+                       f"({self.standby.not_instant() or 'busy'})")
+        if lane.phase is LaneState.SERVING:
+            return SwitchReport(to=lane.name, frm=None, result=Result.NOOP,
+                                reason=f"{lane.name} is already serving (`hydra reload` "
+                                       f"applies an edited profile, `hydra restart` restarts)")
+        if self.standby is not None and lane.name == self.default:
+            await self.standby.drop(f"switch to {lane.name}")
+        report = await self.node.activate(lane)
+        if self.standby is not None and lane.name == self.default:
+            self.standby.follow()
+        return report
+
+    async def switch_in(self, dep: Deployment) -> SwitchReport:
+        """`hydra switch PROFILE` for a profile this port does not serve: its default lane
+        takes the profile (hold, drain, stop, start, gate, release; a failure rolls back), or,
+        on a port with no lane, a lane is made for it (and dropped again if it fails)."""
+        if self.standby is not None:
+            if self.standby.ready_for(dep.profile):
+                return await self.flip()  # it became ready while the switch was planned
+            await self.standby.before_switch(dep)
+        lane = self.default_lane()
         made = lane is None
         if lane is None:
             profile = dep.layout.profile if dep.layout is not None else None
@@ -350,20 +467,35 @@ class Port(PortRouting, PortStatus):
         return rep
 
     def _drop(self, lane: Lane) -> None:
-        self.reports.extend(lane.switches)  # status and STATUS= still say what failed
+        self.reports = [*self.reports, *lane.switches][-20:]  # status still says what failed
         del self.lanes[lane.name]
-        if self.node.lanes.get(lane.name) is lane:
-            del self.node.lanes[lane.name]
+        self.node.remove(lane)
         if self.default == lane.name:
             self.default = next(iter(self.lanes), None)
         self.lookup = self._names([x.profile_or_name() for x in self.lanes.values()])
-        self._announce()
+        self.announce()
+
+    async def flip(self) -> SwitchReport:
+        """Re-point the port to its loaded standby in one step; the old layout stands by
+        (serve/standby.py prepares it; the port's table changes here)."""
+        sb = self.standby
+        assert sb is not None
+        return await sb.flip(self._swap)
+
+    def _swap(self, active: Lane, target: Lane) -> None:
+        """One published table re-points every new request to `target`."""
+        target.take_over(active)
+        self.lanes = {target.name: target}
+        self.default = target.name
+        self.lookup = {label: target.name for label in (target.name, *target.aliases)}
+        self.node.add(target)
+        self.announce()
 
     async def apply_to(self, name: str, dep: Deployment) -> SwitchReport:
         """A new Deployment for a serving lane (the wire protocol's CONFIGURE and
         SET_EXPERT_MODE): run through its apply (plandiff)."""
         lane = self.lanes[name]
-        if self.by_model and lane.phase is not LaneState.SERVING:
+        if lane.phase is not LaneState.SERVING:
             raise HydraError(f"profile {name} is {lane.state_now().value}: nothing to "
                              "reconfigure")
         return await lane.apply(dep)
@@ -377,9 +509,11 @@ class Port(PortRouting, PortStatus):
         return (d.change is not plandiff.Change.NONE or same_addr != lane.profile
                 or new.policy != lane.dep.policy or new.timeouts != lane.dep.timeouts)
 
-    async def replace(self, lane: Lane, new: tuple[Profile, Deployment]) -> str:
-        """A reload of one lane among several: a serving lane restarts what changed (plandiff:
-        the head alone, or everything); a stopped one uses the new plan at its next load."""
+    async def replace(self, lane: Lane, new: tuple[Profile, Deployment]) -> tuple[
+            str, SwitchReport | None]:
+        """A reload of one lane: a serving lane restarts what changed (plandiff: the head
+        alone, or everything; a failure rolls back); a stopped one uses the new plan at its
+        next load. Returns what it did, and the report of a change that ran."""
         prof, dep = new[0], lane.own(new[1])
         me = asyncio.current_task()
         while lane.job is not None and lane.job is not me:  # a load or an unload: let it finish
@@ -390,9 +524,10 @@ class Port(PortRouting, PortStatus):
             lookup = self._names([(prof.name, prof.aliases) if x is lane else
                                   x.profile_or_name() for x in self.lanes.values()])
             did = "not loaded: the new settings apply at its next load"
+            rep = None
             if lane.phase is LaneState.SERVING:
                 rep = await lane.apply(dep)
-                if rep.result not in ("ok", "noop"):
+                if rep.result not in (Result.OK, Result.NOOP):
                     raise HydraError(f"reload of {lane.name}: {rep.result}: {rep.error}")
                 did = (f"restarted {', '.join(rep.restarted)} in {rep.total_s:.2f}s"
                        if rep.result == Result.OK else "routing settings only, nothing restarted")
@@ -400,8 +535,8 @@ class Port(PortRouting, PortStatus):
             self.lookup = lookup
             if lane.phase is LaneState.STOPPED:
                 lane.stopped_gate()
-            self._announce()
-            return did
+            self.announce()
+            return did, rep
         finally:
             lane.job = None
 
@@ -422,6 +557,96 @@ class Port(PortRouting, PortStatus):
     @property
     def unkillable(self) -> list[str]:
         return [u for x in self.lanes.values() for u in x.unkillable]
+
+    # -- answers and status rows (the loop) -------------------------------------------------------
+
+    def state_of(self, lane: Lane) -> str:
+        if self.down():
+            return states.PORT_DOWN  # no request reaches any lane here (phase: its own)
+        return lane.state_now().value
+
+    def models_json(self) -> dict[str, Any]:
+        """/v1/models: hydra's list, one shape on every port; a loaded layout carries
+        llama-server's own `meta` (vocabulary, context, parameters)."""
+        data: list[dict[str, Any]] = []
+        for lane in self.lanes.values():
+            data.append({
+                "id": lane.name, "object": "model", "created": self._created,
+                "owned_by": "hydra", "state": self.state_of(lane),
+                "status": {"value": states.MODEL_STATUS[lane.state_now()]},
+                "aliases": list(lane.aliases), "default": lane.name == self.default,
+                "devices": list(lane.devices), "mode": lane.dep.plan.mode,
+                "model": lane.dep.model_label, "on_demand": lane.on_demand,
+                "error": lane.error, "standby": False,
+                **({"meta": dict(lane.meta)} if lane.meta is not None else {})})
+        if self.standby is not None:
+            data += self.standby.models(self._created)
+        return {"object": "list", "data": data}
+
+    def router_stats(self) -> dict[str, Any] | None:
+        """The port's router counters (held/inflight: every route's gate), None without a
+        router (router: false)."""
+        if self.router is None:
+            return None
+        st = self.router.stats()
+        if self.watch is not None:
+            st.update(self.watch.counts())
+        return st
+
+    def row(self, lane: Lane | None, gpu: dict[int, int]) -> Row:
+        """One status row: a lane (or, for a port with none, the port itself); its `router`
+        is None (`snapshot` puts the port's counters on the first row)."""
+        sup = lane.sup if lane is not None else None
+        dep = lane.dep if lane is not None else None
+        word = (states.PORT_DOWN if self.down() else states.IDLE) if lane is None \
+            else self.state_of(lane)
+        row: Row = {
+            "name": f"port-{self.port}/{lane.name}" if lane is not None
+            else f"port-{self.port}",
+            "profile": dep.profile if dep is not None else None,
+            "source": dep.plan.source if dep is not None else None,
+            "mode": dep.plan.mode if dep is not None else None,
+            "model": dep.model_label if dep is not None else None,
+            "host": self.host, "port": self.port, "url": self.url, "state": word,
+            "down": self.down(),
+            "switching": lane.switching if lane is not None else None,
+            "fatal": sup.fatal if sup is not None else None,
+            "degraded": sup.degraded if sup is not None else None,
+            "processes": lane.process_rows(gpu) if lane is not None else [],
+            "requests_last_min": lane.requests_last_min() if lane is not None else None,
+            "router": None,
+            "switches": [s.to_json() for s in (lane.switches if lane is not None
+                                                else self.reports)],
+        }
+        if lane is not None:
+            row["fleet"] = {"port": self.port, "default": lane.name == self.default,
+                            **lane.lane_row()}
+        return row
+
+    def snapshot(self, gpu: dict[int, int] | None = None,
+                 router: dict[str, Any] | None = None) -> list[Row]:
+        """A row per lane (the standby's beside its active one); a copy of the port's router
+        counters rides on the first row only (for `hydra status`; metrics read the port's
+        own, `status_row()`). `router`: those counters when the caller has taken them."""
+        if gpu is None:
+            running = any(x.running for x in self.every_lane())
+            gpu = gpumem.used_by_pid() if running else {}
+        st = router if router is not None else self.router_stats()
+        rows = [self.row(lane, gpu) for lane in self.lanes.values()] or [self.row(None, gpu)]
+        rows[0]["router"] = dict(st) if st is not None else None
+        if not self.lanes or self.standby is None:
+            return rows
+        return self.standby.rows(rows, gpu, self.row)
+
+    def port_row(self) -> Row:
+        return {"port": self.port, "url": self.url, "default": self.default,
+                "profiles": list(self.lanes), "alive": self.alive(), "down": self.down()}
+
+    def status_row(self, router: dict[str, Any] | None = None) -> Row:
+        """The port in the snapshot's `ports`: its row and its router's counters (`router`:
+        taken already by the caller)."""
+        return {**self.port_row(), "name": f"port-{self.port}",
+                "router": router if router is not None else self.router_stats()}
 
 
 def _clear_job(lane: Lane, _task: asyncio.Task[Any]) -> None:

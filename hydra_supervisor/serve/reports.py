@@ -5,13 +5,13 @@ Also the errors those operations raise, and the timeouts of a change."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.serve.clock import MONOTONIC, Clock
 
 
 class Busy(HydraError):
@@ -69,6 +69,7 @@ class SwitchReport:
     # (why: it did not fit, which device, how many MiB short) when it reloaded instead.
     instant: bool | None = None
     not_instant: str | None = None
+    at: float | None = None  # wall time it was recorded (display only)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -83,26 +84,30 @@ class SwitchReport:
             out["instant"] = self.instant
         if self.not_instant is not None:
             out["not_instant"] = self.not_instant
+        if self.at is not None:
+            out["at"] = self.at
         return out
 
 
 class Phases:
-    """Times each phase of a change (monotonic) into a report."""
+    """Times each phase of a change into a report (a measurement for the operator, on the
+    serving clock unless a test gives its own)."""
 
-    def __init__(self, report: SwitchReport) -> None:
+    def __init__(self, report: SwitchReport, clock: Clock = MONOTONIC) -> None:
         self.report = report
-        self.t0 = time.monotonic()
+        self.clock = clock
+        self.t0 = clock()
         self.current: str | None = None
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         self.current = name
-        start = time.monotonic()
+        start = self.clock()
         try:
             yield
         finally:
             self.report.phases[name] = self.report.phases.get(name, 0.0) + \
-                time.monotonic() - start
+                self.clock() - start
 
     def done(self) -> None:
-        self.report.total_s = time.monotonic() - self.t0
+        self.report.total_s = self.clock() - self.t0

@@ -135,8 +135,8 @@ class LaneStatus:
 
 @dataclass(frozen=True)
 class PortStatus:
-    """An external port: every port is in `ports` (JSON), with its router's counters; a port
-    that serves several profiles, routed by model, is also in `fleets`."""
+    """An external port: in `ports` (JSON) with its router's counters, and in `fleets` (the
+    older name) without them."""
 
     port: int
     url: str
@@ -173,19 +173,16 @@ class Snapshot:
     started: float  # wall time hydra started
     state_dir: str
     rows: tuple[LaneStatus, ...]
-    by_model: tuple[PortStatus, ...] = ()  # ports that serve several profiles
     ports: tuple[PortStatus, ...] = ()  # every port, with its router's counters
-    switches: tuple[Mapping[str, Any], ...] = ()  # activations among several profiles
+    switches: tuple[Mapping[str, Any], ...] = ()  # every lane's last changes, oldest first
     taken: float = field(default_factory=time.time)
 
     @classmethod
     def build(cls, *, pid: int, started: float, state_dir: str,
-              rows: Iterable[Mapping[str, Any]], by_model: Iterable[Mapping[str, Any]] = (),
-              switches: Iterable[Mapping[str, Any]] = (),
+              rows: Iterable[Mapping[str, Any]], switches: Iterable[Mapping[str, Any]] = (),
               ports: Iterable[Mapping[str, Any]] = ()) -> Snapshot:
         return cls(pid=pid, started=started, state_dir=state_dir,
                    rows=tuple(LaneStatus.of(r) for r in rows),
-                   by_model=tuple(PortStatus.of(p) for p in by_model),
                    ports=tuple(PortStatus.of(p) for p in ports),
                    switches=tuple(freeze(s) for s in switches))
 
@@ -193,9 +190,7 @@ class Snapshot:
         out: dict[str, Any] = {"pid": self.pid, "started": self.started,
                                "state_dir": self.state_dir,
                                "engines": [r.to_json() for r in self.rows]}
-        if self.ports:
-            out["ports"] = [p.port_json() for p in self.ports]
-        if self.by_model:
-            out["fleets"] = [p.to_json() for p in self.by_model]
-            out["switches"] = [thaw(s) for s in self.switches]
+        out["ports"] = [p.port_json() for p in self.ports]
+        out["fleets"] = [p.to_json() for p in self.ports]
+        out["switches"] = [thaw(s) for s in self.switches]
         return out

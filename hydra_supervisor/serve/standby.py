@@ -26,26 +26,25 @@ Everything here runs on the event loop; `ready_for` and `for_mode` only read.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import requests
 
+from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment, fleetplan
 from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.serve import keepslots
+from hydra_supervisor.serve import keepslots, states
+from hydra_supervisor.serve.clock import Clock
 from hydra_supervisor.serve.lane import Lane
+from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.reports import Busy, Phases, Result, SwitchReport
 from hydra_supervisor.serve.states import LaneState
-
-if TYPE_CHECKING:
-    from hydra_supervisor.serve.port import Port
 
 log = logging.getLogger("hydra")
 
@@ -54,10 +53,30 @@ MIB = fleetplan.MIB
 
 Prepare = Callable[[str, Lane], Deployment]  # (profile, the active lane) -> its Deployment
 Warm = Callable[[Lane], Awaitable[float]]  # seconds the warm-up request took
+Row = dict[str, Any]
+
+
+class StandbyPort(Protocol):
+    """What the standby needs of its port (serve/port.py)."""
+
+    host: str
+    port: int
+    node: Node
+    clock: Clock
+
+    @property
+    def url(self) -> str: ...
+
+    def only(self) -> Lane | None: ...
+
+    def make_lane(self, profile: Profile | None, dep: Deployment, *,
+                  standby: bool = False) -> Lane: ...
+
+    def announce(self) -> None: ...
 
 
 class Standby:
-    def __init__(self, port: Port, *, prepare: Prepare | None = None,
+    def __init__(self, port: StandbyPort, *, prepare: Prepare | None = None,
                  warm: Warm | None = None, node_file: str | None = None,
                  profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
                  slot_dir: Path | None = None) -> None:
@@ -67,7 +86,7 @@ class Standby:
         self.overrides = {k: v for k, v in (overrides or {}).items() if k != "profile"}
         self.slot_dir = slot_dir
         self._prepare = prepare or self._prepare_default
-        self._warm = warm or _warm_head
+        self._warm = warm or functools.partial(_warm_head, clock=port.clock)
         self.lane: Lane | None = None
         self.pair: frozenset[str] | None = None  # the active profile and its standby
         self.name: str | None = None  # the standby profile wanted now
@@ -103,7 +122,7 @@ class Standby:
     def ready_for(self, ref: str) -> bool:
         """Whether a switch to `ref` (a profile name or file) can flip now."""
         lane = self.lane
-        return lane is not None and self.ready() and _names(lane, ref)
+        return lane is not None and self.ready() and lane.answers_to(ref)
 
     def for_mode(self, mode: str) -> str | None:
         """SET_EXPERT_MODE: the standby's name when it runs the wanted mode ("solo" or
@@ -121,7 +140,7 @@ class Standby:
         declared standby; None when it can, or `ref` is some other profile."""
         name = self.wanted()
         if name is None or (ref is not None and ref != name and
-                            (self.lane is None or not _names(self.lane, ref))):
+                            (self.lane is None or not self.lane.answers_to(ref))):
             return None
         if self.ready():
             return None
@@ -150,17 +169,18 @@ class Standby:
         except Exception as exc:  # a bug here must not end hydra; the active lane serves
             log.exception("standby: %s", exc)
             self.why = f"internal error: {exc}"
-            self.port._announce()
+            self.port.announce()
 
     async def _ensure_now(self) -> None:
         active = self._active()
         if active is None:
             return
         # The active layout first: the standby never slows its load (bounded by its timeout).
-        deadline = time.monotonic() + active.dep.timeouts.load + active.dep.timeouts.peer + 30
+        clock = self.port.clock
+        deadline = clock() + active.dep.timeouts.load + active.dep.timeouts.peer + 30
         while active.state_now() is not LaneState.SERVING or active.lock.locked():
             if active is not self._active() or active.state_now() is LaneState.FAILED \
-                    or time.monotonic() > deadline:
+                    or clock() > deadline:
                 return
             await asyncio.sleep(0.1)
         name = self.wanted()
@@ -174,7 +194,7 @@ class Standby:
         self.name, self.why, self.needs, self.warm_s = name, None, {}, None
         if name is None:
             self.pair = None
-            self.port._announce()
+            self.port.announce()
             return
         self.pair = frozenset({active.name, name})
         try:
@@ -191,14 +211,14 @@ class Standby:
                              f"({active.dep.plan.model_path}); a standby is the other layout "
                              "of the same model")
             return
-        lane = self._make_lane(dep)
+        prof = dep.layout.profile if dep.layout is not None else None
+        lane = self.port.make_lane(prof, dep, standby=True)
         self.needs = dict(lane.needs)
         short = self.shortfall(lane)
         if short:
             self._not_loaded(f"does not fit beside {active.name}: {short}")
             return
         self.lane = lane
-        lane.standby = True
         self.port.node.add(lane)
         ok = await lane.load(f"standby of {active.name}")
         if not ok:
@@ -213,20 +233,12 @@ class Standby:
             self.warm_s = 0.0  # it serves; the first request after a flip warms it instead
             log.warning("standby %s: warm-up request failed (%s); it serves anyway",
                         lane.name, exc)
-        self.port._announce()
+        self.port.announce()
 
     def _not_loaded(self, why: str) -> None:
         self.why = why
         log.warning("standby %s not loaded: %s", self.name, why)
-        self.port._announce()
-
-    def _make_lane(self, dep: Deployment) -> Lane:
-        port = self.port
-        prof = dep.layout.profile if dep.layout is not None else None
-        route = port._new_route(dep.profile, prof)
-        return Lane(port, dep, route, state=port.state, profile=prof, node=None,
-                    switch_timeouts=port.switch_timeouts, make_supervisor=port.make_supervisor,
-                    clock=port.clock, exit_on_fatal=False, prefix_names=True)
+        self.port.announce()
 
     def shortfall(self, lane: Lane) -> str | None:
         """None when `lane` fits beside everything the node runs; else which device and how
@@ -268,9 +280,8 @@ class Standby:
             await lane.unload(why, cut=True)
         else:
             await lane.shutdown(why)
-        if self.port.node.lanes.get(lane.name) is lane:
-            del self.port.node.lanes[lane.name]
-        self.port._announce()
+        self.port.node.remove(lane)
+        self.port.announce()
 
     async def shutdown(self, reason: str) -> None:
         if self.task is not None and not self.task.done():
@@ -282,19 +293,16 @@ class Standby:
 
     # -- switching -------------------------------------------------------------------------------
 
-    async def before_switch(self, dep: Deployment) -> SwitchReport | None:
-        """A port's switch to `dep` (hydra switch after planning, or its first switch): a
-        flip when `dep` is the loaded standby; else the standby goes first when the switch
-        leaves the pair (room for the new profile), and the reason rides on the report."""
-        if self.ready_for(dep.profile):
-            return await self.flip()
+    async def before_switch(self, dep: Deployment) -> None:
+        """A port's switch to `dep` that is not a flip (hydra switch after planning, or its
+        first switch): the standby goes first when the switch leaves the pair (room for the
+        new profile), and why it was not instant rides on the report."""
         self._pending = self.not_instant(dep.profile)
         active = self._active()
         if self.lane is not None and (active is None or dep.profile != active.name):
             await self.drop(f"switch to {dep.profile}")
         if active is None or dep.profile not in (self.pair or frozenset()):
             self.pair = None  # a new profile: its own standby (declared), if any
-        return None
 
     def after_switch(self, report: SwitchReport) -> None:
         why, self._pending = self._pending, None
@@ -305,8 +313,9 @@ class Standby:
         if self._active() is not None:
             self.follow()
 
-    async def flip(self) -> SwitchReport:
-        """Re-point the port to the standby in one step; the old layout stands by."""
+    async def flip(self, swap: Callable[[Lane, Lane], None]) -> SwitchReport:
+        """Re-point the port to the standby in one step (`swap(active, standby)`: the port's
+        own operation); the old layout stands by."""
         sb, active = self.lane, self._active()
         if sb is None or active is None or not self.ready():
             raise Busy(f"the standby cannot take over now ({self.not_instant() or 'busy'})")
@@ -315,13 +324,18 @@ class Standby:
         if active.dep.keep_slots and sb.dep.keep_slots:
             async with active.lock:  # no other change of the old head while it saves
                 with phase("save_slots"):
-                    saved = await keepslots.save(active, active.dep)
+                    saved = await keepslots.save(active.head_addr(), active.dep)
                 if saved:
                     with phase("restore_slots"):
-                        await keepslots.restore(sb, active.dep, sb.dep, saved, report)
+                        await keepslots.restore(sb.head_addr(), sb.state, active.dep, sb.dep,
+                                                saved, report)
         with phase("flip"):
             inflight = active.route.gate.inflight()
-            self._swap(active, sb)
+            swap(active, sb)
+            self.lane = active
+            self.name = active.name
+            self.pair = frozenset({active.name, sb.name})
+            self.flips += 1
         report.result = Result.OK
         report.instant = True
         report.notes.append(f"instant: {sb.name} was loaded and warm; {active.name} finishes "
@@ -332,28 +346,10 @@ class Standby:
                  active.name, sb.name, report.phases.get("flip", 0.0) * 1000)
         return report
 
-    def _swap(self, active: Lane, sb: Lane) -> None:
-        """One assignment re-points every new request (Port.select reads `lanes`)."""
-        port = self.port
-        sb.route.touch()
-        # The port's switch history moves with it (status's "last switch", metrics by seq).
-        sb.switches, sb._switch_count = active.switches, max(active._switch_count,
-                                                             sb._switch_count)
-        active.switches = collections.deque(maxlen=active.switches.maxlen)
-        sb.standby, active.standby = False, True
-        sb.exit_on_fatal, active.exit_on_fatal = active.exit_on_fatal, False
-        port.lanes = {sb.name: sb}
-        port.default = sb.name
-        port.lookup = {label: sb.name for label in (sb.name, *sb.aliases)}
-        self.lane = active
-        self.name = active.name
-        self.pair = frozenset({active.name, sb.name})
-        self.flips += 1
-        port._announce()
-
     # -- status ---------------------------------------------------------------------------------
 
-    def rows(self, rows: list[dict[str, Any]], gpu: dict[int, int]) -> list[dict[str, Any]]:
+    def rows(self, rows: list[Row], gpu: dict[int, int],
+             row_of: Callable[[Lane, dict[int, int]], Row]) -> list[Row]:
         """The port's rows with the standby's beside the active one: each says `standby`
         true or false, and both layouts' planned MiB per device (`needs_mib`)."""
         name = self.wanted()
@@ -366,7 +362,7 @@ class Standby:
             row["standby_name"] = name
         lane = self.lane
         if lane is not None:
-            row = self.port.row(lane, gpu)
+            row = row_of(lane, gpu)
             row["router"] = None  # the port's counters ride on its first row
             row["switches"] = []  # the port's switch history is on the active row
         else:
@@ -381,14 +377,13 @@ class Standby:
                     "needs_mib": _mib(lane.needs if lane is not None else self.needs)})
         return [*rows, row]
 
-    def models(self) -> list[dict[str, Any]]:
+    def models(self, created: int) -> list[dict[str, Any]]:
         """/v1/models entries of the standby (the port's lane entries say standby: false)."""
         name, lane = self.wanted(), self.lane
         if name is None:
             return []
         state = lane.state_now() if lane is not None else LaneState.STOPPED
-        from hydra_supervisor.serve import states
-        return [{"id": name, "object": "model", "created": int(time.time()),
+        return [{"id": name, "object": "model", "created": created,
                  "owned_by": "hydra", "state": state.value,
                  "status": {"value": states.MODEL_STATUS[state]}, "standby": True,
                  "mode": lane.dep.plan.mode if lane is not None else None,
@@ -400,14 +395,7 @@ def _mib(needs: dict[str, int]) -> dict[str, int]:
     return {k: round(v / MIB) for k, v in needs.items()}
 
 
-def _names(lane: Lane, ref: str) -> bool:
-    """Whether a switch's `ref` (a name or a profile file) names `lane`'s profile."""
-    source = lane.dep.plan.source
-    return ref in (lane.name, source) or (ref.endswith((".yaml", ".yml"))
-                                          and Path(ref).resolve() == Path(source).resolve())
-
-
-async def _warm_head(lane: Lane) -> float:
+async def _warm_head(lane: Lane, clock: Clock) -> float:
     """One short completion straight to the standby's head: its first request pays for
     the first graph build and page faults, not the first user request after a flip."""
     addr = lane.head_addr()
@@ -417,11 +405,11 @@ async def _warm_head(lane: Lane) -> float:
     url = f"http://{host}:{addr[1]}/completion"
 
     def go() -> float:
-        t0 = time.monotonic()
+        t0 = clock()
         r = requests.post(url, json={"prompt": "Hello", "n_predict": 1, "cache_prompt": False},
                           timeout=WARM_TIMEOUT)
         r.raise_for_status()
-        return time.monotonic() - t0
+        return clock() - t0
 
     return await asyncio.to_thread(go)
 
