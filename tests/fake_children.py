@@ -142,10 +142,10 @@ class FakeWorld:
     # -- lookups --------------------------------------------------------------------------
     def live(self, name: str) -> FakeChild | None:
         return next((c for c in reversed(self.children)
-                     if c.name == name and c.returncode is None), None)
+                     if _named(c.name, name) and c.returncode is None), None)
 
     def spawned(self, name: str | None = None) -> list[str]:
-        return [c.name for c in self.children if name is None or c.name == name]
+        return [c.name for c in self.children if name is None or _named(c.name, name)]
 
     def _on_port(self, port: int) -> FakeChild | None:
         return next((c for c in reversed(self.children)
@@ -169,6 +169,8 @@ class FakeWorld:
         flag = "--port" if "--port" in args else "-p"
         port = int(args[args.index(flag) + 1])
         queue = self.behaviours.get(name)
+        if queue is None:  # a lane names its processes PROFILE.ROLE; tests may say ROLE
+            queue = self.behaviours.get(name.split(".", 1)[-1])
         b = queue.pop(0) if queue else self.default
         self._pid += 1
         child = FakeChild(self, name, self._pid, port, args, b)
@@ -353,3 +355,9 @@ class Run:
 
 def go(tmp: Path, body: Callable[[FakeWorld, Path], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(body(FakeWorld(), tmp), 50))
+
+
+def _named(full: str, name: str) -> bool:
+    """A process name as a test gives it: in full (`t.head`) or its role part (`head`), as a
+    lane names its processes PROFILE.ROLE."""
+    return full == name or full.split(".", 1)[-1] == name

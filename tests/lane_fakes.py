@@ -94,7 +94,6 @@ class FakeRouter:
         self.running = False
         self.fail_start = 0  # the next N start() calls raise OSError (port taken)
         self.routes: list[FakeRoute] = []
-        self.route_by_model = False
         self.table: Any = None
 
     def new_route(self, name: str, limit: int | None = None, queue: int = 0) -> FakeRoute:
@@ -271,11 +270,11 @@ def make(tmp_path: Path, *members: tuple[Profile, Deployment], default: str = "a
          drain: float = 0.2, clock: Callable[[], float] | None = None) -> Port:
     BEHAVIOUR.clear()
     STARTED.clear()
-    node = Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0)
-    f = Port(StateDir(tmp_path), "127.0.0.1", 0, node=node, by_model=True,
+    node = Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0,
+                **({"clock": clock} if clock is not None else {}))
+    f = Port(StateDir(tmp_path), "127.0.0.1", 0, node=node,
              allow=("127.0.0.0/8",), switch_timeouts=SwitchTimeouts(drain=drain, gpu_free=0.1),
-             load_wait=5.0, make_supervisor=FleetFake,
-             **({"clock": clock} if clock is not None else {}))
+             load_wait=5.0, make_supervisor=FleetFake)
     f.default = default
     for prof_, dep_ in members:
         f.plan_lane(prof_, dep_)

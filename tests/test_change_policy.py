@@ -85,10 +85,12 @@ async def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]], first
     eng = Port(StateDir(tmp / "state"), "127.0.0.1", 8080, node=Node({}),
                make_supervisor=lambda d, st: Supervisor(d, st, seams=seams),
                make_router=FakeRouter,  # type: ignore[arg-type]
-               switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+               switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1), exit_on_fatal=True)
     eng.plan_lane(None, first)
     eng.open()
     await eng.start()
+    lane = _lane(eng)
+    await until(lambda: lane.phase in (LaneState.SERVING, LaneState.FAILED), timeout=20)
     return eng
 
 

@@ -250,12 +250,11 @@ class Lane:
     async def _fetch_meta(self) -> None:
         """llama-server's own /v1/models `meta` of the loaded layout (vocabulary, context,
         parameters): /v1/models carries it. Best effort; nothing waits for it."""
-        addr = self.head_addr()
-        if addr is None:
-            return
         try:
-            meta = await asyncio.to_thread(llamameta.fetch, addr)
-        except (OSError, ValueError):
+            addr = self.head_addr()
+            meta = await asyncio.to_thread(llamameta.fetch, addr) if addr is not None else None
+        except Exception as exc:  # best effort: /v1/models goes without it
+            log.debug("profile %s: no meta from llama-server's /v1/models: %s", self.name, exc)
             return
         if meta is not None and self.head_addr() == addr:
             self.meta = meta
@@ -430,6 +429,9 @@ class Lane:
         if self.lock.locked():
             raise Busy(f"a switch is already running on port {self.port.port} "
                        f"(to {self.switching}); try again when it is done")
+        if self.phase in (LaneState.LOADING, LaneState.UNLOADING):
+            raise Busy(f"profile {self.name} is {self.phase.value}; try again when it is "
+                       "done")
 
 
     async def switch(self, dep: Deployment) -> SwitchReport:
@@ -640,8 +642,9 @@ class Lane:
         if name not in names:
             raise HydraError(f"no engine '{name}' in profile {sup.plan.profile}; "
                              f"engines: {', '.join(names)}")
-        if self.lock.locked():
-            raise Busy(f"a switch is running on port {self.port.port}; try again after it")
+        if self.lock.locked() or self.phase in (LaneState.LOADING, LaneState.UNLOADING):
+            raise Busy(f"a change is running on profile {self.name} ({self.phase.value}); "
+                       "try again after it")
         async with self.lock:
             t0 = self.clock()
             dep = self.dep
