@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.harness import Up, make_env  # noqa: E402
+from hydra_supervisor.testing.harness import Up, make_env  # noqa: E402
 
 HYDRA = [str(Path(sys.executable).parent / "hydra")]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fault-injection summary: runs every scenario of tests/fault_scenarios.py on real processes
+"""Fault-injection summary: runs every scenario of testing/faults.py on real processes
 and prints fault, detected after, recovered after, requests lost, orphans.
 
 Rows: head killed / SIGSTOPped, hydra killed -9, crash loop, peer port taken, log dir gone,
@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fault_scenarios import SCENARIOS, FaultResult  # noqa: E402
+from hydra_supervisor.testing.faults import SCENARIOS, FaultResult  # noqa: E402
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.harness import HYDRA, Up, make_env, status_json  # noqa: E402
+from hydra_supervisor.testing.harness import HYDRA, Up, make_env, status_json  # noqa: E402
 
 MIB = 1 << 20
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Across hosts (issue 22's benchmark): two hosts as network namespaces joined by a 1 Gbit link
-(`tc ... tbf`, tests/netns.py), each with its own `hydra up` and state dir. In one run, side by
+(`tc ... tbf`, testing/netns.py), each with its own `hydra up` and state dir. In one run, side by
 side:
 
 1. `hydra up` to ready (all engines READY, the "ready:" line printed) on the head host for
@@ -44,9 +44,8 @@ sys.path.insert(0, str(REPO))
 
 import requests  # noqa: E402
 
-from tests.harness import make_env, run_hydra  # noqa: E402
-from tests.netns import Hosts, why_unavailable  # noqa: E402
-from tests.test_multihost import NsUp  # noqa: E402
+from hydra_supervisor.testing.harness import make_env, run_hydra  # noqa: E402
+from hydra_supervisor.testing.netns import Hosts, NsUp, why_unavailable  # noqa: E402
 
 try:
     from hydra_supervisor.tools import rpccache

@@ -13,7 +13,7 @@ Parts (each alternates direct and routed rounds so drift on a shared machine hit
   c  bulk relay throughput (a few GB over loopback) vs a direct socket (and socat, if on PATH);
      sent as ggml-RPC (the splice path);
   h  the request-aware HTTP leg vs direct vs the byte relay (``router-raw``), with a stand-in
-     llama-server (tests/sse_upstream.py, in its own process) streaming SSE: 32 concurrent
+     llama-server (testing/sse_upstream.py, in its own process) streaming SSE: 32 concurrent
      streams, aggregate tokens/s ratio and added p50 per request (time to first byte and to
      the end), and a keep-alive GET per request; no compute noise, so it isolates the router;
   m  1,000 concurrent streams through a router whose process starts at the default soft fd
@@ -74,9 +74,9 @@ if str(ROOT) not in sys.path:
 
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
 from hydra_supervisor.router import Router, Upstreams  # noqa: E402
+from hydra_supervisor.testing.front_door import Reader, answered, ask, burst  # noqa: E402
+from hydra_supervisor.testing.routerhelp import ROUTER_CHILD, drive_streams, stream_request  # noqa: E402
 from hydra_supervisor.tools.install import BuildOptions, bin_dir  # noqa: E402
-from tests.helpers_front_door import Reader, answered, ask, burst  # noqa: E402
-from tests.helpers_router import ROUTER_CHILD, drive_streams, stream_request  # noqa: E402
 
 HOST = "127.0.0.1"
 DESIGNS = ("router", "router-copy", "router-raw", "asyncio", "uvloop")
@@ -673,8 +673,8 @@ def part_c(args: argparse.Namespace) -> dict[str, list[float]]:
 
 @contextmanager
 def standin() -> Iterator[Child]:
-    """The stand-in llama-server (tests/sse_upstream.py) in its own process."""
-    with spawn_argv([sys.executable, "-m", "tests.sse_upstream"]) as c:
+    """The stand-in llama-server (testing/sse_upstream.py) in its own process."""
+    with spawn_argv([sys.executable, "-m", "hydra_supervisor.testing.sse_upstream"]) as c:
         yield c
 
 
@@ -857,8 +857,8 @@ def part_s(args: argparse.Namespace) -> dict[str, Any]:
 
 def part_b2(args: argparse.Namespace) -> dict[str, Any]:
     """Bursts of simultaneous new connections from one address through a router with hydra's
-    default knobs (tests/helpers_router.py ROUTER_CHILD, its own process) in front of the
-    stand-in. Per round: the answers (tests/helpers_front_door.py ask) and the wall time."""
+    default knobs (testing/routerhelp.py ROUTER_CHILD, its own process) in front of the
+    stand-in. Per round: the answers (testing/front_door.py ask) and the wall time."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

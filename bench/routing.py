@@ -52,8 +52,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.overhead import spawn_plan, stop_all  # noqa: E402
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
-from tests.harness import HYDRA, Up, make_env, status_json  # noqa: E402
-from tests.harness import wait_until as wait  # noqa: E402
+from hydra_supervisor.testing.harness import HYDRA, Up, make_env, status_json  # noqa: E402
+from hydra_supervisor.testing.harness import wait_until as wait  # noqa: E402
 
 PROFILES = ("demo", "demo-moe-combine")
 CHAT = [{"role": "user", "content": "Hi"}]

@@ -27,22 +27,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hydra_supervisor.plan.ports import free_port  # noqa: E402
+from hydra_supervisor.testing.rpcrelay import CountingRelay, wait_port  # noqa: E402
+from hydra_supervisor.testing.synthhelp import running_server  # noqa: E402
 from hydra_supervisor.tools import rpccache, rpchash, synth  # noqa: E402
 from hydra_supervisor.tools.install import BuildOptions, bin_dir  # noqa: E402
-from tests.helpers_synth import running_server  # noqa: E402
-from tests.test_rpccache import CountingRelay, _free_port, _wait_port  # noqa: E402
 
 MB = 1e6
 
 
 def rpc_server(cache_root: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "LLAMA_CACHE": str(cache_root), "GGML_NO_BACKTRACE": "1"}
     with open(log, "wb") as logf:
         proc = subprocess.Popen([str(bin_dir(BuildOptions()) / "ggml-rpc-server"), "-H",
                                  "127.0.0.1", "-p", str(port), "-c"], env=env, stdout=logf,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    _wait_port(port, proc, log)
+    wait_port(port, proc, log)
     return proc, port
 
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from bench import routing  # noqa: E402
 from bench.overhead import HYDRA, env_for, wait  # noqa: E402
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
-from tests.test_switch import Load  # noqa: E402
+from hydra_supervisor.testing.load import Load  # noqa: E402
 
 
 def raw_load(profile: str, tmp: Path) -> float:

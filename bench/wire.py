@@ -43,14 +43,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
-from hydra_supervisor.wire import client, codec  # noqa: E402
-from hydra_supervisor.wire.codec import Op, Status  # noqa: E402
-from tests.helpers_router import (  # noqa: E402
+from hydra_supervisor.testing.routerhelp import (  # noqa: E402
     gemma_path,
     llama_bins,
     llama_process,
     wait_health,
 )
+from hydra_supervisor.wire import client, codec  # noqa: E402
+from hydra_supervisor.wire.codec import Op, Status  # noqa: E402
 
 HOST = "127.0.0.1"
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated state dir per test and a real `hydra up` harness (see harness.py).
+"""Shared fixtures: an isolated state dir per test and a real `hydra up` harness (see
+hydra_supervisor/testing/harness.py).
 
 Every process a test starts is stopped in a finally, and the harness asserts that no child
 outlives its `hydra up`.
@@ -14,10 +15,10 @@ import psutil
 import pytest
 
 # The shared fakes and rigs assert too: give their asserts pytest's messages (before import).
-pytest.register_assert_rewrite("tests.fake_children", "tests.lane_fakes", "tests.harness",
-                               "tests.helpers_router", "tests.notify_listener")
+pytest.register_assert_rewrite("tests.fake_children", "tests.lane_fakes", "tests.notify_listener",
+                               "hydra_supervisor.testing")
 
-from tests.harness import Up, make_env  # noqa: E402
+from hydra_supervisor.testing.harness import Up, make_env  # noqa: E402
 from tests.wire_fakes import FakeSlots, StubControl  # noqa: E402
 
 # `slow` means something: a test that starts a real llama.cpp process is marked slow, and

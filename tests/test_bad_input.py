@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, run_hydra
+from hydra_supervisor.testing.harness import free_port, run_hydra
 
 
 def _profile(tmp_path: Path, text: str, name: str = "p") -> Path:

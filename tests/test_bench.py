@@ -22,7 +22,7 @@ from hydra_supervisor.cli.bench_cmd import (
 )
 from hydra_supervisor.config.config import load_node, load_profile
 from hydra_supervisor.errors import ConfigError, HydraError
-from tests.harness import free_port
+from hydra_supervisor.testing.harness import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

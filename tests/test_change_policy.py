@@ -41,8 +41,8 @@ from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
+from hydra_supervisor.testing.routerhelp import one_route, wait_until
 from tests.fake_children import Behaviour, FakeWorld, deployment
-from tests.helpers_router import one_route, wait_until
 from tests.lane_fakes import (
     BEHAVIOUR,
     FakeClock,

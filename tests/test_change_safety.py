@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness import REPO, free_port, run_hydra, status_json, wait_until
+from hydra_supervisor.testing.harness import REPO, free_port, run_hydra, status_json, wait_until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # real llama.cpp processes
 

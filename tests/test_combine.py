@@ -16,7 +16,7 @@ import requests
 from openai import OpenAI
 
 from hydra_supervisor.proc import rpcproto
-from tests.harness import free_port, run_hydra, status_json, wait_until
+from hydra_supervisor.testing.harness import free_port, run_hydra, status_json, wait_until
 from tests.rpc_fakes import encode_hello_response
 
 pytestmark = pytest.mark.slow

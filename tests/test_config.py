@@ -87,7 +87,7 @@ def test_self_connect_is_detected():
     import socket
 
     from hydra_supervisor.plan.ports import self_connected
-    from tests.harness import free_port
+    from hydra_supervisor.testing.harness import free_port
 
     port = free_port()
     with socket.socket() as s:

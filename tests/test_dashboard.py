@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import REPO, free_port, run_hydra, status_json, wait_until
+from hydra_supervisor.testing.harness import REPO, free_port, run_hydra, status_json, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

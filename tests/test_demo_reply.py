@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from tests.harness import REPO, free_port, status_json
+from hydra_supervisor.testing.harness import REPO, free_port, status_json
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_scenarios import SCENARIOS, FaultResult
+from hydra_supervisor.testing.faults import SCENARIOS, FaultResult
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 

@@ -21,7 +21,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.harness import REPO, make_env, run_hydra, status_json, wait_until
+from hydra_supervisor.testing.harness import REPO, make_env, run_hydra, status_json, wait_until
 
 pytestmark = pytest.mark.slow  # real hydra up with llama-server processes
 
@@ -161,7 +161,7 @@ def test_profiles_that_cannot_fit_together_alternate_without_failures(hydra_up, 
     devices.write_text("cpu:\n  total_mib: 1000\n  threads: 2\n")  # demo 563 + moe 578 > 1000
     env = make_env(tmp_path, "defaults:\n  min_resident: 4\n")
     env["HYDRA_DEVICES_FILE"] = str(devices)
-    from tests.harness import Up
+    from hydra_supervisor.testing.harness import Up
 
     up = Up(env, ["-p", "demo", "-p", "demo-moe-combine", "--port", "0"], tmp_path)
     try:
@@ -237,7 +237,7 @@ def test_a_profile_that_fails_to_load_answers_why_and_the_other_serves(
 
 def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
         hydra_up, hydra_env, tmp_path):
-    from tests.harness import free_port
+    from hydra_supervisor.testing.harness import free_port
 
     p1, p2, mport = free_port(), free_port(), free_port()
     for base, name, port in (("demo", "front", p1), ("demo-moe-combine", "front-moe", p1),

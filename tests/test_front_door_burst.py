@@ -4,7 +4,7 @@ address, silent connections beside prompt ones, slowloris, and an acceptor that 
 The first three run against a real ``hydra up --profile demo`` (its router with the defaults
 hydra gives it, llama-server with Gemma behind), shared by the module to keep the file short
 (about a minute on a busy 2-core box, most of it the start). The rest use a bare Router in
-front of the in-process stand-in llama-server (tests/sse_upstream.py).
+front of the in-process stand-in llama-server (testing/sse_upstream.py).
 
 What "answered" means here: a 200, or a 503 that carries Retry-After (the router may refuse
 when it must, and says when to come back). A reset, a close without a response, or no answer
@@ -26,10 +26,10 @@ import psutil
 import pytest
 
 from hydra_supervisor.router import Router, Upstreams
-from tests.harness import Up, free_port, make_env, status_json
-from tests.helpers_front_door import answered, ask, burst, connect, request
-from tests.helpers_router import HOST, one_route, wait_until
-from tests.sse_upstream import StandIn
+from hydra_supervisor.testing.front_door import answered, ask, burst, connect, request
+from hydra_supervisor.testing.harness import Up, free_port, make_env, status_json
+from hydra_supervisor.testing.routerhelp import HOST, one_route, wait_until
+from hydra_supervisor.testing.sse_upstream import StandIn
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import pytest
 
 from hydra_supervisor.router import Router, Upstreams
-from tests.helpers_front_door import (
+from hydra_supervisor.testing.front_door import (
     RawResponse,
     Reader,
     connect,
@@ -40,7 +40,7 @@ from tests.helpers_front_door import (
     request,
     send_all,
 )
-from tests.helpers_router import (
+from hydra_supervisor.testing.routerhelp import (
     HOST,
     FuncServer,
     free_port,

@@ -16,8 +16,8 @@ from hydra_supervisor.config import models
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.modelinfo import inspect
 from hydra_supervisor.plan.ports import host_port, url_for
+from hydra_supervisor.testing.harness import free_port, free_port_range, run_hydra
 from hydra_supervisor.tools import binaries, synth
-from tests.harness import free_port, free_port_range, run_hydra
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:

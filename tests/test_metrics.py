@@ -368,7 +368,12 @@ def test_heads_from_snapshot_and_relabel_merge() -> None:
 
 @pytest.mark.slow
 def test_real_llama_server_metrics_relabelled(tmp_path: Path) -> None:
-    from tests.helpers_router import gemma_path, llama_bins, llama_process, wait_health
+    from hydra_supervisor.testing.routerhelp import (
+        gemma_path,
+        llama_bins,
+        llama_process,
+        wait_health,
+    )
 
     bins, model = llama_bins(), gemma_path()
     port = free_port()

@@ -1,5 +1,5 @@
 """Across hosts (issue 22): hosts are network namespaces joined by a bridge with 1 Gbit links
-(tests/netns.py), each running its own `hydra up` with its own state dir.
+(testing/netns.py), each running its own `hydra up` with its own state dir.
 
 - a head host uses a peer host's lent CPU (`mode: peer`, through the peer's router) for a dense
   COMBINE and for MoE experts, and serves real completions through its own router;
@@ -31,8 +31,15 @@ import pytest
 import requests
 
 from hydra_supervisor.proc import rpcproto
-from tests.harness import HYDRA, REPO, Up, make_env, run_hydra, status_json, wait_until
-from tests.netns import Hosts, why_unavailable
+from hydra_supervisor.testing.harness import (
+    HYDRA,
+    REPO,
+    make_env,
+    run_hydra,
+    status_json,
+    wait_until,
+)
+from hydra_supervisor.testing.netns import Hosts, NsUp, why_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -65,20 +72,6 @@ def net() -> Iterator[Hosts]:
     skip_unless_netns()
     with Hosts(["head", "peer", "client"]) as hosts:
         yield hosts
-
-
-class NsUp(Up):
-    """`hydra up` inside one host's namespace (the pid is hydra's: `ip netns exec` execs)."""
-
-    def __init__(self, net: Hosts, host: str, env: dict[str, str], args: list[str],
-                 tmp: Path) -> None:
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.env = env
-        self.out = (tmp / "up.out").open("a+")
-        self.err = (tmp / "up.err").open("a+")
-        self.proc = subprocess.Popen(net.argv(host, [*HYDRA, "up", *args]), env=env,
-                                     stdout=self.out, stderr=self.err, cwd=REPO)
-        self.children: list[psutil.Process] = []
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The scale-out recipe (docs/multi-host.md, "Scale-out"): two hydra hosts behind HAProxy with
-active checks on /health, in network namespaces (tests/netns.py); the config tested is the one
+active checks on /health, in network namespaces (testing/netns.py); the config tested is the one
 in the doc. One host's hydra is killed while clients send completions through the balancer:
 they keep being served (failures counted and printed), the dead host is marked down, and once
 it is back the balancer sends it traffic again.
@@ -25,9 +25,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.harness import REPO, make_env, wait_until
-from tests.netns import Hosts, why_unavailable
-from tests.test_multihost import NsUp
+from hydra_supervisor.testing.harness import REPO, make_env, wait_until
+from hydra_supervisor.testing.netns import Hosts, NsUp, why_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

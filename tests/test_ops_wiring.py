@@ -19,7 +19,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import free_port, status_json
+from hydra_supervisor.testing.harness import free_port, status_json
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

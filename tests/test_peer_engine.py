@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from hydra_supervisor.proc import rpcproto
-from tests.harness import Up, free_port, make_env, run_hydra
+from hydra_supervisor.testing.harness import Up, free_port, make_env, run_hydra
 
 pytestmark = pytest.mark.slow
 

@@ -27,10 +27,10 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import layout
 from hydra_supervisor.plan.plan import EngineSpec, Plan, Role
 from hydra_supervisor.proc import rpcproto
+from hydra_supervisor.testing.harness import Up, free_port, make_env, run_hydra
 from hydra_supervisor.tools import buildid, install
 from hydra_supervisor.tools.buildid import BuildIdentity
 from hydra_supervisor.wire import codec
-from tests.harness import Up, free_port, make_env, run_hydra
 from tests.rpc_fakes import encode_hello_response
 
 HERE = BuildIdentity(11434, "sdist-b0a2feb64c6f", "0.6.0-dev", "7.0.0", ("CPU", "RPC"),
@@ -236,7 +236,7 @@ def test_doctor_peers_report(peers: list[FakePeer], here: BuildIdentity):
 def test_hydra_up_refuses_another_build(hydra_env: dict[str, str], tmp_path: Path,
                                         peers: list[FakePeer]):
     """The whole path: `hydra up` of a COMBINE with a remote peer of another build."""
-    from tests.helpers_router import gemma_path, llama_bins
+    from hydra_supervisor.testing.routerhelp import gemma_path, llama_bins
 
     llama_bins(), gemma_path()  # skip with a reason when they are absent
     peer = FakePeer(OTHER)
@@ -261,7 +261,12 @@ def test_hydra_up_refuses_another_build(hydra_env: dict[str, str], tmp_path: Pat
 def test_stamped_version_and_system_fingerprint(tmp_path: Path):
     import requests
 
-    from tests.helpers_router import gemma_path, llama_bins, llama_process, wait_health
+    from hydra_supervisor.testing.routerhelp import (
+        gemma_path,
+        llama_bins,
+        llama_process,
+        wait_health,
+    )
 
     bins, model = llama_bins(), gemma_path()
     ident = buildid.binary_identity(bins / "llama-server", bins / "ggml-rpc-server")
@@ -284,7 +289,7 @@ def test_stamped_version_and_system_fingerprint(tmp_path: Path):
 
 @pytest.mark.slow
 def test_a_mode_peer_hydra_answers_info_with_identity_and_free_memory(tmp_path: Path):
-    from tests.helpers_router import llama_bins
+    from hydra_supervisor.testing.routerhelp import llama_bins
 
     llama_bins()
     env = make_env(tmp_path)

@@ -1,4 +1,4 @@
-"""The request-aware HTTP leg against a stand-in llama-server (tests/sse_upstream.py): the
+"""The request-aware HTTP leg against a stand-in llama-server (testing/sse_upstream.py): the
 openai client on keep-alive connections, hold/release, unavailable, retry, cut streams,
 in-flight accounting, T1 defaults and per-request records."""
 
@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router import defaults as request_defaults
 from hydra_supervisor.router.routes import Addr, Route
-from tests.helpers_router import (
+from hydra_supervisor.testing.routerhelp import (
     HOST,
     connect,
     free_port,
@@ -27,7 +27,7 @@ from tests.helpers_router import (
     recv_to_eof,
     wait_until,
 )
-from tests.sse_upstream import StandIn
+from hydra_supervisor.testing.sse_upstream import StandIn
 
 RouterFactory = Callable[..., tuple[Router, Route]]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]

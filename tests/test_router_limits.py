@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from hydra_supervisor.router import Router, Upstreams, limits, raise_nofile
-from tests.helpers_router import (
+from hydra_supervisor.testing.routerhelp import (
     HOST,
     ROUTER_CHILD,
     EchoServer,
@@ -39,8 +39,8 @@ from tests.helpers_router import (
     stream_request,
     wait_until,
 )
-from tests.helpers_router import raise_nofile as raise_test_nofile
-from tests.sse_upstream import StandIn
+from hydra_supervisor.testing.routerhelp import raise_nofile as raise_test_nofile
+from hydra_supervisor.testing.sse_upstream import StandIn
 
 ROOT = Path(__file__).resolve().parent.parent
 RPC_HELLO = bytes([0x0E]) + (0).to_bytes(8, "little")
@@ -133,7 +133,7 @@ def _child_stats(proc: subprocess.Popen[str], answered: int) -> dict[str, Any]:
 def upstream_child() -> Iterator[int]:
     """The stand-in upstream in its own process (1,000 handler threads stay out of ours)."""
     raise_test_nofile(16384)
-    with child([sys.executable, "-m", "tests.sse_upstream"], cwd=ROOT) as proc:
+    with child([sys.executable, "-m", "hydra_supervisor.testing.sse_upstream"], cwd=ROOT) as proc:
         yield int(readline(proc, timeout=30))
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from hydra_supervisor.router import Router, Upstreams
-from tests.helpers_router import (
+from hydra_supervisor.testing.routerhelp import (
     HOST,
     free_port,
     gemma_path,

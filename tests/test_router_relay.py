@@ -25,7 +25,7 @@ import pytest
 
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.routes import Addr, Route
-from tests.helpers_router import (
+from hydra_supervisor.testing.routerhelp import (
     DEADLINE,
     HOST,
     EchoServer,

@@ -1,6 +1,6 @@
 """Routing by model on one router port (router/routes.py): a table picks a Route per request,
 each route with its own gate (hold, release, unavailable), HTTP upstream and optional Limiter;
-the table may answer a request itself (LocalReply). Stand-in upstreams: tests/sse_upstream.py,
+the table may answer a request itself (LocalReply). Stand-in upstreams: testing/sse_upstream.py,
 and a small upstream that answers only when told (the Limiter cases)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router import upstream as router_upstream
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
-from tests.helpers_router import (
+from hydra_supervisor.testing.routerhelp import (
     DEADLINE,
     HOST,
     FuncServer,
@@ -29,7 +29,7 @@ from tests.helpers_router import (
     recv_to_eof,
     wait_until,
 )
-from tests.sse_upstream import StandIn
+from hydra_supervisor.testing.sse_upstream import StandIn
 
 MODELS = {"object": "list", "data": [{"id": "a", "object": "model"},
                                      {"id": "b", "object": "model"}]}

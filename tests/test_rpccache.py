@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -18,16 +17,17 @@ import numpy as np
 import pytest
 
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan.ports import free_port
+from hydra_supervisor.testing.rpcrelay import CountingRelay, wait_port
+from hydra_supervisor.testing.synthhelp import llama_server_bin, running_server
 from hydra_supervisor.tools import rpccache, rpchash, synth
 from hydra_supervisor.tools.install import BuildOptions, bin_dir
-from tests.helpers_synth import llama_server_bin, log_tail, running_server
 
 MiB = 1024 * 1024
 # Big enough that every FFN matrix (12288 x 512 F16 = 12 MiB) and both embeddings (32000 x 512
 # F16 = 31 MiB) are over the 10 MiB threshold, small enough to load in seconds: 145 MB.
 BIG = dict(n_layers=2, n_embd=512, n_ff=12288, n_head=4, n_head_kv=2, ctx=512, seed=3)
 TINY = dict(n_layers=2, n_embd=64, n_ff=128, n_head=2, n_head_kv=1, ctx=256)
-PORT_DEADLINE_S = 30.0
 
 
 @pytest.fixture(autouse=True)
@@ -192,92 +192,13 @@ def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synth.write_dense(tmp_path_factory.mktemp("rpcc") / "big.gguf", **BIG)  # type: ignore[arg-type]
 
 
-class CountingRelay:
-    """A TCP relay that counts the bytes going each way (one connection at a time is enough:
-    llama-server opens one to each rpc-server)."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.up = 0  # client -> server
-        self.down = 0
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            server = socket.create_connection(self.target, timeout=10)
-            for s in (client, server):
-                s.settimeout(0.2)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for a, b, way in ((client, server, "up"), (server, client, "down")):
-                t = threading.Thread(target=self._pump, args=(a, b, way), daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    def _pump(self, a: socket.socket, b: socket.socket, way: str) -> None:
-        try:
-            while not self.stop.is_set():
-                try:
-                    data = a.recv(1 << 20)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                b.sendall(data)
-                with self.lock:
-                    setattr(self, way, getattr(self, way) + len(data))
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=5)
-        self.sock.close()
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + PORT_DEADLINE_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"ggml-rpc-server exited with {proc.returncode}:\n"
-                                 f"{log_tail(log)}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"ggml-rpc-server not listening after {PORT_DEADLINE_S}s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def rpc_server(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
     """A ggml-rpc-server -c whose LLAMA_CACHE is a temp dir: (port, cache dir, log)."""
     binary = _rpc_server_bin()
     assert binary is not None
     llama_cache = tmp_path / "llama-cache"
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "rpc.log"
     env = {**os.environ, "LLAMA_CACHE": str(llama_cache), "GGML_NO_BACKTRACE": "1"}
     with open(log, "wb") as logf:
@@ -285,7 +206,7 @@ def rpc_server(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
                                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env)
     try:
-        _wait_port(port, proc, log)
+        wait_port(port, proc, log)
         # The server creates its cache dir at start: the one default_cache_dir names.
         assert rpccache.default_cache_dir(env) == llama_cache / "rpc"
         assert (llama_cache / "rpc").is_dir(), sorted(os.listdir(tmp_path))
@@ -374,7 +295,7 @@ def test_hydra_peer_profile_prefills_its_rpc_server(big_model: Path, tmp_path: P
     """`prefill:` in a mode: peer profile: hydra fills the cache dir its ggml-rpc-server uses
     (LLAMA_CACHE from the profile's env) before starting it, and a head loading the same GGUF
     through hydra's router sends hashes only."""
-    from tests.harness import Up, free_port, make_env
+    from hydra_supervisor.testing.harness import Up, make_env
 
     env = make_env(tmp_path)
     llama_cache = tmp_path / "llama-cache"
@@ -466,7 +387,7 @@ def test_cache_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_peer_load_budget_covers_the_prefill(tmp_path: Path) -> None:
     from hydra_supervisor.plan import deployment
-    from tests.harness import free_port_range
+    from hydra_supervisor.testing.harness import free_port_range
 
     if _rpc_server_bin() is None:
         pytest.skip("ggml-rpc-server not built (hydra install-llama)")

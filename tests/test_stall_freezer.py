@@ -27,8 +27,8 @@ import psutil
 import pytest
 import requests
 
-from tests.fault_scenarios import _engines, _serving
-from tests.harness import free_port, free_port_range, wait_until
+from hydra_supervisor.testing.faults import engine_rows, serving
+from hydra_supervisor.testing.harness import free_port, free_port_range, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -133,7 +133,7 @@ def test_frozen_peer_with_requests_in_flight_restarts_the_pair(
     port = free_port()
     up = hydra_up("--profile", str(prof), "--port", str(port))
     up.wait_ready(180)
-    peer, head = _engines(hydra_env)
+    peer, head = engine_rows(hydra_env)
     assert peer["role"] == "peer" and head["role"] == "head"
 
     # Requests in flight: long streams, each seen to have started before the freeze.
@@ -168,21 +168,21 @@ def test_frozen_peer_with_requests_in_flight_restarts_the_pair(
         assert psutil.Process(peer["pid"]).status() == psutil.STATUS_DISK_SLEEP
 
     def detected() -> bool:
-        return any(e["state"] != "READY" for e in _engines(hydra_env))
+        return any(e["state"] != "READY" for e in engine_rows(hydra_env))
     wait_until(detected, BOUND + 10, "hydra to notice the frozen peer", interval=0.05)
     took = time.monotonic() - t0
     assert took <= BOUND, f"noticed after {took:.1f}s (bound {BOUND:.1f}s)"
     assert took >= STALL - INTERVAL, f"noticed after {took:.1f}s: before stall_timeout"
 
     def recovered() -> bool:
-        es = _engines(hydra_env)
+        es = engine_rows(hydra_env)
         return bool(es) and all(e["state"] == "READY" for e in es) and \
             not {peer["pid"], head["pid"]} & {e["pid"] for e in es}
     wait_until(recovered, 120, "the pair restarted")
     back = time.monotonic() - t0
     for t in threads:
         t.join(60)
-    served = sum(_serving(port) for _ in range(5))
+    served = sum(serving(port) for _ in range(5))
     log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
     print(f"\ncgroup {freezer.kind}: noticed after {took:.1f}s, serving again after "
           f"{back:.1f}s; streams in flight: {codes}")
@@ -190,7 +190,7 @@ def test_frozen_peer_with_requests_in_flight_restarts_the_pair(
     by_bytes = "without a byte" in log and "frozen peer" in log
     # In D (v1) the peer watch's D-state rule may see it first, at the same stall_timeout.
     assert by_bytes or (freezer.kind == "v1" and "frozen (state D" in log), log[-3000:]
-    new_peer = next(e for e in _engines(hydra_env) if e["role"] == "peer")
+    new_peer = next(e for e in engine_rows(hydra_env) if e["role"] == "peer")
     if freezer.kind == "v1":  # SIGKILL waits for the thaw: a new peer elsewhere meanwhile
         assert "survived SIGKILL" in log
         assert new_peer["port"] != peer["port"]
@@ -240,7 +240,7 @@ def test_frozen_remote_peer_is_lost_and_the_head_returns_after_the_thaw(
         port = free_port()
         up = hydra_up("--profile", str(prof), "--port", str(port))
         up.wait_ready(180)
-        head = next(e for e in _engines(hydra_env) if e["role"] == "head")
+        head = next(e for e in engine_rows(hydra_env) if e["role"] == "head")
         done: list[str] = []
         started = threading.Event()
 
@@ -264,7 +264,7 @@ def test_frozen_remote_peer_is_lost_and_the_head_returns_after_the_thaw(
         t0 = time.monotonic()
 
         def lost() -> bool:
-            return any(e["state"] != "READY" for e in _engines(hydra_env))
+            return any(e["state"] != "READY" for e in engine_rows(hydra_env))
         wait_until(lost, BOUND + 10, "hydra to notice the frozen remote peer", interval=0.05)
         took = time.monotonic() - t0
         assert STALL - INTERVAL <= took <= BOUND, f"noticed after {took:.1f}s"
@@ -280,12 +280,12 @@ def test_frozen_remote_peer_is_lost_and_the_head_returns_after_the_thaw(
             fate = "survived the thaw"
 
         def back() -> bool:
-            es = _engines(hydra_env)
+            es = engine_rows(hydra_env)
             return all(e["state"] == "READY" for e in es) and \
                 next(e for e in es if e["role"] == "head")["pid"] != head["pid"]
         wait_until(back, 120, "the head back once the remote peer answers HELLO")
         t.join(60)
-        assert sum(_serving(port) for _ in range(3)) == 3
+        assert sum(serving(port) for _ in range(3)) == 3
         log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
         assert "without a byte" in log, log[-3000:]
         print(f"\nremote peer frozen (cgroup {any_freezer.kind}): noticed after {took:.1f}s; "
@@ -318,23 +318,23 @@ def test_idle_pair_with_a_peer_in_d_state_restarts_the_pair(
     port = free_port()
     up = hydra_up("--profile", str(prof), "--port", str(port))
     up.wait_ready(180)
-    peer, head = _engines(hydra_env)
+    peer, head = engine_rows(hydra_env)
     d_state_freezer.add(peer["pid"])
     d_state_freezer.freeze(True)
     t0 = time.monotonic()
 
     def detected() -> bool:
-        return any(e["state"] != "READY" for e in _engines(hydra_env))
+        return any(e["state"] != "READY" for e in engine_rows(hydra_env))
     wait_until(detected, BOUND + 10, "hydra to notice the peer in D", interval=0.05)
     took = time.monotonic() - t0
     assert STALL - INTERVAL <= took <= STALL + 2 * INTERVAL + 2.0, f"noticed after {took:.1f}s"
 
     def recovered() -> bool:
-        es = _engines(hydra_env)
+        es = engine_rows(hydra_env)
         return bool(es) and all(e["state"] == "READY" for e in es) and \
             not {peer["pid"], head["pid"]} & {e["pid"] for e in es}
     wait_until(recovered, 120, "the pair restarted")
-    assert _serving(port)
+    assert serving(port)
     log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
     assert "frozen (state D, no CPU progress" in log, log[-3000:]
     print(f"\nidle pair, peer in D: noticed after {took:.1f}s, serving again after "

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness import REPO, Up, make_env, run_hydra, status_json, wait_until
-from tests.test_switch import Load, _switch
+from hydra_supervisor.testing.harness import REPO, Up, make_env, run_hydra, status_json, wait_until
+from hydra_supervisor.testing.load import Load
+from tests.test_switch import _switch
 from tests.wire_client import OK, WireClient
 
 pytestmark = pytest.mark.slow

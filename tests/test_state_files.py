@@ -31,7 +31,7 @@ from hydra_supervisor.errors import ConfigError
 from hydra_supervisor.proc import filemodes, logfiles, process
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.router import defaults as request_defaults
-from tests.harness import (
+from hydra_supervisor.testing.harness import (
     HYDRA,
     REPO,
     free_port,

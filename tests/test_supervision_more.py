@@ -17,8 +17,7 @@ import psutil
 import pytest
 
 from hydra_supervisor.proc.state import StateDir
-from hydra_supervisor.tools import binaries
-from tests.harness import (
+from hydra_supervisor.testing.harness import (
     REPO,
     Up,
     descendants,
@@ -29,6 +28,7 @@ from tests.harness import (
     wait_dead,
     wait_until,
 )
+from hydra_supervisor.tools import binaries
 
 pytestmark = pytest.mark.slow
 

@@ -9,65 +9,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from typing import Any
 
 import psutil
 import pytest
 
-from tests.harness import REPO, run_hydra, status_json, wait_dead, wait_until
+from hydra_supervisor.testing.harness import REPO, run_hydra, status_json, wait_dead, wait_until
+from hydra_supervisor.testing.load import Load
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")  # for Load
 
 pytestmark = pytest.mark.slow
-
-
-class Load:
-    """Background clients: one streaming, one not, each on a pooled keep-alive connection."""
-
-    def __init__(self, port: int, model: str = "x") -> None:
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                                    max_retries=0, timeout=300)
-        self.ok = 0
-        self.failures: list[str] = []  # requests that failed before any response byte
-        self.cut: list[str] = []  # streams cut after their first chunk (allowed to fail)
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._loop, args=(s,), daemon=True)
-                        for s in (False, True)]
-
-    def _one(self, stream: bool, started: list[bool]) -> None:
-        msgs: Any = [{"role": "user", "content": "Say hi"}]
-        if stream:
-            stream_ = self.client.chat.completions.create(
-                model="x", messages=msgs, max_tokens=8, stream=True)
-            started[0] = True  # the response began (status line and headers arrived)
-            for _chunk in stream_:
-                pass
-        else:
-            r = self.client.chat.completions.create(model="x", messages=msgs, max_tokens=8)
-            assert r.choices
-        self.ok += 1
-
-    def _loop(self, stream: bool) -> None:
-        while not self.stop.is_set():
-            started = [False]
-            try:
-                self._one(stream, started)
-            except Exception as exc:  # noqa: BLE001 - every failure is a finding
-                what = f"{'stream' if stream else 'plain'}: {exc!r}"
-                (self.cut if started[0] else self.failures).append(what)
-            time.sleep(0.05)
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
 
 
 def _switch(env: dict[str, str], profile: str, timeout: float = 240) -> dict[str, Any]:
@@ -139,7 +92,7 @@ def test_two_switches_at_once_and_sigterm_mid_switch(hydra_up, hydra_env):
     up.wait_ready()
     import subprocess
 
-    from tests.harness import HYDRA
+    from hydra_supervisor.testing.harness import HYDRA
     first = subprocess.Popen([*HYDRA, "switch", "demo-combine"], env=hydra_env, cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_until(lambda: status_json(hydra_env)["daemon"]["engines"][0]["switching"], 30,
@@ -157,7 +110,7 @@ def test_two_switches_at_once_and_sigterm_mid_switch(hydra_up, hydra_env):
 def test_model_less_start_then_switch(hydra_env):
     import subprocess
 
-    from tests.harness import HYDRA
+    from hydra_supervisor.testing.harness import HYDRA
     port = _free()
     t0 = time.monotonic()
     proc = subprocess.Popen([*HYDRA, "up", "--no-profile", "--port", str(port)], env=hydra_env,

@@ -10,8 +10,8 @@ import gguf
 import pytest
 
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.testing.synthhelp import llama_server_bin, log_tail, running_server
 from hydra_supervisor.tools import synth
-from tests.helpers_synth import llama_server_bin, log_tail, running_server
 
 # Tiny shapes: the 2-core test machine is shared; the 32000-token vocab dominates the size anyway.
 TINY = dict(n_layers=2, n_embd=64, n_head=2, n_head_kv=1)

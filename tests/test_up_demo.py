@@ -10,7 +10,13 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.harness import free_port, run_hydra, status_json, wait_dead, wait_until
+from hydra_supervisor.testing.harness import (
+    free_port,
+    run_hydra,
+    status_json,
+    wait_dead,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 

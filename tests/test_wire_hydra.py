@@ -16,7 +16,7 @@ import struct
 import pytest
 import requests
 
-from tests.harness import status_json, wait_until
+from hydra_supervisor.testing.harness import status_json, wait_until
 from tests.wire_client import (
     BAD_REQUEST,
     DECODE,
@@ -148,7 +148,7 @@ def test_keep_slots_across_restart_and_switch(hydra_up, hydra_env, tmp_path):
         return int(r.json()["timings"]["cache_n"])
 
     assert cached() == 0
-    from tests.harness import run_hydra
+    from hydra_supervisor.testing.harness import run_hydra
 
     res = run_hydra(hydra_env, "restart", "head", "--json", timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr

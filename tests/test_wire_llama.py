@@ -21,9 +21,16 @@ from typing import Any
 import pytest
 import requests
 
+from hydra_supervisor.testing.routerhelp import (
+    HOST,
+    free_port,
+    gemma_path,
+    llama_bins,
+    llama_process,
+    wait_health,
+)
 from hydra_supervisor.wire.server import WireServer
 from tests import wire_client as wc
-from tests.helpers_router import HOST, free_port, gemma_path, llama_bins, llama_process, wait_health
 
 pytestmark = pytest.mark.slow
 

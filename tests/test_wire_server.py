@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from hydra_supervisor.testing.routerhelp import recv_to_eof, wait_until
 from hydra_supervisor.wire.server import WireServer
 from tests import wire_client as wc
-from tests.helpers_router import recv_to_eof, wait_until
 from tests.wire_fakes import FakeSlots, StubControl
 
 

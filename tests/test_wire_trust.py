@@ -268,7 +268,7 @@ def test_second_local_user_refused_owner_served(control: StubControl,
 def test_hydra_has_no_wire_port_and_the_owner_configures(tmp_path: Path,
                                                         hydra_env: dict[str, str]) -> None:
     from hydra_supervisor.plan.ports import free_port
-    from tests.harness import HYDRA, REPO, run_hydra, wait_until
+    from hydra_supervisor.testing.harness import HYDRA, REPO, run_hydra, wait_until
 
     port = free_port()
     log = (tmp_path / "up.log").open("w")

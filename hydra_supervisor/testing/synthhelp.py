@@ -1,4 +1,5 @@
-"""Test helpers for running a real llama-server on a synthetic model: ports, startup, shutdown.
+"""A real llama-server on a synthetic model, for tests and bench/rpccache.py: ports, startup,
+shutdown.
 
 Every wait has a deadline and every server started here is killed by `running_server`'s exit.
 """
@@ -7,11 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import requests
 
@@ -45,10 +45,11 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    def post(self, route: str, body: Mapping[str, object]) -> dict[str, object]:
+        """POST a JSON body; the JSON object answered (asserts HTTP 200)."""
         r = requests.post(self.url + route, json=body, timeout=REQUEST_TIMEOUT_S)
         assert r.status_code == 200, f"{route}: HTTP {r.status_code} {r.text}\n{log_tail(self.log)}"
-        out: dict[str, Any] = r.json()
+        out: dict[str, object] = r.json()
         return out
 
 

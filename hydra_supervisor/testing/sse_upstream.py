@@ -9,7 +9,7 @@ Server-wide: ``drop_next`` requests are answered by closing the connection witho
 (an upstream that died before answering). ``bodies`` keeps every parsed request body.
 
 Run in-process (``StandIn()``), or as a child process for load tests (``python -m
-tests.sse_upstream``: prints its port, serves until stdin closes).
+hydra_supervisor.testing.sse_upstream``: prints its port, serves until stdin closes).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
 
 HOST = "127.0.0.1"
 
@@ -37,15 +36,21 @@ def chunk_event(i: int, content: str | None, finish: str | None = None) -> bytes
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+def _number(value: object) -> int | float | str | None:
+    """A request body's numeric knob as sent (a number, or a string int() and float() read),
+    else None."""
+    return value if isinstance(value, int | float | str) else None
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms stalls
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib's name
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib's name
         pass
 
-    def _json(self, status: int, obj: Any) -> None:
+    def _json(self, status: int, obj: object) -> None:
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -81,7 +86,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.requests += 1
         try:
-            body = json.loads(raw) if raw else {}
+            body: dict[str, object] = json.loads(raw) if raw else {}
         except ValueError:
             body = {"_raw": raw.decode("latin-1")}
         with self.server.lock:
@@ -93,9 +98,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 time.sleep(0.05)
             self.close_connection = True
             return
-        tokens = int(body.get("max_tokens") or body.get("n_predict") or 8)
-        delay = float(body.get("x_delay") or 0)
-        die_after = body.get("x_die_after")
+        tokens = int(_number(body.get("max_tokens")) or _number(body.get("n_predict")) or 8)
+        delay = float(_number(body.get("x_delay")) or 0)
+        die_after = _number(body.get("x_die_after"))
         if not body.get("stream"):
             time.sleep(delay * tokens)
             text = " ".join(f"t{i}" for i in range(tokens))
@@ -139,9 +144,9 @@ class _Server(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.requests = 0
         self.drop_next = 0
-        self.bodies: list[dict[str, Any]] = []
+        self.bodies: list[dict[str, object]] = []
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
+    def handle_error(self, request: object, client_address: object) -> None:
         pass  # a client (the router) that went away mid-response is a tested case, not noise
 
 
@@ -165,7 +170,7 @@ class StandIn:
         return self.server.requests
 
     @property
-    def bodies(self) -> list[dict[str, Any]]:
+    def bodies(self) -> list[dict[str, object]]:
         return self.server.bodies
 
     def drop(self, n: int) -> None:

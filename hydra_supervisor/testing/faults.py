@@ -21,12 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from unittest import mock
 
 import psutil
 import requests
 
-from tests.harness import (
+from hydra_supervisor.config.paths import repo_root
+from hydra_supervisor.testing.harness import (
+    EngineRow,
+    StatusFile,
     Up,
     free_port,
     free_port_range,
@@ -89,22 +92,27 @@ class Client:
 
 def _profile(tmp: Path, base: str, extra: str = "") -> Path:
     """A copy of a shipped profile with fast restart/health policies (and extra keys)."""
-    from hydra_supervisor.config.paths import repo_root
-
     text = (repo_root() / "profiles" / f"{base}.yaml").read_text()
     path = tmp / f"{base}-fault.yaml"
     path.write_text(text + FAST_POLICY + extra)
     return path
 
 
-def _engines(env: dict[str, str]) -> list[dict[str, Any]]:
+def engine_rows(env: dict[str, str]) -> list[EngineRow]:
     """The engines' rows from status.json, read directly (a `hydra status` call is a Python
     start: on a busy machine it would blur detection times by a second or more)."""
     st = _status_file(env)
     return list(st.get("engines") or [])
 
 
-def _serving(port: int) -> bool:
+def _pid(row: EngineRow) -> int:
+    """A running engine's pid (every row of a READY layout has one)."""
+    pid = row["pid"]
+    assert pid is not None, f"engine {row['name']} runs no process"
+    return pid
+
+
+def serving(port: int) -> bool:
     try:
         r = requests.post(f"http://127.0.0.1:{port}/completion",
                           json={"prompt": "Hi", "n_predict": 2}, timeout=10)
@@ -119,12 +127,12 @@ def _watch(env: dict[str, str], port: int, t0: float, old_pids: set[int], timeou
     detected = recovered = None
     deadline = t0 + timeout
     while time.monotonic() < deadline:
-        engines = _engines(env)
+        engines = engine_rows(env)
         now = time.monotonic() - t0
         if detected is None and engines and any(e["state"] != "READY" for e in engines):
             detected = now
         if engines and all(e["state"] == "READY" for e in engines) and \
-                not old_pids & {e["pid"] for e in engines} and _serving(port):
+                not old_pids & {e["pid"] for e in engines} and serving(port):
             recovered = time.monotonic() - t0
             detected = detected if detected is not None else recovered
             break
@@ -172,7 +180,7 @@ def _start(tmp: Path, profile: Path | str, env: dict[str, str] | None = None
 def kill_peer_mid_stream(tmp: Path) -> FaultResult:
     up, env, port, load = _start(tmp, _profile(tmp, "demo-combine"))
     seen = {p.pid for p in up.children}
-    peer, head = _engines(env)
+    peer, head = engine_rows(env)
     stream_lost = 0
     with Client(port) as client:
         got_first = threading.Event()
@@ -197,8 +205,8 @@ def kill_peer_mid_stream(tmp: Path) -> FaultResult:
         t.start()
         got_first.wait(30)
         t0 = time.monotonic()
-        os.kill(peer["pid"], signal.SIGKILL)
-        detected, recovered = _watch(env, port, t0, {peer["pid"], head["pid"]}, 60 + load)
+        os.kill(_pid(peer), signal.SIGKILL)
+        detected, recovered = _watch(env, port, t0, {_pid(peer), _pid(head)}, 60 + load)
         t.join(30)
         stream_lost = 1 if broken.is_set() else 0
     return FaultResult("kill -9 peer mid-stream", load, detected, recovered,
@@ -208,12 +216,12 @@ def kill_peer_mid_stream(tmp: Path) -> FaultResult:
 def _signal_head(tmp: Path, sig: int, fault: str, notes: str = "") -> FaultResult:
     up, env, port, load = _start(tmp, _profile(tmp, "demo"))
     seen = {p.pid for p in up.children}
-    (head,) = _engines(env)
+    (head,) = engine_rows(env)
     with Client(port) as client:
         time.sleep(0.5)
         t0 = time.monotonic()
-        os.kill(head["pid"], sig)
-        detected, recovered = _watch(env, port, t0, {head["pid"]}, 60 + load)
+        os.kill(_pid(head), sig)
+        detected, recovered = _watch(env, port, t0, {_pid(head)}, 60 + load)
     return FaultResult(fault, load, detected, recovered, client.failed, client.sent,
                        _finish(up, seen), notes=notes)
 
@@ -240,7 +248,7 @@ def sigkill_hydra(tmp: Path) -> FaultResult:
     t1 = time.monotonic()
     up2 = _up(env, ["--profile", "demo", "--port", str(port)], tmp)
     up2.wait_ready(180)
-    recovered = time.monotonic() - t1 if _serving(port) else None
+    recovered = time.monotonic() - t1 if serving(port) else None
     orphans += _finish(up2, {p.pid for p in children})
     return FaultResult("SIGKILL hydra, then hydra up", load, detected, recovered, 0, 0, orphans,
                        notes="detected = children gone")
@@ -258,28 +266,29 @@ def crash_at_load(tmp: Path) -> FaultResult:
     up = _up(env, ["--profile", str(prof), "--port", str(port)], tmp)
     rc = up.proc.wait(90)
     fatal_after = time.monotonic() - t0
-    st = status_json(env)
+    status = status_json(env)["status"]
+    assert status is not None, "no status.json after the crash loop"
     text = run_hydra(env, "status").stdout
-    ok = rc == 1 and bool(st["status"]["fatal"]) and "FATAL" in text and "last lines" in text
+    ok = rc == 1 and bool(status["fatal"]) and "FATAL" in text and "last lines" in text
     orphans = _finish(up, set())
     return FaultResult("model crashes the head at load", 0.0, fatal_after if ok else None,
-                       None, 0, 0, orphans, notes=f"FATAL: {st['status']['fatal']}")
+                       None, 0, 0, orphans, notes=f"FATAL: {status['fatal']}")
 
 
 def peer_port_taken(tmp: Path) -> FaultResult:
     up, env, port, load = _start(tmp, _profile(tmp, "demo-combine"))
     seen = {p.pid for p in up.children}
-    peer, head = _engines(env)
+    peer, head = engine_rows(env)
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     with Client(port) as client:
         t0 = time.monotonic()
-        os.kill(peer["pid"], signal.SIGKILL)
+        os.kill(_pid(peer), signal.SIGKILL)
         wait_until(lambda: _try_bind(squatter, peer["port"]), 5, "the peer's port to free up")
         squatter.listen(1)
-        detected, recovered = _watch(env, port, t0, {peer["pid"], head["pid"]}, 60 + load)
+        detected, recovered = _watch(env, port, t0, {_pid(peer), _pid(head)}, 60 + load)
     squatter.close()
-    new_port = _engines(env)[0]["port"] if recovered else None
+    new_port = engine_rows(env)[0]["port"] if recovered else None
     return FaultResult("peer's port taken by another process", load, detected, recovered,
                        client.failed, client.sent, _finish(up, seen),
                        notes=f"peer moved {peer['port']} -> {new_port}")
@@ -296,7 +305,7 @@ def _try_bind(sock: socket.socket, port: int) -> bool:
 def log_dir_unwritable(tmp: Path) -> FaultResult:
     up, env, port, load = _start(tmp, _profile(tmp, "demo"))
     seen = {p.pid for p in up.children}
-    (head,) = _engines(env)
+    (head,) = engine_rows(env)
     logs = Path(env["HYDRA_STATE_DIR"]) / "logs"
     for f in logs.iterdir():
         f.unlink()
@@ -304,21 +313,21 @@ def log_dir_unwritable(tmp: Path) -> FaultResult:
     logs.write_text("not a directory\n")  # every open() under it now fails, even for root
     with Client(port) as client:
         t0 = time.monotonic()
-        os.kill(head["pid"], signal.SIGKILL)
-        detected, recovered = _watch(env, port, t0, {head["pid"]}, 60 + load)
-    reason = _engines(env)[0]["warning"] if recovered else ""
+        os.kill(_pid(head), signal.SIGKILL)
+        detected, recovered = _watch(env, port, t0, {_pid(head)}, 60 + load)
+    reason = (engine_rows(env)[0]["warning"] or "") if recovered else ""
     return FaultResult("log directory not writable", load, detected, recovered, client.failed,
                        client.sent, _finish(up, seen), notes=reason)
 
 
-def _status_file(env: dict[str, str]) -> dict[str, Any]:
+def _status_file(env: dict[str, str]) -> StatusFile:
     """status.json read directly: polling `hydra status` (a Python start each time) is too
     slow on a busy machine to catch a window of a few seconds."""
     try:
-        data = json.loads((Path(env["HYDRA_STATE_DIR"]) / "status.json").read_text())
+        data: StatusFile = json.loads((Path(env["HYDRA_STATE_DIR"]) / "status.json").read_text())
     except (OSError, ValueError):
         return {}
-    return dict(data)
+    return StatusFile(**data)
 
 
 def degrade_to_solo(tmp: Path) -> FaultResult:
@@ -327,15 +336,15 @@ def degrade_to_solo(tmp: Path) -> FaultResult:
     prof.write_text(prof.read_text().replace("stable_after: 3", "stable_after: 10"))
     up, env, port, load = _start(tmp, prof)
     seen = {p.pid for p in up.children}
-    peer, head = _engines(env)
+    peer, head = engine_rows(env)
     with Client(port) as client:
         t0 = time.monotonic()
-        os.kill(peer["pid"], signal.SIGKILL)
+        os.kill(_pid(peer), signal.SIGKILL)
 
         def degraded() -> bool:
             st = _status_file(env)
             return bool(st.get("degraded")) and st["engines"][1]["state"] == "READY" and \
-                st["engines"][1]["pid"] != head["pid"] and _serving(port)
+                st["engines"][1]["pid"] != _pid(head) and serving(port)
         wait_until(degraded, 60 + 2 * load, "SOLO head serving")
         detected = time.monotonic() - t0
         solo_pid = _status_file(env)["engines"][1]["pid"]
@@ -343,7 +352,7 @@ def degrade_to_solo(tmp: Path) -> FaultResult:
         def combine_again() -> bool:
             st = _status_file(env)
             return not st.get("degraded") and all(e["state"] == "READY" for e in st["engines"]) \
-                and st["engines"][1]["pid"] != solo_pid and _serving(port)
+                and st["engines"][1]["pid"] != solo_pid and serving(port)
         wait_until(combine_again, 60 + 2 * load, "back to COMBINE")
         recovered = time.monotonic() - t0
     return FaultResult("peer lost, on_peer_loss: degrade", load, detected,
@@ -355,8 +364,8 @@ def degrade_to_solo(tmp: Path) -> FaultResult:
 # -- peers in every state of the head (issue 8, item 1) ------------------------------------
 
 
-def _by_name(env: dict[str, str]) -> dict[str, dict[str, Any]]:
-    return {e["name"]: e for e in _engines(env)}
+def _by_name(env: dict[str, str]) -> dict[str, EngineRow]:
+    return {e["name"]: e for e in engine_rows(env)}
 
 
 def kill_peer_during_load(tmp: Path) -> FaultResult:
@@ -367,14 +376,14 @@ def kill_peer_during_load(tmp: Path) -> FaultResult:
     t_up = time.monotonic()
     up = _up(env, ["--profile", str(_profile(tmp, "demo-combine")), "--port", str(port)], tmp)
 
-    def loading() -> dict[str, dict[str, Any]] | None:
+    def loading() -> dict[str, EngineRow] | None:
         eng = _by_name(env)
         head = eng.get("head")
-        return eng if head and head["state"] == "STARTING" and head["pid"] and \
+        return eng if head and head["state"] == "STARTING" and _pid(head) and \
             eng["peer-cpu-peer"]["state"] == "READY" else None
     eng = wait_until(loading, 120, "the head loading")
     seen = {e["pid"] for e in eng.values() if e["pid"]}
-    old_peer, old_head = eng["peer-cpu-peer"]["pid"], eng["head"]["pid"]
+    old_peer, old_head = _pid(eng["peer-cpu-peer"]), _pid(eng["head"])
     time.sleep(1.0)  # well into the head's load (weights going to the peer)
     t0 = time.monotonic()
     os.kill(old_peer, signal.SIGKILL)
@@ -387,7 +396,7 @@ def kill_peer_during_load(tmp: Path) -> FaultResult:
                                          eng["peer-cpu-peer"]["state"] != "READY"):
             detected = time.monotonic() - t0
         if eng and all(e["state"] == "READY" for e in eng.values()) and \
-                eng["head"]["pid"] != old_head and _serving(port):
+                eng["head"]["pid"] != old_head and serving(port):
             recovered = time.monotonic() - t0
             break
         if _fatal(env):
@@ -410,15 +419,15 @@ def sigstop_peer(tmp: Path) -> FaultResult:
     the peer's process state; the pair restarts, peer first."""
     up, env, port, load = _start(tmp, _profile(tmp, "demo-combine"))
     seen = {p.pid for p in up.children}
-    peer, head = _engines(env)
+    peer, head = engine_rows(env)
     with Client(port) as client:
         time.sleep(0.5)
         t0 = time.monotonic()
-        os.kill(peer["pid"], signal.SIGSTOP)
-        detected, recovered = _watch(env, port, t0, {peer["pid"], head["pid"]}, 90 + load)
+        os.kill(_pid(peer), signal.SIGSTOP)
+        detected, recovered = _watch(env, port, t0, {_pid(peer), _pid(head)}, 90 + load)
     with contextlib.suppress(ProcessLookupError):
-        os.kill(peer["pid"], signal.SIGCONT)
-    reason = next((e["reason"] for e in _engines(env) if e["name"] == "head"), "")
+        os.kill(_pid(peer), signal.SIGCONT)
+    reason = next((e["reason"] for e in engine_rows(env) if e["name"] == "head"), "")
     return FaultResult("SIGSTOP peer (frozen)", load, detected, recovered, client.failed,
                        client.sent, _finish(up, seen), notes=f"head restarts: "
                        f"{_by_name(env).get('head', {}).get('restarts')}; {reason[:60]}")
@@ -439,14 +448,14 @@ def kill_two_peers(tmp: Path) -> FaultResult:
     prof.write_text(TWO_PEERS + FAST_POLICY)
     up, env, port, load = _start(tmp, prof, env)
     seen = {p.pid for p in up.children}
-    engines = _engines(env)
+    engines = engine_rows(env)
     peers = [e for e in engines if e["role"] == "peer"]
     with Client(port) as client:
         time.sleep(0.5)
         t0 = time.monotonic()
         for p in peers:
-            os.kill(p["pid"], signal.SIGKILL)
-        detected, recovered = _watch(env, port, t0, {e["pid"] for e in engines}, 120 + load)
+            os.kill(_pid(p), signal.SIGKILL)
+        detected, recovered = _watch(env, port, t0, {_pid(e) for e in engines}, 120 + load)
     eng = _by_name(env)
     notes = ", ".join(f"{n} restarts {e['restarts']}" for n, e in eng.items())
     return FaultResult("kill -9 two peers at once", load, detected, recovered, client.failed,
@@ -478,7 +487,7 @@ def remote_peer_restarted(tmp: Path) -> FaultResult:
     try:
         up, env, port, load = _start(tmp, prof, env)
         seen = {p.pid for p in up.children}
-        (_, head) = _engines(env)
+        (_, head) = engine_rows(env)
         with Client(port) as client:
             time.sleep(0.5)
             t0 = time.monotonic()
@@ -486,7 +495,7 @@ def remote_peer_restarted(tmp: Path) -> FaultResult:
             peer.wait(10)
             time.sleep(3.0)
             peers.append(start_peer())
-            detected, recovered = _watch(env, port, t0, {head["pid"]}, 120 + load)
+            detected, recovered = _watch(env, port, t0, {_pid(head)}, 120 + load)
         eng = _by_name(env)
         notes = (f"peer away 3 s; head restarts {eng.get('head', {}).get('restarts')}, "
                  f"fatal: {_fatal(env)}")
@@ -517,7 +526,7 @@ def burst_internal_port(tmp: Path, n: int = 200) -> FaultResult:
     not be killed, and no request may be lost."""
     up, env, port, load = _start(tmp, _profile(tmp, "demo"))
     seen = {p.pid for p in up.children}
-    (head,) = _engines(env)
+    (head,) = engine_rows(env)
     internal = head["port"]
     lost = 0
     lock = threading.Lock()
@@ -542,7 +551,7 @@ def burst_internal_port(tmp: Path, n: int = 200) -> FaultResult:
         t.join(600)
     took = time.monotonic() - t0
     after = _by_name(env).get("head", {})
-    killed = after.get("pid") != head["pid"] or after.get("restarts", 0) > 0
+    killed = after.get("pid") != _pid(head) or after.get("restarts", 0) > 0
     log = (Path(env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
     busy_seen = "busy: /health" in log
     return FaultResult(f"burst of {n} requests on the internal port", load, None, None, lost,
@@ -558,12 +567,9 @@ def broken_model(path: Path) -> Path:
 
     from hydra_supervisor.tools import synth
 
-    original = gguf.GGUFWriter.add_layer_norm_rms_eps
-    gguf.GGUFWriter.add_layer_norm_rms_eps = lambda self, value: None  # type: ignore
-    try:
+    with mock.patch.object(gguf.GGUFWriter, "add_layer_norm_rms_eps",
+                           lambda self, value: None):
         synth.write_dense(path, n_layers=2, n_embd=64, n_ff=128, n_head=2, n_head_kv=2)
-    finally:
-        gguf.GGUFWriter.add_layer_norm_rms_eps = original  # type: ignore
     return path
 
 

@@ -1,6 +1,7 @@
 """The real-process test harness: isolated hydra environments, free ports, a `hydra up` driver.
 
-Shared by the pytest fixtures (conftest.py) and bench/faults.py. Every wait has a deadline.
+Shared by the pytest fixtures (tests/conftest.py), the fault scenarios (faults.py) and the
+bench scripts. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -11,15 +12,52 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar, cast
 
 import psutil
 
+from hydra_supervisor.config.paths import repo_root
 from hydra_supervisor.plan.ports import free_port as free_port  # re-exported for the tests
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = repo_root()
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
+T = TypeVar("T")
+
+
+class EngineRow(TypedDict, total=False):
+    """One engine's row in status.json (`engines`): the fields the harness reads (a row has
+    more; the tests read those by key)."""
+
+    name: str
+    role: str
+    state: str
+    pid: int | None
+    port: int
+    restarts: int
+    reason: str
+    warning: str | None
+
+
+class StatusFile(TypedDict, total=False):
+    """status.json as the supervisor writes it: the fields the harness reads."""
+
+    pid: int
+    profile: str
+    engines: list[EngineRow]
+    fatal: str | None
+    degraded: str | None
+
+
+class Status(TypedDict, total=False):
+    """What `hydra status --json` prints (a live daemon's GET /status, else the state dir read
+    directly): the fields the harness reads."""
+
+    running: bool
+    supervisor: dict[str, object] | None
+    status: StatusFile | None
+    abnormal_end: dict[str, object] | None
 
 
 def free_port_range(n: int = 8) -> tuple[int, int]:
@@ -42,7 +80,9 @@ def free_port_range(n: int = 8) -> tuple[int, int]:
     raise RuntimeError("no free port range")
 
 
-def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
+def wait_until(pred: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1
+               ) -> T:
+    """pred()'s first true value, polled every `interval`; AssertionError after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         val = pred()
@@ -73,7 +113,7 @@ def run_hydra(env: dict[str, str], *args: str, timeout: float = 60.0
                           timeout=timeout, cwd=REPO, check=False)
 
 
-def status_json(env: dict[str, str]) -> dict[str, Any]:
+def status_json(env: dict[str, str]) -> Status:
     """What `hydra status --json` prints, read in process: a poll costs a socket round trip,
     not an interpreter start that takes CPU from the llama-server the test waits for."""
     from hydra_supervisor.proc.state import StateDir
@@ -83,10 +123,11 @@ def status_json(env: dict[str, str]) -> dict[str, Any]:
     try:
         _, live = control_client.call(control_client.socket_path(state.root), "GET", "/status",
                                       timeout=10)
-        return dict(live)
+        return cast(Status, dict(live))
     except (control_client.NotRunning, OSError):
-        return {"running": False, "supervisor": state.running_supervisor(),
-                "status": state.read_status_checked(), "abnormal_end": state.abnormal_end()}
+        return Status(running=False, supervisor=state.running_supervisor(),
+                      status=cast(StatusFile | None, state.read_status_checked()),
+                      abnormal_end=state.abnormal_end())
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -99,11 +140,17 @@ def descendants(pid: int) -> list[psutil.Process]:
 class Up:
     """A running `hydra up` (a real subprocess) and what it started."""
 
-    def __init__(self, env: dict[str, str], args: list[str], tmp: Path) -> None:
+    def __init__(self, env: dict[str, str], args: list[str], tmp: Path, *,
+                 launcher: Sequence[str] = (), append: bool = False) -> None:
+        """`launcher`: the command `hydra up` runs under (`ip netns exec NS`, which execs: the
+        pid is still hydra's); `append`: keep what earlier runs wrote to tmp/up.{out,err}."""
+        if append:
+            tmp.mkdir(parents=True, exist_ok=True)
         self.env = env
-        self.out = (tmp / "up.out").open("w+")
-        self.err = (tmp / "up.err").open("w+")
-        self.proc = subprocess.Popen([*HYDRA, "up", *args], env=env, stdout=self.out,
+        mode = "a+" if append else "w+"
+        self.out = (tmp / "up.out").open(mode)
+        self.err = (tmp / "up.err").open(mode)
+        self.proc = subprocess.Popen([*launcher, *HYDRA, "up", *args], env=env, stdout=self.out,
                                      stderr=self.err, cwd=REPO)
         self.children: list[psutil.Process] = []
 
@@ -112,24 +159,26 @@ class Up:
         self.err.flush()
         return Path(self.out.name).read_text() + Path(self.err.name).read_text()
 
-    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
-        def ready() -> dict[str, Any] | None:
+    def wait_ready(self, timeout: float = 120.0) -> Status:
+        def ready() -> Status | None:
             if self.proc.poll() is not None:
                 raise AssertionError(f"hydra up exited {self.proc.returncode}:\n{self.output()}")
             st = status_json(self.env)
-            if st["running"] and st["status"] and st["status"]["pid"] == self.proc.pid and all(
-                    e["state"] == "READY" for e in st["status"]["engines"]) and \
+            status = st["status"]
+            if st["running"] and status and status["pid"] == self.proc.pid and all(
+                    e["state"] == "READY" for e in status["engines"]) and \
                     "ready:" in Path(self.out.name).read_text():
                 return st
             return None
 
         st = wait_until(ready, timeout, "all engines READY")
         self.children = descendants(self.proc.pid)
-        return dict(st)
+        return st
 
-    def engine(self, name: str) -> dict[str, Any]:
-        st = status_json(self.env)
-        return next(e for e in st["status"]["engines"] if e["name"] == name)
+    def engine(self, name: str) -> EngineRow:
+        status = status_json(self.env)["status"]
+        assert status is not None, "no status.json"
+        return next(e for e in status["engines"] if e["name"] == name)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -149,8 +198,6 @@ class Up:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
 
 
 def wait_dead(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:

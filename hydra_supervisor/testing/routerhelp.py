@@ -1,4 +1,5 @@
-"""Helpers for the router tests: fake upstreams on 127.0.0.1:0, socket reads with deadlines,
+"""Helpers for the router tests and bench/router.py, bench/wire.py: fake upstreams on
+127.0.0.1:0, socket reads with deadlines, many streams at once, a router in a child process,
 and real llama.cpp processes that are always stopped.
 
 Every wait here takes a deadline; nothing blocks without one.
@@ -15,10 +16,10 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import pytest
 import requests
@@ -338,14 +339,25 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: fl
 
 
 def stream_request(tokens: int = 5, delay: float = 0.0, **extra: object) -> bytes:
-    """A streaming chat completion request for tests/sse_upstream.py (keep-alive)."""
+    """A streaming chat completion request for the stand-in upstream (sse_upstream.py;
+    keep-alive)."""
     body = json.dumps({"model": "standin", "messages": [{"role": "user", "content": "hi"}],
                        "stream": True, "max_tokens": tokens, "x_delay": delay, **extra}).encode()
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
-def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> dict[str, Any]:
+class Streams(TypedDict):
+    """What drive_streams saw: streams read to their last chunk, how the others failed, and
+    per finished stream the seconds to its first byte and to its end."""
+
+    done: int
+    failed: list[str]
+    first: list[float]
+    total: list[float]
+
+
+def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> Streams:
     """Open ``n`` connections, send ``request`` on each, and read every streamed response to
     its last chunk, all at once from one thread (a selector). Returns counts and per-stream
     times to the first byte and to the end (seconds)."""
@@ -399,7 +411,7 @@ def drive_streams(port: int, n: int, request: bytes, timeout: float = 60.0) -> d
         sel.close()
         for s in socks:
             s.close()
-    return {"done": done, "failed": failed, "first": first, "total": total}
+    return Streams(done=done, failed=failed, first=first, total=total)
 
 
 ROUTER_CHILD = """
@@ -421,10 +433,15 @@ r.stop()
 
 
 @contextmanager
-def child(argv: list[str], **popen: object) -> Iterator[subprocess.Popen[str]]:
-    """A child process with pipes; its stdin closed and it waited for on the way out."""
+def child(argv: list[str], *, cwd: str | Path | None = None,
+          env: Mapping[str, str] | None = None, user: str | int | None = None,
+          group: str | int | None = None, extra_groups: Sequence[str | int] | None = None,
+          ) -> Iterator[subprocess.Popen[str]]:
+    """A child process with pipes (run as `user`/`group` when given); its stdin closed and it
+    waited for on the way out."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            **popen)  # type: ignore[call-overload]
+                            cwd=cwd, env=env, user=user, group=group,
+                            extra_groups=extra_groups)
     try:
         yield proc
     finally:

@@ -1,5 +1,5 @@
 """Hosts on one machine: network namespaces joined by veth links to a bridge, for the multi-host
-tests (tests/test_multihost.py) and bench/multihost.py.
+tests (tests/test_multihost*.py) and bench/multihost.py; NsUp is a `hydra up` inside one of them.
 
     with Hosts(["head", "peer", "client"]) as net:   # 10.A.B.1, .2, .3 on one /24
         net.addr("peer")                              # "10.A.B.2"
@@ -25,7 +25,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import IO, TypeVar
+
+from hydra_supervisor.testing.harness import Up
 
 T = TypeVar("T")
 CLONE_NEWNET = 0x40000000
@@ -198,8 +201,10 @@ class Hosts:
             raise RuntimeError(f"[{host}] {' '.join(argv)}: {res.stderr.strip()}")
         return res
 
-    def popen(self, host: str, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
-        return subprocess.Popen(self.argv(host, argv), **kw)
+    def popen(self, host: str, argv: Sequence[str], *,
+              stdout: int | IO[str] | IO[bytes] | None = None,
+              stderr: int | IO[str] | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self.argv(host, argv), stdout=stdout, stderr=stderr)
 
     def call(self, host: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         """fn() on a thread that entered this host's network namespace: every socket it makes
@@ -261,3 +266,12 @@ class Hosts:
 
     def unblackhole(self, at: str, dst: str) -> None:
         _ip("-n", self.ns(at), "route", "del", "blackhole", f"{self.addr(dst)}/32")
+
+
+class NsUp(Up):
+    """`hydra up` inside one host's namespace (the pid is hydra's: `ip netns exec` execs); its
+    output is appended to tmp/up.{out,err} (tmp is made if missing), across restarts."""
+
+    def __init__(self, net: Hosts, host: str, env: dict[str, str], args: list[str],
+                 tmp: Path) -> None:
+        super().__init__(env, args, tmp, launcher=net.argv(host, []), append=True)
