@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:
 
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
 from hydra_supervisor.router import Router, Upstreams  # noqa: E402
+from hydra_supervisor.router.routes import one_route_table  # noqa: E402
 from hydra_supervisor.testing.front_door import Reader, answered, ask, burst  # noqa: E402
 from hydra_supervisor.testing.routerhelp import ROUTER_CHILD, drive_streams, stream_request  # noqa: E402
 from hydra_supervisor.tools.install import BuildOptions, bin_dir  # noqa: E402
@@ -175,7 +176,7 @@ def child_relay(design: str, upstream_port: int) -> None:
         # What a port with one lane gives its router (serve/port.py): one route for HTTP.
         route = router.new_route("bench")
         route.http = up
-        router.table, router.route_by_model = (lambda _m, _meth, _p: route), False
+        router.table = one_route_table(route)
         router.start()
         ready(router.port)
         sys.stdin.read()

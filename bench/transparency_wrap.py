@@ -11,7 +11,7 @@ runs this script, every test talks to hydra's first-byte router instead of llama
 - a Router binds the host(s) and port the test asked for, built as ``hydra up`` builds a port
   with one profile (hydra_supervisor/serve/port.py Port.open, lane.py Lane.start/sync_gate):
   default knobs, the loopback allow list, ``name="port N"``, a table that sends every request
-  to the lane's route without reading bodies (``route_by_model = False``), the route's requests
+  to the lane's route without reading bodies (`one_route_table`), the route's requests
   held ("loading model ...") from the moment the port opens until the head answers /health
   200, then ``set_unavailable(None)`` + ``release()``; no metrics callback (``hydra up``
   without ``--metrics-port``), no request defaults;
@@ -42,7 +42,7 @@ from types import FrameType
 import hydra_supervisor
 from hydra_supervisor.plan.ports import free_port
 from hydra_supervisor.router import Router, Upstreams
-from hydra_supervisor.router.routes import Route
+from hydra_supervisor.router.routes import Route, one_route_table
 
 # What hydra's Port passes (serve/port.py DEFAULT_ALLOW; by value so that this script does not
 # depend on serve/'s other imports).
@@ -146,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = Router(host, port, Upstreams(), allow=DEFAULT_ALLOW, name=f"port {port}")
         route = r.new_route("suite", None, 32)
         route.where = f"port {port}"
-        r.route_by_model = False
-        r.table = lambda _model, _method, _path, _route=route: _route
+        r.table = one_route_table(route)
         route.set_unavailable(None)
         route.hold("loading model for profile suite")
         route.http = (INTERNAL_HOST, internal)

@@ -19,7 +19,7 @@ import pytest
 
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router import upstream as router_upstream
-from hydra_supervisor.router.routes import Limiter, LocalReply, Route
+from hydra_supervisor.router.routes import FnTable, Limiter, LocalReply, Route
 from hydra_supervisor.testing.routerhelp import (
     DEADLINE,
     HOST,
@@ -177,7 +177,7 @@ def rig() -> Iterator[Rig]:
         a, b = r.new_route("a"), r.new_route("b")
         a.http, b.http = up_a.addr, up_b.addr
         rig = Rig(r, a, b, up_a, up_b, {"a": a, "b": b})
-        r.table = rig.table
+        r.table = FnTable(rig.table)
         yield rig
     finally:
         r.stop()
@@ -397,7 +397,7 @@ def test_limiter_queue_timeout_429(blocking: Blocking) -> None:
     try:
         slow = r.new_route("slow", limit=1, queue=4)
         slow.http = blocking.addr
-        r.table = lambda model, method, path: slow
+        r.table = FnTable(lambda model, method, path: slow)
         first = Background(chat, r.port, "slow")
         wait_until(lambda: blocking.arrived == 1, what="first running")
         late = chat(r.port, "slow")  # waits its 0.3 s for the slot, then 429
@@ -473,7 +473,7 @@ def test_stop_wakes_requests_parked_in_routes(blocking: Blocking) -> None:
         plain = r.new_route("plain")
         lim = r.new_route("limited", limit=1, queue=1)
         plain.http, lim.http = up.addr, blocking.addr
-        r.table = lambda model, method, path: lim if model == "limited" else plain
+        r.table = FnTable(lambda model, method, path: lim if model == "limited" else plain)
         plain.gate.hold("loading")
         lim.gate.hold("loading")
         socks = []

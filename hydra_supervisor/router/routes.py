@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate, Refusal
@@ -158,3 +159,20 @@ class RouteTable(Protocol):
     def needs_model(self) -> bool: ...
 
     def __call__(self, model: str | None, method: str, path: str, /) -> Route | LocalReply: ...
+
+
+@dataclass(frozen=True)
+class FnTable:
+    """A table made of a plain function (benches and tests): `needs_model` says whether the
+    router must read the request's `model` before it asks."""
+
+    fn: Callable[[str | None, str, str], Route | LocalReply]
+    needs_model: bool = True
+
+    def __call__(self, model: str | None, method: str, path: str, /) -> Route | LocalReply:
+        return self.fn(model, method, path)
+
+
+def one_route_table(route: Route) -> FnTable:
+    """Every request to `route`, without reading bodies (a port with one lane)."""
+    return FnTable(lambda _model, _method, _path: route, needs_model=False)

@@ -26,7 +26,7 @@ import requests
 
 from hydra_supervisor.plan.ports import free_port as free_port  # re-exported
 from hydra_supervisor.router import Router
-from hydra_supervisor.router.routes import Addr, Route
+from hydra_supervisor.router.routes import Addr, Route, one_route_table
 
 HOST = "127.0.0.1"
 DEADLINE = 10.0
@@ -78,8 +78,7 @@ def one_route(r: Router, http: Addr | None, name: str = "lane") -> Route:
     moving the upstream is `route.http = addr`."""
     route = r.new_route(name)
     route.http = http
-    r.table = lambda model, method, path: route
-    r.route_by_model = False
+    r.table = one_route_table(route)
     return route
 
 
@@ -419,10 +418,11 @@ import json, resource, sys
 soft, hard, up = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 from hydra_supervisor.router import Router, Upstreams, raise_nofile
+from hydra_supervisor.router.routes import one_route_table
 r = Router("127.0.0.1", 0, Upstreams(), name="child")
 route = r.new_route("lane")
 route.http = ("127.0.0.1", up)
-r.table, r.route_by_model = (lambda model, method, path: route), False
+r.table = one_route_table(route)
 r.start()
 print(json.dumps({"port": r.port, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)}),
       flush=True)
