@@ -162,7 +162,7 @@ def test_a_switch_fails_fast_without_a_retry(tmp_path: Path) -> None:
         await asyncio.wait_for(lane.sup.first_ready.wait(), 10)
         new = replace(_with_head_flag(old, "-ctk", "bogus"),
                       plan=replace(_with_head_flag(old, "-ctk", "bogus").plan, profile="new"))
-        rep = await eng.switch_to(new)
+        rep = await eng.switch_in(new)
         assert rep.result == "rolled_back" and rep.failed_phase == "start", rep
         assert BAD_ARG in (rep.error or "")
         assert (rep.error or "").count("head:") == 1  # named once

@@ -43,7 +43,7 @@ def engine(tmp_path: Path) -> Port:
                 profiles=lambda: ["a", "b"],
                 make_supervisor=FakeSupervisor,
                 make_router=FakeRouter,  # type: ignore[arg-type]
-                switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+                switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1), exit_on_fatal=True)
 
 
 async def opened(port: Port, d: Deployment | None) -> None:
@@ -74,8 +74,11 @@ def word(port: Port) -> str:
 
 
 async def started(port: Port, d: Deployment) -> None:
+    """Opened with a lane for `d`, its start-up load begun."""
     await opened(port, d)
-    sup = lane_of(port).sup
+    lane = lane_of(port)
+    await until(lambda: lane.sup is not None or lane.error is not None)
+    sup = lane.sup
     assert sup is not None
     await asyncio.wait_for(sup.first_ready.wait(), 5)
 
@@ -86,7 +89,7 @@ def test_model_less_start_names_the_profiles(engine: Port) -> None:
         assert word(engine) == "idle"
         msg = engine._none.gate.unavailable_reason() or ""  # a port with no lane answers
         assert "hydra switch NAME" in msg and "a, b" in msg
-        rep = await engine.switch_to(dep("a"))
+        rep = await engine.switch_in(dep("a"))
         assert rep.result == "ok" and word(engine) == "serving"
         assert route(engine).unavailable is None and route(engine).held is None
         await engine.shutdown("test")
@@ -99,7 +102,7 @@ def test_switch_phases_in_order_and_requests_released(engine: Port) -> None:
         await started(engine, dep("a"))
         lane = lane_of(engine)
         old = lane.sup
-        rep = await engine.switch_to(dep("b", peers=1))
+        rep = await engine.switch_in(dep("b", peers=1))
         assert rep.result == "ok", rep
         assert list(rep.phases) == ["hold", "drain", "stop", "gpu_free", "start", "release"]
         assert old is not None and all(p.state is State.STOPPED for p in old.procs)
@@ -120,7 +123,7 @@ def test_failed_switch_rolls_back_and_names_the_phase(engine: Port) -> None:
         lane = lane_of(engine)
         lane.last_good = lane.dep
         BEHAVIOUR["broken"] = "crash"
-        rep = await engine.switch_to(dep("broken"))
+        rep = await engine.switch_in(dep("broken"))
         assert rep.result == "rolled_back"
         assert rep.failed_phase == "start" and "head" in (rep.error or "")
         assert rep.log_tail == ["head log line"]
@@ -136,7 +139,7 @@ def test_failed_rollback_leaves_an_idle_engine_that_says_so(engine: Port) -> Non
     async def go() -> None:
         BEHAVIOUR["broken"] = "crash"
         await opened(engine, None)
-        rep = await engine.switch_to(dep("broken"))
+        rep = await engine.switch_in(dep("broken"))
         assert rep.result == "failed"
         assert word(engine) == "idle"  # the port has no lane again
         assert "hydra switch NAME" in (engine._none.gate.unavailable_reason() or "")
@@ -149,7 +152,7 @@ def test_a_layout_that_never_gets_ready_times_out_and_rolls_back(engine: Port) -
     async def go() -> None:
         await started(engine, dep("a"))
         BEHAVIOUR["slow"] = "hang"
-        rep = await engine.switch_to(dep("slow", load=0.2))
+        rep = await engine.switch_in(dep("slow", load=0.2))
         assert rep.result == "rolled_back" and "not ready within" in (rep.error or "")
         await engine.shutdown("test")
 
@@ -160,10 +163,10 @@ def test_second_switch_is_refused_while_one_runs(engine: Port) -> None:
     async def go() -> None:
         await started(engine, dep("a"))
         BEHAVIOUR["slow"] = "hang"
-        first = asyncio.create_task(engine.switch_to(dep("slow", load=0.5)))
+        first = asyncio.create_task(engine.switch_in(dep("slow", load=0.5)))
         await until(lambda: any(lane.lock.locked() for lane in engine.lanes.values()))
         with pytest.raises(Busy, match="already running"):
-            await engine.switch_to(dep("b"))
+            await engine.switch_in(dep("b"))
         await first
         await engine.shutdown("test")
 
@@ -175,7 +178,7 @@ def test_drain_timeout_cuts_and_counts(engine: Port) -> None:
         await started(engine, dep("a"))
         route(engine).inflight_left = 3
         route(engine).unanswered = 2  # no response byte yet: sent again, not cut
-        rep = await engine.switch_to(dep("b"))
+        rep = await engine.switch_in(dep("b"))
         assert rep.result == "ok" and rep.cut == 1
         assert ("cut", True) in route(engine).calls  # the switch asks for the re-send
         assert any("3 requests still in flight" in n and "1 cut" in n
@@ -189,7 +192,7 @@ def test_cancel_mid_switch_leaves_nothing_running(engine: Port) -> None:
     async def go() -> None:
         await started(engine, dep("a"))
         BEHAVIOUR["slow"] = "hang"
-        task = asyncio.create_task(engine.switch_to(dep("slow", load=30)))
+        task = asyncio.create_task(engine.switch_in(dep("slow", load=30)))
         await until(lambda: any(s.plan.profile == "slow" for s in STARTED))  # mid-switch
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -278,7 +281,7 @@ def test_router_series_keep_their_port_labels_across_a_switch(engine: Port) -> N
         router.stats = lambda: {**plain(), **counts}  # type: ignore[method-assign]
         counts["accepted"] = 5
         before = take()
-        rep = await engine.switch_to(dep("b"))
+        rep = await engine.switch_in(dep("b"))
         assert rep.result == "ok", rep
         counts["accepted"] = 9
         after = take()

@@ -120,7 +120,7 @@ def test_flip_repoints_the_port_in_one_step_and_restarts_nothing(tmp_path: Path)
         assert [e.name for e in new.dep.plan.engines] == ["moe-s.head"]  # its own names
         assert port.select(None, "POST", "/v1/chat/completions") is old.route
         started = len(STARTED)
-        rep = await port.switch_to(SOLO)
+        rep = await port.switch_in(SOLO)
         assert rep.result == "ok" and rep.instant is True and rep.restarted == []
         assert set(rep.phases) == {"flip"} and rep.phases["flip"] < 0.05
         # new requests go to the standby's route at once; nothing was started or stopped
@@ -129,7 +129,7 @@ def test_flip_repoints_the_port_in_one_step_and_restarts_nothing(tmp_path: Path)
         assert len(STARTED) == started
         assert not old.sup.stopping.is_set() and not new.sup.stopping.is_set()  # type: ignore
         # the old layout stands by: a switch back is a flip too
-        back = await port.switch_to(COMBINE)
+        back = await port.switch_in(COMBINE)
         assert back.instant is True and active(port) is old and len(STARTED) == started
         # one switch history per port, numbered on
         assert [s.seq for s in old.switches] == [1, 2]
@@ -152,7 +152,7 @@ def test_requests_in_flight_finish_on_the_old_layout(tmp_path: Path) -> None:
         await until(lambda: sb(port).ready())
         old = active(port)
         flights = [old.route.gate.begin() for _ in range(3)]  # streams in progress
-        rep = await port.switch_to(SOLO)
+        rep = await port.switch_in(SOLO)
         assert rep.instant is True and rep.cut == 0
         assert "3 request(s) in flight" in rep.notes[0]
         assert old.route.gate.inflight() == 3 and old.route.gate.held_reason is None
@@ -177,7 +177,7 @@ def test_no_room_for_both_reloads_and_says_why(tmp_path: Path) -> None:
         rows = port.snapshot({})
         assert rows[1]["standby"] and rows[1]["state"] == "stopped" and \
             rows[1]["needs_mib"] == {"host": 300} and "MiB short" in rows[1]["why"]
-        rep = await port.switch_to(SOLO)
+        rep = await port.switch_in(SOLO)
         assert rep.result == "ok" and rep.instant is False
         assert rep.not_instant is not None and "host: 100 MiB short" in rep.not_instant
         assert "start" in rep.phases and len(STARTED) == 2  # a reload
@@ -223,7 +223,7 @@ def test_a_switch_out_of_the_pair_stops_the_standby_first(tmp_path: Path) -> Non
         stand = sb(port).lane
         assert stand is not None and stand.sup is not None
         its = stand.sup
-        rep = await port.switch_to(OTHER)
+        rep = await port.switch_in(OTHER)
         assert rep.result == "ok" and rep.instant is None
         assert its.stopping.is_set() and stand.phase is LaneState.STOPPED
         assert "moe-s" not in port.node.lanes and sb(port).lane is None
