@@ -23,20 +23,19 @@ from __future__ import annotations
 import json
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import h11
 
 from hydra_supervisor.router import defaults as request_defaults
 from hydra_supervisor.router import head
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Refusal
-from hydra_supervisor.router.replies import Record, _json_response, error_body
+from hydra_supervisor.router.replies import Record, error_body, json_response
 from hydra_supervisor.router.routes import LocalReply, Route
-from hydra_supervisor.router.upstream import RECV, Forwarding, _ClientGone, _Outgoing
+from hydra_supervisor.router.upstream import RECV, ClientGone, Forwarding, Outgoing, SessionHost
 
 if TYPE_CHECKING:
     from hydra_supervisor.router.conn import Conn
-    from hydra_supervisor.router.core import Router
 
 MAX_HEAD = 64 * 1024
 # After a reply that ends the connection early (413 before the upload): how long and how much
@@ -52,7 +51,7 @@ class HttpSession(Forwarding):
     heads and framing are written here (router/head.py), so the client sees llama-server's
     header names, order and framing (docs/router.md, "Transparency")."""
 
-    def __init__(self, router: Router, conn: Conn) -> None:
+    def __init__(self, router: SessionHost, conn: Conn) -> None:
         self.r = router
         self.conn = conn
         self.sock = conn.client
@@ -82,7 +81,7 @@ class HttpSession(Forwarding):
         except TimeoutError:
             raise
         except OSError as e:
-            raise _ClientGone(f"client error: {e.strerror or e}") from e
+            raise ClientGone(f"client error: {e.strerror or e}") from e
         self.conn.up += len(data)
         self.conn.last = time.monotonic()
         return data
@@ -118,11 +117,12 @@ class HttpSession(Forwarding):
             if not data:
                 self.client_eof = True
                 if self.buf.strip(b"\r\n"):
-                    raise _ClientGone("client closed mid-request")
+                    raise ClientGone("client closed mid-request")
                 return None
             self.buf += data
 
-    def _next_client_event(self, deadline: float) -> Any:
+    def _next_client_event(
+            self, deadline: float) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         """The next h11 event of the request being read (its body)."""
         while True:
             ev = self.h.next_event()
@@ -138,7 +138,7 @@ class HttpSession(Forwarding):
             self._set_timeout(self.r.idle_timeout)
             self.sock.sendall(data)
         except OSError as e:  # includes TimeoutError: a client that stopped reading
-            raise _ClientGone(f"client error: {e.strerror or e}") from e
+            raise ClientGone(f"client error: {e.strerror or e}") from e
         self.conn.down += len(data)
         self.conn.last = time.monotonic()
 
@@ -154,7 +154,7 @@ class HttpSession(Forwarding):
                 self.conn.note(f"idle > {self.r.idle_timeout:g}s")
                 self.r.count_event("idle_timeout")
             return False
-        except _ClientGone as e:
+        except ClientGone as e:
             self.conn.note(str(e))
             return False
         except head.HeadError as e:
@@ -191,7 +191,7 @@ class HttpSession(Forwarding):
                      time.monotonic(), port=self.r.port)
         try:
             done = self._serve(ev, rec, lent_host)
-        except _ClientGone as e:
+        except ClientGone as e:
             self.conn.note(str(e))
             rec.outcome = "error" if rec.outcome == "ok" else rec.outcome
             rec.reason = str(e)
@@ -266,7 +266,7 @@ class HttpSession(Forwarding):
             merged, rec.model = request_defaults.merge(rec.path, body, self.r.request_defaults)
             if merged is not None:
                 body = merged
-        fwd = _Outgoing(req, body, lent_host)
+        fwd = Outgoing(req, body, lent_host)
         assert table is not None  # refused above
         if rec.model is None and req.method == b"POST" and self.r.route_by_model:
             rec.model, readable = request_defaults.model_in(body)
@@ -284,7 +284,7 @@ class HttpSession(Forwarding):
             return True
         return self._routed(fwd, rec, sel)
 
-    def _routed(self, fwd: _Outgoing, rec: Record, route: Route) -> bool:
+    def _routed(self, fwd: Outgoing, rec: Record, route: Route) -> bool:
         """A request the table sent to `route`: its limiter, then its gate, then upstream."""
         rec.route = route.name
         route.started()
@@ -323,7 +323,7 @@ class HttpSession(Forwarding):
         if not close and not self.keep:
             extra = [*extra, (b"Connection", b"close")]
         try:
-            out = _json_response(status, body, extra, with_body=rec.method != "HEAD")
+            out = json_response(status, body, extra, with_body=rec.method != "HEAD")
             self._send_client(out)
             rec.bytes_out += len(out)
         finally:
@@ -345,7 +345,7 @@ class HttpSession(Forwarding):
             elif isinstance(ev, h11.EndOfMessage):
                 return (b"".join(parts), True) if size <= limit else (b"", False)
             elif isinstance(ev, h11.ConnectionClosed):
-                raise _ClientGone("client closed mid-request")
+                raise ClientGone("client closed mid-request")
 
     def _linger(self) -> None:
         """After a reply that closes the connection early: half-close and read what the client
@@ -374,8 +374,8 @@ class HttpSession(Forwarding):
         body = error_body(status, f"hydra router: bad request: {message}",
                           "invalid_request_error")
         try:
-            self._send_client(_json_response(status, body, [(b"Connection", b"close")]))
-        except _ClientGone:
+            self._send_client(json_response(status, body, [(b"Connection", b"close")]))
+        except ClientGone:
             pass
 
     def _reply_error(self, rec: Record, status: int, message: str, kind: str,

@@ -3,7 +3,9 @@ through its gate, forwarding the response in the upstream's framing, retrying an
 
 Each chunk the upstream sends is written to the client at once, so SSE token streams are not
 buffered. ``Forwarding`` is a part of ``HttpSession`` (router/http.py), which reads the request
-from the client and holds the state this part uses.
+from the client and holds the state this part uses. ``SessionHost`` is what a session needs of
+its router (its settings, table, pool and counters): the Router (router/core.py) is one, and
+nothing here or in router/http.py imports it.
 
 Failures: an upstream that refuses or closes before the first response byte gets the request
 once more (after a short wait, or after the next release if the router got held meanwhile); a
@@ -19,19 +21,18 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import h11
 
 from hydra_supervisor.router import head
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Gate, Refusal
-from hydra_supervisor.router.replies import Record, sse_error_event
-from hydra_supervisor.router.routes import Route
+from hydra_supervisor.router.replies import JSONValue, Record, sse_error_event
+from hydra_supervisor.router.routes import Route, RouteTable
 
 if TYPE_CHECKING:
     from hydra_supervisor.router.conn import Conn
-    from hydra_supervisor.router.core import Router
 
 Addr = tuple[str, int]
 
@@ -120,7 +121,39 @@ def _still_open(sock: socket.socket) -> bool:
     return False  # EOF, or bytes nobody asked for: not reusable either way
 
 
-class _ClientGone(Exception):
+class SessionHost(Protocol):
+    """What an HTTP session (router/http.py, and ``Forwarding`` here) needs of its router:
+    its settings and route table (read per request: the owner may change them any time), the
+    upstream pool, and the counters it reports into. ``Router`` (router/core.py) is one."""
+
+    @property
+    def port(self) -> int: ...
+    @property
+    def idle_timeout(self) -> float | None: ...
+    @property
+    def request_timeout(self) -> float: ...
+    @property
+    def max_body(self) -> int: ...
+    @property
+    def retry_wait(self) -> float: ...
+    @property
+    def request_defaults(self) -> Mapping[str, JSONValue]: ...
+    @property
+    def table(self) -> RouteTable | None: ...
+    @property
+    def route_by_model(self) -> bool: ...
+    @property
+    def pool(self) -> UpstreamPool: ...
+
+    def connect_once(self, target: Addr) -> socket.socket: ...
+    def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None: ...
+    def count_event(self, reason: str, detail: str = "") -> None: ...
+    def count_cut(self) -> None: ...
+    def count_retried(self) -> None: ...
+    def finish_request(self, rec: Record) -> None: ...
+
+
+class ClientGone(Exception):
     """The client closed or broke its connection; the session ends without a reply."""
 
 
@@ -136,7 +169,7 @@ class Forwarding:
     """The upstream side of ``HttpSession``: ``_forward`` and what it calls."""
 
     # The session's state this part uses (router/http.py sets it in HttpSession.__init__).
-    r: Router
+    r: SessionHost
     conn: Conn
     sock: socket.socket
     client_eof: bool
@@ -152,7 +185,7 @@ class Forwarding:
 
     # ------------------------------------------------------------ upstream side
 
-    def _forward(self, fwd: _Outgoing, rec: Record, route: Route) -> bool:
+    def _forward(self, fwd: Outgoing, rec: Record, route: Route) -> bool:
         """Send upstream: `route`'s upstream, through its gate."""
         gate = route.gate
         retried = False
@@ -189,7 +222,7 @@ class Forwarding:
                                   outcome="cut")
                 return True
             if self.client_eof:
-                raise _ClientGone("client closed; the upstream closed without answering")
+                raise ClientGone("client closed; the upstream closed without answering")
             if (fresh_close and gate.held_reason is None and gate.refusal_now() is None
                     and self._upstream_listening(target)):
                 # llama-server closed a new connection without a word while still serving: a
@@ -215,13 +248,13 @@ class Forwarding:
         """Whether the upstream still accepts connections (a process that died does not)."""
         time.sleep(_CLOSE_PROBE_DELAY_S)  # a dying process may hold its listener a moment
         try:
-            probe = self.r._connect_once(target)
+            probe = self.r.connect_once(target)
         except OSError:
             return False
         probe.close()
         return True
 
-    def _exchange(self, gate: Gate, flight: Flight, target: Addr, fwd: _Outgoing,
+    def _exchange(self, gate: Gate, flight: Flight, target: Addr, fwd: Outgoing,
                   rec: Record) -> bool:
         """One attempt. Raises _NotStarted when nothing came back (the caller may retry)."""
         for _ in range(2):  # a stale pooled connection is replaced once, at once
@@ -377,7 +410,7 @@ class Forwarding:
         try:
             if out:
                 self._flush(out, rec)
-        except _ClientGone:
+        except ClientGone:
             keep = False
         self.r.finish_request(rec)
         return keep
@@ -431,7 +464,7 @@ class _Framing:
             self.kind = "chunked" if te else "length" if cl else "eof"
 
 
-class _Outgoing:
+class Outgoing:
     """A request as it goes upstream: the client's request line and header lines (names as
     sent, per-leg ones dropped), our own Content-Length, the whole body."""
 
