@@ -3,8 +3,7 @@ that ends a cut stream, and one ``Record`` per request.
 
 Responses the router writes itself take llama-server's shape (its error JSON, its header names),
 so a client cannot tell them apart from llama-server's own; the acceptor and the byte relay use
-``http_error_response`` for their 503s, the HTTP session (router/http.py, router/upstream.py)
-the rest.
+``http_error_response`` for their 503s, the HTTP session (router/http.py) the rest.
 """
 
 from __future__ import annotations
