@@ -5,13 +5,16 @@ state and where it goes; ``core`` is the ``Router`` (its public API and counters
 ``acceptor`` (the listener, admission: allow list, bounded queues, timeouts) and ``relay`` (the
 worker pool and the byte relay to the engine's local ggml-rpc-server or hydra's control
 handler); ``http`` is the request-aware HTTP leg to the internal llama-server (h11): its
-session, with ``upstream`` (the upstream pool, forwarding, retries, cuts) and ``replies`` (what
-the router writes itself, the request record); ``routes`` the route table's Routes (each HTTP
-request goes to the one its table picks: the router has no gate of its own) and their limiters;
-``gate`` decides when a route's request may go upstream (hold/release, unavailable, in flight);
-``defaults`` merges T1 defaults into bodies; ``limits``
-owns the process limits (open files, thread stacks, pipes). docs/router.md says why the relay is
-built the way it is, with the measurements.
+session (reading requests, forwarding, retries, cuts), with ``upstream`` (the upstream pool,
+the request as it goes upstream, ``SessionHost``: what a session needs of its router, so that
+nothing below ``core`` imports it) and ``replies`` (what the router writes itself, the request
+record, the ``JSONValue`` alias);
+``routes`` the route table's Routes (each HTTP request goes to the one its table picks:
+the router has no gate of its own) and their limiters; ``gate`` decides when a route's request
+may go upstream (hold/release, unavailable, in flight); ``defaults`` merges T1 defaults into
+bodies; ``limits`` owns the process limits (open files, thread stacks, pipes) and the bounds the
+acceptor and the relay share (descriptors per relay, the linger after a refusal).
+docs/router.md says why the relay is built the way it is, with the measurements.
 """
 
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify

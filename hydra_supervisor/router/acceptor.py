@@ -18,13 +18,17 @@ import selectors
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from hydra_supervisor.router import limits
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 from hydra_supervisor.router.conn import (
     Conn,
+    Network,
     Pending,
     Queues,
+    SockAddr,
     Upstreams,
     fmt_addr,
     set_keepalive,
@@ -40,16 +44,9 @@ from hydra_supervisor.router.upstream import UpstreamPool
 log = logging.getLogger("hydra.router")
 
 FIRST_READ = 64 * 1024
-# After a 503 we half-close and read what the client still sends, so that closing with unread
-# data does not turn into a RST that destroys the 503 before the client reads it.
-_LINGER_DRAIN_S = 1.0
-_LINGER_DRAIN_BYTES = 1 << 20
 _ACCEPT_BATCH = 64
 _EMFILE_BACKOFF_S = 0.1
 _TICK_S = 1.0
-# Descriptors per admitted relay: client + upstream; a spliced relay adds two pipes (4 fds).
-_FDS_HTTP = 2
-_FDS_SPLICE = 6
 # An idle keep-alive connection is closed for room only after this long idle: a client that is
 # about to send its next request has usually sent it by then.
 _IDLE_CLOSE_MIN_S = 0.05
@@ -71,7 +68,7 @@ class Acceptor:
     _wake_r: socket.socket | None
     _wake_w: socket.socket | None
     _ids: itertools.count[int]
-    _allow: tuple[Any, ...]
+    _allow: tuple[Network, ...]
     _upstreams: Upstreams
     _routes: list[Route]
     _first_byte_timeout: float
@@ -97,7 +94,7 @@ class Acceptor:
         def count_event(self, reason: str, detail: str = "") -> None: ...
         def _log_close(self, conn: Conn) -> None: ...
         def _http_session(self, conn: Conn, ups: Upstreams) -> None: ...
-        def _run(self, fn: Any, *args: Any) -> None: ...
+        def _run(self, fn: Callable[..., None], *args: object) -> None: ...
         def _relay(self, conn: Conn, ups: Upstreams) -> None: ...
         def _reap_idle(self, now: float) -> None: ...
 
@@ -112,7 +109,7 @@ class Acceptor:
         except (BlockingIOError, OSError):
             pass  # a wake is already queued, or we are shutting down
 
-    def _is_allowed(self, peer: Any) -> bool:
+    def _is_allowed(self, peer: SockAddr) -> bool:
         ip = source_ip(peer)
         if ip is None:
             return False
@@ -338,7 +335,7 @@ class Acceptor:
     def _linger(self, sel: selectors.BaseSelector, q: Queues, conn: Conn,
                 reply: bytes) -> None:
         """Answer ``reply`` (best effort, non-blocking), half-close, and keep reading what the
-        client still sends until its EOF or ``_LINGER_DRAIN_S``: closing with unread bytes
+        client still sends until its EOF or ``limits.LINGER_DRAIN_S``: closing with unread bytes
         would turn into a reset that destroys the reply before the client reads it."""
         try:
             conn.client.send(reply)
@@ -346,7 +343,7 @@ class Acceptor:
         except OSError:
             self._drop(conn, conn.reason or "closed", None)
             return
-        conn.deadline = time.monotonic() + _LINGER_DRAIN_S
+        conn.deadline = time.monotonic() + limits.LINGER_DRAIN_S
         q.lingering.append(conn)
         q.linger_ids.add(conn.id)
         try:
@@ -403,8 +400,8 @@ class Acceptor:
 
     def _fd_cost(self, kind: Kind) -> int:
         if kind is Kind.HTTP and self._http_mode == "aware":
-            return _FDS_HTTP
-        return _FDS_SPLICE if self._pump_kind == "splice" else _FDS_HTTP
+            return limits.FDS_HTTP
+        return limits.FDS_SPLICE if self._pump_kind == "splice" else limits.FDS_HTTP
 
     def _admit(self, waiting: collections.deque[Conn]) -> None:
         while waiting:
@@ -428,7 +425,7 @@ class Acceptor:
                 self._by_kind[conn.kind.value] += 1
             if conn.kind is Kind.HTTP and self._http_mode == "aware":
                 conn.session = True
-                fn: Any = self._http_session
+                fn: Callable[[Conn, Upstreams], None] = self._http_session
             else:
                 fn = self._relay
             try:

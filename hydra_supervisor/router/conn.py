@@ -14,11 +14,15 @@ import selectors
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from hydra_supervisor.router.classify import Kind
 
 Addr = tuple[str, int]
+# A socket address as accept() and getsockname() give it: (host, port) for IPv4, (host, port,
+# flowinfo, scope_id) for IPv6, a path (or "") for a Unix socket (tests hand the router those).
+SockAddr = tuple[str, int] | tuple[str, int, int, int] | str
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # TCP keepalive on client sockets: a peer host that vanished (power, network) is found in
 # about IDLE + INTVL * CNT = 2 minutes, without timing out a live but quiet ggml-RPC link.
@@ -45,7 +49,7 @@ class Handoff(Protocol):
     """An in-process server the router hands accepted connections to (hydra's wire server):
     no port of its own to reach, and it sees the client's own address to authenticate it."""
 
-    def adopt(self, sock: socket.socket, peer: Any, prefix: bytes) -> None:
+    def adopt(self, sock: socket.socket, peer: SockAddr, prefix: bytes) -> None:
         """Take ownership of ``sock`` (blocking, already read: ``prefix``); return at once."""
         ...
 
@@ -82,7 +86,7 @@ class Upstreams:
         return None if self.hydra is None or isinstance(self.hydra, tuple) else self.hydra
 
 
-def parse_allow(allow: Sequence[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+def parse_allow(allow: Sequence[str]) -> tuple[Network, ...]:
     if isinstance(allow, str):
         raise TypeError("allow must be a sequence of CIDR strings, not one string")
     return tuple(ipaddress.ip_network(cidr, strict=False) for cidr in allow)
@@ -133,7 +137,7 @@ def allow_mismatch(bind_host: str, allow: Sequence[str]) -> str | None:
     return None
 
 
-def source_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def source_ip(peer: SockAddr) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         ip = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
     except (ValueError, IndexError, TypeError):
@@ -144,7 +148,7 @@ def source_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None
     return ip
 
 
-def fmt_addr(peer: Any) -> str:
+def fmt_addr(peer: SockAddr) -> str:
     try:
         host, port = peer[0], peer[1]
     except (IndexError, TypeError):
@@ -200,7 +204,7 @@ class Conn:
         "idle_since",
     )
 
-    def __init__(self, cid: int, client: socket.socket, peer: Any, now: float):
+    def __init__(self, cid: int, client: socket.socket, peer: SockAddr, now: float):
         self.id = cid
         self.client = client
         self.peer = peer

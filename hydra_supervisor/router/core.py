@@ -33,11 +33,11 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict
 
 from hydra_supervisor.router import limits
-from hydra_supervisor.router.acceptor import _FDS_HTTP, Acceptor
+from hydra_supervisor.router.acceptor import Acceptor
 from hydra_supervisor.router.classify import Kind
 from hydra_supervisor.router.conn import (
     Conn,
@@ -48,8 +48,8 @@ from hydra_supervisor.router.conn import (
 )
 from hydra_supervisor.router.gate import HOLD_TIMEOUT_S, MAX_HELD, Gate
 from hydra_supervisor.router.http import HttpSession
-from hydra_supervisor.router.relay import Relay
-from hydra_supervisor.router.replies import Record
+from hydra_supervisor.router.relay import Relay, Task
+from hydra_supervisor.router.replies import JSONValue, Record, RequestRecord
 from hydra_supervisor.router.routes import Addr, Limiter, Route, RouteTable
 from hydra_supervisor.router.upstream import UpstreamPool
 
@@ -62,6 +62,36 @@ _LOG_EVERY_S = 10.0
 
 PUMPS = ("splice", "copy")
 HTTP_MODES = ("aware", "raw")
+
+
+class FdCounts(TypedDict):
+    nofile: int  # the soft open-file limit in force
+    budget: int  # descriptors admission may use for relays
+    relays: int  # descriptors the admitted connections hold now
+
+
+class RouterStats(TypedDict):
+    """``Router.counters()``: what the router counted since it was made (``stats()`` gives
+    the same as a plain dict). ``refused`` and ``events`` by reason; ``http`` by class
+    (``requests``, ``1xx``..``5xx``, ``cut``, ``retried``); ``by_kind`` by admitted kind."""
+
+    accepted: int
+    bytes_up: int
+    bytes_down: int
+    refused: dict[str, int]
+    events: dict[str, int]
+    open: int
+    open_peak: int
+    pending: int
+    bytes: int
+    by_kind: dict[str, int]
+    http: dict[str, int]
+    fds: FdCounts
+    held: int
+    inflight: int
+    pooled: int
+    alive: bool
+    acceptor_error: str | None
 
 
 class Router(Acceptor, Relay):
@@ -94,7 +124,7 @@ class Router(Acceptor, Relay):
         hold_timeout: float = HOLD_TIMEOUT_S,
         max_held: int = MAX_HELD,
         table: RouteTable | None = None,
-        on_request: Callable[[dict[str, Any]], None] | None = None,
+        on_request: Callable[[RequestRecord], None] | None = None,
         retry_wait: float = 1.0,
         max_body: int = 64 << 20,
         request_timeout: float = 120.0,
@@ -144,7 +174,7 @@ class Router(Acceptor, Relay):
         self.max_body = max_body
         self.request_timeout = request_timeout
         self._thread_factory = thread_factory
-        self.request_defaults: dict[str, Any] = {}
+        self.request_defaults: dict[str, JSONValue] = {}
         if hold_timeout <= 0 or max_held < 1:
             raise ValueError("hold_timeout must be positive and max_held at least 1")
         self.hold_timeout = hold_timeout
@@ -167,7 +197,7 @@ class Router(Acceptor, Relay):
         self._stopping = False
         self._active: dict[int, Conn] = {}
         self._threads: set[threading.Thread] = set()
-        self._tasks: queue.SimpleQueue[tuple[Any, tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
         self._idle_workers = 0
         self._n_pending = 0
         self._fds_active = 0
@@ -235,7 +265,7 @@ class Router(Acceptor, Relay):
             self._listener = None
             raise
         self._acceptor = acceptor
-        per = _FDS_HTTP
+        per = limits.FDS_HTTP
         log.info(
             "router %s listening on %s (nofile %d/%d: room for ~%d HTTP connections)",
             self.name, fmt_addr(listener.getsockname()), self._nofile[0], self._nofile[1],
@@ -276,7 +306,7 @@ class Router(Acceptor, Relay):
                 route.gate.stop()
         return route
 
-    def set_request_defaults(self, d: dict[str, Any]) -> None:
+    def set_request_defaults(self, d: Mapping[str, JSONValue]) -> None:
         """T1 defaults added to completion request bodies that lack them (router/defaults.py)."""
         self.request_defaults = dict(d)
 
@@ -317,29 +347,31 @@ class Router(Acceptor, Relay):
         log.info("router %s stopped", self.name)
 
     def stats(self) -> dict[str, Any]:
+        """``counters()`` as a plain dict (the owner adds its own counts to it)."""
+        return dict(self.counters())
+
+    def counters(self) -> RouterStats:
         with self._lock:
-            live_up = sum(c.up for c in self._active.values())
-            live_down = sum(c.down for c in self._active.values())
-            out: dict[str, Any] = dict(self._c)
-            out["refused"] = dict(self._refused)
-            out["events"] = dict(self._events)
-            out["open"] = len(self._active)
-            out["open_peak"] = self._open_peak
-            out["pending"] = self._n_pending
-            out["bytes_up"] += live_up
-            out["bytes_down"] += live_down
-            out["bytes"] = out["bytes_up"] + out["bytes_down"]
-            out["by_kind"] = dict(self._by_kind)
-            out["http"] = dict(self._http)
-            out["fds"] = {"nofile": self._nofile[0], "budget": self._fd_budget,
-                          "relays": self._fds_active}
+            bytes_up = self._c["bytes_up"] + sum(c.up for c in self._active.values())
+            bytes_down = self._c["bytes_down"] + sum(c.down for c in self._active.values())
+            accepted = self._c["accepted"]
+            refused = dict(self._refused)
+            events = dict(self._events)
+            n_open = len(self._active)
+            open_peak = self._open_peak
+            pending = self._n_pending
+            by_kind = dict(self._by_kind)
+            http = dict(self._http)
+            fds = FdCounts(nofile=self._nofile[0], budget=self._fd_budget,
+                           relays=self._fds_active)
             routes = list(self._routes)
-        out["held"] = sum(r.gate.held() for r in routes)
-        out["inflight"] = sum(r.gate.inflight() for r in routes)
-        out["pooled"] = self.pool.idle()
-        out["alive"] = self.alive()
-        out["acceptor_error"] = self.acceptor_error
-        return out
+        return RouterStats(
+            accepted=accepted, bytes_up=bytes_up, bytes_down=bytes_down, refused=refused,
+            events=events, open=n_open, open_peak=open_peak, pending=pending,
+            bytes=bytes_up + bytes_down, by_kind=by_kind, http=http, fds=fds,
+            held=sum(r.gate.held() for r in routes),
+            inflight=sum(r.gate.inflight() for r in routes),
+            pooled=self.pool.idle(), alive=self.alive(), acceptor_error=self.acceptor_error)
 
     # ---------------------------------------------------------------- for sessions
 

@@ -14,7 +14,9 @@ as ``max_tokens`` (the OpenAI name, which every OpenAI client also reads back).
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
+
+from hydra_supervisor.router.replies import JSONValue
 
 NATIVE_PATHS = frozenset({"/completion", "/completions"})
 OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/completions"})
@@ -41,7 +43,8 @@ def path_of(target: bytes) -> str:
     return target.split(b"?", 1)[0].decode("latin-1")
 
 
-def merge(path: str, body: bytes, defaults: dict[str, Any]) -> tuple[bytes | None, str | None]:
+def merge(path: str, body: bytes, defaults: Mapping[str, JSONValue]
+          ) -> tuple[bytes | None, str | None]:
     """(new body or None if unchanged, the request's ``model`` or None).
 
     ``path`` is the request path without its query; the caller checks the method is POST."""

@@ -14,45 +14,67 @@ are not buffered. Keep-alive on both legs is
 independent: a client's idle keep-alive connection holds no upstream connection (llama-server's
 HTTP threads are a fixed pool; an idle connection would pin one).
 
-router/upstream.py is the upstream side (the pool, forwarding, retries, cuts); router/replies.py
-what the router writes itself.
+Failures: an upstream that refuses or closes before the first response byte gets the request
+once more (after a short wait, or after the next release if the router got held meanwhile); a
+reused keep-alive upstream connection that turned out stale is replaced at once, uncounted.
+An upstream that dies mid-response ends an SSE response with an error event (the openai client
+raises APIError on it) and closes the client connection.
+
+router/upstream.py holds the upstream pool, the request as it goes upstream and ``SessionHost``
+(what a session needs of its router); router/replies.py what the router writes itself.
 """
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import h11
 
 from hydra_supervisor.router import defaults as request_defaults
 from hydra_supervisor.router import head
-from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Refusal
-from hydra_supervisor.router.replies import Record, _json_response, error_body
+from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Gate, Refusal
+from hydra_supervisor.router.replies import Record, error_body, json_response, sse_error_event
 from hydra_supervisor.router.routes import LocalReply, Route
-from hydra_supervisor.router.upstream import RECV, Forwarding, _ClientGone, _Outgoing
+from hydra_supervisor.router.upstream import RECV, Addr, Outgoing, SessionHost
 
 if TYPE_CHECKING:
     from hydra_supervisor.router.conn import Conn
-    from hydra_supervisor.router.core import Router
 
 MAX_HEAD = 64 * 1024
 # After a reply that ends the connection early (413 before the upload): how long and how much
 # of what the client still sends is read, so that the close is not a reset.
 _LINGER_S = 1.0
 _LINGER_BYTES = 4 << 20
+# How long the empty chunked body after a 204 is waited for (router/head.py).
+_TAIL_WAIT_S = 1.0
+# Before a new upstream connection closed without answering is taken for a refusal on purpose,
+# the upstream is probed after this pause (a dying process may hold its listener a moment).
+_CLOSE_PROBE_DELAY_S = 0.05
+# A request a planned change cut before any response byte is sent again at most this often
+# (each change re-sends it once; a storm of switches must not keep one forever).
+_MAX_REQUEUE = 3
 
 
-class HttpSession(Forwarding):
+class ClientGone(Exception):
+    """The client closed or broke its connection; the session ends without a reply."""
+
+
+class _NotStarted(Exception):
+    """The upstream failed before sending one response byte: the request may be sent again."""
+
+
+class HttpSession:
     """Serves one client connection until it closes, idles out, or the router stops.
 
     h11 parses (one ``h11.Connection`` per request, fed the bytes the previous one left);
     heads and framing are written here (router/head.py), so the client sees llama-server's
     header names, order and framing (docs/router.md, "Transparency")."""
 
-    def __init__(self, router: Router, conn: Conn) -> None:
+    def __init__(self, router: SessionHost, conn: Conn) -> None:
         self.r = router
         self.conn = conn
         self.sock = conn.client
@@ -82,7 +104,7 @@ class HttpSession(Forwarding):
         except TimeoutError:
             raise
         except OSError as e:
-            raise _ClientGone(f"client error: {e.strerror or e}") from e
+            raise ClientGone(f"client error: {e.strerror or e}") from e
         self.conn.up += len(data)
         self.conn.last = time.monotonic()
         return data
@@ -118,11 +140,12 @@ class HttpSession(Forwarding):
             if not data:
                 self.client_eof = True
                 if self.buf.strip(b"\r\n"):
-                    raise _ClientGone("client closed mid-request")
+                    raise ClientGone("client closed mid-request")
                 return None
             self.buf += data
 
-    def _next_client_event(self, deadline: float) -> Any:
+    def _next_client_event(
+            self, deadline: float) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         """The next h11 event of the request being read (its body)."""
         while True:
             ev = self.h.next_event()
@@ -138,7 +161,7 @@ class HttpSession(Forwarding):
             self._set_timeout(self.r.idle_timeout)
             self.sock.sendall(data)
         except OSError as e:  # includes TimeoutError: a client that stopped reading
-            raise _ClientGone(f"client error: {e.strerror or e}") from e
+            raise ClientGone(f"client error: {e.strerror or e}") from e
         self.conn.down += len(data)
         self.conn.last = time.monotonic()
 
@@ -154,7 +177,7 @@ class HttpSession(Forwarding):
                 self.conn.note(f"idle > {self.r.idle_timeout:g}s")
                 self.r.count_event("idle_timeout")
             return False
-        except _ClientGone as e:
+        except ClientGone as e:
             self.conn.note(str(e))
             return False
         except head.HeadError as e:
@@ -191,7 +214,7 @@ class HttpSession(Forwarding):
                      time.monotonic(), port=self.r.port)
         try:
             done = self._serve(ev, rec, lent_host)
-        except _ClientGone as e:
+        except ClientGone as e:
             self.conn.note(str(e))
             rec.outcome = "error" if rec.outcome == "ok" else rec.outcome
             rec.reason = str(e)
@@ -266,7 +289,7 @@ class HttpSession(Forwarding):
             merged, rec.model = request_defaults.merge(rec.path, body, self.r.request_defaults)
             if merged is not None:
                 body = merged
-        fwd = _Outgoing(req, body, lent_host)
+        fwd = Outgoing(req, body, lent_host)
         assert table is not None  # refused above
         if rec.model is None and req.method == b"POST" and table.needs_model:
             rec.model, readable = request_defaults.model_in(body)
@@ -284,7 +307,7 @@ class HttpSession(Forwarding):
             return True
         return self._routed(fwd, rec, sel)
 
-    def _routed(self, fwd: _Outgoing, rec: Record, route: Route) -> bool:
+    def _routed(self, fwd: Outgoing, rec: Record, route: Route) -> bool:
         """A request the table sent to `route`: its limiter, then its gate, then upstream."""
         rec.route = route.name
         route.started()
@@ -323,7 +346,7 @@ class HttpSession(Forwarding):
         if not close and not self.keep:
             extra = [*extra, (b"Connection", b"close")]
         try:
-            out = _json_response(status, body, extra, with_body=rec.method != "HEAD")
+            out = json_response(status, body, extra, with_body=rec.method != "HEAD")
             self._send_client(out)
             rec.bytes_out += len(out)
         finally:
@@ -345,7 +368,7 @@ class HttpSession(Forwarding):
             elif isinstance(ev, h11.EndOfMessage):
                 return (b"".join(parts), True) if size <= limit else (b"", False)
             elif isinstance(ev, h11.ConnectionClosed):
-                raise _ClientGone("client closed mid-request")
+                raise ClientGone("client closed mid-request")
 
     def _linger(self) -> None:
         """After a reply that closes the connection early: half-close and read what the client
@@ -374,8 +397,8 @@ class HttpSession(Forwarding):
         body = error_body(status, f"hydra router: bad request: {message}",
                           "invalid_request_error")
         try:
-            self._send_client(_json_response(status, body, [(b"Connection", b"close")]))
-        except _ClientGone:
+            self._send_client(json_response(status, body, [(b"Connection", b"close")]))
+        except ClientGone:
             pass
 
     def _reply_error(self, rec: Record, status: int, message: str, kind: str,
@@ -395,3 +418,283 @@ class HttpSession(Forwarding):
         self._reply_error(rec, refusal.status, f"hydra router: {refusal.message}",
                           kind, retry_after=refusal.retry_after, close=close,
                           outcome=refusal.outcome)
+
+    # ------------------------------------------------------------ upstream side
+
+    def _forward(self, fwd: Outgoing, rec: Record, route: Route) -> bool:
+        """Send upstream: `route`'s upstream, through its gate."""
+        gate = route.gate
+        retried = False
+        requeued = 0
+        while True:
+            target = route.http
+            if target is None:
+                self._refuse(rec, Refusal(503, "no http upstream configured",
+                                          DEFAULT_RETRY_AFTER, "error", "upstream_down"))
+                return True
+            flight = gate.begin()
+            try:
+                return self._exchange(gate, flight, target, fwd, rec)
+            except _NotStarted as e:
+                why = str(e)
+                fresh_close = e.args[1] if len(e.args) > 1 else False
+            finally:
+                gate.end(flight)
+            if (flight.cut is not None and flight.requeue and not self.client_eof
+                    and requeued < _MAX_REQUEUE):
+                # A planned change (switch, reload) cut it before any response byte: like
+                # a crash's retry, it waits for the new layout instead of a 503.
+                requeued += 1
+                self.r.count_retried()
+                refusal = gate.wait_turn()
+                if refusal is not None:
+                    self._refuse(rec, refusal)
+                    return True
+                continue
+            if flight.cut is not None:
+                self.r.count_cut()
+                self._reply_error(rec, 503, f"hydra router: request cut: {flight.cut}",
+                                  "unavailable_error", retry_after=DEFAULT_RETRY_AFTER,
+                                  outcome="cut")
+                return True
+            if self.client_eof:
+                raise ClientGone("client closed; the upstream closed without answering")
+            if (fresh_close and gate.held_reason is None and gate.refusal_now() is None
+                    and self._upstream_listening(target)):
+                # llama-server closed a new connection without a word while still serving: a
+                # request it refuses on purpose. Sending it again would get the same; close
+                # the client's connection as llama-server on its own port would have.
+                self.conn.note(f"{why}; llama-server is up: its answer passed on as a close")
+                rec.outcome, rec.reason = "error", why
+                self.r.count_refused("upstream_closed", why)
+                self.r.finish_request(rec)
+                return False
+            if retried:
+                self._refuse(rec, Refusal(503, why, DEFAULT_RETRY_AFTER, "error",
+                                          "upstream_down"))
+                return True
+            retried = True
+            self.r.count_retried()
+            refusal = gate.wait_turn(delay=self.r.retry_wait)
+            if refusal is not None:
+                self._refuse(rec, refusal)
+                return True
+
+    def _upstream_listening(self, target: Addr) -> bool:
+        """Whether the upstream still accepts connections (a process that died does not)."""
+        time.sleep(_CLOSE_PROBE_DELAY_S)  # a dying process may hold its listener a moment
+        try:
+            probe = self.r.connect_once(target)
+        except OSError:
+            return False
+        probe.close()
+        return True
+
+    def _exchange(self, gate: Gate, flight: Flight, target: Addr, fwd: Outgoing,
+                  rec: Record) -> bool:
+        """One attempt. Raises _NotStarted when nothing came back (the caller may retry)."""
+        for _ in range(2):  # a stale pooled connection is replaced once, at once
+            try:
+                sock, reused = self.r.pool.take(target)
+            except OSError as e:
+                raise _NotStarted(f"http upstream {target[0]}:{target[1]}: "
+                                  f"{e.strerror or e}") from e
+            if not gate.attach(flight, sock):
+                sock.close()
+                raise _NotStarted("cut")
+            up = fwd.parser()
+            try:
+                sock.sendall(fwd.wire)
+                first = self._first_response_bytes(sock)
+                flight.answered = True
+            except _NotStarted as e:
+                sock.close()
+                if reused and flight.cut is None and not self.client_eof:
+                    continue
+                raise _NotStarted(str(e), not reused) from e
+            except OSError as e:
+                sock.close()
+                if reused and flight.cut is None and not self.client_eof:
+                    continue
+                raise _NotStarted(f"http upstream {target[0]}:{target[1]}: "
+                                  f"{e.strerror or e}") from e
+            except BaseException:
+                sock.close()
+                raise
+            return self._relay_response(flight, target, sock, up, first, rec, fwd.poolable)
+        raise _NotStarted(f"http upstream {target[0]}:{target[1]}: closed")
+
+    def _first_response_bytes(self, sock: socket.socket) -> bytes:
+        """Wait for the upstream's first bytes while watching the client. A client that shuts
+        its side (a half-close, or gone: they look alike) is passed on as llama-server on its
+        own port would see it: the upstream connection is half-closed too, and llama-server
+        answers or stops, as it decides (it stops a completion whose client went away)."""
+        poller = select.poll()
+        cfd, ufd = self.sock.fileno(), sock.fileno()
+        poller.register(ufd, select.POLLIN)
+        if not self.client_eof:
+            poller.register(cfd, select.POLLIN)
+        while True:
+            for fd, _ev in poller.poll():
+                if fd == cfd:
+                    try:
+                        peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        peek = b"?"
+                    except OSError:
+                        peek = b""
+                    poller.unregister(cfd)  # a pipelined next request: read it later
+                    if not peek:
+                        self.client_eof = True
+                        try:
+                            sock.shutdown(socket.SHUT_WR)
+                        except OSError:
+                            pass
+                    continue
+                data = sock.recv(RECV)
+                if not data:
+                    raise _NotStarted("http upstream closed before answering")
+                return data
+
+    def _flush(self, out: list[bytes], rec: Record) -> None:
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        self._send_client(data)
+        rec.bytes_out += len(data)
+
+    def _relay_response(self, flight: Flight, target: Addr, sock: socket.socket,
+                        up: h11.Connection, data: bytes, rec: Record, poolable: bool) -> bool:
+        """Forward one response: the head as the upstream wrote it (router/head.py), the body
+        in the upstream's framing, each piece as it arrives (an SSE stream token by token)."""
+        resp = _Framing()
+        recv = sock.recv
+        # What h11 already has parsed goes out in one write: a token chunk that arrived with
+        # the terminal chunk leaves together with it (fewer syscalls, and the client sees the
+        # response complete at once).
+        out: list[bytes] = []
+        try:
+            up.receive_data(data)
+            while True:
+                ev = up.next_event()
+                if ev is h11.NEED_DATA:
+                    if out:
+                        self._flush(out, rec)
+                    try:
+                        data = recv(RECV)
+                    except OSError:
+                        data = b""
+                    up.receive_data(data)
+                    continue
+                if isinstance(ev, h11.Data):
+                    out.append(head.chunk(ev.data) if resp.kind == "chunked" else ev.data)
+                elif isinstance(ev, h11.Response):
+                    rec.status = ev.status_code
+                    resp.start(ev, rec.method == "HEAD")
+                    if resp.kind == "eof":
+                        self.keep = False  # the body ends with the connection
+                    out.append(head.response_head(ev.http_version, ev.status_code, ev.reason,
+                                                  ev.headers.raw_items(), close=not self.keep
+                                                  or self.client_eof))
+                elif isinstance(ev, h11.InformationalResponse):
+                    if ev.status_code != 101:
+                        out.append(head.informational_head(
+                            ev.http_version, ev.status_code, ev.reason, ev.headers.raw_items()))
+                elif isinstance(ev, h11.EndOfMessage):
+                    if resp.kind == "chunked":
+                        out.append(head.last_chunk(ev.headers.raw_items()))
+                    elif resp.chunked_tail:
+                        out.append(self._chunked_tail(sock, up))
+                        poolable = False
+                    self._flush(out, rec)
+                    break
+                elif isinstance(ev, h11.ConnectionClosed):
+                    raise h11.RemoteProtocolError("upstream closed mid-response")
+        except h11.RemoteProtocolError as e:
+            sock.close()
+            return self._cut(flight, resp, out, rec, str(e))
+        except BaseException:
+            sock.close()
+            raise
+        if (poolable and not self.client_eof and flight.cut is None
+                and up.our_state is h11.DONE and up.their_state is h11.DONE):
+            self.r.pool.give(target, sock)
+        else:
+            sock.close()
+        self.r.finish_request(rec)
+        return True
+
+    def _cut(self, flight: Flight, resp: _Framing, out: list[bytes], rec: Record,
+             why: str) -> bool:
+        """The upstream went away mid-response (a crash, or cut_inflight). The client is told:
+        before the head, a 502; in a chunked body (every SSE stream), an SSE error event and
+        the last chunk, so the connection stays usable; otherwise the close says it."""
+        reason = flight.cut or f"upstream closed mid-response ({why})"
+        self.r.count_cut()
+        rec.outcome, rec.reason = "cut", reason
+        self.conn.note(f"response cut: {reason}")
+        if not resp.started:
+            self._reply_error(rec, 502, f"hydra router: {reason}", "server_error", outcome="cut")
+            return True
+        keep = False
+        if resp.kind == "chunked":
+            if resp.sse:
+                out.append(head.chunk(sse_error_event(f"hydra router: {reason}")))
+            out.append(head.last_chunk())
+            keep = True
+        elif resp.kind == "eof" and resp.sse:
+            out.append(sse_error_event(f"hydra router: {reason}"))
+        try:
+            if out:
+                self._flush(out, rec)
+        except ClientGone:
+            keep = False
+        self.r.finish_request(rec)
+        return keep
+
+    def _chunked_tail(self, sock: socket.socket, up: h11.Connection) -> bytes:
+        """The empty chunked body llama-server sends after a 204 it marked chunked (h11, by the
+        RFC, reads no body there): a client that reads the framing it was given waits for it,
+        so it is forwarded as sent. Bounded: a moment, a few KiB."""
+        buf = bytes(up.trailing_data[0])
+        deadline = time.monotonic() + _TAIL_WAIT_S
+        while (end := head.empty_chunked_end(buf)) is None and len(buf) < 4096:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return buf
+            try:
+                sock.settimeout(left)
+                data = sock.recv(RECV)
+            except OSError:
+                return buf
+            if not data:
+                return buf
+            buf += data
+        return buf[:end] if end is not None else buf
+
+
+class _Framing:
+    """How the response being forwarded delimits its body."""
+
+    __slots__ = ("kind", "sse", "started", "chunked_tail")
+
+    def __init__(self) -> None:
+        self.kind = ""  # "chunked" | "length" | "eof" | "none"
+        self.sse = False
+        self.started = False
+        self.chunked_tail = False
+
+    def start(self, ev: h11.Response, head_request: bool) -> None:
+        self.started = True
+        te = cl = False
+        for k, v in ev.headers:
+            if k == b"transfer-encoding":
+                te = True
+            elif k == b"content-length":
+                cl = True
+            elif k == b"content-type" and v.startswith(b"text/event-stream"):
+                self.sse = True
+        if head_request or ev.status_code in (204, 304):
+            self.kind = "none"
+            self.chunked_tail = te and ev.status_code in (204, 304)
+        else:
+            self.kind = "chunked" if te else "length" if cl else "eof"

@@ -22,7 +22,6 @@ import os
 import resource
 import threading
 from collections.abc import Callable
-from typing import Any
 
 RELAY_STACK = 512 * 1024
 # Descriptors the router leaves to the rest of the process (supervisor, logs, probes, children's
@@ -30,6 +29,14 @@ RELAY_STACK = 512 * 1024
 FD_RESERVE = 64
 # A splice pipe smaller than this moves bulk transfers in too many syscalls; use the copy pump.
 MIN_PIPE = 64 * 1024
+# Descriptors per admitted relay: client + upstream; a spliced relay adds two pipes (4 fds).
+FDS_HTTP = 2
+FDS_SPLICE = 6
+# After a 503 the router half-closes and reads what the client still sends (for this long, at
+# most this much), so that closing with unread data does not turn into a RST that destroys the
+# 503 before the client reads it (the acceptor's refusals and the relay's "upstream down").
+LINGER_DRAIN_S = 1.0
+LINGER_DRAIN_BYTES = 1 << 20
 
 _stack_lock = threading.Lock()
 
@@ -72,7 +79,7 @@ def fd_budget(reserved: int) -> int:
 
 
 def start_thread(
-    factory: Callable[..., threading.Thread], stack: int = RELAY_STACK, **kw: Any
+    factory: Callable[..., threading.Thread], stack: int = RELAY_STACK, **kw: object
 ) -> threading.Thread:
     """Create and start a thread with a small stack.
 

@@ -25,11 +25,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hydra_supervisor.plan.ports import self_connected
 from hydra_supervisor.router import limits
-from hydra_supervisor.router.acceptor import _LINGER_DRAIN_BYTES, _LINGER_DRAIN_S
 from hydra_supervisor.router.classify import Kind
 from hydra_supervisor.router.conn import (
     Addr,
@@ -57,6 +56,9 @@ _MAX_IDLE_WORKERS = 64
 _WORKER_IDLE_S = 30.0
 _EMFILE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
+# What a pooled worker is handed: a function and its arguments (None: exit).
+Task = tuple[Callable[..., None], tuple[object, ...]]
+
 
 class Relay:
     """The workers' part of ``Router``: the pool, the byte relay, closing a connection."""
@@ -73,7 +75,7 @@ class Relay:
     _rpc_idle_timeout: float | None
     _pump_kind: str
     _idle_workers: int
-    _tasks: queue.SimpleQueue[tuple[Any, tuple[Any, ...]] | None]
+    _tasks: queue.SimpleQueue[Task | None]
     _thread_factory: Callable[..., threading.Thread]
     _threads: set[threading.Thread]
 
@@ -86,7 +88,7 @@ class Relay:
 
     # ---------------------------------------------------------------- worker pool
 
-    def _run(self, fn: Any, *args: Any) -> None:
+    def _run(self, fn: Callable[..., None], *args: object) -> None:
         """Run fn(*args) on an idle worker thread, or on a new one if none is idle.
         Raises RuntimeError when a new thread cannot be started."""
         with self._lock:
@@ -104,7 +106,8 @@ class Relay:
             if t.is_alive():
                 self._threads.add(t)
 
-    def _worker(self, fn: Any, args: tuple[Any, ...], tasks: queue.SimpleQueue[Any]) -> None:
+    def _worker(self, fn: Callable[..., None], args: tuple[object, ...],
+                tasks: queue.SimpleQueue[Task | None]) -> None:
         with self._lock:
             self._threads.add(threading.current_thread())
         try:
@@ -150,14 +153,16 @@ class Relay:
         deadline = time.monotonic() + self._connect_timeout
         while True:
             try:
-                return self._connect_once(target)
+                return self.connect_once(target)
             except OSError as e:
                 if e.errno not in _EMFILE or time.monotonic() >= deadline:
                     raise
                 self.count_event("emfile_wait", f"{e.strerror or e}")
                 time.sleep(0.05)
 
-    def _connect_once(self, target: Addr) -> socket.socket:
+    def connect_once(self, target: Addr) -> socket.socket:
+        """One attempt to connect to a local upstream (no wait for descriptors); an HTTP
+        session probes whether its upstream still listens with it."""
         # Not socket.create_connection: its getaddrinfo costs tens of microseconds per
         # connection, and targets are numeric loopback addresses anyway.
         host = "127.0.0.1" if target[0] == "localhost" else target[0]
@@ -359,15 +364,15 @@ class Relay:
             return
         client = conn.client
         try:
-            client.settimeout(_LINGER_DRAIN_S)
+            client.settimeout(limits.LINGER_DRAIN_S)
             client.sendall(
                 http_error_response(503, f"hydra router: {reason}",
                                     DEFAULT_RETRY_AFTER)
             )
             client.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + _LINGER_DRAIN_S
+            deadline = time.monotonic() + limits.LINGER_DRAIN_S
             drained = 0
-            while drained < _LINGER_DRAIN_BYTES and time.monotonic() < deadline:
+            while drained < limits.LINGER_DRAIN_BYTES and time.monotonic() < deadline:
                 client.settimeout(max(0.01, deadline - time.monotonic()))
                 chunk = client.recv(65536)
                 if not chunk:

@@ -3,16 +3,20 @@ that ends a cut stream, and one ``Record`` per request.
 
 Responses the router writes itself take llama-server's shape (its error JSON, its header names),
 so a client cannot tell them apart from llama-server's own; the acceptor and the byte relay use
-``http_error_response`` for their 503s, the HTTP session (router/http.py, router/upstream.py)
-the rest.
+``http_error_response`` for their 503s, the HTTP session (router/http.py) the rest.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import TypedDict
+
+# A JSON value as the router is given it (a LocalReply's body, T1 request defaults): read-only
+# containers, so that a `dict[str, str]` or a `list[str]` is one too.
+JSONValue = None | bool | int | float | str | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
 
 
 def error_body(status: int, message: str, kind: str = "unavailable_error") -> bytes:
@@ -23,7 +27,7 @@ def http_error_response(status: int, message: str, retry_after: int | None = Non
     """A complete error response that closes the connection (the acceptor's and the byte
     relay's replies), with llama-server's error JSON."""
     extra = [(b"Retry-After", str(retry_after).encode())] if retry_after is not None else []
-    return _json_response(status, error_body(status, message),
+    return json_response(status, error_body(status, message),
                           [*extra, (b"Connection", b"close")])
 
 
@@ -31,6 +35,21 @@ def sse_error_event(message: str) -> bytes:
     """The event that ends a cut stream; the openai client raises APIError on an "error" key."""
     err = {"error": {"message": message, "type": "server_error", "code": 502}}
     return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+
+class RequestRecord(TypedDict):
+    """One request as the router's ``on_request`` callback gets it (``Record.as_dict``)."""
+
+    route: str | None
+    port: int
+    method: str
+    path: str
+    status: int
+    duration_s: float
+    bytes_in: int
+    bytes_out: int
+    model: str | None
+    outcome: str
 
 
 @dataclass
@@ -47,7 +66,7 @@ class Record:
     route: str | None = None  # the route (profile) the router's table chose; None: no table
     port: int = 0  # the external port it came in on
 
-    def as_dict(self, now: float) -> dict[str, Any]:
+    def as_dict(self, now: float) -> RequestRecord:
         return {
             "route": self.route,
             "port": self.port,
@@ -62,7 +81,7 @@ class Record:
         }
 
 
-def _json_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]],
+def json_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]],
                    with_body: bool = True) -> bytes:
     """A response the router writes itself, in llama-server's shape (its error JSON, its
     header names)."""

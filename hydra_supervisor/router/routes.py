@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Gate, Refusal
+from hydra_supervisor.router.replies import JSONValue
 
 Addr = tuple[str, int]
 log = logging.getLogger("hydra.router")
@@ -30,8 +31,20 @@ class LocalReply:
     """The router answers the request itself with this JSON (no upstream is involved)."""
 
     status: int
-    body: dict[str, Any] | list[Any]
+    body: Mapping[str, JSONValue] | Sequence[JSONValue]  # a JSON object or array
     counter: str = "local"  # the stats "refused" reason (statuses >= 400) it is counted under
+
+
+class RouteStats(TypedDict):
+    """``Route.stats()``: one lane's counters in its port's router."""
+
+    requests: int
+    held: int
+    inflight: int
+    held_reason: str | None
+    idle_s: float
+    running: int | None  # with a limiter: requests upstream now, and waiting for a slot
+    waiting: int | None
 
 
 class Limiter:
@@ -142,7 +155,7 @@ class Route:
             self.last_used = time.monotonic()
             self.requests += 1
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RouteStats:
         running, waiting = self.limiter.counts() if self.limiter else (None, None)
         return {"requests": self.requests, "held": self.gate.held(),
                 "inflight": self.gate.inflight(), "held_reason": self.gate.held_reason,

@@ -22,12 +22,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from hydra_supervisor.router.replies import JSONValue
 from hydra_supervisor.router.routes import LocalReply, Route
 
 MODEL_PATHS = ("/v1/models", "/models")
 HEALTH_PATHS = ("/health", "/v1/health")
 
-JSONDict = dict[str, object]
+JSONDict = dict[str, JSONValue]
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,6 @@ def _health_while_held(entry: Entry) -> LocalReply | None:
 def _copy(models: JSONDict) -> JSONDict:
     """A fresh copy for one reply (the reply may be changed by whoever sends it)."""
     data = models.get("data")
-    rows = [dict(r) if isinstance(r, dict) else r for r in data] \
+    rows: list[JSONValue] = [dict(r) if isinstance(r, Mapping) else r for r in data] \
         if isinstance(data, list) else []
     return {**models, "data": rows}
