@@ -168,7 +168,8 @@ class FakeSupervisor:
         self.on_upstream_moved: Any = None
         self.fail_fast = False
         self.before_head_swap: Any = None
-        self.head = FakeProc("head", Role.HEAD, self)
+        head = next((e.name for e in dep.plan.engines if e.role is Role.HEAD), "head")
+        self.head = FakeProc(head, Role.HEAD, self)
         self.procs = [FakeProc(e.name, e.role, self) for e in dep.plan.peers] + [self.head]
         self.restarted: list[str] = []
         self.unkillable: list[str] = []

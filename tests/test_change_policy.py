@@ -34,6 +34,7 @@ from hydra_supervisor.proc.managed import State
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.runtime import daemon_actions
 from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.serve import lane as lane_mod
 from hydra_supervisor.serve.lane import Lane
@@ -71,7 +72,7 @@ async def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]], first
 
     async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path
                     ) -> process.Child:
-        name = Path(log).stem
+        name = Path(log).stem.split(".", 1)[-1]  # the role: a lane names it PROFILE.ROLE
         counts[name] = counts.get(name, 0) + 1
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         text = "build: 1 (abc)\n"
@@ -129,10 +130,10 @@ def test_head_only_change_fails_fast_rolls_back_and_the_supervisor_keeps_serving
         assert BAD_ARG in (rep.error or ""), rep.error  # llama.cpp's own line, not the usage
         assert "exited during start-up (exit 1)" in (rep.error or "")
         # one failed start, no backoff: the bad head ran once, the old one came back at once
-        assert w.spawned("head") == ["head"] * 3
+        assert w.spawned("head") == ["t.head"] * 3
         assert took * w.scale < 5.0, f"{took * w.scale:.1f} policy seconds"
         assert lane.sup is sup and sup.fatal is None and not sup.stopping.is_set()
-        assert lane.dep is old and "bogus" not in sup.head.spec.args  # type: ignore[union-attr]
+        assert lane.dep == lane.own(old) and "bogus" not in sup.head.spec.args  # type: ignore[union-attr]
         assert all(p.state is State.READY for p in sup.procs)
         assert sup.procs[0].pid == peer_pid  # the peer was never touched
         assert lane.state_now().value == "serving"
@@ -166,8 +167,9 @@ def test_a_switch_fails_fast_without_a_retry(tmp_path: Path) -> None:
         assert rep.result == "rolled_back" and rep.failed_phase == "start", rep
         assert BAD_ARG in (rep.error or "")
         assert (rep.error or "").count("head:") == 1  # named once
-        assert w.spawned("head") == ["head"] * 3  # old, new once (no retry), old again
-        assert lane.dep is old and lane.state_now().value == "serving"
+        # old, new once (no retry), old again
+        assert w.spawned("head") == ["t.head", "new.head", "t.head"]
+        assert lane.dep == lane.own(old) and lane.state_now().value == "serving"
         await eng.shutdown("test")
 
     asyncio.run(asyncio.wait_for(body(), 50))
@@ -185,9 +187,9 @@ def test_hydra_restart_fails_fast_and_starts_the_layout_again(tmp_path: Path) ->
         with pytest.raises(HydraError) as info:
             await lane.restart("head")
         msg = str(info.value)
-        assert "restart of head failed" in msg and BAD_ARG in msg, msg
+        assert "restart of t.head failed" in msg and BAD_ARG in msg, msg
         assert "started again and serves" in msg
-        assert w.spawned("head") == ["head"] * 3
+        assert w.spawned("head") == ["t.head"] * 3
         assert lane.state_now().value == "serving" and lane.sup is not None \
             and not lane.sup.fatal
         await eng.shutdown("test")
@@ -205,12 +207,12 @@ def test_router_false_target_is_refused_before_anything_stops(tmp_path: Path) ->
         await asyncio.wait_for(sup.first_ready.wait(), 10)
         target = replace(deployment(0), plan=replace(deployment(0, router=False).plan,
                                                      profile="own-port"))
-        for call in (eng.switch_to, lane.apply):
+        for call in (eng.switch_in, lane.apply):
             with pytest.raises(HydraError, match="router: false"):
                 # the daemon asks this before a switch and a reload
-                Daemon._check_servable(eng, target)
+                daemon_actions.check_servable(eng, target)
                 await call(target)
-        assert lane.sup is sup and not sup.stopping.is_set() and w.spawned("head") == ["head"]
+        assert lane.sup is sup and not sup.stopping.is_set() and w.spawned("head") == ["t.head"]
         assert not lane.switches  # nothing ran, nothing to report
         await eng.shutdown("test")
 
@@ -257,12 +259,12 @@ def test_reloads_during_a_reload_are_coalesced_and_the_last_edit_wins(tmp_path: 
             await done.wait()
             return {"result": "ok", "applied": seen}
 
-        d._reload_once = once  # type: ignore[method-assign]
+        d.actions.reload_once = once
         first = asyncio.ensure_future(d.reload())
         await until(lambda: runs == ["v1"])  # the first run has read the files
         edits.append("v2")
         second = asyncio.ensure_future(d.reload())  # SIGHUP 1 during the reload
-        await until(lambda: d.reloads._next is not None)  # queued behind the first
+        await until(lambda: d.actions.reloads._next is not None)  # queued behind the first
         edits.append("v3")
         third = asyncio.ensure_future(d.reload())  # SIGHUP 2 while it waits: same run
         for _ in range(3):  # (no clock in this: each step lets the new task run its ask)
@@ -293,7 +295,7 @@ def test_a_failed_change_is_said_on_the_status_line_until_one_works(tmp_path: Pa
             lane.switches.append(what)  # what the lane records for a change
             return what.to_json()
 
-        d._reload_once = once  # type: ignore[method-assign]
+        d.actions.reload_once = once
         outcome.append(SwitchReport(to="p", frm="p", result="rolled_back",
                                     error=f"head: exited (exit 1): {BAD_ARG}"))
         await d.reload()

@@ -22,6 +22,7 @@ from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy, SwitchTimeouts
+from hydra_supervisor.serve.states import LaneState
 from tests.lane_fakes import (
     BEHAVIOUR,
     STARTED,
@@ -81,6 +82,7 @@ async def started(port: Port, d: Deployment) -> None:
     sup = lane.sup
     assert sup is not None
     await asyncio.wait_for(sup.first_ready.wait(), 5)
+    await until(lambda: lane.phase is not LaneState.LOADING)  # the load saw it READY
 
 
 def test_model_less_start_names_the_profiles(engine: Port) -> None:
@@ -126,7 +128,7 @@ def test_failed_switch_rolls_back_and_names_the_phase(engine: Port) -> None:
         rep = await engine.switch_in(dep("broken"))
         assert rep.result == "rolled_back"
         assert rep.failed_phase == "start" and "head" in (rep.error or "")
-        assert rep.log_tail == ["head log line"]
+        assert rep.log_tail == ["broken.head log line"]
         assert lane.dep is not None and lane.dep.profile == "a"
         assert word(engine) == "serving"
         assert route(engine).held is None
@@ -245,11 +247,11 @@ def test_restart_names_the_engines_it_knows(engine: Port) -> None:
     async def go() -> None:
         await started(engine, dep("a", peers=1))
         lane = lane_of(engine)
-        with pytest.raises(Exception, match="engines: peer-0, head"):
+        with pytest.raises(Exception, match="engines: a.peer-0, a.head"):
             await lane.restart("nope")
         res = await lane.restart("peer-0")  # one report type: a SwitchReport
-        assert res.result == "ok" and res.restarted == ["peer-0"]
-        assert lane.sup is not None and lane.sup.restarted == ["peer-0"]  # type: ignore
+        assert res.result == "ok" and res.restarted == ["a.peer-0"]
+        assert lane.sup is not None and lane.sup.restarted == ["a.peer-0"]  # type: ignore
         await engine.shutdown("test")
 
     asyncio.run(go())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 import logging
 
 from hydra_supervisor.plan.deployment import Deployment
@@ -24,10 +25,12 @@ log = logging.getLogger("hydra")
 SLOT_TIMEOUT = 120.0  # one slot's save or restore (a long context on a slow disk)
 
 
-async def save(addr: Addr | None, dep: Deployment | None) -> dict[int, str]:
-    """keep_slots: save every slot of the running head (READY at `addr`) before it stops."""
+async def save(head: Callable[[], Addr | None], dep: Deployment | None) -> dict[int, str]:
+    """keep_slots: save every slot of the running head (`head()`: where it answers while
+    READY) before it stops."""
     if dep is None or not dep.keep_slots:
         return {}
+    addr = head()
     if addr is None:
         return {}
     try:
@@ -38,13 +41,14 @@ async def save(addr: Addr | None, dep: Deployment | None) -> dict[int, str]:
         return {}
 
 
-async def restore(addr: Addr | None, state: StateDir, old: Deployment | None,
+async def restore(head: Callable[[], Addr | None], state: StateDir, old: Deployment | None,
                   new: Deployment, saved: dict[int, str], report: SwitchReport) -> None:
-    """keep_slots: restore the saved slots into the new head (READY at `addr`) when it runs
-    the same model; the saved files (in `state`'s slot dir) go either way."""
+    """keep_slots: restore the saved slots into the new head (`head()`) when it runs the
+    same model; the saved files (in `state`'s slot dir) go either way."""
     if not saved:
         return
     try:
+        addr = head()
         if old is None or addr is None or old.plan.model_path != new.plan.model_path \
                 or not new.keep_slots:
             report.notes.append("saved slots not restored: the new layout runs another "

@@ -457,7 +457,7 @@ class Lane:
             saved: dict[int, str] = {}
             if old is not None and old.keep_slots:
                 with phase("save_slots"):
-                    saved = await keepslots.save(self.head_addr(), old)
+                    saved = await keepslots.save(self.head_addr, old)
             with phase("stop"):
                 pids = await self._stop_current(f"switch to {dep.profile}")
             with phase("gpu_free"):
@@ -474,7 +474,7 @@ class Lane:
                                   + self.switch_timeouts.gate_extra)
             if saved:
                 with phase("restore_slots"):
-                    await keepslots.restore(self.head_addr(), self.state, old, dep, saved, report)
+                    await keepslots.restore(self.head_addr, self.state, old, dep, saved, report)
             with phase("release"):
                 self.last_good = dep
                 self.switching = None
@@ -535,7 +535,7 @@ class Lane:
                 r.hold(f"restarting the head of {dep.profile} with new settings")
             with phase("drain"):
                 await self._drain(report, dep.profile)
-            saved = await keepslots.save(self.head_addr(), old)
+            saved = await keepslots.save(self.head_addr, old)
             with phase("restart_head"):
                 sup.adopt_head(dep)
                 self._adopt(dep)
@@ -543,7 +543,7 @@ class Lane:
                 # backoff), and the supervisor waits for the rollback below
                 await sup.restart(names[0], fail_fast=True)
                 await self._ready(sup, dep.timeouts.load)
-            await keepslots.restore(self.head_addr(), self.state, old, dep, saved, report)
+            await keepslots.restore(self.head_addr, self.state, old, dep, saved, report)
             self.last_good = dep
             report.result = Result.OK
         except (LayoutFailed, HydraError, OSError, Fatal) as exc:
@@ -639,6 +639,8 @@ class Lane:
         if sup is None:
             raise HydraError(f"profile {self.name} is not running: nothing to restart")
         names = [p.name for p in sup.procs]
+        if name not in names and f"{self.name}.{name}" in names:
+            name = f"{self.name}.{name}"  # the role alone (`head`): this lane's
         if name not in names:
             raise HydraError(f"no engine '{name}' in profile {sup.plan.profile}; "
                              f"engines: {', '.join(names)}")
@@ -648,7 +650,7 @@ class Lane:
         async with self.lock:
             t0 = self.clock()
             dep = self.dep
-            saved = await keepslots.save(self.head_addr(), dep)
+            saved = await keepslots.save(self.head_addr, dep)
             try:
                 await sup.restart(name, fail_fast=True)
                 await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
@@ -656,7 +658,7 @@ class Lane:
                 raise RestartFailed(await self._restart_failed(name, sup, dep, exc)) from exc
             rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, result=Result.OK,
                                restarted=[name])
-            await keepslots.restore(self.head_addr(), self.state, dep, dep, saved, rep)
+            await keepslots.restore(self.head_addr, self.state, dep, dep, saved, rep)
             rep.total_s = self.clock() - t0
             return rep
 

@@ -324,10 +324,10 @@ class Standby:
         if active.dep.keep_slots and sb.dep.keep_slots:
             async with active.lock:  # no other change of the old head while it saves
                 with phase("save_slots"):
-                    saved = await keepslots.save(active.head_addr(), active.dep)
+                    saved = await keepslots.save(active.head_addr, active.dep)
                 if saved:
                     with phase("restore_slots"):
-                        await keepslots.restore(sb.head_addr(), sb.state, active.dep, sb.dep,
+                        await keepslots.restore(sb.head_addr, sb.state, active.dep, sb.dep,
                                                 saved, report)
         with phase("flip"):
             inflight = active.route.gate.inflight()
