@@ -4,8 +4,9 @@ for on_peer_loss: degrade) and whether the head serves degraded meanwhile.
 
 Every change of a spec goes through here — a process moved to a free port, degrading to SOLO
 and back, a new head adopted — so the head's specs stay consistent whoever asked. The
-Supervisor and its collaborators (starting.py, watching.py, restarts.py) share one Lineup and
-read its fields; only the Supervisor's own code and these methods write them."""
+Supervisor and its collaborators (starting.py, watching.py, restarts.py, stopping.py) share one
+Lineup and read its fields; these methods change them, and the restart policy rewrites the
+text of `degraded` as its recovery of the peers goes on."""
 
 from __future__ import annotations
 
