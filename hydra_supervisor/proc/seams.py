@@ -1,5 +1,6 @@
 """The Supervisor's seams: every OS and network touch of its policy, one field each, so that
-each policy case runs in a fast test on fake children (tests/fake_children.py)."""
+each policy case runs in a fast test on fake children (tests/fake_children.py); and the two
+waits its parts share (`race`, `sleep_or_stop`), built on the injected sleep."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ class Seams:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     reap: bool = True  # subreaper + reaping adopted orphans (off for fake children)
+
+
+async def race(*aws: Awaitable[object]) -> None:
+    """Wait until the first of `aws` is done; cancel (and await) the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sleep_or_stop(seams: Seams, stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep on the seams' clock, cut short by a stop request."""
+    await race(seams.sleep(seconds), stopping.wait())

@@ -1,41 +1,72 @@
-"""The Supervisor's start of one process: a free port (moving off one another process took),
-spawning it with its log (and a fallback log), a peer's tensor-cache prefill, waiting until it
-is ready (/health 200 from hydra's own child, or a compatible HELLO), backing off between failed
-starts (or failing fast in a planned change), and a remote peer probed on a timer. A class in
-the Supervisor's chain (supervisor_base.py says why): a head that fails to start has its peers
-checked first (watching.py)."""
+"""The Supervisor's start sequencing: peers first (each HELLO-checked), then the head,
+health-gated (/health 200 from hydra's own child), each start watched for a peer lost
+meanwhile. Starting one process: a free port (moving off one another process took), spawning it
+with its log (and a fallback log), a peer's tensor-cache prefill, waiting until it is ready (or
+a compatible HELLO), backing off between failed starts (or failing fast in a planned change),
+and a remote peer probed on a timer. A head that fails to start has its peers checked first
+(watching.py): their loss, not the head's failure, is then what the Supervisor answers."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
 
+from hydra_supervisor.plan.deployment import PortPicker
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.plan.ports import client_host, port_holder
 from hydra_supervisor.proc import llamaerr, logfiles, process
+from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
 from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError
-from hydra_supervisor.proc.seams import Moved
-from hydra_supervisor.proc.watching import SupervisorWatching
+from hydra_supervisor.proc.seams import Moved, Seams, UpstreamMoved, sleep_or_stop
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.stopping import Stopper
+from hydra_supervisor.proc.watching import Watcher
 
 log = logging.getLogger("hydra")
 
 
-def _with_http_port(spec: EngineSpec, port: int) -> EngineSpec:
-    """A head moved to another internal port (its `--port` argument follows)."""
-    args = list(spec.args)
-    if "--port" in args:
-        args[args.index("--port") + 1] = str(port)
-    return dataclasses.replace(spec, port=port, args=tuple(args))
+class Starter:
+    """Brings a Lineup's processes up, in order (see the module's doc)."""
 
+    def __init__(self, lineup: Lineup, *, watcher: Watcher, stopper: Stopper, state: StateDir,
+                 seams: Seams, stopping: asyncio.Event, pick_port: PortPicker | None,
+                 pick_internal_port: PortPicker | None) -> None:
+        self.lineup = lineup
+        self.watcher = watcher
+        self.stopper = stopper
+        self.state = state
+        self.seams = seams
+        self.stopping = stopping
+        self.pick_port = pick_port
+        self.pick_internal_port = pick_internal_port
+        # A planned change's start: the first failure ends it (ChangeFailed) instead of backing
+        # off (the caller rolls back). The Supervisor clears it once everything is READY.
+        self.fail_fast = False
+        # Told when a process moves to another port because another process took its own:
+        # (kind "http" | "rpc", the old address, the new port). The lane re-points its route.
+        self.on_upstream_moved: UpstreamMoved | None = None
+        self.spawned: set[int] = set()  # every child started (each leads its process group)
 
-class SupervisorStarting(SupervisorWatching):
-    """Bringing one process up (see the module's doc)."""
+    async def converge(self) -> None:
+        """Start what is not READY: the peers (unless the head serves SOLO meanwhile), each
+        watched with those already up, then the head, watched with its peers."""
+        lineup = self.lineup
+        if not lineup.degraded:
+            for peer in lineup.peers:
+                if peer.state is not State.READY:
+                    up = [p for p in lineup.peers if p.state is State.READY]
+                    await self.watcher.guarded(self.bring_up(peer), up)
+        if lineup.head is not None and lineup.head.state is not State.READY:
+            watch = [] if lineup.degraded else lineup.peers
+            await self.watcher.guarded(self.bring_up(lineup.head), watch)
+
+    async def _sleep(self, seconds: float) -> None:
+        await sleep_or_stop(self.seams, self.stopping, seconds)
 
     # -- ports ------------------------------------------------------------------------------
 
@@ -47,32 +78,25 @@ class SupervisorStarting(SupervisorWatching):
         spec = mp.spec
         if self.seams.port_free(spec.host, spec.port):
             return
-        taken = {p.spec.port for p in self.procs} | {self.plan.port}
+        taken = {p.spec.port for p in self.lineup.procs} | {self.lineup.plan.port}
         if spec.role is Role.PEER:
             new = self.pick_port(taken) if self.pick_port else None
             if new is None:
                 raise StartFailed(f"port {spec.port} is taken by {port_holder(spec.port)} and "
                                   "no free port is left in the node's rpc_ports range")
-            old_ep = spec.endpoint
             mp.spec = spec.with_port(new)
-            if self.head is not None and self.combine_head is not None:
-                self.combine_head = self.combine_head.repointed(old_ep, mp.spec.endpoint)
-                if not self.degraded:
-                    self.head.spec = self.combine_head
+            self.lineup.peer_moved(spec.endpoint, mp.spec.endpoint)
             self._move_upstream(Moved.RPC, spec, new)
         else:
-            behind_router = self.plan.router is not None and self.plan.router.http is not None
+            router = self.lineup.plan.router
+            behind_router = router is not None and router.http is not None
             new = self.pick_internal_port(taken) if behind_router and \
                 self.pick_internal_port else None
             if new is None:
                 raise StartFailed(f"port {spec.port} is taken by {port_holder(spec.port)}" + (
                     "" if behind_router else " (router: false: the head binds the profile's "
                     "port itself and cannot move)"))
-            mp.spec = _with_http_port(spec, new)
-            if self.combine_head is not None:
-                self.combine_head = _with_http_port(self.combine_head, new)
-            if self.solo_head is not None:
-                self.solo_head = _with_http_port(self.solo_head, new)
+            self.lineup.head_moved(mp, new)
             self._move_upstream(Moved.HTTP, spec, new)
         log.warning("%s: port %d is taken by another process; moved to %d", mp.name,
                     spec.port, new)
@@ -84,7 +108,7 @@ class SupervisorStarting(SupervisorWatching):
     # -- one process ------------------------------------------------------------------------
 
     async def _spawn(self, mp: ManagedProcess) -> None:
-        if mp.spec.program == "ggml-rpc-server" and self.plan.meta.get("prefill"):
+        if mp.spec.program == "ggml-rpc-server" and self.lineup.plan.meta.get("prefill"):
             await self._prefill_rpc_cache(mp)  # a peer profile's `prefill:` (rpccache.py)
         self._free_port(mp)
         mp.to(State.STARTING, "spawning")
@@ -106,7 +130,7 @@ class SupervisorStarting(SupervisorWatching):
         except OSError as exc:
             raise StartFailed(f"cannot start {mp.binary}: {exc.strerror}") from exc
         mp.started_wall = time.time()
-        self._spawned.add(mp.child.pid)
+        self.spawned.add(mp.child.pid)
         try:
             self.state.record_child(mp.name, mp.child.pid)
         except OSError as exc:
@@ -136,7 +160,7 @@ class SupervisorStarting(SupervisorWatching):
                 loop.call_soon_threadsafe(mp.note, text)
 
         try:
-            await asyncio.to_thread(rpccache.prefill_all, self.plan.meta["prefill"], cdir,
+            await asyncio.to_thread(rpccache.prefill_all, self.lineup.plan.meta["prefill"], cdir,
                                     note=note, stop=stop)
         finally:
             stop.set()  # cancelled (a stop): the thread ends at its next chunk
@@ -156,10 +180,10 @@ class SupervisorStarting(SupervisorWatching):
 
     async def _wait_ready(self, mp: ManagedProcess) -> None:
         spec = mp.spec
-        budget = self.timeouts.load if spec.role is Role.HEAD else self.timeouts.peer
-        started = self._now()
+        budget = self.lineup.timeouts.load if spec.role is Role.HEAD else self.lineup.timeouts.peer
+        started = self.seams.clock()
         deadline = started + budget
-        while self._now() < deadline:
+        while self.seams.clock() < deadline:
             if mp.child is not None and mp.child.returncode is not None:
                 mp.last_exit = mp.child.returncode
                 raise StartFailed(f"{spec.program} exited during start-up "
@@ -187,7 +211,7 @@ class SupervisorStarting(SupervisorWatching):
                 mp.note(f"waiting for ggml-RPC HELLO on {spec.endpoint}")
             # Probe often while a fast load may finish any moment (a switch waits on this),
             # then settle down: a loopback /health or HELLO costs microseconds either way.
-            await self._sleep(0.05 if self._now() - started < 5.0 else 0.25)
+            await self._sleep(0.05 if self.seams.clock() - started < 5.0 else 0.25)
         what = "/health 200" if spec.role is Role.HEAD else "HELLO"
         raise StartFailed(f"no {what} within {budget:.0f}s (load timeout)")
 
@@ -200,7 +224,7 @@ class SupervisorStarting(SupervisorWatching):
             raise StartFailed(f"port {mp.spec.port} is answered by {port_holder(mp.spec.port)},"
                               f" not by hydra's {mp.spec.program} (pid {mp.child.pid})")
 
-    async def _bring_up(self, mp: ManagedProcess) -> None:
+    async def bring_up(self, mp: ManagedProcess) -> None:
         """Start until READY, backing off between failures; raises Fatal or StartFailed(stop).
         A head that fails makes its peers suspect: they are checked (PeerLost) before a retry."""
         if not mp.spec.managed:
@@ -209,7 +233,7 @@ class SupervisorStarting(SupervisorWatching):
         while not self.stopping.is_set():
             try:
                 if mp.alive:  # a cancelled earlier attempt left one running
-                    await self._kill(mp)
+                    await self.stopper.kill(mp)
                 if mp.state is State.FATAL:
                     mp.to(State.STOPPED, "restarting")
                 await self._spawn(mp)
@@ -220,9 +244,9 @@ class SupervisorStarting(SupervisorWatching):
             except StartFailed as exc:
                 if self.stopping.is_set():
                     break
-                await self._kill(mp)
-                if mp.is_head and not self.degraded:
-                    await self._check_peers(f"head failed to start ({exc})")
+                await self.stopper.kill(mp)
+                if mp.is_head and not self.lineup.degraded:
+                    await self.watcher.check_peers(f"head failed to start ({exc})")
                 if self.fail_fast:
                     why = llamaerr.with_line(str(exc), llamaerr.from_log(mp.log_path))
                     if mp.child is not None and mp.child.returncode is not None:
@@ -236,7 +260,7 @@ class SupervisorStarting(SupervisorWatching):
                 if not self.stopping.is_set():
                     mp.restarts += 1
             except Fatal:
-                await self._kill(mp)
+                await self.stopper.kill(mp)
                 if mp.state is not State.FATAL:
                     mp.to(State.FATAL, "protocol mismatch")
                 raise
@@ -246,7 +270,7 @@ class SupervisorStarting(SupervisorWatching):
         """A remote peer (endpoint:) is not hydra's to restart: HELLO it on a timer (backoff
         delays) until it answers, for at most restart.window seconds, then FATAL."""
         budget = mp.policy.window
-        t0 = self._now()
+        t0 = self.seams.clock()
         tries = 0
         while not self.stopping.is_set():
             if mp.state in (State.STOPPED, State.FATAL):
@@ -255,7 +279,7 @@ class SupervisorStarting(SupervisorWatching):
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint}")
             elif mp.state is State.BACKOFF:
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint} again")
-            asked = self._now()
+            asked = self.seams.clock()
             try:
                 version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0)
             except HelloError as exc:
@@ -263,7 +287,7 @@ class SupervisorStarting(SupervisorWatching):
                 why = f"not a ggml-rpc-server: {exc}"
             else:
                 why = "no HELLO answer" if version is not None else \
-                    self._why_no_hello(self._now() - asked, 2.0)
+                    self._why_no_hello(self.seams.clock() - asked, 2.0)
             if version is not None:
                 if not version.compatible():
                     mp.to(State.FATAL, f"protocol mismatch: speaks {version}")
@@ -271,7 +295,7 @@ class SupervisorStarting(SupervisorWatching):
                                 f"{mp.spec.endpoint} speaks {version}")
                 mp.to(State.READY, "HELLO answered")
                 return
-            away = self._now() - t0
+            away = self.seams.clock() - t0
             if away >= budget:
                 msg = (f"remote peer {mp.spec.endpoint} unreachable for {away:.0f}s "
                        f"(restart.window {budget:.0f}s), giving up")

@@ -27,10 +27,14 @@ Restarts back off (backoff.py); a spent budget is FATAL. Liveness of children is
 through asyncio (never os.waitpid(-1)); orphans re-parented to hydra (a child subreaper) are
 reaped by pid.
 
-The parts, one job each: managed.py (ManagedProcess and its state machine), seams.py (the OS
-and network touches), supervisor_base.py (state, status, stopping one process), watching.py
-(the watching rules), starting.py (starting one process); this module is the loop, its
-answers to each event, planned restarts and stopping everything.
+The Supervisor composes collaborators, one job each, that share one Lineup (lineup.py: the
+processes and the specs in force): the Starter (starting.py: start sequencing, peers then head,
+one process up with its backoff), the Watcher (watching.py: exits, freezes, the head's health,
+the stall rule), the Restarter (restarts.py: the answer to a lost peer, an exited or hung head:
+backoff, on_peer_loss, FATAL) and the Stopper (stopping.py: stopping one process, bounded).
+managed.py is ManagedProcess and its state machine; seams.py the OS and network touches. This
+module is the Supervisor itself: its loop and which event wins, planned restarts, a new head
+adopted, stopping everything, and its status.
 """
 
 from __future__ import annotations
@@ -39,13 +43,16 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hydra_supervisor.config.profile import PeerLoss
-from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.plan.plan import Role
+from hydra_supervisor.plan.deployment import Deployment, Timeouts
+from hydra_supervisor.plan.plan import Plan, Role
+from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import process
-from hydra_supervisor.proc.backoff import Backoff
+from hydra_supervisor.proc.health import Gated as Traffic
+from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import (
     ChangeFailed,
     Fatal,
@@ -55,13 +62,157 @@ from hydra_supervisor.proc.managed import (
     StartFailed,
     State,
 )
-from hydra_supervisor.proc.starting import SupervisorStarting
+from hydra_supervisor.proc.restarts import Restarter
+from hydra_supervisor.proc.seams import Seams, UpstreamMoved, race
+from hydra_supervisor.proc.starting import Starter
+from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.proc.stopping import Stopper
+from hydra_supervisor.proc.watching import Watcher
 
 log = logging.getLogger("hydra")
 
 
-class Supervisor(SupervisorStarting):
-    """Owns every ManagedProcess of one Deployment; the only code that changes their states."""
+class Supervisor:
+    """Owns every ManagedProcess of one Deployment; it and its collaborators are the only code
+    that changes their states (see the module's doc)."""
+
+    def __init__(self, deployment: Deployment, state: StateDir, *,
+                 seams: Seams | None = None) -> None:
+        self.seams = seams or Seams()
+        self.state = state
+        self.model_label = deployment.model_label
+        self.stopping = asyncio.Event()
+        self.first_ready = asyncio.Event()
+        self.fatal: str | None = None
+        self.stop_reason: str | None = None  # why the run ended (stop asked, FATAL, bug)
+        self.unkillable: list[str] = []
+        # Called on every transition (the lane holds its route while the head is not READY).
+        self.listeners: list[Callable[[ManagedProcess], None]] = []
+        # When set, called instead of writing status.json (the daemon owns that file then).
+        self.on_publish: Callable[[], None] | None = None
+        self._requests: asyncio.Queue[tuple[str, asyncio.Future[None], bool]] = asyncio.Queue()
+        self._shutdown: asyncio.Task[None] | None = None
+        self.procs = [
+            ManagedProcess(spec=spec, binary=deployment.binaries.get(spec.program, spec.program),
+                           log_path=state.log_path(spec.name), policy=deployment.policy,
+                           on_change=self._changed, clock=self.seams.clock)
+            for spec in deployment.plan.in_start_order()
+        ]
+        lineup = self._lineup = Lineup(deployment, self.procs)
+        self.head = lineup.head
+        self.peers = lineup.peers
+        self._stopper = Stopper(lineup, state, self.seams, self.unkillable)
+        self._watcher = Watcher(lineup, self.seams)
+        self._starter = Starter(lineup, watcher=self._watcher, stopper=self._stopper,
+                                state=state, seams=self.seams, stopping=self.stopping,
+                                pick_port=deployment.pick_port,
+                                pick_internal_port=deployment.pick_internal_port)
+        self._restarter = Restarter(lineup, watcher=self._watcher, starter=self._starter,
+                                    stopper=self._stopper, seams=self.seams,
+                                    stopping=self.stopping,
+                                    on_peer_loss=deployment.on_peer_loss, publish=self.publish)
+
+    # -- what the lane reads and sets (serve/runner.py): each kept where it is used ----------
+
+    @property
+    def deployment(self) -> Deployment:
+        return self._lineup.deployment
+
+    @property
+    def plan(self) -> Plan:
+        return self._lineup.plan
+
+    @plan.setter
+    def plan(self, plan: Plan) -> None:
+        self._lineup.plan = plan
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self._lineup.timeouts
+
+    @timeouts.setter
+    def timeouts(self, timeouts: Timeouts) -> None:
+        self._lineup.timeouts = timeouts
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the head serves SOLO meanwhile (on_peer_loss: degrade), or None."""
+        return self._lineup.degraded
+
+    @degraded.setter
+    def degraded(self, why: str | None) -> None:
+        self._lineup.degraded = why
+
+    @property
+    def fail_fast(self) -> bool:
+        """A planned change's start: the first failure ends it (ChangeFailed) instead of
+        backing off (the caller rolls back). Cleared once everything is READY."""
+        return self._starter.fail_fast
+
+    @fail_fast.setter
+    def fail_fast(self, on: bool) -> None:
+        self._starter.fail_fast = on
+
+    @property
+    def traffic(self) -> Traffic | None:
+        """The lane's traffic, read by the stall rule; None: no router in front."""
+        return self._watcher.traffic
+
+    @traffic.setter
+    def traffic(self, traffic: Traffic | None) -> None:
+        self._watcher.traffic = traffic
+
+    @property
+    def on_upstream_moved(self) -> UpstreamMoved | None:
+        """Told when a process moves to another port because another process took its own."""
+        return self._starter.on_upstream_moved
+
+    @on_upstream_moved.setter
+    def on_upstream_moved(self, callback: UpstreamMoved | None) -> None:
+        self._starter.on_upstream_moved = callback
+
+    @property
+    def before_head_swap(self) -> Callable[[str], Awaitable[None]] | None:
+        """Awaited before a head swap the supervisor decides itself (degraded SOLO → COMBINE)."""
+        return self._restarter.before_head_swap
+
+    @before_head_swap.setter
+    def before_head_swap(self, callback: Callable[[str], Awaitable[None]] | None) -> None:
+        self._restarter.before_head_swap = callback
+
+    # -- status -----------------------------------------------------------------------------
+
+    def _changed(self, mp: ManagedProcess, transition: bool) -> None:
+        self.publish()
+        if not transition:
+            return
+        for listener in list(self.listeners):
+            try:
+                listener(mp)
+            except Exception:  # noqa: BLE001 - foreign code must not break the supervisor
+                log.exception("listener %r failed on %s", listener, mp.name)
+
+    def snapshot(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "pid": os.getpid(), "profile": plan.profile, "source": plan.source,
+            "mode": plan.mode, "model": self.model_label,
+            "url": (f"ggml-rpc://{plan.host}:{plan.port}"
+                    if plan.router and not plan.router.http
+                    else f"http://{client_host(plan.host)}:{plan.port}"),
+            "fatal": self.fatal, "degraded": self.degraded, "stopped": self.stop_reason,
+            "unkillable": list(self.unkillable), "updated": time.time(),
+            "engines": [p.row() for p in self.procs],
+        }
+
+    def publish(self) -> None:
+        if self.on_publish is not None:  # under a lane, the daemon publishes its whole status
+            self.on_publish()
+            return
+        try:
+            self.state.write_status(self.snapshot())
+        except OSError as exc:  # a full or read-only state dir must not stop the serving
+            log.warning("cannot write status: %s", exc)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -91,18 +242,11 @@ class Supervisor(SupervisorStarting):
 
     async def _reap_forever(self) -> None:
         while True:
-            process.reap_adopted(self._managed_pids())
+            process.reap_adopted(self._starter.spawned)
             await self.seams.sleep(1.0)
 
     async def _converge(self) -> None:
-        if not self.degraded:
-            for peer in self.peers:
-                if peer.state is not State.READY:
-                    up = [p for p in self.peers if p.state is State.READY]
-                    await self._guarded(self._bring_up(peer), up)
-        if self.head is not None and self.head.state is not State.READY:
-            watch = [] if self.degraded else self.peers
-            await self._guarded(self._bring_up(self.head), watch)
+        await self._starter.converge()
         if not self.first_ready.is_set():
             self.first_ready.set()
         self.fail_fast = False  # serving: from now on failures back off as usual
@@ -117,7 +261,7 @@ class Supervisor(SupervisorStarting):
             except PeerLost as lost:
                 if self.stopping.is_set():
                     return
-                await self._peers_lost(lost.peers, lost.reason)
+                await self._restarter.peers_lost(lost.peers, lost.reason)
             except StartFailed:
                 if self.stopping.is_set():
                     return
@@ -132,18 +276,18 @@ class Supervisor(SupervisorStarting):
         head = self.head
         if head is not None and head.child is not None and head.alive:
             waits[asyncio.ensure_future(head.child.wait())] = "head-exit"
-            waits[asyncio.ensure_future(self._watch_head(head))] = "hang"
+            waits[asyncio.ensure_future(self._watcher.watch_head(head))] = "hang"
         if not self.degraded:
             watch = [p for p in self.peers if p.spec.managed]
             if watch:
-                waits[asyncio.ensure_future(self._watch_peers(watch))] = "peer"
-        if self.recovery is not None:
-            waits[self.recovery] = "peers-back"
+                waits[asyncio.ensure_future(self._watcher.watch_peers(watch))] = "peer"
+        if self._restarter.recovery is not None:
+            waits[self._restarter.recovery] = "peers-back"
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
-            if task is not self.recovery:  # peer recovery outlives a single event
+            if task is not self._restarter.recovery:  # peer recovery outlives a single event
                 task.cancel()
-        await asyncio.gather(*(t for t in pending if t is not self.recovery),
+        await asyncio.gather(*(t for t in pending if t is not self._restarter.recovery),
                              return_exceptions=True)
         # A stop wins; a peer's loss explains a head exit seen in the same instant.
         rank = {"stop": 0, "peer": 1, "head-exit": 2, "request": 3, "peers-back": 4, "hang": 5}
@@ -159,150 +303,13 @@ class Supervisor(SupervisorStarting):
         if event == "request":
             await self._planned_restart(*first.result())
         elif event == "peers-back":
-            self.recovery = None
-            if first.result():
-                await self._undegrade()
+            await self._restarter.peers_back(first)
         elif event == "head-exit":
             assert head is not None
-            await self._head_exited(head)
+            await self._restarter.head_exited(head)
         elif event == "hang":
             assert head is not None
-            kind, reason, lost = first.result()
-            if kind == "stall":  # the peers named (a stall names all: which froze is unknown)
-                raise PeerLost(lost or list(self.peers), reason)
-            # A hung process will not act on SIGTERM (a SIGSTOPped one cannot): KILL it.
-            await self._kill(head, now=True)
-            await self._fail_and_wait(head, f"{reason}; killed")
-
-    async def _head_exited(self, head: ManagedProcess) -> None:
-        code = head.child.returncode if head.child else None
-        head.last_exit = code
-        await self._kill(head)  # what it forked (a wrapper script's llama-server) goes too
-        what = f"head {process.describe_exit(code)}"
-        if self.peers and not self.degraded:
-            await self._check_peers(what)  # raises PeerLost: the peer's loss, not the head's
-        await self._fail_and_wait(head, what)
-
-    async def _peers_lost(self, peers: list[ManagedProcess], reason: str) -> None:
-        """The head cannot serve without its peers: stop it, then restart the pair (peers
-        first), degrade to SOLO, or fail — as on_peer_loss says."""
-        log.warning("peer loss: %s", reason)
-        head = self.head
-        for p in peers:
-            p.note(f"lost: {reason}")
-        if head is not None and head.state not in (State.STOPPED, State.FATAL):
-            if head.child is not None and head.child.returncode is not None:
-                why = (f"{process.describe_exit(head.child.returncode)} after its peer was "
-                       f"lost ({reason})")
-                await self._stop_one(head, why, show_exit=False)
-            else:
-                # Nothing to save: it cannot serve without its peer, and one blocked on a
-                # frozen peer would sit out SIGTERM's grace. KILL it.
-                await self._stop_one(head, f"stopped: {reason}", now=True)
-        # A frozen or stalled peer still runs: KILL it (a stopped process ignores TERM).
-        managed = [p for p in peers if p.spec.managed]
-        stops = await asyncio.gather(*(self._kill(p, now=True) for p in managed))
-        for p, res in zip(managed, stops, strict=True):
-            if res.stuck:  # D state (a wedged driver): reported unkillable; the restart does
-                p.child = None  # not wait for it again, and a new peer moves off its port
-        for p in peers:
-            if p.child is not None and p.child.returncode is not None:
-                p.last_exit = p.child.returncode
-        if self.on_peer_loss is PeerLoss.FAIL:
-            for p in peers:
-                p.to(State.FATAL, f"{reason}; on_peer_loss: fail")
-            raise Fatal(f"{reason}; on_peer_loss is fail")
-        if head is not None:
-            head.restarts += 1  # the head restarts with its peers (or as SOLO)
-        if self.on_peer_loss is PeerLoss.DEGRADE and self.solo_head is not None \
-                and head is not None:
-            for p in peers:
-                why = f"{reason}; head degraded to SOLO meanwhile"
-                if p.spec.managed:
-                    with contextlib.suppress(Fatal):  # FATAL peer: the head stays SOLO
-                        p.record_failure(why)
-                else:
-                    p.to(State.BACKOFF, why)
-            self.degraded = (f"DEGRADED: {reason}; serving SOLO on {self.solo_head.device} "
-                             "until the peers are back")
-            log.warning("%s", self.degraded)
-            head.spec = self.solo_head
-            self.recovery = asyncio.ensure_future(self._recover_peers())
-            self.publish()
-            return
-        delays = []
-        for p in peers:
-            if p.spec.managed:
-                delays.append(p.record_failure(reason))
-            else:
-                p.to(State.BACKOFF, f"{reason}; waiting for it to answer HELLO again")
-        await self._sleep(max(delays, default=0.0))
-        for p in peers:
-            p.restarts += 1
-
-    async def _fail_and_wait(self, mp: ManagedProcess, reason: str) -> None:
-        """Count a failure (FATAL when the budget is spent), wait out its backoff."""
-        delay = mp.record_failure(reason)
-        await self._sleep(delay)
-        mp.restarts += 1
-
-    async def _recover_peers(self) -> bool:
-        """Degraded: bring the peers back (with backoff) while the SOLO head serves. Return to
-        COMBINE (True) only when the SOLO head has served restart.stable_after seconds AND
-        every peer has stayed up as long — each switch costs a head reload, so neither a
-        flapping peer nor a fresh SOLO head may make the head flap. A peer that spends its
-        restart budget leaves the head SOLO for good (False): serving beats failing."""
-        assert self.head is not None
-        head = self.head
-        hold = head.policy.stable_after
-        frozen: dict[str, float] = {}
-        while True:
-            try:
-                for peer in self.peers:
-                    if peer.state is State.FATAL:
-                        raise Fatal(f"{peer.name}: {peer.reason}")
-                    if peer.state is State.READY and peer.spec.managed and \
-                            (why := self._peer_problem(peer, frozen)):
-                        if peer.alive:
-                            await self._kill(peer, now=True)
-                        peer.record_failure(f"peer {peer.name} {why}")
-                    if peer.state is State.BACKOFF:
-                        await self._sleep(peer.backoff.delay())
-                        peer.restarts += 1
-                    if peer.state is not State.READY:
-                        await self._bring_up(peer)
-            except Fatal as exc:
-                self.degraded = (f"DEGRADED for good: {exc}; serving SOLO on "
-                                 f"{head.spec.device} (restart the peer by hand)")
-                log.error("%s", self.degraded)
-                self.publish()
-                return False
-            now = self._now()
-            waits = [hold - (now - p.ready_since) for p in self.peers
-                     if p.ready_since is not None]
-            waits.append(hold - (now - head.ready_since) if head.ready_since is not None
-                         else hold)
-            left = max(waits)
-            if left <= 0 and head.state is State.READY and all(
-                    p.state is State.READY and (p.alive or not p.spec.managed)
-                    for p in self.peers):
-                if self.before_head_swap is not None:
-                    await self.before_head_swap("combine")
-                return True
-            self.degraded = (self.degraded or "").split(";")[0] + \
-                f"; peers back, returning to COMBINE once SOLO and peers are {hold:.0f}s stable"
-            self.publish()
-            watch = [p.child.wait() for p in self.peers
-                     if p.spec.managed and p.alive and p.child]
-            await self._race(self._sleep(min(max(left, 0.05), 1.0)), *watch)
-
-    async def _undegrade(self) -> None:
-        log.warning("peers are back and stable: returning %s to COMBINE", self.plan.profile)
-        assert self.head is not None and self.combine_head is not None
-        await self._stop_one(self.head, "peers are back: switching to COMBINE")
-        self.head.spec = self.combine_head
-        self.degraded = None
-        self.head.restarts += 1
+            await self._restarter.head_hung(head, *first.result())
 
     # -- planned restarts and stopping -----------------------------------------------------
 
@@ -331,9 +338,9 @@ class Supervisor(SupervisorStarting):
             self.fail_fast = fail_fast
             head = self.head
             if mp.spec.role is Role.PEER and head is not None:
-                await self._stop_one(head, f"planned restart of {name}")
+                await self._stopper.stop(head, f"planned restart of {name}")
                 head.restarts += 1
-            await self._stop_one(mp, "planned restart")
+            await self._stopper.stop(mp, "planned restart")
             mp.restarts += 1
             mp.backoff.reset()
             await self._converge()
@@ -370,17 +377,7 @@ class Supervisor(SupervisorStarting):
         """Take `deployment`, whose peers are those running now (plandiff says HEAD): the head's
         spec, the policies and the timeouts change; the next head start (a planned restart)
         uses them. Peers keep running untouched."""
-        if self.head is None or deployment.plan.head.name != self.head.name:
-            raise ValueError("adopt_head needs a deployment with the same head")
-        self.deployment = deployment
-        self.plan = deployment.plan
-        self.timeouts = deployment.timeouts
-        self.solo_head = deployment.solo_head
-        self.combine_head = deployment.plan.head
-        if not self.degraded:
-            self.head.spec = deployment.plan.head
-        self.head.policy = deployment.policy
-        self.head.backoff = Backoff(deployment.policy)
+        self._lineup.adopt_head(deployment)
 
     def request_stop(self, reason: str) -> None:
         """From a signal handler: remember why, and let the loop do the stopping."""
@@ -405,36 +402,26 @@ class Supervisor(SupervisorStarting):
         if self.stop_reason is None:
             self.stop_reason = reason
         self.stopping.set()
-        if self.recovery is not None:
-            self.recovery.cancel()
-            await asyncio.gather(self.recovery, return_exceptions=True)
-            self.recovery = None
+        await self._restarter.end_recovery()
         # In parallel: each process has its own bounded stop, and one stuck child (reported
         # with pid and state) must not hold up the others. Peers get their TERM once the head
         # is gone (bounded by 1 s), so that the head does not abort on a vanished peer.
-        head_stop = asyncio.ensure_future(self._stop_for_good(self.head, reason)) \
+        head_stop = asyncio.ensure_future(self._stopper.stop_for_good(self.head, reason)) \
             if self.head is not None else None
 
         async def peer_stop(mp: ManagedProcess) -> None:
             if head_stop is not None:
-                await self._race(asyncio.shield(head_stop), self.seams.sleep(1.0))
-            await self._stop_for_good(mp, reason)
+                await race(asyncio.shield(head_stop), self.seams.sleep(1.0))
+            await self._stopper.stop_for_good(mp, reason)
         await asyncio.gather(*(peer_stop(mp) for mp in self.peers))
         if head_stop is not None:
             await head_stop
         if self.seams.reap:
-            leftovers = process.adopted(self._managed_pids())
+            leftovers = process.adopted(self._starter.spawned)
             for p in leftovers:
                 with contextlib.suppress(OSError):
                     os.kill(p.pid, 9)
             await self.seams.sleep(0.05 if leftovers else 0)
-            process.reap_adopted(self._managed_pids())
+            process.reap_adopted(self._starter.spawned)
         log.info("%s: stopped (%s)", self.plan.profile, self.stop_reason)
         self.publish()
-
-    async def _stop_for_good(self, mp: ManagedProcess, reason: str) -> None:
-        if mp.state is State.FATAL:
-            if mp.alive:
-                await self._kill(mp)
-            return
-        await self._stop_one(mp, reason)

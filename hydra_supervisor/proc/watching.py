@@ -1,21 +1,24 @@
 """The Supervisor's watching rules: is a peer still there (exited, frozen: stopped past a grace
 or in D state without CPU progress), is the head alive (progress, not one endpoint's latency),
 and the stall rule (requests in flight without a byte while nothing makes CPU progress). Each
-rule returns or raises what it saw (PeerLost, "hung", "stall"); supervisor.py decides what to
-do about it. A class in the Supervisor's chain (supervisor_base.py says why)."""
+rule returns or raises what it saw (PeerLost, "hung", "stall"); the Supervisor's loop and its
+restart policy (restarts.py) decide what to do about it. The Watcher changes no state of a
+process but the head's READY/UNHEALTHY and the reasons it notes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import process
+from hydra_supervisor.proc.health import Gated as Traffic
+from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ManagedProcess, PeerLost, State
 from hydra_supervisor.proc.rpcproto import HelloError
-from hydra_supervisor.proc.supervisor_base import SupervisorBase
+from hydra_supervisor.proc.seams import Seams, race
 
 log = logging.getLogger("hydra")
 T = TypeVar("T")
@@ -30,18 +33,29 @@ def _progressed(st: process.ProcStat, cpu_before: float, window: float) -> bool:
     return st.state not in _NO_PROGRESS and st.cpu - cpu_before >= 0.01 * max(window, 1e-3)
 
 
-class SupervisorWatching(SupervisorBase):
-    """The rules that watch peers and the head (see the module's doc)."""
+class Watcher:
+    """The rules that watch the peers and the head of a Lineup (see the module's doc)."""
+
+    def __init__(self, lineup: Lineup, seams: Seams) -> None:
+        self.lineup = lineup
+        self.seams = seams
+        # The lane's traffic, read by the stall rule (its gate's flights; health.flights);
+        # None: no router in front (router: false).
+        self.traffic: Traffic | None = None
+        self._connect_probed: dict[str, int] = {}  # remote peer -> head pid it was probed under
+        self._in_d: dict[str, tuple[int, float, float]] = {}  # peer -> (pid, since, CPU) in D
 
     # -- peers: are they still there? ------------------------------------------------------
 
     def _freeze_grace(self) -> float:
         """How long a process may sit stopped (state T) before it counts as frozen: a debugger
         or a brief SIGSTOP/SIGCONT is not a loss."""
-        h = self.timeouts.health
+        h = self.lineup.timeouts.health
         return min(h.hang_timeout, max(2 * h.interval, 1.0))
 
-    def _peer_problem(self, peer: ManagedProcess, frozen_since: dict[str, float]) -> str | None:
+    def peer_problem(self, peer: ManagedProcess, frozen_since: dict[str, float]) -> str | None:
+        """Why a managed peer is lost (exited, frozen), or None; `frozen_since` is the caller's
+        memory of when each peer was first seen stopped."""
         if not peer.spec.managed or peer.child is None:
             return None
         if peer.child.returncode is not None:
@@ -50,7 +64,7 @@ class SupervisorWatching(SupervisorBase):
         st = self.seams.proc_stat(peer.child.pid)
         if st is None:
             return None  # exiting: the exit status comes next
-        now = self._now()
+        now = self.seams.clock()
         if st.stopped:
             since = frozen_since.setdefault(peer.name, now)
             if now - since >= self._freeze_grace():
@@ -64,56 +78,57 @@ class SupervisorWatching(SupervisorBase):
         for stall_timeout while its head serves is frozen, requests in flight or not: an idle
         ggml-rpc-server waits in S. Not while the head loads (a peer may read its tensor cache
         from a slow disk then, in D most of the time)."""
-        if st.state not in _NO_PROGRESS or self.head is None or \
-                self.head.state is not State.READY:
+        if st.state not in _NO_PROGRESS or self.lineup.head is None or \
+                self.lineup.head.state is not State.READY:
             self._in_d.pop(name, None)
             return None
         seen = self._in_d.get(name)
         if seen is None or seen[0] != pid or st.cpu - seen[2] >= 0.01 * max(now - seen[1], 1e-3):
             self._in_d[name] = (pid, now, st.cpu)
             return None
-        h = self.timeouts.health
+        h = self.lineup.timeouts.health
         if now - seen[1] >= (h.stall_timeout or h.hang_timeout):
             return f"frozen (state D, no CPU progress for {now - seen[1]:.0f}s)"
         return None
 
-    async def _watch_peers(self, peers: list[ManagedProcess]) -> tuple[list[ManagedProcess], str]:
+    async def watch_peers(self, peers: list[ManagedProcess]) -> tuple[list[ManagedProcess], str]:
         """Returns the lost peers and why, as soon as a watched peer exits or freezes."""
         frozen: dict[str, float] = {}
-        poll = min(0.5, self.timeouts.health.interval)
+        poll = min(0.5, self.lineup.timeouts.health.interval)
         while True:
-            lost = [(p, why) for p in peers if (why := self._peer_problem(p, frozen))]
+            lost = [(p, why) for p in peers if (why := self.peer_problem(p, frozen))]
             if lost:
                 await self._gather_more_losses(lost, frozen)
                 return [p for p, _ in lost], "; ".join(f"peer {p.name} {w}" for p, w in lost)
             exits = [p.child.wait() for p in peers if p.spec.managed and p.alive and p.child]
-            await self._race(self.seams.sleep(poll), *exits)
+            await race(self.seams.sleep(poll), *exits)
 
     async def _gather_more_losses(self, lost: list[tuple[ManagedProcess, str]],
                                   frozen: dict[str, float]) -> None:
         """Two peers killed together are one incident: give the others a moment to be seen."""
-        await self._race(self.seams.sleep(0.3), *[
-            p.child.wait() for p in self.peers
+        await race(self.seams.sleep(0.3), *[
+            p.child.wait() for p in self.lineup.peers
             if p.spec.managed and p.alive and p.child and p not in [q for q, _ in lost]])
-        for p in self.peers:
-            if p not in [q for q, _ in lost] and (why := self._peer_problem(p, frozen)):
+        for p in self.lineup.peers:
+            if p not in [q for q, _ in lost] and (why := self.peer_problem(p, frozen)):
                 lost.append((p, why))
 
-    async def _check_peers(self, context: str) -> None:
+    async def check_peers(self, context: str) -> None:
         """After the head died or failed to start: a dead/frozen managed peer, or a remote one
         that no longer answers HELLO (the head let go of it, so probing is safe), is a peer
         loss (PeerLost) rather than the head's failure."""
         frozen: dict[str, float] = {}
-        lost = [(p, why) for p in self.peers if (why := self._peer_problem(p, frozen))]
+        lost = [(p, why) for p in self.lineup.peers if (why := self.peer_problem(p, frozen))]
         if lost:  # peers killed together are one incident, also when the head saw it first
             await self._gather_more_losses(lost, frozen)
         else:
             # a peer killed together with the head may not be reaped yet: wait a little
-            alive = [p.child.wait() for p in self.peers if p.spec.managed and p.alive and p.child]
+            alive = [p.child.wait() for p in self.lineup.peers
+                     if p.spec.managed and p.alive and p.child]
             if alive:
-                await self._race(self.seams.sleep(0.3), *alive)
-            lost = [(p, why) for p in self.peers if (why := self._peer_problem(p, frozen))]
-        for p in self.peers:
+                await race(self.seams.sleep(0.3), *alive)
+            lost = [(p, why) for p in self.lineup.peers if (why := self.peer_problem(p, frozen))]
+        for p in self.lineup.peers:
             if p.spec.managed or p in [q for q, _ in lost]:
                 continue
             try:
@@ -126,14 +141,14 @@ class SupervisorWatching(SupervisorBase):
             raise PeerLost([p for p, _ in lost],
                            "; ".join(f"peer {p.name} {w}" for p, w in lost) + f" ({context})")
 
-    async def _guarded(self, coro: Coroutine[Any, Any, T], watch: list[ManagedProcess]) -> T:
+    async def guarded(self, coro: Coroutine[object, object, T], watch: list[ManagedProcess]) -> T:
         """Run `coro` (a start) while watching `watch` (peers already up): a peer lost meanwhile
         cancels the start and raises PeerLost — a peer is watched whatever its head does."""
         watch = [p for p in watch if p.spec.managed]
         if not watch:
             return await coro
         task = asyncio.ensure_future(coro)
-        watcher = asyncio.ensure_future(self._watch_peers(watch))
+        watcher = asyncio.ensure_future(self.watch_peers(watch))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -148,7 +163,7 @@ class SupervisorWatching(SupervisorBase):
 
     # -- the head: alive is progress -------------------------------------------------------
 
-    async def _watch_head(self, head: ManagedProcess
+    async def watch_head(self, head: ManagedProcess
                           ) -> tuple[str, str, list[ManagedProcess]]:
         """Returns ("hung"|"stall", reason, the lost peers) only when the head is judged hung,
         or its requests are stuck on a peer. Progress counts, not one endpoint's latency:
@@ -157,12 +172,12 @@ class SupervisorWatching(SupervisorBase):
         stopped (state T) past a short grace, or /health silent with no CPU progress for
         hang_timeout. Stalled = the stall rule (_stalled), judged before /health is asked."""
         spec = head.spec
-        policy = self.timeouts.health
+        policy = self.lineup.timeouts.health
         stall_after = policy.stall_timeout or policy.hang_timeout
         host = client_host(spec.host)
         assert head.child is not None
         pid = head.child.pid
-        now = self._now()
+        now = self.seams.clock()
         last_alive = now
         next_probe = now + policy.probe_interval
         stopped_since: float | None = None
@@ -173,7 +188,7 @@ class SupervisorWatching(SupervisorBase):
         peer_st = self._peer_stats()
         while True:
             await self.seams.sleep(policy.interval)
-            now = self._now()
+            now = self.seams.clock()
             st = self.seams.proc_stat(pid)
             if st is None:
                 continue  # exiting: the exit is the event
@@ -200,7 +215,7 @@ class SupervisorWatching(SupervisorBase):
                     (stalled := await self._stalled(pid, now - idle_since, stall_after)):
                 return stalled
             code = await self.seams.http_status(host, spec.port, timeout=policy.interval)
-            now = self._now()
+            now = self.seams.clock()
             if code == 200:
                 last_alive = now
                 if head.state is State.UNHEALTHY:
@@ -211,14 +226,14 @@ class SupervisorWatching(SupervisorBase):
                 # head's own port): /slots says whether one is in flight — a head blocked on
                 # its peer may not answer it, and then this fallback judges nothing.
                 seen = self.seams.flights(self.traffic)
-                if self.peers and not self.degraded and idle_since is not None and \
+                if self.lineup.peers and not self.lineup.degraded and idle_since is not None and \
                         (seen is None or not seen[0]) and await self.seams.slots_busy(
                             host, spec.port, policy.interval):
                     slots_since = slots_since if slots_since is not None else now
                     if now - slots_since >= stall_after:
                         return "stall", (f"the head's request made no progress for "
                                          f"{now - slots_since:.0f}s while it waited on its "
-                                         "peer (frozen peer)"), list(self.peers)
+                                         "peer (frozen peer)"), list(self.lineup.peers)
                 else:
                     slots_since = None
             elif progressed:
@@ -258,7 +273,7 @@ class SupervisorWatching(SupervisorBase):
         if not n or quiet is None:
             return None
         silent = min(quiet, idle)
-        peers = [] if self.degraded else self.peers
+        peers = [] if self.lineup.degraded else self.lineup.peers
         for p in peers:
             if p.spec.managed or silent < self._freeze_grace() or \
                     self._connect_probed.get(p.name) == head_pid:
@@ -278,7 +293,7 @@ class SupervisorWatching(SupervisorBase):
 
     def _peer_stats(self) -> dict[str, process.ProcStat]:
         out = {}
-        for p in self.peers:
+        for p in self.lineup.peers:
             if p.spec.managed and p.child is not None and p.alive:
                 st = self.seams.proc_stat(p.child.pid)
                 if st is not None:
