@@ -35,8 +35,8 @@ from hydra_supervisor.config.schema import (
     DEVICE_SCHEMA,
     NODE_SCHEMA,
     PROFILE_SCHEMA,
-    _check_mapping,
-    _raise,
+    check_mapping,
+    raise_problems,
 )
 from hydra_supervisor.config.yamlsrc import PathKey, Sourced, load_file
 from hydra_supervisor.errors import ConfigError, HydraError
@@ -82,14 +82,14 @@ def load_node(path: Path | None) -> Node:
     data = src.data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{src.where(())}: a node file is a mapping; got {type(data).__name__}")
-    checked, problems = _check_mapping(data, (), NODE_SCHEMA, "node file")
+    checked, problems = check_mapping(data, (), NODE_SCHEMA, "node file")
     devices: dict[str, DeviceDecl] = dict(BUILTIN_DEVICES)
     for name, spec in (checked.get("devices") or {}).items():
         p: PathKey = ("devices", name)
         if not isinstance(spec, dict):
             problems.append((p, "expected {cuda: N}, {cpu: true} or {endpoint: host:port}"))
             continue
-        dev, probs = _check_mapping(spec, p, DEVICE_SCHEMA, f"device '{name}'")
+        dev, probs = check_mapping(spec, p, DEVICE_SCHEMA, f"device '{name}'")
         kinds = [k for k in ("cuda", "cpu", "endpoint") if k in dev]
         if not probs and len(kinds) != 1:
             probs.append((p, "give exactly one of cuda, cpu, endpoint"))
@@ -101,7 +101,7 @@ def load_node(path: Path | None) -> Node:
         problems += probs
         if not probs:
             devices[name] = DeviceDecl(name=name, **dev)
-    _raise(src, problems)
+    raise_problems(src, problems)
     binaries = dict(checked.get("binaries") or {})
     return Node(
         source=str(path),
@@ -182,7 +182,7 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{src.where(())}: a profile is a mapping; got {type(data).__name__}")
-    checked, problems = _check_mapping(data, (), PROFILE_SCHEMA, "profile")
+    checked, problems = check_mapping(data, (), PROFILE_SCHEMA, "profile")
     if "model" not in data and data.get("mode") != "peer":
         problems.append(((), "missing required key 'model' (an alias such as gemma3-270m, "
                          "or a path to a .gguf file)"))
@@ -204,7 +204,7 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
     if "standby" in data and data.get("mode") == Mode.PEER.value:
         problems.append((("standby",), "not with mode: peer (a peer serves no HTTP model to "
                          "switch); remove standby"))
-    _raise(src, problems)
+    raise_problems(src, problems)
     merged = _merge(node.defaults, checked)
     merged = _merge(merged, dict(overrides or {}))
     _check_peer_trust(src, merged, data, overrides or {}, node)

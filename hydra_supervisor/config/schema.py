@@ -181,12 +181,12 @@ def _section(schema: Mapping[str, Checker], label: str) -> Checker:
     def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
         if not isinstance(v, dict):
             return None, [(p, f"expected a mapping for {label}, got {v!r}")]
-        return _check_mapping(v, p, schema, label)
+        return check_mapping(v, p, schema, label)
 
     return check
 
 
-def _check_mapping(
+def check_mapping(
     data: dict[str, Any], path: PathKey, schema: Mapping[str, Checker], label: str
 ) -> tuple[dict[str, Any], list[tuple[PathKey, str]]]:
     out: dict[str, Any] = {}
@@ -304,7 +304,7 @@ NODE_SCHEMA: dict[str, Checker] = {
 }
 
 
-def _raise(src: Sourced, problems: list[tuple[PathKey, str]]) -> None:
+def raise_problems(src: Sourced, problems: list[tuple[PathKey, str]]) -> None:
     if not problems:
         return
     lines = [f"{src.where(p)}: {'.'.join(str(x) for x in p) or '<top>'}: {msg}"

@@ -55,7 +55,7 @@ import numpy as np
 
 from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.tools.rpchash import _CHUNK, _hash_extent, _hash_file, _mapped, _own_dir
+from hydra_supervisor.tools.rpchash import CHUNK, hash_extent, hash_file, mapped, own_dir
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def _identity(files: list[Path]) -> list[list[Any]]:
 
 def _index_path(first: Path) -> Path:
     key = hashlib.sha256(str(first).encode()).hexdigest()[:24]
-    return _own_dir() / "index" / f"{key}.json"
+    return own_dir() / "index" / f"{key}.json"
 
 
 def _load_index(files: list[Path]) -> CachePlan | None:
@@ -279,9 +279,9 @@ def plan(gguf_path: Path, progress: Progress | None = None) -> CachePlan:
     for x in big:
         by_file.setdefault(x[1], []).append(x)
     for fname, xs in by_file.items():
-        arr = _mapped(fname)
+        arr = mapped(fname)
         for name, file, off, n in xs:
-            entries.append(CacheEntry(name, file, off, n, _hash_extent(arr, off, n, tick)))
+            entries.append(CacheEntry(name, file, off, n, hash_extent(arr, off, n, tick)))
         del arr
     if progress and not big:
         progress(0, 0)
@@ -300,7 +300,7 @@ def status(gguf_path: Path, cache_dir: Path | None = None,
     missing = []
     cached_bytes = 0
     for fname, e in unique.items():
-        if _has(cdir / fname, e.size) and (not verify or _hash_file(cdir / fname) == e.hash):
+        if _has(cdir / fname, e.size) and (not verify or hash_file(cdir / fname) == e.hash):
             cached_bytes += e.size
         else:
             missing.append(fname)
@@ -349,7 +349,7 @@ def _copy_extent(src: str, offset: int, size: int, dst_fd: int) -> None:
                 n = 0
             if n <= 0:  # not supported here (or across these filesystems): read and write
                 fin.seek(pos)
-                buf = fin.read(min(left, _CHUNK))
+                buf = fin.read(min(left, CHUNK))
                 if not buf:
                     raise HydraError(f"{src}: unexpected end of file at byte {pos:,}")
                 os.write(dst_fd, buf)
@@ -397,7 +397,7 @@ def prefill(gguf: Path, cache_dir: Path, progress: Progress | None = None, *,
 
     def present(e: CacheEntry) -> bool:
         path = cdir / e.file_name
-        return _has(path, e.size) and (not verify or _hash_file(path) == e.hash)
+        return _has(path, e.size) and (not verify or hash_file(path) == e.hash)
 
     _check_room(cdir, sum(e.size for e in p.unique().values() if not _has(cdir / e.file_name,
                                                                           e.size)))

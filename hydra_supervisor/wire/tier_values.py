@@ -50,11 +50,11 @@ def _num(kind: type) -> Callable[[Any], Any]:
     return coerce
 
 
-_float = _num(float)
-_int = _num(int)
+as_float = _num(float)
+as_int = _num(int)
 
 
-def _bool(v: Any) -> bool:
+def as_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
     if isinstance(v, int) and v in (0, 1):
@@ -66,22 +66,22 @@ def _bool(v: Any) -> bool:
     raise InvalidValue(f"expected true/false, got {v!r}")
 
 
-def _str(v: Any) -> str:
+def as_str(v: Any) -> str:
     if isinstance(v, str | int | float) and not isinstance(v, bool):
         return str(v)
     raise InvalidValue(f"expected a string, got {v!r}")
 
 
-def _on_off_auto(v: Any) -> str:
+def as_on_off_auto(v: Any) -> str:
     if isinstance(v, str) and v.lower() in ("on", "off", "auto"):
         return v.lower()
     try:
-        return "on" if _bool(v) else "off"
+        return "on" if as_bool(v) else "off"
     except InvalidValue:
         raise InvalidValue(f"expected on/off/auto, got {v!r}") from None
 
 
-def _str_list(v: Any) -> list[str]:
+def as_str_list(v: Any) -> list[str]:
     """A list of strings; a string is split on commas (`--rpc a,b`, `-ot x=CPU,y=CPU`)."""
     if isinstance(v, str):
         return [p.strip() for p in v.split(",") if p.strip()]
@@ -90,7 +90,7 @@ def _str_list(v: Any) -> list[str]:
     raise InvalidValue(f"expected a list of strings or 'a,b', got {v!r}")
 
 
-def _split(v: Any) -> list[float | int]:
+def as_split(v: Any) -> list[float | int]:
     """Layers per device, llama.cpp order (peers first): [21, 44], "21/44", "21,44"."""
     if isinstance(v, str):
         parts = v.replace("/", ",").split(",")
@@ -104,7 +104,7 @@ def _split(v: Any) -> list[float | int]:
     raise InvalidValue(f"expected a list of non-negative numbers, got {v!r}")
 
 
-def _any(v: Any) -> Any:
+def as_is(v: Any) -> Any:
     return v
 
 
@@ -118,7 +118,7 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 
-def _range(lo: float | None = None, hi: float | None = None,
+def in_range(lo: float | None = None, hi: float | None = None,
            special: Mapping[Any, str] | None = None) -> Callable[[Any], None]:
     """lo <= v <= hi (either end open when None), or one of `special` (value -> meaning)."""
     special = dict(special or {})
@@ -142,7 +142,7 @@ def _range(lo: float | None = None, hi: float | None = None,
     return check
 
 
-def _choice(*choices: str) -> Callable[[Any], None]:
+def one_of(*choices: str) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if str(v).lower() not in choices:
             raise InvalidValue(f"must be one of {', '.join(choices)}; got {v!r}")
@@ -151,7 +151,7 @@ def _choice(*choices: str) -> Callable[[Any], None]:
     return check
 
 
-def _text(max_len: int) -> Callable[[Any], None]:
+def text_of(max_len: int) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if len(str(v)) > max_len or "\0" in str(v):
             raise InvalidValue(f"must be text of at most {max_len} characters; got "
@@ -161,7 +161,7 @@ def _text(max_len: int) -> Callable[[Any], None]:
     return check
 
 
-def _items(what: str, *, max_items: int = 64, need: str = "") -> Callable[[Any], None]:
+def entries_of(what: str, *, max_items: int = 64, need: str = "") -> Callable[[Any], None]:
     """A list of at most `max_items` non-empty entries of at most 256 characters, each
     containing `need` when given (`-ot PATTERN=BUFFER`, `--override-kv KEY=TYPE:VALUE`)."""
 
@@ -179,15 +179,15 @@ def _items(what: str, *, max_items: int = 64, need: str = "") -> Callable[[Any],
     return check
 
 
-def _split_check(v: Any) -> None:
+def split_check(v: Any) -> None:
     if len(v) > 64 or not all(math.isfinite(x) for x in v) or sum(v) <= 0:
         raise InvalidValue("must be 1 to 64 finite non-negative numbers, not all zero; "
                            f"got {v!r}")
 
 
-_split_check.desc = "1 to 64 non-negative numbers, not all zero"  # type: ignore[attr-defined]
+split_check.desc = "1 to 64 non-negative numbers, not all zero"  # type: ignore[attr-defined]
 
 GGML_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-_PROB = _range(0, 1)
-_NONNEG = _range(0)
-_THREADS = _range(1, 1024, {-1: "auto"})
+PROB = in_range(0, 1)
+_NONNEG = in_range(0)
+THREADS = in_range(1, 1024, {-1: "auto"})
