@@ -34,15 +34,16 @@ and checks are in wire/tier_values.py, the diff of a payload and the mapping ont
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from hydra_supervisor.wire.tier_values import (
     GGML_KV_TYPES,
     INT32_MAX,
     PROB,
     THREADS,
+    Check,
+    Coercer,
     as_bool,
     as_float,
     as_int,
@@ -90,10 +91,10 @@ class KeySpec:
     tier: Tier
     target: Target
     field: str  # request-body key | server_args flag name | profile field
-    coerce: Callable[[Any], Any] = as_is
+    coerce: Coercer = as_is
     aliases: tuple[str, ...] = ()
     note: str = ""
-    check: Callable[[Any], None] | None = None  # range/choices of the coerced value
+    check: Check | None = None  # range/choices of the coerced value
     names_file: bool = False  # the value is a path: refused over the wire
 
     @property
@@ -108,21 +109,20 @@ class KeySpec:
         return "on, off or auto" if self.coerce is as_on_off_auto else ""
 
 
-Check = Callable[[Any], None] | None
 
 
-def _t1(name: str, coerce: Callable[[Any], Any], check: Check, *aliases: str,
+def _t1(name: str, coerce: Coercer, check: Check | None, *aliases: str,
         body: str | None = None, note: str = "") -> KeySpec:
     return KeySpec(name, Tier.T1, Target.REQUEST, body or name, coerce, aliases, note, check)
 
 
-def _t2(name: str, coerce: Callable[[Any], Any], check: Check, *aliases: str,
+def _t2(name: str, coerce: Coercer, check: Check | None, *aliases: str,
         flag: str | None = None, note: str = "", names_file: bool = False) -> KeySpec:
     return KeySpec(name, Tier.T2, Target.SERVER_ARG, flag or name.replace("_", "-"), coerce,
                    aliases, note, check, names_file)
 
 
-def _t3(name: str, coerce: Callable[[Any], Any], check: Check, *aliases: str,
+def _t3(name: str, coerce: Coercer, check: Check | None, *aliases: str,
         flag: str | None = None, profile: str | None = None, note: str = "",
         names_file: bool = False) -> KeySpec:
     if profile:
@@ -268,7 +268,7 @@ def lookup(key: str) -> KeySpec | None:
     return BY_NAME.get(k) or BY_NAME.get(k.replace("-", "_"))
 
 
-def clamp_chunk(v: Any) -> int:
+def clamp_chunk(v: object) -> int:
     n = int(as_int(v))
     return max(STATE_CHUNK_MIN, min(STATE_CHUNK_MAX, n))
 
