@@ -60,6 +60,7 @@ from hydra_supervisor.plan.plan import (
     ModelKind,
     Placement,
     Plan,
+    PlanMeta,
     PlanMode,
     PlanTransport,
     Role,
@@ -141,7 +142,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
     engines: list[EngineSpec] = []
     placements: list[Placement] = []
     transport = Transport.RPC
-    meta: dict[str, object] = {"ctx": ctx, "block_count": model.block_count}
+    meta: PlanMeta = {"ctx": ctx, "block_count": model.block_count}
 
     if not combine:
         dev_flags = (["-ngl", "99", "-sm", "none"] if head_dev.kind is Kind.CUDA else ["-ngl", "0"])

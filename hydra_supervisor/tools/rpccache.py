@@ -48,13 +48,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Final
 
 import gguf
 import numpy as np
 
 from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
+
+if TYPE_CHECKING:
+    from hydra_supervisor.plan.plan import Plan
+
 from hydra_supervisor.tools.rpchash import CHUNK, hash_extent, hash_file, mapped, own_dir
 
 log = logging.getLogger(__name__)
@@ -65,7 +69,7 @@ _INDEX_VERSION = 1
 _SPLIT_RE = re.compile(r"^(?P<prefix>.*)-00001-of-(?P<count>\d{5})\.gguf$")
 _TMP_PREFIX = ".hydra-prefill-"
 # Plan.meta key under which layout.build puts a peer profile's resolved `prefill:` paths.
-PLAN_KEY = "prefill"
+PLAN_KEY: Final = "prefill"
 
 # progress(bytes of tensor data handled so far, bytes in all)
 Progress = Callable[[int, int], None]
@@ -172,7 +176,7 @@ class _OffsetReader(gguf.GGUFReader):
 
     extents: list[tuple[str, int, int]]
 
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+    def _build_tensors(self, start_offs: int, fields: list[gguf.ReaderField]) -> None:
         self.extents = []
         for fld in fields:
             _name_len, name_data, _n_dims, dims, raw_dtype, offset = fld.parts
@@ -206,8 +210,8 @@ def tensor_extents(gguf_path: Path) -> list[tuple[str, str, int, int]]:
 # -- the memo of hashes -------------------------------------------------------------------------
 
 
-def _identity(files: list[Path]) -> list[list[Any]]:
-    out = []
+def _identity(files: list[Path]) -> list[list[str | int]]:
+    out: list[list[str | int]] = []
     for f in files:
         st = f.stat()
         out.append([str(f), st.st_size, st.st_mtime_ns, st.st_ino])
@@ -493,7 +497,7 @@ class _Stopped(Exception):
     pass
 
 
-def plan_note(plan: Any) -> str:
+def plan_note(plan: Plan) -> str:
     """`hydra plan`'s line for a peer plan with `prefill:` (layout.build adds it)."""
     peer = plan.engines[0]
     cdir = default_cache_dir({**os.environ, **peer.env_dict()})

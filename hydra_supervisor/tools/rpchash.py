@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import numpy as np
 
@@ -63,11 +63,11 @@ uint64_t hydra_fnv1a64(const unsigned char *p, size_t n, uint64_t h) {
 }
 """
 
-_native: Any = None  # the ctypes function, False when it could not be built
+_native: Callable[[int, int, int], int] | Literal[False] | None = None  # False: no compiler
 _native_why = ""
 
 
-def _build_native() -> Any:
+def _build_native() -> Callable[[int, int, int], int] | None:
     """Compile (once per source digest) and load the C hash; None when no compiler works."""
     global _native, _native_why
     if _native is not None:

@@ -29,7 +29,7 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import gguf
 import numpy as np
@@ -87,7 +87,8 @@ def vocab_path(vocab: str) -> Path:
     return p
 
 
-_TokEntry = tuple[str, Any, gguf.GGUFValueType, Any]
+# (key, value, type, subtype)
+_TokEntry = tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]
 
 
 def _read_tokenizer(vocab: str) -> tuple[tuple[_TokEntry, ...], int]:
@@ -116,7 +117,7 @@ def _read_tokenizer_file(path: str, size: int, mtime_ns: int) -> tuple[tuple[_To
                 continue  # the writer refuses empty arrays; llama.cpp treats absent == empty
             if sub == gguf.GGUFValueType.STRING:
                 # Raw bytes, not str: copies tokens exactly even where they are not valid UTF-8.
-                value: Any = tuple(bytes(field.parts[i]) for i in field.data)
+                value: tuple[object, ...] = tuple(bytes(field.parts[i]) for i in field.data)
             else:
                 value = tuple(field.contents())
             entries.append((key, value, main, sub))
