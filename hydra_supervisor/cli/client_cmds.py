@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -257,8 +257,9 @@ def _log_of(state: StateDir, engine: str) -> Path | None:
     in the temp dir when logs/ was not writable), else logs/ENGINE.log, else the fallback."""
     from hydra_supervisor.proc import logfiles
 
-    rows = (state.read_status() or {}).get("engines") or []
-    named = next((Path(r["log"]) for r in rows if isinstance(r, dict) and
+    rows = (state.read_status() or {}).get("engines")
+    named = next((Path(cast(str, r["log"])) for r in (rows if isinstance(rows, list) else [])
+                  if isinstance(r, dict) and
                   r.get("name") == engine and r.get("log")), None)
     for p in (named, state.log_path(engine), logfiles.fallback_path(state.root, engine)):
         if p is not None and p.exists():
