@@ -75,7 +75,7 @@ def main() -> None:
     extra = ("--load-mode", args.load_mode) if args.load_mode else ()
     with tempfile.TemporaryDirectory(prefix="hydra-rpccache-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        rpccache._own_dir = lambda: tmp / "memo"  # type: ignore[method-assign]  # no old memo
+        rpccache.own_dir = lambda: tmp / "memo"  # type: ignore[method-assign]  # no old memo
         model = synth.write_dense(tmp / "m.gguf", n_layers=args.layers, n_embd=args.embd,
                                   n_ff=args.ff, n_head=8, n_head_kv=4, ctx=512, seed=7)
         size = model.stat().st_size
@@ -84,10 +84,10 @@ def main() -> None:
         t0 = time.monotonic()
         rpccache.tensor_extents(model)
         header_s = time.monotonic() - t0
-        arr = rpchash._mapped(str(model))
+        arr = rpchash.mapped(str(model))
         t0 = time.monotonic()
         for e in plan.entries:
-            rpchash._hash_extent(arr, e.offset, e.size)
+            rpchash.hash_extent(arr, e.offset, e.size)
         hash_s = time.monotonic() - t0
         del arr
         t0 = time.monotonic()

@@ -34,8 +34,8 @@ TINY = dict(n_layers=2, n_embd=64, n_ff=128, n_head=2, n_head_kv=1, ctx=256)
 def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     # The hash memo and the compiled hash live under hydra's cache dir: one per test session.
     own = tmp_path_factory.getbasetemp() / "hydra-rpccache"
-    monkeypatch.setattr(rpccache, "_own_dir", lambda: own)  # the memo
-    monkeypatch.setattr(rpchash, "_own_dir", lambda: own)  # the compiled hash
+    monkeypatch.setattr(rpccache, "own_dir", lambda: own)  # the memo
+    monkeypatch.setattr(rpchash, "own_dir", lambda: own)  # the compiled hash
 
 
 def _vocab_or_skip() -> None:
@@ -111,7 +111,7 @@ def test_plan_memo_reads_no_tensor_data(tmp_path: Path, monkeypatch: pytest.Monk
     def boom(*_a: object, **_k: object) -> int:
         raise AssertionError("hashed again although the file did not change")
 
-    monkeypatch.setattr(rpccache, "_hash_extent", boom)
+    monkeypatch.setattr(rpccache, "hash_extent", boom)
     assert rpccache.plan(model) == first
     os.utime(model, ns=(time.time_ns(), time.time_ns() + 10**9))  # a changed file is re-hashed
     with pytest.raises(AssertionError, match="hashed again"):

@@ -10,18 +10,18 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
-from hydra_supervisor.cli.shared import _sock, dir_opt, err, friendly, out
+from hydra_supervisor.cli.shared import control_socket, dir_opt, err, friendly, out
 from hydra_supervisor.cli.status_view import (
-    _daemon_renderables,
-    _legacy_to_engine,
-    _print_engine,
-    _serving_now,
-    _status_view,
+    daemon_renderables,
+    legacy_to_engine,
     ports_down,
+    print_engine,
+    serving_now,
+    status_group,
 )
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.proc.state import StateDir
@@ -33,7 +33,7 @@ def _control(route: str, body: dict[str, Any] | None = None, method: str = "POST
     """One call to the running hydra's control API; exit 3 when none runs here."""
     state = StateDir.default()
     try:
-        return control_client.call(_sock(state), method, route, body, timeout=timeout)
+        return control_client.call(control_socket(state), method, route, body, timeout=timeout)
     except control_client.NotRunning:
         err.print(f"error: hydra is not running here (state dir {state.root})", markup=False)
         sys.exit(exits.NOT_RUNNING)
@@ -144,7 +144,7 @@ def status(as_json: bool, watch: bool) -> None:
     3 no hydra runs here."""
     state = StateDir.default()
     try:
-        code, live = control_client.call(_sock(state), "GET", "/status", timeout=10)
+        code, live = control_client.call(control_socket(state), "GET", "/status", timeout=10)
     except (control_client.NotRunning, OSError):
         live = None
     if as_json:
@@ -173,10 +173,10 @@ def status(as_json: bool, watch: bool) -> None:
             out.print(f"its last run ended: {data['stopped']}", markup=False)
         if data and data.get("fatal"):
             out.print("its last run:", markup=False)
-            _print_engine(_legacy_to_engine(data))
+            print_engine(legacy_to_engine(data))
         sys.exit(exits.NOT_RUNNING)
     if not watch:
-        for part in _daemon_renderables(live["daemon"]):
+        for part in daemon_renderables(live["daemon"]):
             out.print(part)
         sys.exit(exits.PORT_DOWN if ports_down(live["daemon"]) else 0)
     from rich.live import Live
@@ -184,11 +184,11 @@ def status(as_json: bool, watch: bool) -> None:
     with Live(console=out, refresh_per_second=2) as view:
         while True:
             try:
-                _, live = control_client.call(_sock(state), "GET", "/status", timeout=10)
+                _, live = control_client.call(control_socket(state), "GET", "/status", timeout=10)
             except (control_client.NotRunning, OSError):
                 view.update(f"hydra is not running here (state dir {state.root})")
                 sys.exit(exits.NOT_RUNNING)
-            view.update(_status_view(live["daemon"]))
+            view.update(status_group(live["daemon"]))
             time.sleep(1.0)
 
 
@@ -211,9 +211,9 @@ def down(timeout: float) -> None:
     pid = int(sup["pid"])
     what = f"profile {sup['profile']}"  # what it started with, unless it says what runs now
     try:
-        _, live = control_client.call(_sock(state), "GET", "/status", timeout=5)
-        what = _serving_now(live.get("status") or {}) or what
-        control_client.call(_sock(state), "POST", "/down", timeout=5)
+        _, live = control_client.call(control_socket(state), "GET", "/status", timeout=5)
+        what = serving_now(live.get("status") or {}) or what
+        control_client.call(control_socket(state), "POST", "/down", timeout=5)
     except (control_client.NotRunning, OSError):
         os.kill(pid, signal.SIGTERM)  # still starting (no control socket yet)
     deadline = time.monotonic() + timeout
@@ -257,8 +257,9 @@ def _log_of(state: StateDir, engine: str) -> Path | None:
     in the temp dir when logs/ was not writable), else logs/ENGINE.log, else the fallback."""
     from hydra_supervisor.proc import logfiles
 
-    rows = (state.read_status() or {}).get("engines") or []
-    named = next((Path(r["log"]) for r in rows if isinstance(r, dict) and
+    rows = (state.read_status() or {}).get("engines")
+    named = next((Path(cast(str, r["log"])) for r in (rows if isinstance(rows, list) else [])
+                  if isinstance(r, dict) and
                   r.get("name") == engine and r.get("log")), None)
     for p in (named, state.log_path(engine), logfiles.fallback_path(state.root, engine)):
         if p is not None and p.exists():

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hydra_supervisor.cli.shared import (
-    _overrides,
     dir_opt,
     friendly,
     node_opt,
     out,
+    port_overrides,
     profile_opt,
     styled,
 )
@@ -43,7 +43,7 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
          as_json: bool) -> None:
     """Print the processes a profile resolves to, without starting anything."""
     lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=_overrides(port, None), check_ports=False)
+                       overrides=port_overrides(port, None), check_ports=False)
     p = lay.plan
     both = _standby_plan(lay, node_file, profiles_dir, port)
     if as_json:
@@ -97,7 +97,7 @@ def _standby_plan(lay: Any, node_file: str | None, profiles_dir: str | None,
 
     try:
         other = layout.build(name, node_file=node_file, profiles_dir=profiles_dir,
-                             overrides=_overrides(port, None), check_ports=False)
+                             overrides=port_overrides(port, None), check_ports=False)
     except HydraError as exc:
         return {"standby": {"profile": name}, "error": str(exc), "fits": False}
     return plan_both(lay, other)

@@ -30,7 +30,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True, width=_WIDTH, markup
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _sock(state: StateDir) -> Path:
+def control_socket(state: StateDir) -> Path:
     return control_client.socket_path(state.root)
 
 
@@ -58,7 +58,7 @@ node_opt = click.option("--node", "node_file", default=None,
 dir_opt = click.option("--profiles-dir", default=None, help="extra directory of profiles")
 
 
-def _overrides(port: int | None, host: str | None) -> dict[str, Any]:
+def port_overrides(port: int | None, host: str | None) -> dict[str, Any]:
     out_: dict[str, Any] = {}
     if port is not None:
         out_["port"] = port

@@ -15,7 +15,7 @@ from hydra_supervisor.serve import states
 from hydra_supervisor.serve.states import LaneState
 
 
-def _serving_now(status: dict[str, Any]) -> str | None:
+def serving_now(status: dict[str, Any]) -> str | None:
     """What a running hydra serves now, in words, from its status view (after a switch, the
     profile switched to, not the one it started with)."""
     profiles = status.get("profiles")
@@ -45,20 +45,20 @@ def _router_restarts(r: dict[str, Any]) -> str:
         (f", router restarted by hydra {ours} times" if ours else "")
 
 
-def _legacy_to_engine(data: dict[str, Any]) -> dict[str, Any]:
+def legacy_to_engine(data: dict[str, Any]) -> dict[str, Any]:
     return {"profile": data.get("profile"), "mode": data.get("mode"), "url": data.get("url"),
             "model": data.get("model"), "state": data.get("state", "stopped"),
             "fatal": data.get("fatal"), "degraded": data.get("degraded"),
             "processes": data.get("engines", []), "router": None, "switches": []}
 
 
-def _status_view(snap: dict[str, Any]) -> Any:
+def status_group(snap: dict[str, Any]) -> Any:
     from rich.console import Group
 
-    return Group(*_daemon_renderables(snap))
+    return Group(*daemon_renderables(snap))
 
 
-def _daemon_renderables(snap: dict[str, Any]) -> list[Any]:
+def daemon_renderables(snap: dict[str, Any]) -> list[Any]:
     if snap.get("fleets"):
         return _fleet_renderables(snap)
     return [part for eng in snap["engines"] for part in _engine_renderables(eng)]
@@ -126,7 +126,7 @@ def _fleet_renderables(snap: dict[str, Any]) -> list[Any]:
     return parts
 
 
-def _print_engine(eng: dict[str, Any]) -> None:
+def print_engine(eng: dict[str, Any]) -> None:
     for part in _engine_renderables(eng):
         out.print(part)
 

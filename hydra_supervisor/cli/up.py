@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.text import Text
 
-from hydra_supervisor.cli.shared import _overrides, dir_opt, err, friendly, node_opt, out
+from hydra_supervisor.cli.shared import dir_opt, err, friendly, node_opt, out, port_overrides
 from hydra_supervisor.runtime import exits
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def _up_locked(state: StateDir, names: list[str], node_file: str | None,
     """One profile, none (`names` empty) or several: the ports and the node serve_setup
     builds, run by one Daemon."""
     _preflight(state)
-    overrides = _overrides(port, host)
+    overrides = port_overrides(port, host)
     opts = daemon.Options(profile=names[0] if len(names) == 1 else None, node_file=node_file,
                           profiles_dir=profiles_dir, overrides=overrides,
                           host=host or "127.0.0.1", port=8080 if port is None else port,

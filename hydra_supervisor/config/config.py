@@ -15,7 +15,7 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from hydra_supervisor.config.paths import repo_root
 
@@ -35,8 +35,13 @@ from hydra_supervisor.config.schema import (
     DEVICE_SCHEMA,
     NODE_SCHEMA,
     PROFILE_SCHEMA,
-    _check_mapping,
-    _raise,
+    DeviceFields,
+    HealthFields,
+    NodeFields,
+    ProfileFields,
+    RestartFields,
+    check_mapping,
+    raise_problems,
 )
 from hydra_supervisor.config.yamlsrc import PathKey, Sourced, load_file
 from hydra_supervisor.errors import ConfigError, HydraError
@@ -82,14 +87,16 @@ def load_node(path: Path | None) -> Node:
     data = src.data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{src.where(())}: a node file is a mapping; got {type(data).__name__}")
-    checked, problems = _check_mapping(data, (), NODE_SCHEMA, "node file")
+    checked_, problems = check_mapping(data, (), NODE_SCHEMA, "node file")
+    checked = cast(NodeFields, checked_)
     devices: dict[str, DeviceDecl] = dict(BUILTIN_DEVICES)
     for name, spec in (checked.get("devices") or {}).items():
         p: PathKey = ("devices", name)
         if not isinstance(spec, dict):
             problems.append((p, "expected {cuda: N}, {cpu: true} or {endpoint: host:port}"))
             continue
-        dev, probs = _check_mapping(spec, p, DEVICE_SCHEMA, f"device '{name}'")
+        dev_, probs = check_mapping(spec, p, DEVICE_SCHEMA, f"device '{name}'")
+        dev = cast(DeviceFields, dev_)
         kinds = [k for k in ("cuda", "cpu", "endpoint") if k in dev]
         if not probs and len(kinds) != 1:
             probs.append((p, "give exactly one of cuda, cpu, endpoint"))
@@ -101,7 +108,7 @@ def load_node(path: Path | None) -> Node:
         problems += probs
         if not probs:
             devices[name] = DeviceDecl(name=name, **dev)
-    _raise(src, problems)
+    raise_problems(src, problems)
     binaries = dict(checked.get("binaries") or {})
     return Node(
         source=str(path),
@@ -165,24 +172,26 @@ def find_profile(name_or_path: str, extra: str | None = None) -> Path:
     )
 
 
-def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: Mapping[str, object], over: Mapping[str, object]) -> dict[str, object]:
     out = dict(base)
     for key, value in over.items():
-        if key in ("server_args", "env", "restart", "health") and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **value}
+        prev = out.get(key)
+        if key in ("server_args", "env", "restart", "health") and isinstance(prev, dict):
+            out[key] = {**prev, **cast("Mapping[str, object]", value)}
         else:
             out[key] = value
     return out
 
 
-def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = None) -> Profile:
+def load_profile(path: Path, node: Node, overrides: Mapping[str, object] | None = None
+                 ) -> Profile:
     src = load_file(path)
     data = src.data
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{src.where(())}: a profile is a mapping; got {type(data).__name__}")
-    checked, problems = _check_mapping(data, (), PROFILE_SCHEMA, "profile")
+    checked, problems = check_mapping(data, (), PROFILE_SCHEMA, "profile")
     if "model" not in data and data.get("mode") != "peer":
         problems.append(((), "missing required key 'model' (an alias such as gemma3-270m, "
                          "or a path to a .gguf file)"))
@@ -204,19 +213,20 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, Any] | None = N
     if "standby" in data and data.get("mode") == Mode.PEER.value:
         problems.append((("standby",), "not with mode: peer (a peer serves no HTTP model to "
                          "switch); remove standby"))
-    _raise(src, problems)
+    raise_problems(src, problems)
     merged = _merge(node.defaults, checked)
     merged = _merge(merged, dict(overrides or {}))
     _check_peer_trust(src, merged, data, overrides or {}, node)
-    name = merged.pop("profile", path.stem)
-    restart = merged.pop("restart", {})
-    health = merged.pop("health", {})
+    # The checked keys (schema.ProfileFields) and the overrides (port, host) as they were.
+    name = cast(str, merged.pop("profile", path.stem))
+    restart = cast(RestartFields, merged.pop("restart", {}))
+    health = cast(HealthFields, merged.pop("health", {}))
     return Profile(
         name=name,
         source=str(path),
         restart=RestartPolicy(**restart),
         health=HealthPolicy(**health),
-        **merged,
+        **cast(ProfileFields, merged),
     )
 
 
@@ -231,8 +241,8 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def _check_peer_trust(src: Sourced, merged: Mapping[str, Any], data: Mapping[str, Any],
-                      overrides: Mapping[str, Any], node: Node) -> None:
+def _check_peer_trust(src: Sourced, merged: Mapping[str, object], data: Mapping[str, object],
+                      overrides: Mapping[str, object], node: Node) -> None:
     """A `mode: peer` profile lends a device over ggml-RPC, which has no authentication: bound
     beyond loopback it must say who may use it (an explicit `rpc_allow`), never fall back to a
     default (docs/multi-host.md "Trust")."""

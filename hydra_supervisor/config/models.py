@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
@@ -23,11 +23,29 @@ BUILTIN_ALIASES = {
                  "(generated on first use)",
 }
 # Fixed shapes, so the generated file (and every plan made from it) is the same everywhere.
-SYNTH_SHAPES: dict[str, dict[str, Any]] = {
-    "synth-dense": {"n_layers": 8, "n_embd": 256, "n_ff": 768, "n_head": 4, "n_head_kv": 2},
-    "synth-moe": {"n_layers": 8, "n_embd": 256, "n_ff_exp": 256, "n_expert": 8,
-                  "n_expert_used": 2, "n_head": 4, "n_head_kv": 2},
-}
+class DenseShape(TypedDict):
+    n_layers: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+
+
+class MoeShape(TypedDict):
+    n_layers: int
+    n_embd: int
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    n_head: int
+    n_head_kv: int
+
+
+SYNTH_DENSE = DenseShape(n_layers=8, n_embd=256, n_ff=768, n_head=4, n_head_kv=2)
+SYNTH_MOE = MoeShape(n_layers=8, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2,
+                     n_head=4, n_head_kv=2)
+SYNTH_SHAPES: dict[str, DenseShape | MoeShape] = {"synth-dense": SYNTH_DENSE,
+                                                  "synth-moe": SYNTH_MOE}
 
 
 def _synth_path(alias: str) -> Path:
@@ -38,11 +56,10 @@ def _synth_path(alias: str) -> Path:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.gguf")
-        shape = SYNTH_SHAPES[alias]
         if alias == "synth-moe":
-            synth.write_moe(tmp, seed=1, **shape)
+            synth.write_moe(tmp, seed=1, **SYNTH_MOE)
         else:
-            synth.write_dense(tmp, seed=1, **shape)
+            synth.write_dense(tmp, seed=1, **SYNTH_DENSE)
         tmp.replace(path)
     return path
 

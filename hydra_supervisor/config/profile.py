@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 
 class Mode(Enum):
@@ -87,7 +86,7 @@ class Profile:
     transport: Transport = Transport.AUTO
     moe_split: MoeSplit = MoeSplit.AUTO
     n_cpu_moe: int | None = None
-    server_args: Mapping[str, Any] = field(default_factory=dict)
+    server_args: Mapping[str, object] = field(default_factory=dict)  # scalars (a list: repeated)
     env: Mapping[str, str] = field(default_factory=dict)
     on_peer_loss: PeerLoss = PeerLoss.RESTART
     host: str = "127.0.0.1"
@@ -149,7 +148,7 @@ class Node:
     model_dirs: tuple[str, ...] = ()
     rpc_ports: tuple[int, int] = (30052, 30151)
     internal_ports: tuple[int, int] = (30200, 30299)
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    defaults: Mapping[str, object] = field(default_factory=dict)
     profiles: tuple[str, ...] = ()  # what `hydra up` serves when no -p is given
     default_profile: str | None = None  # for requests without `model` (else the first listed)
     state_group: str | None = None  # the state dir readable by this group (filemodes.py)

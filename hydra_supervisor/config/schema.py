@@ -11,7 +11,7 @@ import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from enum import Enum
-from typing import Any
+from typing import TypedDict
 
 from hydra_supervisor.config.profile import Mode, MoeSplit, PeerLoss, Transport, WireReads
 from hydra_supervisor.config.yamlsrc import PathKey, Sourced
@@ -20,11 +20,13 @@ from hydra_supervisor.errors import ConfigError
 # ---------------------------------------------------------------------------------------------
 # A tiny declarative validator: each key maps to a checker that returns (value, problems).
 
-Checker = Callable[[Any, PathKey], tuple[Any, list[tuple[PathKey, str]]]]
+Problems = list[tuple[PathKey, str]]
+Checked = tuple[object, Problems]  # the checked value (None when there are problems), problems
+Checker = Callable[[object, PathKey], Checked]
 
 
 def _type(kind: type | tuple[type, ...], label: str) -> Checker:
-    def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    def check(v: object, p: PathKey) -> Checked:
         if isinstance(v, bool) and kind is not bool and bool not in (
             kind if isinstance(kind, tuple) else (kind,)
         ):
@@ -39,7 +41,7 @@ def _type(kind: type | tuple[type, ...], label: str) -> Checker:
 def _enum(enum: type[Enum]) -> Checker:
     choices = [e.value for e in enum]
 
-    def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    def check(v: object, p: PathKey) -> Checked:
         try:
             return enum(v), []
         except ValueError:
@@ -48,37 +50,37 @@ def _enum(enum: type[Enum]) -> Checker:
     return check
 
 
-def _port(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _port(v: object, p: PathKey) -> Checked:
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
         return None, [(p, f"expected a port number 0-65535, got {v!r}")]
     return v, []
 
 
-def _positive(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _positive(v: object, p: PathKey) -> Checked:
     if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
         return None, [(p, f"expected a positive number, got {v!r}")]
     return float(v), []
 
 
-def _seconds(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _seconds(v: object, p: PathKey) -> Checked:
     if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
         return None, [(p, f"expected a number of seconds (0 or more), got {v!r}")]
     return float(v), []
 
 
-def _count(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _count(v: object, p: PathKey) -> Checked:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         return None, [(p, f"expected a whole number of at least 1, got {v!r}")]
     return v, []
 
 
-def _whole(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _whole(v: object, p: PathKey) -> Checked:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         return None, [(p, f"expected a whole number (0 or more), got {v!r}")]
     return v, []
 
 
-def _str_list(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _str_list(v: object, p: PathKey) -> Checked:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -86,9 +88,9 @@ def _str_list(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
     return tuple(v), []
 
 
-def _cidrs(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _cidrs(v: object, p: PathKey) -> Checked:
     val, probs = _str_list(v, p)
-    if probs:
+    if probs or not isinstance(val, tuple):
         return val, probs
     bad = []
     for i, cidr in enumerate(val):
@@ -99,7 +101,7 @@ def _cidrs(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
     return val, bad
 
 
-def _split(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _split(v: object, p: PathKey) -> Checked:
     if isinstance(v, dict):
         if not v or not all(isinstance(x, int | float) and not isinstance(x, bool) and x >= 0
                             for x in v.values()):
@@ -122,7 +124,7 @@ def _split(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
     return tuple(v), []
 
 
-def _scalar_map(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _scalar_map(v: object, p: PathKey) -> Checked:
     if not isinstance(v, dict):
         return None, [(p, f"expected a mapping, got {v!r}")]
     bad = [(p + (k,), f"expected a scalar, got {x!r}") for k, x in v.items()
@@ -130,15 +132,15 @@ def _scalar_map(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
     return dict(v), bad
 
 
-def _str_map(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _str_map(v: object, p: PathKey) -> Checked:
     val, probs = _scalar_map(v, p)
-    if probs or val is None:
+    if probs or not isinstance(val, dict):  # (None with problems)
         return val, probs
     return {k: "" if x is None else str(x) if not isinstance(x, bool) else ("1" if x else "0")
             for k, x in val.items()}, []
 
 
-def _group(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _group(v: object, p: PathKey) -> Checked:
     """A group this user belongs to (by name or gid): the state dir is opened to it."""
     if isinstance(v, bool) or not isinstance(v, str | int):
         return None, [(p, f"expected a group name, got {v!r}")]
@@ -152,13 +154,13 @@ def _group(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
     return g.gr_name, []
 
 
-def _log_mib(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _log_mib(v: object, p: PathKey) -> Checked:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0625 <= v <= 1 << 20:
         return None, [(p, f"expected MiB between 0.0625 and 1048576, got {v!r}")]
     return float(v), []
 
 
-def _log_keep(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _log_keep(v: object, p: PathKey) -> Checked:
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 100:
         return None, [(p, f"expected a whole number from 1 to 100, got {v!r}")]
     return v, []
@@ -170,7 +172,7 @@ LOGS_SCHEMA: dict[str, Checker] = {
 }
 
 
-def _range(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+def _range(v: object, p: PathKey) -> Checked:
     if (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
             and 0 < v[0] <= v[1] <= 65535):
         return (v[0], v[1]), []
@@ -178,19 +180,19 @@ def _range(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
 
 
 def _section(schema: Mapping[str, Checker], label: str) -> Checker:
-    def check(v: Any, p: PathKey) -> tuple[Any, list[tuple[PathKey, str]]]:
+    def check(v: object, p: PathKey) -> Checked:
         if not isinstance(v, dict):
             return None, [(p, f"expected a mapping for {label}, got {v!r}")]
-        return _check_mapping(v, p, schema, label)
+        return check_mapping(v, p, schema, label)
 
     return check
 
 
-def _check_mapping(
-    data: dict[str, Any], path: PathKey, schema: Mapping[str, Checker], label: str
-) -> tuple[dict[str, Any], list[tuple[PathKey, str]]]:
-    out: dict[str, Any] = {}
-    problems: list[tuple[PathKey, str]] = []
+def check_mapping(
+    data: Mapping[str, object], path: PathKey, schema: Mapping[str, Checker], label: str
+) -> tuple[dict[str, object], Problems]:
+    out: dict[str, object] = {}
+    problems: Problems = []
     for key, value in data.items():
         checker = schema.get(key)
         if checker is None:
@@ -304,7 +306,91 @@ NODE_SCHEMA: dict[str, Checker] = {
 }
 
 
-def _raise(src: Sourced, problems: list[tuple[PathKey, str]]) -> None:
+# ---------------------------------------------------------------------------------------------
+# What check_mapping returns for each table, as types (the checkers above guarantee them): the
+# loader (config.py) casts a checked mapping to its shape before it builds the dataclasses.
+
+
+class LogsFields(TypedDict, total=False):
+    max_mib: float
+    keep: int
+
+
+class DeviceFields(TypedDict, total=False):
+    cuda: int
+    cpu: bool
+    endpoint: str
+    memory_mib: int
+    allow_build_mismatch: bool
+
+
+class NodeFields(TypedDict, total=False):
+    devices: dict[str, object]  # each checked on its own against DEVICE_SCHEMA
+    binaries: dict[str, str]
+    models: dict[str, str]
+    model_dirs: tuple[str, ...]
+    rpc_ports: tuple[int, int]
+    internal_ports: tuple[int, int]
+    defaults: dict[str, object]
+    profiles: tuple[str, ...]
+    default_profile: str
+    state_group: str
+    logs: LogsFields
+
+
+class RestartFields(TypedDict, total=False):
+    backoff_initial: float
+    backoff_max: float
+    max_failures: int
+    window: float
+    stable_after: float
+
+
+class HealthFields(TypedDict, total=False):
+    interval: float
+    hang_timeout: float
+    stall_timeout: float
+    probe: bool
+    probe_interval: float
+    probe_timeout: float
+
+
+class ProfileFields(TypedDict, total=False):
+    """A checked profile less `profile` (its name), `restart` and `health` (their own
+    dataclasses): the keyword arguments of config.Profile."""
+
+    description: str
+    model: str
+    mode: Mode
+    head: str
+    peers: tuple[str, ...]
+    split: tuple[int | float, ...] | dict[str, int | float]
+    transport: Transport
+    moe_split: MoeSplit
+    n_cpu_moe: int
+    server_args: dict[str, object]
+    env: dict[str, str]
+    on_peer_loss: PeerLoss
+    host: str
+    port: int
+    load_timeout: float
+    stop_grace: float
+    router: bool
+    rpc_allow: tuple[str, ...]
+    wire_reads: WireReads
+    expect: dict[str, float]
+    keep_slots: bool
+    aliases: tuple[str, ...]
+    on_demand: bool
+    ttl: float
+    min_resident: float
+    concurrency: int
+    queue: int
+    prefill: tuple[str, ...]
+    standby: str
+
+
+def raise_problems(src: Sourced, problems: Problems) -> None:
     if not problems:
         return
     lines = [f"{src.where(p)}: {'.'.join(str(x) for x in p) or '<top>'}: {msg}"

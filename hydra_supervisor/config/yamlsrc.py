@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -33,7 +32,7 @@ class Sourced:
     """A parsed YAML document plus the line of each path in it."""
 
     file: str
-    data: Any
+    data: object  # what YAML gave: None, scalars, lists, dicts with str keys
     lines: dict[PathKey, int] = field(default_factory=dict)
 
     def where(self, path: PathKey) -> str:
@@ -45,10 +44,10 @@ class Sourced:
         return f"{self.file}:{line}"
 
 
-def _convert(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], file: str) -> Any:
+def _convert(node: yaml.Node, path: PathKey, lines: dict[PathKey, int], file: str) -> object:
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for key_node, value_node in node.value:
             key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(
                 key_node, yaml.ScalarNode

@@ -9,7 +9,6 @@ from profile fields are refused here, naming the profile key to use instead.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from hydra_supervisor.errors import HydraError
 
@@ -33,7 +32,7 @@ def flag(key: str) -> str:
     return f"-{key}" if len(key) == 1 else f"--{key}"
 
 
-def server_flags(args: Mapping[str, Any], *, combine: bool, source: str) -> list[str]:
+def server_flags(args: Mapping[str, object], *, combine: bool, source: str) -> list[str]:
     out: list[str] = []
     for key, value in args.items():
         bare = key.lstrip("-")

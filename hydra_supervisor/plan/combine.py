@@ -12,18 +12,18 @@ from collections.abc import Sequence
 from hydra_supervisor.config.profile import MoeSplit, Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.devices import MIB, Device, Kind
-from hydra_supervisor.plan.peers import _base_env, _pin_env
+from hydra_supervisor.plan.peers import base_env, pin_env
 from hydra_supervisor.plan.placement import (
     CPU_OVERHEAD,
     Model,
-    _available,
-    _check_fit,
-    _fits,
-    _layer_placements,
-    _overhead,
-    _ranges,
-    _ts,
+    available_bytes,
+    check_fit,
+    device_overhead,
+    fits,
+    layer_placements,
+    layer_ranges,
     plan_layer_split,
+    tensor_split_arg,
 )
 from hydra_supervisor.plan.plan import EngineSpec, Placement, Role
 
@@ -59,7 +59,7 @@ def expert_pattern(tensor_names: Sequence[str], layers: Sequence[int] | None = N
     return pattern
 
 
-def _local_head(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
+def local_head(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
                 split: MoeSplit | None, base: list[str], extra: list[str], ctx: int,
                 kv_type: float, host: Device | None, placements: list[Placement],
                 notes: list[str], bind: str, port: int) -> EngineSpec:
@@ -69,7 +69,7 @@ def _local_head(profile: Profile, model: Model, head: Device, peers: Sequence[De
             raise HydraError(f"{profile.source}: moe_split: experts puts the experts on one "
                              f"peer GPU; got {len(peers)} peers (or set moe_split: layers)")
         gpus = [head, peers[0]]  # the head is CUDA0, the experts' GPU CUDA1
-        args, pls = _moe_combine(profile, model, head, peers[0], "CUDA1", ctx, kv_type, 1,
+        args, pls = moe_combine(profile, model, head, peers[0], "CUDA1", ctx, kv_type, 1,
                                  host=host, notes=notes)
     else:
         gpus = [*peers, head]  # llama.cpp order as over RPC: the head's GPU last, with output
@@ -77,15 +77,15 @@ def _local_head(profile: Profile, model: Model, head: Device, peers: Sequence[De
     placements += pls
     return EngineSpec(
         name="head", role=Role.HEAD, program="llama-server", args=tuple(base + args + extra),
-        env=_base_env(profile) + _pin_env(gpus), host=bind, port=port,
+        env=base_env(profile) + pin_env(gpus), host=bind, port=port,
         device="+".join(d.name for d in gpus), start_order=0)
 
 
 def _cpu_experts_row(model: Model, n_cpu: int, host: Device | None) -> Placement:
     expert = model.expert_bytes_per_layer()
     return Placement("cpu (host RAM)", 0, sum(expert[:n_cpu]), 0, CPU_OVERHEAD,
-                     _available(host, 1) if host else 0,
-                     what=f"experts of layers {_ranges(range(n_cpu))} (--n-cpu-moe {n_cpu})")
+                     available_bytes(host, 1) if host else 0,
+                     what=f"experts of layers {layer_ranges(range(n_cpu))} (--n-cpu-moe {n_cpu})")
 
 
 def _local_layer_split(profile: Profile, model: Model, gpus: Sequence[Device], ctx: int,
@@ -99,26 +99,26 @@ def _local_layer_split(profile: Profile, model: Model, gpus: Sequence[Device], c
 
     def attempt(n_cpu: int) -> list[Placement]:
         on_gpu = [b - (expert[i] if i < n_cpu else 0) for i, b in enumerate(layer_bytes)]
-        pls = _layer_placements(profile, model, gpus, counts, ctx, kv_type, 1, on_gpu,
+        pls = layer_placements(profile, model, gpus, counts, ctx, kv_type, 1, on_gpu,
                                 host_weights=n_cpu > 0)
         return pls + ([_cpu_experts_row(model, n_cpu, host)] if n_cpu else [])
 
     n_cpu = profile.n_cpu_moe or 0
     pls = attempt(n_cpu)
-    if model.is_moe and profile.n_cpu_moe is None and not _fits(pls):
+    if model.is_moe and profile.n_cpu_moe is None and not fits(pls):
         for n in range(1, model.block_count + 1):
-            if _fits(attempt(n)):
+            if fits(attempt(n)):
                 n_cpu, pls = n, attempt(n)
                 notes.append(f"not all experts fit the GPUs: the experts of layers "
-                             f"{_ranges(range(n))} stay in host RAM (--n-cpu-moe {n}); set "
+                             f"{layer_ranges(range(n))} stay in host RAM (--n-cpu-moe {n}); set "
                              "n_cpu_moe to choose")
                 break
-    _check_fit(pls, profile)
-    args = ["-ngl", "99", "-sm", "layer", "-ts", _ts(counts)]
+    check_fit(pls, profile)
+    args = ["-ngl", "99", "-sm", "layer", "-ts", tensor_split_arg(counts)]
     return args + (["--n-cpu-moe", str(n_cpu)] if n_cpu else []), pls
 
 
-def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
+def dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
                    ctx: int, kv_type: float, cpu_sharers: int
                    ) -> tuple[list[str], list[Placement]]:
     order = [*peers, head]
@@ -126,20 +126,20 @@ def _dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence
     if head.kind is Kind.CPU:
         # The CPU is not an offload device: -ngl N offloads the last N blocks to the RPC
         # devices (split among them by -ts); the first blocks stay on the head.
-        placements = _layer_placements(profile, model, [head, *peers],
+        placements = layer_placements(profile, model, [head, *peers],
                                        [counts[-1], *counts[:-1]], ctx, kv_type, cpu_sharers)
-        _check_fit(placements, profile)
+        check_fit(placements, profile)
         # -ngl counts the output layer too (offloaded first, to the last RPC device).
         args = ["-ngl", str(sum(counts[:-1]) + 1), "-sm", "layer"]
         if len(peers) > 1:
-            args += ["-ts", _ts(counts[:-1])]
+            args += ["-ts", tensor_split_arg(counts[:-1])]
         return args, placements
-    placements = _layer_placements(profile, model, order, counts, ctx, kv_type, cpu_sharers)
-    _check_fit(placements, profile)
-    return ["-ngl", "99", "-sm", "layer", "-ts", _ts(counts)], placements
+    placements = layer_placements(profile, model, order, counts, ctx, kv_type, cpu_sharers)
+    check_fit(placements, profile)
+    return ["-ngl", "99", "-sm", "layer", "-ts", tensor_split_arg(counts)], placements
 
 
-def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buft: str,
+def moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buft: str,
                  ctx: int, kv_type: float, cpu_sharers: int, *, host: Device | None = None,
                  notes: list[str] | None = None) -> tuple[list[str], list[Placement]]:
     """Experts of the trailing layers on `peer` (buffer type `buft`: RPC0[host:port] or CUDA1),
@@ -148,8 +148,8 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buf
     (--n-cpu-moe N, the smallest N that fits), unless the profile sets n_cpu_moe."""
     expert_bytes = model.expert_bytes_per_layer()
     layers = [i for i, b in enumerate(expert_bytes) if b > 0]
-    peer_avail = _available(peer, cpu_sharers)
-    peer_over = _overhead(peer, model, profile, output=False)
+    peer_avail = available_bytes(peer, cpu_sharers)
+    peer_over = device_overhead(peer, model, profile, output=False)
     chosen = list(layers)
     if peer_avail:
         # Experts of the last layers first, so whole trailing layers' experts sit on the peer.
@@ -172,10 +172,10 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buf
             head_bytes -= total - sum(model.layer_bytes()) - model.output_bytes()
         pls = [
             Placement(peer.name, len(chosen), peer_bytes, 0, peer_over, peer_avail,
-                      what=f"experts of {len(chosen)} layers ({_ranges(chosen)})"),
+                      what=f"experts of {len(chosen)} layers ({layer_ranges(chosen)})"),
             Placement(head.name, model.block_count, head_bytes, kv,
-                      _overhead(head, model, profile, output=True, host_weights=n_cpu > 0),
-                      _available(head, cpu_sharers),
+                      device_overhead(head, model, profile, output=True, host_weights=n_cpu > 0),
+                      available_bytes(head, cpu_sharers),
                       what=f"all {model.block_count} layers but those experts"),
         ]
         return pls + ([_cpu_experts_row(model, n_cpu, host)] if n_cpu else [])
@@ -183,18 +183,18 @@ def _moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buf
     n_cpu = profile.n_cpu_moe or 0 if host is not None else 0
     if n_cpu and set(range(n_cpu)) & set(chosen):
         raise HydraError(f"{profile.source}: n_cpu_moe {n_cpu} keeps experts on the CPU that "
-                         f"the plan puts on '{peer.name}' (layers {_ranges(chosen)})")
+                         f"the plan puts on '{peer.name}' (layers {layer_ranges(chosen)})")
     placements = attempt(n_cpu)
-    if host is not None and profile.n_cpu_moe is None and not _fits(placements):
+    if host is not None and profile.n_cpu_moe is None and not fits(placements):
         free_layers = min(chosen) if chosen else model.block_count
         for n in range(1, free_layers + 1):
-            if _fits(attempt(n)):
+            if fits(attempt(n)):
                 n_cpu, placements = n, attempt(n)
                 if notes is not None:
                     notes.append(f"not all experts fit the GPUs: the experts of layers "
-                                 f"{_ranges(range(n))} stay in host RAM (--n-cpu-moe {n})")
+                                 f"{layer_ranges(range(n))} stay in host RAM (--n-cpu-moe {n})")
                 break
-    _check_fit(placements, profile)
+    check_fit(placements, profile)
     if head.kind is Kind.CUDA:
         # -ts 1,0 (local; 0,1 over RPC, where the RPC device comes first): every layer on the
         # head's GPU; without it llama.cpp also spreads whole layers over the other device by

@@ -10,10 +10,9 @@ Supervisor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, Profile, RestartPolicy
 from hydra_supervisor.plan import layout
@@ -57,7 +56,7 @@ class Deployment:
 
 
 def prepare(profile_ref: str, *, node_file: str | None = None,
-            profiles_dir: str | None = None, overrides: dict[str, Any] | None = None,
+            profiles_dir: str | None = None, overrides: Mapping[str, object] | None = None,
             keep: Plan | None = None, external: int | None = None,
             profile: Profile | None = None, slot_dir: Path | None = None,
             reserved: frozenset[int] = frozenset()) -> Deployment:

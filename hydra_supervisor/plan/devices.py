@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import yaml
 
@@ -84,7 +84,7 @@ def _meminfo() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def nvml_session() -> Iterator[Any]:
+def nvml_session() -> Iterator[ModuleType | None]:
     """pynvml, initialised for the block (shut down after it), or None where there is no
     NVML (no package, no driver). NVMLError inside the block is the caller's to handle."""
     try:
@@ -110,7 +110,7 @@ def _nvml() -> tuple[GpuInfo, ...] | None:
         return _nvml_gpus(pynvml)
 
 
-def _nvml_gpus(pynvml: Any) -> tuple[GpuInfo, ...] | None:
+def _nvml_gpus(pynvml: ModuleType) -> tuple[GpuInfo, ...] | None:
     try:
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):

@@ -8,10 +8,9 @@ live here too, so every bad input is reported before any process starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from hydra_supervisor.config import models
 from hydra_supervisor.config.config import (
@@ -62,7 +61,7 @@ def free_rpc_ports(node: Node, count: int, exclude: set[int],
 
 
 def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
-          overrides: dict[str, Any] | None = None, check_ports: bool = True,
+          overrides: Mapping[str, object] | None = None, check_ports: bool = True,
           keep: Plan | None = None, profile: Profile | None = None,
           reserved: frozenset[int] = frozenset(), need_binaries: bool = False) -> Layout:
     """`keep`: the plan of the layout running on this engine now; its internal and peer ports

@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gguf
 import numpy as np
@@ -128,8 +128,11 @@ def _shards(real: str) -> list[str]:
     return [f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
-def _identity(files: list[str]) -> dict[str, Any]:
-    idents = []
+_Identity = dict[str, list[list[str | int]]]  # the shards' path, size, mtime, inode
+
+
+def _identity(files: list[str]) -> _Identity:
+    idents: list[list[str | int]] = []
     for f in files:
         try:
             st = os.stat(f)
@@ -144,11 +147,11 @@ def _cache_file(real: str) -> Path:
     return _cache_root() / (hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
 
 
-def _to_json(info: ModelInfo) -> dict[str, Any]:
+def _to_json(info: ModelInfo) -> dict[str, object]:
     return asdict(info)
 
 
-def _from_json(d: dict[str, Any]) -> ModelInfo:
+def _from_json(d: dict[str, Any]) -> ModelInfo:  # a cache entry: any mistake is a miss
     tensors = tuple(
         TensorInfo(
             name=t["name"],
@@ -162,7 +165,7 @@ def _from_json(d: dict[str, Any]) -> ModelInfo:
     return ModelInfo(**{**d, "tensors": tensors})
 
 
-def _load_cached(real: str, ident: dict[str, Any]) -> ModelInfo | None:
+def _load_cached(real: str, ident: _Identity) -> ModelInfo | None:
     f = _cache_file(real)
     try:
         entry = json.loads(f.read_text())
@@ -176,7 +179,7 @@ def _load_cached(real: str, ident: dict[str, Any]) -> ModelInfo | None:
         return None
 
 
-def _store_cached(real: str, ident: dict[str, Any], info: ModelInfo) -> None:
+def _store_cached(real: str, ident: _Identity, info: ModelInfo) -> None:
     f = _cache_file(real)
     tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
     try:
@@ -190,7 +193,7 @@ def _store_cached(real: str, ident: dict[str, Any], info: ModelInfo) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
+def _field(reader: gguf.GGUFReader, key: str) -> object:
     f = reader.fields.get(key)
     return None if f is None else f.contents()
 
@@ -202,7 +205,7 @@ def _int(reader: gguf.GGUFReader, key: str) -> int:
         return 0
     if isinstance(v, list):
         return int(max(v)) if v else 0
-    return int(v)
+    return int(cast("int | float | str", v))  # a number (anything else raises here)
 
 
 class _ExtentReader(gguf.GGUFReader):
@@ -211,7 +214,7 @@ class _ExtentReader(gguf.GGUFReader):
 
     data_end = 0
 
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+    def _build_tensors(self, start_offs: int, fields: list[gguf.ReaderField]) -> None:
         for fld in fields:
             _name_len, _name, _n_dims, dims, raw_dtype, offset = fld.parts
             block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
@@ -326,7 +329,7 @@ def inspect(path: str | os.PathLike[str], *, use_cache: bool = True) -> ModelInf
         cached = _load_cached(real, ident)
         if cached is not None:
             return cached
-    info = _read_gguf(files, sum(size for _, size, _, _ in ident["files"]))
+    info = _read_gguf(files, sum(cast(int, size) for _, size, _, _ in ident["files"]))
     if use_cache:
         _store_cached(real, ident, info)
     return info

@@ -16,20 +16,20 @@ from hydra_supervisor.plan.plan import EngineSpec, Role
 PEER_BIND = "127.0.0.1"
 
 
-def _pin_env(dev: Device | Sequence[Device]) -> tuple[tuple[str, str], ...]:
+def pin_env(dev: Device | Sequence[Device]) -> tuple[tuple[str, str], ...]:
     devs = [dev] if isinstance(dev, Device) else list(dev)
     cuda = [str(d.cuda_index) for d in devs if d.kind is Kind.CUDA]
     # An empty CUDA_VISIBLE_DEVICES hides every GPU, so a CPU engine of a CUDA build stays on CPU.
     return (("CUDA_VISIBLE_DEVICES", ",".join(cuda)),)
 
 
-def _base_env(profile: Profile) -> tuple[tuple[str, str], ...]:
+def base_env(profile: Profile) -> tuple[tuple[str, str], ...]:
     # ggml runs gdb for a backtrace on abort when gdb exists; that delays a dead head's exit.
     env = {"GGML_NO_BACKTRACE": "1", **profile.env}
     return tuple(env.items())
 
 
-def _device(devices: Mapping[str, Device], name: str, profile: Profile, key: str) -> Device:
+def device_named(devices: Mapping[str, Device], name: str, profile: Profile, key: str) -> Device:
     if name not in devices:
         raise HydraError(
             f"{profile.source}: {key}: unknown device '{name}'; known devices: "
@@ -38,7 +38,7 @@ def _device(devices: Mapping[str, Device], name: str, profile: Profile, key: str
     return devices[name]
 
 
-def _peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Profile
+def peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Profile
                ) -> EngineSpec:
     if dev.kind is Kind.REMOTE:
         assert dev.endpoint
@@ -55,7 +55,7 @@ def _peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Pr
         if threads:
             args += ("-t", str(threads))
     return EngineSpec(name=name, role=Role.PEER, program="ggml-rpc-server", args=args,
-                      env=_base_env(profile) + _pin_env(dev), host=PEER_BIND, port=port,
+                      env=base_env(profile) + pin_env(dev), host=PEER_BIND, port=port,
                       device=dev.name, start_order=order)
 
 

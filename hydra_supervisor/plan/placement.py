@@ -44,7 +44,7 @@ class Model(Protocol):
     def kv_bytes_per_token(self, type_bytes: float = 2.0) -> int: ...
 
 
-def _ctx(profile: Profile, model: Model) -> int:
+def context_size(profile: Profile, model: Model) -> int:
     for key in ("ctx-size", "c"):
         val = profile.server_args.get(key)
         if isinstance(val, int) and val > 0:
@@ -52,7 +52,7 @@ def _ctx(profile: Profile, model: Model) -> int:
     return model.context_length or 4096
 
 
-def _kv_type_bytes(profile: Profile) -> float:
+def kv_type_bytes(profile: Profile) -> float:
     sizes = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625,
              "q4_1": 0.625, "q5_0": 0.6875, "q5_1": 0.75, "iq4_nl": 0.5625}
     types = [str(profile.server_args.get(k, "f16")) for k in ("cache-type-k", "cache-type-v")]
@@ -118,14 +118,14 @@ def gpu_overhead(model: Model, profile: Profile, *, output: bool, split: bool = 
     return CUDA_CONTEXT + compute + (largest if host_weights else 0)
 
 
-def _overhead(dev: Device, model: Model, profile: Profile, *, output: bool,
+def device_overhead(dev: Device, model: Model, profile: Profile, *, output: bool,
               split: bool = False, host_weights: bool = False) -> int:
     if dev.kind is Kind.CPU:
         return CPU_OVERHEAD
     return gpu_overhead(model, profile, output=output, split=split, host_weights=host_weights)
 
 
-def _available(dev: Device, cpu_sharers: int) -> int:
+def available_bytes(dev: Device, cpu_sharers: int) -> int:
     if dev.free <= 0:
         return 0
     free = dev.free // cpu_sharers if dev.kind is Kind.CPU else dev.free
@@ -177,7 +177,7 @@ def plan_layer_split(profile: Profile, model: Model, order: Sequence[Device],
                 counts[-1] -= 1
             return counts
         return _largest_remainder([float(x) for x in split], n)
-    avail = [_available(d, cpu_sharers) for d in order]
+    avail = [available_bytes(d, cpu_sharers) for d in order]
     if not all(avail):
         return _largest_remainder([1.0] * len(order), n)
     return _largest_remainder([float(a) for a in avail], n)
@@ -193,12 +193,12 @@ def _user_ngl(profile: Profile) -> int | None:
     return None
 
 
-def _solo_placements(profile: Profile, model: Model, head: Device, host: Device | None,
+def solo_placements(profile: Profile, model: Model, head: Device, host: Device | None,
                      ctx: int, kv_type: float) -> list[Placement]:
     """SOLO: all on the head's device, minus what n-gpu-layers / n_cpu_moe leave on the CPU."""
     n = model.block_count
     if head.kind is Kind.CPU:
-        return _layer_placements(profile, model, [head], [n], ctx, kv_type, 1)
+        return layer_placements(profile, model, [head], [n], ctx, kv_type, 1)
     ngl = _user_ngl(profile)
     gpu_layers = n + 1 if ngl is None else max(0, min(ngl, n + 1))
     gpu_blocks = max(gpu_layers - 1, 0)  # the output layer is offloaded first
@@ -213,23 +213,23 @@ def _solo_placements(profile: Profile, model: Model, head: Device, host: Device 
     out = [Placement(head.name, gpu_blocks, gpu_w, kv_layer * gpu_blocks,
                      gpu_overhead(model, profile, output=gpu_layers > 0,
                                   host_weights=bool(first_gpu or cpu_moe)),
-                     _available(head, 1), what=what if gpu_layers else "nothing")]
+                     available_bytes(head, 1), what=what if gpu_layers else "nothing")]
     cpu_w = model.non_layer_bytes() + sum(layer_bytes) - gpu_w
     if first_gpu or cpu_moe:  # (the input embedding alone on the CPU is not worth a row)
         out.append(Placement(
             "cpu (host RAM)", first_gpu, cpu_w, kv_layer * first_gpu, CPU_OVERHEAD,
-            _available(host, 1) if host else 0,
+            available_bytes(host, 1) if host else 0,
             what=(f"layers 0-{first_gpu - 1}" if first_gpu else "input embedding")
             + (f", experts of layers 0-{len(cpu_moe) - 1}" if cpu_moe else "")))
     return out
 
 
-def _fits(placements: Sequence[Placement]) -> bool:
+def fits(placements: Sequence[Placement]) -> bool:
     return not any(p.free_bytes and p.need_bytes > p.free_bytes for p in placements)
 
 
-def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
-    if _fits(placements):
+def check_fit(placements: Sequence[Placement], profile: Profile) -> None:
+    if fits(placements):
         return
     rows = "\n".join(
         f"  {p.device}: needs {p.need_bytes / MIB:,.0f} MiB ({p.what}: weights "
@@ -242,7 +242,7 @@ def _check_fit(placements: Sequence[Placement], profile: Profile) -> None:
              "or pick a smaller quant")
 
 
-def _layer_placements(profile: Profile, model: Model, order: Sequence[Device],
+def layer_placements(profile: Profile, model: Model, order: Sequence[Device],
                       counts: Sequence[int], ctx: int, kv_type: float, cpu_sharers: int,
                       layer_bytes: Sequence[int] | None = None,
                       host_weights: bool = False) -> list[Placement]:
@@ -262,16 +262,16 @@ def _layer_placements(profile: Profile, model: Model, order: Sequence[Device],
             weights += model.output_bytes()
         out.append(Placement(
             device=dev.name, layers=count, weight_bytes=weights, kv_bytes=kv_per_layer * count,
-            overhead_bytes=_overhead(dev, model, profile, output=last, split=len(order) > 1,
+            overhead_bytes=device_overhead(dev, model, profile, output=last, split=len(order) > 1,
                                      host_weights=host_weights),
-            free_bytes=_available(dev, cpu_sharers),
+            free_bytes=available_bytes(dev, cpu_sharers),
             what=f"layers {start}-{start + count - 1}" + (" + output" if last else "")
             if count else ("output" if last else "layers")))
         start += count
     return out
 
 
-def _ranges(nums: Iterable[int]) -> str:
+def layer_ranges(nums: Iterable[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
     out: list[str] = []
     for n in sorted(nums):
@@ -282,7 +282,7 @@ def _ranges(nums: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def _ts(counts: Sequence[int]) -> str:
+def tensor_split_arg(counts: Sequence[int]) -> str:
     """-ts for llama.cpp, which spreads it over the offloaded blocks *and* the output layer:
     the last device (which gets the output layer) counts one more."""
     return ",".join(str(c + (1 if i == len(counts) - 1 else 0)) for i, c in enumerate(counts))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum, StrEnum
-from typing import Any
+from typing import TypedDict, cast
 
 
 class Role(Enum):
@@ -94,6 +94,16 @@ class RouterSpec:
     allow: tuple[str, ...]
 
 
+class PlanMeta(TypedDict, total=False):
+    """What a plan says beside its processes (in `hydra plan --json` too)."""
+
+    ctx: int
+    block_count: int
+    transport_requested: str  # COMBINE: the profile's transport (auto, rpc, local)
+    moe_split: str  # COMBINE of an MoE model: how it is split
+    prefill: tuple[str, ...]  # mode: peer: the GGUFs its ggml-rpc-server cache gets first
+
+
 @dataclass(frozen=True)
 class Plan:
     profile: str
@@ -107,7 +117,7 @@ class Plan:
     engines: tuple[EngineSpec, ...]
     placements: tuple[Placement, ...] = ()
     notes: tuple[str, ...] = ()
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: PlanMeta = field(default_factory=lambda: PlanMeta())
     router: RouterSpec | None = None
 
     @property
@@ -121,8 +131,8 @@ class Plan:
     def in_start_order(self) -> list[EngineSpec]:
         return sorted(self.engines, key=lambda e: e.start_order)
 
-    def to_json(self) -> dict[str, Any]:
-        def enc(obj: Any) -> Any:
+    def to_json(self) -> dict[str, object]:
+        def enc(obj: object) -> object:
             if isinstance(obj, Enum):
                 return obj.value
             if isinstance(obj, dict):
@@ -131,8 +141,9 @@ class Plan:
                 return [enc(v) for v in obj]
             return obj
 
-        data: dict[str, Any] = enc(asdict(self))
-        for eng, spec in zip(data["engines"], self.engines, strict=True):
+        data = cast("dict[str, object]", enc(asdict(self)))
+        engines = cast("list[dict[str, object]]", data["engines"])
+        for eng, spec in zip(engines, self.engines, strict=True):
             eng["env"] = spec.env_dict()
             eng["endpoint"] = spec.endpoint
         return data

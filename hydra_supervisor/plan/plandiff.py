@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from hydra_supervisor.plan.plan import EngineSpec, Plan
 
@@ -31,7 +30,7 @@ class PlanDiff:
     restart: tuple[str, ...] = ()  # process names that restart, in start order
 
 
-def _key(e: EngineSpec) -> tuple[Any, ...]:
+def _key(e: EngineSpec) -> tuple[object, ...]:
     return (e.name, e.role, e.program, e.args, e.env, e.host, e.port, e.managed)
 
 

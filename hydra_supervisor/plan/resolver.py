@@ -31,9 +31,9 @@ from hydra_supervisor.config.profile import Mode, MoeSplit, Profile, Transport
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.argv import server_flags
 from hydra_supervisor.plan.combine import (
-    _dense_combine,
-    _local_head,
-    _moe_combine,
+    dense_combine,
+    local_head,
+    moe_combine,
 )
 from hydra_supervisor.plan.combine import (
     expert_pattern as expert_pattern,  # re-exported: tests/test_resolver_golden.py uses it here
@@ -41,25 +41,26 @@ from hydra_supervisor.plan.combine import (
 from hydra_supervisor.plan.devices import Device, Kind
 from hydra_supervisor.plan.peers import (
     PEER_BIND,
-    _base_env,
-    _device,
-    _peer_spec,
-    _pin_env,
+    base_env,
     choose_moe_split,
     choose_transport,
+    device_named,
+    peer_spec,
+    pin_env,
 )
 from hydra_supervisor.plan.placement import (
     Model,
-    _check_fit,
-    _ctx,
-    _kv_type_bytes,
-    _solo_placements,
+    check_fit,
+    context_size,
+    kv_type_bytes,
+    solo_placements,
 )
 from hydra_supervisor.plan.plan import (
     EngineSpec,
     ModelKind,
     Placement,
     Plan,
+    PlanMeta,
     PlanMode,
     PlanTransport,
     Role,
@@ -74,7 +75,7 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
                         rpc_ports: Sequence[int]) -> Plan:
     """mode: peer -- one ggml-rpc-server on the profile's device, reachable from other hosts
     only through the router (ggml-RPC has no authentication: the allow list guards it)."""
-    dev = _device(devices, profile.head, profile, "head")
+    dev = device_named(devices, profile.head, profile, "head")
     if dev.kind is Kind.REMOTE:
         raise HydraError(f"{profile.source}: head: mode: peer serves a device of this host; "
                          f"'{dev.name}' is a remote peer")
@@ -83,7 +84,7 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
                          "binds 127.0.0.1; the router's allow list is its only way in)")
     if not rpc_ports:
         raise HydraError("no free ggml-rpc-server port left in the node's rpc_ports range")
-    peer = _peer_spec(f"peer-{dev.name}", dev, rpc_ports[0], 0, profile)
+    peer = peer_spec(f"peer-{dev.name}", dev, rpc_ports[0], 0, profile)
     router = RouterSpec(host=profile.host, port=profile.port, http=None,
                         rpc=(peer.host, peer.port), allow=tuple(profile.rpc_allow))
     return Plan(profile=profile.name, source=profile.source, model_path="",
@@ -96,11 +97,12 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
             rpc_ports: Sequence[int], internal_port: int | None = None) -> Plan:
     """With `internal_port`, the head binds 127.0.0.1:internal_port and the Plan carries a
     RouterSpec for the external host:port; without it, the head binds the external port."""
-    head_dev = _device(devices, profile.head, profile, "head")
+    head_dev = device_named(devices, profile.head, profile, "head")
     if head_dev.kind is Kind.REMOTE:
         raise HydraError(f"{profile.source}: head: '{head_dev.name}' is a remote peer; the head "
                          "runs on this host (a CPU or a local GPU)")
-    peer_devs = [_device(devices, p, profile, f"peers[{i}]") for i, p in enumerate(profile.peers)]
+    peer_devs = [device_named(devices, p, profile, f"peers[{i}]")
+                 for i, p in enumerate(profile.peers)]
     for p in peer_devs:
         if p.name == head_dev.name or (
                 p.kind is Kind.CUDA and p.cuda_index == head_dev.cuda_index
@@ -115,8 +117,8 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
     if profile.mode is Mode.COMBINE and not peer_devs:
         raise HydraError(f"{profile.source}: mode: combine needs at least one entry in peers")
     kind = ModelKind.MOE if model.is_moe else ModelKind.DENSE
-    ctx = _ctx(profile, model)
-    kv_type = _kv_type_bytes(profile)
+    ctx = context_size(profile, model)
+    kv_type = kv_type_bytes(profile)
     combine = profile.mode is Mode.COMBINE
     extra = server_flags(profile.server_args, combine=combine, source=profile.source)
     if profile.n_cpu_moe is not None and not model.is_moe:
@@ -140,7 +142,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
     engines: list[EngineSpec] = []
     placements: list[Placement] = []
     transport = Transport.RPC
-    meta: dict[str, object] = {"ctx": ctx, "block_count": model.block_count}
+    meta: PlanMeta = {"ctx": ctx, "block_count": model.block_count}
 
     if not combine:
         dev_flags = (["-ngl", "99", "-sm", "none"] if head_dev.kind is Kind.CUDA else ["-ngl", "0"])
@@ -148,12 +150,12 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
             dev_flags = dev_flags[2:]
         if profile.n_cpu_moe is not None:
             dev_flags += ["--n-cpu-moe", str(profile.n_cpu_moe)]
-        placements = _solo_placements(profile, model, head_dev, devices.get("cpu"), ctx,
+        placements = solo_placements(profile, model, head_dev, devices.get("cpu"), ctx,
                                       kv_type)
-        _check_fit(placements, profile)
+        check_fit(placements, profile)
         engines.append(EngineSpec(
             name="head", role=Role.HEAD, program="llama-server",
-            args=tuple(base + dev_flags + extra), env=_base_env(profile) + _pin_env(head_dev),
+            args=tuple(base + dev_flags + extra), env=base_env(profile) + pin_env(head_dev),
             host=head_host, port=head_port, device=head_dev.name, start_order=0))
     else:
         transport, why = choose_transport(profile, head_dev, peer_devs)
@@ -163,7 +165,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         if split is not None:
             meta["moe_split"] = split.value
         if transport is Transport.LOCAL:
-            engines.append(_local_head(profile, model, head_dev, peer_devs, split, base, extra,
+            engines.append(local_head(profile, model, head_dev, peer_devs, split, base, extra,
                                        ctx, kv_type, devices.get("cpu"), placements, notes,
                                        head_host, head_port))
         else:
@@ -175,7 +177,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
                 raise HydraError(f"no free ggml-rpc-server port left for {len(managed)} "
                                  "peer(s) in the node's rpc_ports range")
             ports = iter(rpc_ports)
-            peers = [_peer_spec(f"peer-{d.name}", d,
+            peers = [peer_spec(f"peer-{d.name}", d,
                                 None if d.kind is Kind.REMOTE else next(ports), i, profile)
                      for i, d in enumerate(peer_devs)]
             engines += peers
@@ -184,16 +186,16 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
                 if len(peers) != 1:
                     raise HydraError(f"{profile.source}: MoE combine puts the experts on one "
                                      f"peer; got {len(peers)} peers (or set moe_split: layers)")
-                args, placements = _moe_combine(profile, model, head_dev, peer_devs[0],
+                args, placements = moe_combine(profile, model, head_dev, peer_devs[0],
                                                 f"RPC0[{peers[0].endpoint}]", ctx, kv_type,
                                                 cpu_sharers)
             else:
-                args, placements = _dense_combine(profile, model, head_dev, peer_devs, ctx,
+                args, placements = dense_combine(profile, model, head_dev, peer_devs, ctx,
                                                   kv_type, cpu_sharers)
             engines.append(EngineSpec(
                 name="head", role=Role.HEAD, program="llama-server",
                 args=tuple(base + ["--rpc", rpc] + args + extra),
-                env=_base_env(profile) + _pin_env(head_dev), host=head_host,
+                env=base_env(profile) + pin_env(head_dev), host=head_host,
                 port=head_port, device=head_dev.name, start_order=len(peers)))
     router = None
     if internal_port:

@@ -23,19 +23,41 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 import psutil
 
 from hydra_supervisor.config.paths import state_dir
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
 from hydra_supervisor.proc import filemodes
 
 
-def _write_json(path: Path, data: Any) -> None:
+class SupervisorRecord(TypedDict, total=False):
+    """supervisor.json: the running `hydra up` (`died`: stamped by its orphan guard)."""
+
+    pid: int
+    create_time: float
+    profile: str
+    source: str
+    started: float
+    died: float
+
+
+class ChildRecord(TypedDict):
+    """pids/NAME.json: one child hydra started."""
+
+    pid: int
+    pgid: int
+    create_time: float
+    cmdline: list[str]
+    hydra_pid: int
+
+
+def _write_json(path: Path, data: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
@@ -45,9 +67,10 @@ def _write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> JSONValue:
     try:
-        return json.loads(path.read_text())
+        data: JSONValue = json.loads(path.read_text())
+        return data
     except (OSError, ValueError):
         return None
 
@@ -150,11 +173,12 @@ class StateDir:
             _write_json(path, {"pid": me.pid, "create_time": me.create_time(),
                                "profile": profile, "source": source, "started": time.time()})
 
-    def running_supervisor(self) -> dict[str, Any] | None:
+    def running_supervisor(self) -> SupervisorRecord | None:
         """The live `hydra up` of this state dir, or None (a stale file is ignored)."""
-        data = _read_json(self.root / "supervisor.json")
-        if not data:
+        found = _read_json(self.root / "supervisor.json")
+        if not found:
             return None
+        data = cast(SupervisorRecord, found)  # what write_supervisor wrote
         try:
             proc = psutil.Process(int(data["pid"]))
             if abs(proc.create_time() - float(data["create_time"])) > 1.0:
@@ -163,9 +187,9 @@ class StateDir:
                 return None
         except (psutil.Error, KeyError, ValueError):
             return None
-        return dict(data)
+        return data.copy()
 
-    def abnormal_end(self) -> dict[str, Any] | None:
+    def abnormal_end(self) -> JSONObject | None:
         """The last run's record when it ended without a clean stop (kill -9, the OOM killer, a
         crash): its supervisor.json is still there but names no live hydra. None otherwise.
         `died` is when hydra's orphan guard saw it go (guard.py), else None: it ended at some
@@ -175,27 +199,27 @@ class StateDir:
             return None
         return self._abnormal(data)
 
-    def _abnormal(self, sup: dict[str, Any]) -> dict[str, Any]:
+    def _abnormal(self, sup: JSONObject) -> JSONObject:
         status = self.read_status() or {}
         if status.get("abnormal"):  # already marked (by the guard): its last live word
-            status = status["abnormal"]
-            return {**status, "died": sup.get("died") or status.get("died")}
+            last = cast(JSONObject, status["abnormal"])  # what _marked wrote
+            return {**last, "died": sup.get("died") or last.get("died")}
         return {"pid": sup.get("pid"), "profile": status.get("profile") or sup.get("profile"),
                 "started": sup.get("started"), "died": sup.get("died"),
                 "last_seen": status.get("updated"), "last_state": status.get("state")}
 
-    def abnormal_text(self, ab: dict[str, Any]) -> str:
+    def abnormal_text(self, ab: JSONObject) -> str:
         when = f"at {_clock(ab['died'])}" if ab.get("died") else \
             f"after {_clock(ab['last_seen'])}" if ab.get("last_seen") else "at an unknown time"
         return (f"ended abnormally {when}: hydra pid {ab['pid']} (profile {ab['profile']}) died "
                 "without a clean stop (kill -9, the OOM killer or a crash)")
 
-    def read_status_checked(self) -> dict[str, Any] | None:
+    def read_status_checked(self) -> JSONObject | None:
         """status.json as a reader should take it: after an abnormal end, marked stopped with
         why (its `switching` or `serving` was the dead hydra's last word, not a live state)."""
         return self._marked(self.abnormal_end())
 
-    def _marked(self, ab: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _marked(self, ab: JSONObject | None) -> JSONObject | None:
         data = self.read_status()
         if ab is None:
             return data
@@ -209,7 +233,7 @@ class StateDir:
                 if isinstance(r, dict) and r.get("pid") else r for r in rows]
         return data
 
-    def clear_abnormal_end(self) -> dict[str, Any] | None:
+    def clear_abnormal_end(self) -> JSONObject | None:
         """`hydra up` (holding the lock): turn a dead run's records into a stopped one (its
         supervisor.json goes; status.json says it stopped and how). Returns the record."""
         ab = self.abnormal_end()
@@ -237,16 +261,16 @@ class StateDir:
         return True
 
     def clear_supervisor(self) -> None:
-        data = _read_json(self.root / "supervisor.json")
+        data = cast("SupervisorRecord | None", _read_json(self.root / "supervisor.json"))
         if data and data.get("pid") == os.getpid():
             (self.root / "supervisor.json").unlink(missing_ok=True)
 
     # -- status -----------------------------------------------------------------------------
 
-    def write_status(self, status: dict[str, Any]) -> None:
+    def write_status(self, status: Mapping[str, object]) -> None:
         _write_json(self.root / "status.json", status)
 
-    def read_status(self) -> dict[str, Any] | None:
+    def read_status(self) -> JSONObject | None:
         data = _read_json(self.root / "status.json")
         return data if isinstance(data, dict) else None
 
@@ -280,13 +304,14 @@ class StateDir:
                 continue
             if hydra_pid is not None and data.get("hydra_pid") != hydra_pid:
                 continue
+            rec = cast(ChildRecord, data)  # what record_child wrote (checked below)
             try:
-                pid = int(data["pid"])
-                pgid = int(data.get("pgid", pid))
+                pid = int(rec["pid"])
+                pgid = int(rec.get("pgid", pid))
             except (TypeError, KeyError, ValueError):
                 f.unlink(missing_ok=True)
                 continue
-            leader = _same_leader(pid, data)
+            leader = _same_leader(pid, rec)
             if leader is None:  # the pid runs another program now: not ours
                 f.unlink(missing_ok=True)
                 continue
@@ -318,9 +343,9 @@ class StateDir:
         return [f"{s.name} (pid {', '.join(str(p.pid) for p in s.procs)})" for s in stale]
 
 
-def _clock(t: Any) -> str:
+def _clock(t: object) -> str:
     try:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(cast(float, t))))
     except (TypeError, ValueError, OverflowError):
         return "?"
 
@@ -332,7 +357,7 @@ class Stale:
     procs: list[psutil.Process]
 
 
-def _same_leader(pid: int, data: dict[str, Any]) -> list[psutil.Process] | None:
+def _same_leader(pid: int, data: ChildRecord) -> list[psutil.Process] | None:
     """[the recorded process] if it still runs; [] if gone; None if the pid was reused."""
     try:
         proc = psutil.Process(pid)

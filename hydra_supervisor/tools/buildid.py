@@ -29,9 +29,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
 from hydra_supervisor.proc import rpcproto
 
 VERSION_RE = re.compile(
@@ -74,14 +75,14 @@ class BuildIdentity:
             extra.append("+".join(self.backends))
         return self.fingerprint + (f" ({', '.join(extra)})" if extra else "")
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {"build_number": self.build_number, "commit": self.commit,
                 "fingerprint": self.fingerprint, "version": self.version,
                 "rpc_proto": self.rpc_proto, "backends": list(self.backends),
                 "compiler": self.compiler, "target": self.target}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> BuildIdentity:
+    def from_json(cls, data: object) -> BuildIdentity:
         """From INFO's `identity` (a peer's word: types checked, unknown keys ignored)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"identity is not a JSON object: {data!r}")
@@ -115,9 +116,9 @@ def parse_version(text: str) -> BuildIdentity:
                          target=built["target"] if built else "")
 
 
-def backends_from_stamp(stamp: Mapping[str, Any]) -> tuple[str, ...]:
+def backends_from_stamp(stamp: Mapping[str, object]) -> tuple[str, ...]:
     """The ggml backends a hydra build was configured with (its hydra-build.json)."""
-    args = [str(a) for a in stamp.get("cmake_args") or []]
+    args = [str(a) for a in cast("list[object]", stamp.get("cmake_args") or [])]
     out = ["CPU"]
     if "-DGGML_CUDA=ON" in args:
         arch = next((a.split("=", 1)[1] for a in args
@@ -268,13 +269,13 @@ def local_identity(configured: Mapping[str, str] | None = None) -> BuildIdentity
 # ------------------------------------------------------------- INFO on a host that lends devices
 
 
-def info_section(layout: Any) -> dict[str, Any]:
+def info_section(layout: object) -> JSONObject:
     """INFO's `identity` and `lent` for the engine running `layout` (a layout.Layout, or None):
     this host's build identity, and for a `mode: peer` engine the free memory of each device it
     lends. Never raises: what cannot be told is said in `identity_error`."""
     from hydra_supervisor.plan import devices
 
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     node = getattr(layout, "node", None)
     try:
         out["identity"] = local_identity(getattr(node, "binaries", None)).to_json()
@@ -282,7 +283,7 @@ def info_section(layout: Any) -> dict[str, Any]:
         out["identity"] = None
         out["identity_error"] = exc.message
     plan = getattr(layout, "plan", None)
-    lent: list[dict[str, Any]] = []
+    lent: list[JSONValue] = []
     if plan is not None and node is not None and plan.mode == "peer":
         try:
             devs = devices.devices(node, devices.inventory())
@@ -309,9 +310,9 @@ class PeerInfo:
 
     hydra: bool
     identity: BuildIdentity | None = None
-    lent: tuple[Mapping[str, Any], ...] = ()
+    lent: tuple[Mapping[str, object], ...] = ()
     note: str = ""  # why there is no identity
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, object] = field(default_factory=dict)
 
 
 def ask_info(host: str, port: int, timeout: float = 10.0) -> PeerInfo:

@@ -48,14 +48,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Final
 
 import gguf
 import numpy as np
 
 from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.tools.rpchash import _CHUNK, _hash_extent, _hash_file, _mapped, _own_dir
+
+if TYPE_CHECKING:
+    from hydra_supervisor.plan.plan import Plan
+
+from hydra_supervisor.tools.rpchash import CHUNK, hash_extent, hash_file, mapped, own_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ _INDEX_VERSION = 1
 _SPLIT_RE = re.compile(r"^(?P<prefix>.*)-00001-of-(?P<count>\d{5})\.gguf$")
 _TMP_PREFIX = ".hydra-prefill-"
 # Plan.meta key under which layout.build puts a peer profile's resolved `prefill:` paths.
-PLAN_KEY = "prefill"
+PLAN_KEY: Final = "prefill"
 
 # progress(bytes of tensor data handled so far, bytes in all)
 Progress = Callable[[int, int], None]
@@ -172,7 +176,7 @@ class _OffsetReader(gguf.GGUFReader):
 
     extents: list[tuple[str, int, int]]
 
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+    def _build_tensors(self, start_offs: int, fields: list[gguf.ReaderField]) -> None:
         self.extents = []
         for fld in fields:
             _name_len, name_data, _n_dims, dims, raw_dtype, offset = fld.parts
@@ -206,8 +210,8 @@ def tensor_extents(gguf_path: Path) -> list[tuple[str, str, int, int]]:
 # -- the memo of hashes -------------------------------------------------------------------------
 
 
-def _identity(files: list[Path]) -> list[list[Any]]:
-    out = []
+def _identity(files: list[Path]) -> list[list[str | int]]:
+    out: list[list[str | int]] = []
     for f in files:
         st = f.stat()
         out.append([str(f), st.st_size, st.st_mtime_ns, st.st_ino])
@@ -216,7 +220,7 @@ def _identity(files: list[Path]) -> list[list[Any]]:
 
 def _index_path(first: Path) -> Path:
     key = hashlib.sha256(str(first).encode()).hexdigest()[:24]
-    return _own_dir() / "index" / f"{key}.json"
+    return own_dir() / "index" / f"{key}.json"
 
 
 def _load_index(files: list[Path]) -> CachePlan | None:
@@ -279,9 +283,9 @@ def plan(gguf_path: Path, progress: Progress | None = None) -> CachePlan:
     for x in big:
         by_file.setdefault(x[1], []).append(x)
     for fname, xs in by_file.items():
-        arr = _mapped(fname)
+        arr = mapped(fname)
         for name, file, off, n in xs:
-            entries.append(CacheEntry(name, file, off, n, _hash_extent(arr, off, n, tick)))
+            entries.append(CacheEntry(name, file, off, n, hash_extent(arr, off, n, tick)))
         del arr
     if progress and not big:
         progress(0, 0)
@@ -300,7 +304,7 @@ def status(gguf_path: Path, cache_dir: Path | None = None,
     missing = []
     cached_bytes = 0
     for fname, e in unique.items():
-        if _has(cdir / fname, e.size) and (not verify or _hash_file(cdir / fname) == e.hash):
+        if _has(cdir / fname, e.size) and (not verify or hash_file(cdir / fname) == e.hash):
             cached_bytes += e.size
         else:
             missing.append(fname)
@@ -349,7 +353,7 @@ def _copy_extent(src: str, offset: int, size: int, dst_fd: int) -> None:
                 n = 0
             if n <= 0:  # not supported here (or across these filesystems): read and write
                 fin.seek(pos)
-                buf = fin.read(min(left, _CHUNK))
+                buf = fin.read(min(left, CHUNK))
                 if not buf:
                     raise HydraError(f"{src}: unexpected end of file at byte {pos:,}")
                 os.write(dst_fd, buf)
@@ -397,7 +401,7 @@ def prefill(gguf: Path, cache_dir: Path, progress: Progress | None = None, *,
 
     def present(e: CacheEntry) -> bool:
         path = cdir / e.file_name
-        return _has(path, e.size) and (not verify or _hash_file(path) == e.hash)
+        return _has(path, e.size) and (not verify or hash_file(path) == e.hash)
 
     _check_room(cdir, sum(e.size for e in p.unique().values() if not _has(cdir / e.file_name,
                                                                           e.size)))
@@ -493,7 +497,7 @@ class _Stopped(Exception):
     pass
 
 
-def plan_note(plan: Any) -> str:
+def plan_note(plan: Plan) -> str:
     """`hydra plan`'s line for a peer plan with `prefill:` (layout.build adds it)."""
     peer = plan.engines[0]
     cdir = default_cache_dir({**os.environ, **peer.env_dict()})

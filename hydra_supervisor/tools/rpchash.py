@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import numpy as np
 
@@ -33,10 +33,10 @@ FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
 _MASK = (1 << 64) - 1
 # Bytes hashed per call into the C function (progress granularity; the mmap is read in place).
-_CHUNK = 64 * 1024 * 1024
+CHUNK = 64 * 1024 * 1024
 
 
-def _own_dir() -> Path:
+def own_dir() -> Path:
     """hydra's files for this module: the compiled hash and the memo of hashes."""
     return hydra_cache_dir() / "rpccache"
 
@@ -63,17 +63,17 @@ uint64_t hydra_fnv1a64(const unsigned char *p, size_t n, uint64_t h) {
 }
 """
 
-_native: Any = None  # the ctypes function, False when it could not be built
+_native: Callable[[int, int, int], int] | Literal[False] | None = None  # False: no compiler
 _native_why = ""
 
 
-def _build_native() -> Any:
+def _build_native() -> Callable[[int, int, int], int] | None:
     """Compile (once per source digest) and load the C hash; None when no compiler works."""
     global _native, _native_why
     if _native is not None:
         return _native or None
     digest = hashlib.sha256(_C_SOURCE.encode()).hexdigest()[:12]
-    out_dir = _own_dir()
+    out_dir = own_dir()
     lib = out_dir / f"fnv1a64-{digest}-{os.uname().machine}.so"
     try:
         if not lib.is_file():
@@ -113,20 +113,20 @@ def fnv1a64(data: bytes | bytearray | memoryview | np.ndarray, h: int = FNV_OFFS
     return int(fn(arr.ctypes.data, arr.nbytes, h))
 
 
-def _mapped(path: str) -> np.ndarray:
+def mapped(path: str) -> np.ndarray:
     """The file as a read-only uint8 array (an mmap; unmapped when the array is collected)."""
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype=np.uint8)
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def _hash_extent(arr: np.ndarray, offset: int, size: int,
+def hash_extent(arr: np.ndarray, offset: int, size: int,
                  tick: Callable[[int], None] | None = None) -> int:
     h = FNV_OFFSET
     pos = offset
     end = offset + size
     while pos < end:
-        n = min(_CHUNK, end - pos)
+        n = min(CHUNK, end - pos)
         h = fnv1a64(arr[pos:pos + n], h)
         pos += n
         if tick:
@@ -134,9 +134,9 @@ def _hash_extent(arr: np.ndarray, offset: int, size: int,
     return h
 
 
-def _hash_file(path: Path) -> int:
-    arr = _mapped(str(path))
+def hash_file(path: Path) -> int:
+    arr = mapped(str(path))
     try:
-        return _hash_extent(arr, 0, arr.size)
+        return hash_extent(arr, 0, arr.size)
     finally:
         del arr

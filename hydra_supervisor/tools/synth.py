@@ -29,14 +29,14 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import gguf
 import numpy as np
 
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.tools.install import source_dir
-from hydra_supervisor.tools.synth_gguf import _add_model_kv, _plan, _write_header, _write_tensor
+from hydra_supervisor.tools.synth_gguf import add_model_kv, plan_tensors, write_header, write_tensor
 
 ARCH = "llama"
 # progress(bytes of tensor data written so far, bytes in all): called after every chunk.
@@ -87,7 +87,8 @@ def vocab_path(vocab: str) -> Path:
     return p
 
 
-_TokEntry = tuple[str, Any, gguf.GGUFValueType, Any]
+# (key, value, type, subtype)
+_TokEntry = tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]
 
 
 def _read_tokenizer(vocab: str) -> tuple[tuple[_TokEntry, ...], int]:
@@ -116,7 +117,7 @@ def _read_tokenizer_file(path: str, size: int, mtime_ns: int) -> tuple[tuple[_To
                 continue  # the writer refuses empty arrays; llama.cpp treats absent == empty
             if sub == gguf.GGUFValueType.STRING:
                 # Raw bytes, not str: copies tokens exactly even where they are not valid UTF-8.
-                value: Any = tuple(bytes(field.parts[i]) for i in field.data)
+                value: tuple[object, ...] = tuple(bytes(field.parts[i]) for i in field.data)
             else:
                 value = tuple(field.contents())
             entries.append((key, value, main, sub))
@@ -175,7 +176,7 @@ def _write(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(tmp, ARCH)
     try:
-        _add_model_kv(
+        add_model_kv(
             writer,
             name=name,
             n_layers=n_layers,
@@ -193,7 +194,7 @@ def _write(
         for key, value, vtype, sub in tok_entries:
             writer.add_key_value(key, value, vtype, sub_type=sub)
 
-        plan = _plan(
+        plan = plan_tensors(
             n_layers=n_layers,
             n_embd=n_embd,
             n_head=n_head,
@@ -205,7 +206,7 @@ def _write(
         )
         # Tensor data is streamed here rather than through write_tensor_data, which needs each
         # whole tensor in memory (a stacked expert tensor of a big MoE is several GB).
-        fout = _write_header(writer, plan)
+        fout = write_header(writer, plan)
         total = sum(t.n_bytes for t in plan)
         done = 0
 
@@ -216,7 +217,7 @@ def _write(
                 progress(done, total)
 
         for index, t in enumerate(plan):
-            _write_tensor(fout, t, np.random.default_rng([seed, index]), advance)
+            write_tensor(fout, t, np.random.default_rng([seed, index]), advance)
             writer.write_padding(fout, t.n_bytes)
         writer.close()
         os.replace(tmp, out)
@@ -361,7 +362,7 @@ def write_shape_only(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(tmp, ARCH)
     try:
-        _add_model_kv(
+        add_model_kv(
             writer,
             name=name or f"hydra-shape-{kind}",
             n_layers=n_layers,
@@ -379,7 +380,7 @@ def write_shape_only(
         # A real tokenizer of a big vocabulary would make the header megabytes (and its parsing
         # seconds); the planner never reads it.
         writer.add_tokenizer_model("none")
-        plan = _plan(
+        plan = plan_tensors(
             n_layers=n_layers,
             n_embd=n_embd,
             n_head=n_head,
@@ -389,7 +390,7 @@ def write_shape_only(
             n_ff=ff,
             n_expert=n_expert if kind == "moe" else 0,
         )
-        fout = _write_header(writer, plan)
+        fout = write_header(writer, plan)
         # The offsets in the tensor infos advance by each tensor's size padded to the alignment;
         # extending the file to the end of the last one leaves a hole that reads as zeros.
         data = sum(writer.ggml_pad(t.n_bytes, writer.data_alignment) for t in plan)

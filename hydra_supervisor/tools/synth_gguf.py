@@ -1,5 +1,5 @@
 """The GGUF writing helpers of the synthetic models (synth.py): the tensor table of a llama
-shape, dense or Mixtral-style MoE (`_plan`), its hyperparameter KVs, the header, and random
+shape, dense or Mixtral-style MoE (`plan_tensors`), its hyperparameter KVs, the header, and random
 tensor data streamed one chunk of rows at a time (so peak RAM stays ~100 MB whatever the size).
 """
 
@@ -39,7 +39,7 @@ def _weight_type(qtype: gguf.GGMLQuantizationType, row: int) -> gguf.GGMLQuantiz
     return qtype if row % block == 0 else QT.F16
 
 
-def _plan(
+def plan_tensors(
     *,
     n_layers: int,
     n_embd: int,
@@ -88,7 +88,7 @@ def _plan(
     return plan
 
 
-def _add_model_kv(
+def add_model_kv(
     writer: gguf.GGUFWriter,
     *,
     name: str,
@@ -126,7 +126,7 @@ def _add_model_kv(
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _write_header(writer: gguf.GGUFWriter, plan: Sequence[_TensorPlan]) -> BinaryIO:
+def write_header(writer: gguf.GGUFWriter, plan: Sequence[_TensorPlan]) -> BinaryIO:
     """KV data and tensor infos; returns the file, positioned where tensor data starts."""
     for t in plan:
         # raw_dtype given and a non-uint8 dtype: the writer takes `shape` as element shape.
@@ -140,7 +140,7 @@ def _write_header(writer: gguf.GGUFWriter, plan: Sequence[_TensorPlan]) -> Binar
     return fout
 
 
-def _write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator,
+def write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator,
                   advance: Callable[[int], None]) -> None:
     cols = t.shape[-1]
     rows = math.prod(t.shape[:-1])

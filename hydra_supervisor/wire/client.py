@@ -10,8 +10,8 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
 
+from hydra_supervisor.jsontypes import JSONObject
 from hydra_supervisor.wire import codec
 from hydra_supervisor.wire.codec import (
     FrameEnd,
@@ -94,7 +94,7 @@ def request_stream(
 def request(
     host: str, port: int, op: int, key: str = "", payload: bytes = b"", *,
     timeout: float = 60.0, trace: str = "",
-) -> tuple[int, dict[str, Any], bytes]:
+) -> tuple[int, JSONObject, bytes]:
     """(status, meta, payload) of one request on a fresh connection."""
     with connect(host, port, timeout) as s:
         head, body = request_stream(s, op, key, payload, timeout=timeout, trace=trace)

@@ -21,7 +21,8 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
 
 MAGIC = 0x4859  # on the wire: b"YH"
 REQUEST_HEADER = struct.Struct("<HBBHQH")  # magic, op, flags, key_len, payload_len, trace_len
@@ -80,7 +81,8 @@ def encode_request(
     return request_header(op, key, len(payload), trace, flags) + payload
 
 
-def response_header(status: int, meta: Mapping[str, Any] | None, payload_len: int = 0) -> bytes:
+def response_header(status: int, meta: Mapping[str, object] | None, payload_len: int = 0
+                    ) -> bytes:
     """Header + meta JSON of a response whose payload the caller streams after it."""
     m = json.dumps(dict(meta), separators=(",", ":"), default=str).encode() if meta else b""
     if len(m) > MAX_META:
@@ -96,7 +98,7 @@ def response_header(status: int, meta: Mapping[str, Any] | None, payload_len: in
 
 
 def encode_response(
-    status: int, meta: Mapping[str, Any] | None = None, payload: bytes = b""
+    status: int, meta: Mapping[str, object] | None = None, payload: bytes = b""
 ) -> bytes:
     return response_header(status, meta, len(payload)) + payload
 
@@ -116,7 +118,7 @@ class RequestHead:
 @dataclass(frozen=True)
 class ResponseHead:
     status: int
-    meta: dict[str, Any]
+    meta: JSONObject
     payload_len: int
 
 
@@ -171,7 +173,7 @@ class _Parser:
         self._in_head = True
         self._remaining = 0  # payload bytes still to come
         self._failed = False
-        self._pending_head: tuple[Any, ...] | None = None
+        self._pending_head: tuple[int, ...] | None = None  # the header's numbers
 
     @property
     def failed(self) -> bool:
@@ -297,10 +299,10 @@ class ResponseParser(_Parser):
             if meta_len:
                 return None
         status, payload_len = self._pending_head
-        meta: dict[str, Any] = {}
+        meta: JSONObject = {}
         if self._buf:
             try:
-                parsed = json.loads(bytes(self._buf))
+                parsed: JSONValue = json.loads(bytes(self._buf))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 return self._fail(out, Status.BAD_REQUEST, f"meta is not JSON: {e}")
             meta = parsed if isinstance(parsed, dict) else {"value": parsed}

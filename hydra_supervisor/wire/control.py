@@ -9,8 +9,9 @@ long as a switch takes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 class ConfigureRefused(Exception):
@@ -20,19 +21,19 @@ class ConfigureRefused(Exception):
 
 @runtime_checkable
 class EngineControl(Protocol):
-    def info(self) -> dict[str, Any]:
+    def info(self) -> Mapping[str, object]:
         """Truthful engine state for 0x41 INFO (profile, mode, model, peers, split, processes,
         llama.cpp build, …). Its `settings` entry (canonical CONFIGURE keys → current values,
         see tier_diff.current_settings) is what CONFIGURE diffs against."""
         ...
 
-    def configure(self, params: dict[str, Any]) -> dict[str, Any]:
+    def configure(self, params: dict[str, object]) -> Mapping[str, object]:
         """Apply changed settings: canonical keys (tiers.KEYS names) → normalised values, all
         T1..T3, never empty. Returns extra reply meta (e.g. {"restarted": ["head"]}); raises
         ConfigureRefused(msg) to refuse."""
         ...
 
-    def set_expert_mode(self, mode: str) -> dict[str, Any]:
+    def set_expert_mode(self, mode: str) -> Mapping[str, object]:
         """`solo` | `combined`; returns meta with at least {"mode": <mode now in effect>}."""
         ...
 

@@ -22,11 +22,12 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol, cast
 
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
 from hydra_supervisor.wire import slots, tier_diff, tiers
 from hydra_supervisor.wire.codec import Op, RequestHead, Status, op_name
 from hydra_supervisor.wire.control import ConfigureRefused, EngineControl
@@ -45,7 +46,7 @@ BUSY_MESSAGE = "the engine is switching; retry shortly"
 @dataclass
 class Reply:
     status: int
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, object] = field(default_factory=dict)  # sent as JSON
     payload: bytes = b""
     stream: IO[bytes] | None = None  # payload streamed from this open file (stream_len bytes)
     stream_len: int = 0
@@ -57,7 +58,7 @@ class Reply:
             self.stream = None
 
 
-def error(status: int, message: str, **extra: Any) -> Reply:
+def error(status: int, message: str, **extra: object) -> Reply:
     return Reply(status, {"success": False, "error": message, **extra})
 
 
@@ -148,9 +149,9 @@ def _slot_of(key: str) -> int | None:
     return int(k) if k.isdigit() and len(k) < 6 else None
 
 
-def _json_obj(payload: bytes, what: str) -> dict[str, Any]:
+def _json_obj(payload: bytes, what: str) -> JSONObject:
     try:
-        body = json.loads(payload) if payload.strip() else {}
+        body: JSONValue = json.loads(payload) if payload.strip() else {}
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _Refuse(Status.BAD_REQUEST, f"{what} payload is not JSON: {e}") from None
     if not isinstance(body, dict):
@@ -213,8 +214,8 @@ class Handlers:
         # This llama-server build does not check the slot id of a save/restore (a save of
         # slot 5 on a one-slot server "succeeds"): check it against /slots first.
         try:
-            ids = {int(s["id"]) for s in slots.list_slots(addr, self.meta_timeout)
-                   if isinstance(s.get("id"), int)}
+            ids = {int(sid) for s in slots.list_slots(addr, self.meta_timeout)
+                   if isinstance(sid := s.get("id"), int)}
         except slots.SlotError as e:
             return Drain(error(e.status, str(e)))
         if slot not in ids:
@@ -242,7 +243,7 @@ class Handlers:
     # ------------------------------------------------------------------------- engine-level ops
 
     def info(self, head: RequestHead, payload: bytes) -> Reply:
-        meta: dict[str, Any] = {
+        meta: dict[str, object] = {
             "engine": "hydra",
             "protocol": "hydra-wire/1",
             "capabilities": list(CAPABILITIES),
@@ -257,8 +258,8 @@ class Handlers:
     def configure(self, head: RequestHead, payload: bytes) -> Reply:
         params = _json_obj(payload, "CONFIGURE")
         current = self.control.info().get("settings") or {}
-        diff = tier_diff.classify(params, current)
-        meta: dict[str, Any] = {"unknown_keys": list(diff.unknown)}
+        diff = tier_diff.classify(params, cast("Mapping[str, object]", current))
+        meta: dict[str, object] = {"unknown_keys": list(diff.unknown)}
         if not diff.ok:  # a value out of range or of the wrong type is the client's error
             return error(Status.BAD_REQUEST if diff.invalid else Status.ERROR, diff.error(),
                          refused=diff.refused, invalid=diff.invalid, **meta)
@@ -299,7 +300,7 @@ class Handlers:
 
     # --------------------------------------------------------------------------- slot-level ops
 
-    def _save(self, slot: int, addr: slots.Addr) -> tuple[dict[str, Any], IO[bytes], int]:
+    def _save(self, slot: int, addr: slots.Addr) -> tuple[slots.SaveReply, IO[bytes], int]:
         """Save the slot to a fresh file, open it and unlink it at once: the open file is the
         payload, and nothing is left in the slot dir even if the client goes away."""
         name = f"{FILE_PREFIX}get-{slot}-{uuid.uuid4().hex}.bin"
@@ -340,7 +341,7 @@ class Handlers:
         body = _json_obj(payload, "PREFILL")
         want_model = body.get("model")
         res = slots.prefill(addr, slot, body, self.prefill_timeout)
-        timings = res.get("timings", {}) if isinstance(res, dict) else {}
+        timings = cast("JSONObject", res.get("timings", {})) if isinstance(res, dict) else {}
         saved, f, size = self._save(slot, addr)
         ident = self._identity()
         served = ident.get("model")
@@ -356,18 +357,18 @@ class Handlers:
             **ident,
         }, stream=f, stream_len=size, chunk=self.chunk_size)
 
-    def _identity(self) -> dict[str, Any]:
+    def _identity(self) -> dict[str, object]:
         info = self.control.info()
         return {k: info[k] for k in ("model", "model_path", "profile") if k in info}
 
 
-def _n_past(s: dict[str, Any]) -> int | None:
+def _n_past(s: JSONObject) -> int | None:
     """Tokens in the slot's cache. Stock /slots (this build) has no n_past: it reports the last
     prompt's length (`n_prompt_tokens`) and the tokens decoded after it (`next_token[0]
     .n_decoded`); their sum is the slot's n_past (STATE_GET's `n_past` is exact: it is what
     llama-server saved)."""
-    if isinstance(s.get("n_past"), int):
-        return int(s["n_past"])
+    if isinstance(n_past := s.get("n_past"), int):
+        return int(n_past)
     prompt = s.get("n_prompt_tokens")
     if not isinstance(prompt, int):
         return None

@@ -25,7 +25,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 from hydra_supervisor.wire import codec, tiers
 from hydra_supervisor.wire.codec import (
@@ -160,9 +159,9 @@ class WireServer:
         for _, t in conns:
             t.join(max(0.0, deadline - time.monotonic()))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         with self._lock:
-            out: dict[str, Any] = dict(self._stats)
+            out: dict[str, int] = dict(self._stats)
             out["open"] = len(self._conns)
         for reason, n in self.trust.refused.items():
             out[f"auth_refused_{reason}"] = n
@@ -187,7 +186,7 @@ class WireServer:
                 continue  # EMFILE and friends: keep serving the connections we have
             self.adopt(conn, peer)
 
-    def adopt(self, conn: socket.socket, peer: Any = None, prefix: bytes = b"") -> None:
+    def adopt(self, conn: socket.socket, peer: object = None, prefix: bytes = b"") -> None:
         """Serve a connection accepted elsewhere (the router's acceptor): `peer` is the client's
         address, `prefix` the bytes the router already read from it. Takes ownership of `conn`
         (closes it on every path); returns at once."""

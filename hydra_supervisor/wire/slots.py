@@ -9,13 +9,35 @@ the client should read.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TypedDict, cast
 
 import requests
 
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
 from hydra_supervisor.wire.codec import Status
 
 Addr = tuple[str, int]
+
+
+class SaveReply(TypedDict, total=False):
+    """llama-server's answer to a slot save."""
+
+    id_slot: int
+    filename: str
+    n_saved: int  # tokens
+    n_written: int  # bytes
+    timings: dict[str, float]  # save_ms
+
+
+class RestoreReply(TypedDict, total=False):
+    """llama-server's answer to a slot restore."""
+
+    id_slot: int
+    filename: str
+    n_restored: int  # tokens
+    n_read: int  # bytes
+    timings: dict[str, float]  # restore_ms
 
 
 class SlotError(Exception):
@@ -40,9 +62,10 @@ def _error_message(resp: requests.Response) -> str:
     return str(err or body)[:300]
 
 
-def _call(method: str, addr: Addr, path: str, timeout: float, **kw: Any) -> Any:
+def _call(method: str, addr: Addr, path: str, timeout: float,
+          json: Mapping[str, object] | None = None) -> JSONValue:
     try:
-        resp = requests.request(method, _url(addr, path), timeout=timeout, **kw)
+        resp = requests.request(method, _url(addr, path), timeout=timeout, json=json)
     except requests.Timeout:
         raise SlotError(Status.ERROR, f"llama-server {path}: no answer within {timeout:.0f}s") \
             from None
@@ -59,26 +82,25 @@ def _call(method: str, addr: Addr, path: str, timeout: float, **kw: Any) -> Any:
             status = Status.ERROR
         raise SlotError(status, f"llama-server {path}: HTTP {resp.status_code}: {msg}")
     try:
-        return resp.json()
+        body: JSONValue = resp.json()
+        return body
     except ValueError:
         raise SlotError(Status.ERROR, f"llama-server {path}: reply is not JSON") from None
 
 
-def save(addr: Addr, slot: int, filename: str, timeout: float) -> dict[str, Any]:
+def save(addr: Addr, slot: int, filename: str, timeout: float) -> SaveReply:
     """{"id_slot", "filename", "n_saved" (tokens), "n_written" (bytes), "timings": {"save_ms"}}"""
-    out: dict[str, Any] = _call("POST", addr, f"/slots/{slot}?action=save", timeout,
-                                json={"filename": filename})
-    return out
+    return cast(SaveReply, _call("POST", addr, f"/slots/{slot}?action=save", timeout,
+                                 json={"filename": filename}))
 
 
-def restore(addr: Addr, slot: int, filename: str, timeout: float) -> dict[str, Any]:
+def restore(addr: Addr, slot: int, filename: str, timeout: float) -> RestoreReply:
     """{"id_slot", "filename", "n_restored" (tokens), "n_read" (bytes), "timings"}"""
-    out: dict[str, Any] = _call("POST", addr, f"/slots/{slot}?action=restore", timeout,
-                                json={"filename": filename})
-    return out
+    return cast(RestoreReply, _call("POST", addr, f"/slots/{slot}?action=restore", timeout,
+                                    json={"filename": filename}))
 
 
-def list_slots(addr: Addr, timeout: float) -> list[dict[str, Any]]:
+def list_slots(addr: Addr, timeout: float) -> list[JSONObject]:
     body = _call("GET", addr, "/slots", timeout)
     if isinstance(body, dict):  # some builds wrap the list
         body = body.get("slots", [])
@@ -87,7 +109,7 @@ def list_slots(addr: Addr, timeout: float) -> list[dict[str, Any]]:
     return [s for s in body if isinstance(s, dict)]
 
 
-def prefill(addr: Addr, slot: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def prefill(addr: Addr, slot: int, body: Mapping[str, object], timeout: float) -> JSONValue:
     """Run the prompt into `slot` and generate nothing: the chat endpoint for a `messages` body,
     /completion for a `prompt` body. The slot keeps the prompt's KV (cache_prompt)."""
     req = {k: v for k, v in body.items() if k not in ("stream", "hydra_config")}
@@ -101,8 +123,7 @@ def prefill(addr: Addr, slot: int, body: dict[str, Any], timeout: float) -> dict
     else:
         raise SlotError(Status.BAD_REQUEST, "PREFILL needs a JSON body with 'messages' or "
                                             "'prompt'")
-    out: dict[str, Any] = _call("POST", addr, path, timeout, json=req)
-    return out
+    return _call("POST", addr, path, timeout, json=req)
 
 
 # ------------------------------------------------------------------ keep_slots across restarts

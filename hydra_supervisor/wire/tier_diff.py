@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import cast
 
+from hydra_supervisor.config.profile import Profile
+from hydra_supervisor.config.schema import ProfileFields
 from hydra_supervisor.wire.tier_values import InvalidValue
 from hydra_supervisor.wire.tiers import (
     BY_NAME,
@@ -31,7 +33,7 @@ class TierDiff:
     nothing to do). `refused` (T4 keys whose value differs) and `invalid` make it refused as a
     whole: nothing is applied."""
 
-    changed: dict[str, Any] = field(default_factory=dict)  # canonical key -> normalised value
+    changed: dict[str, object] = field(default_factory=dict)  # canonical key -> normalised value
     tiers: dict[str, Tier] = field(default_factory=dict)  # canonical key -> its tier
     unchanged: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
@@ -51,7 +53,7 @@ class TierDiff:
     def noop(self) -> bool:
         return not self.changed
 
-    def by_tier(self, tier: Tier) -> dict[str, Any]:
+    def by_tier(self, tier: Tier) -> dict[str, object]:
         return {k: v for k, v in self.changed.items() if self.tiers[k] == tier}
 
     def error(self) -> str:
@@ -59,12 +61,12 @@ class TierDiff:
         return "CONFIGURE refused, nothing applied: " + "; ".join(parts)
 
 
-def canonical(params: Mapping[str, Any], *, check: bool = False
-              ) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+def canonical(params: Mapping[str, object], *, check: bool = False
+              ) -> tuple[dict[str, object], list[str], dict[str, str]]:
     """(canonical key -> normalised value, unknown keys, invalid key -> why). With `check`,
     values outside their key's range or choices are invalid too (what a client sends; the
     engine's own settings are taken as they are)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     unknown: list[str] = []
     invalid: dict[str, str] = {}
     for key, value in params.items():
@@ -90,7 +92,7 @@ def looks_like_path(value: str) -> bool:
             or v == "")
 
 
-def file_refusal(spec: KeySpec, value: Any) -> str | None:
+def file_refusal(spec: KeySpec, value: object) -> str | None:
     """Why a value that names a file is refused over the wire, or None."""
     if spec.names_file:
         return ("names a file: paths are refused over the wire (llama-server, running as "
@@ -101,7 +103,7 @@ def file_refusal(spec: KeySpec, value: Any) -> str | None:
     return None
 
 
-def classify(params: Mapping[str, Any], current: Mapping[str, Any]) -> TierDiff:
+def classify(params: Mapping[str, object], current: Mapping[str, object]) -> TierDiff:
     """Diff a CONFIGURE payload against the current settings (canonical keys, as returned by
     `current_settings`). Pure; `current` keys that are spellings of a table key also count."""
     chunk: int | None = None
@@ -115,7 +117,7 @@ def classify(params: Mapping[str, Any], current: Mapping[str, Any]) -> TierDiff:
     wanted, unknown, bad = canonical(rest, check=True)
     invalid.update(bad)
     have, _, _ = canonical(current)
-    changed: dict[str, Any] = {}
+    changed: dict[str, object] = {}
     tiers: dict[str, Tier] = {}
     unchanged: list[str] = []
     refused: dict[str, str] = {}
@@ -139,11 +141,11 @@ def classify(params: Mapping[str, Any], current: Mapping[str, Any]) -> TierDiff:
 # --------------------------------------------------------------- profile <-> settings mapping
 
 
-def request_defaults(diff_or_settings: TierDiff | Mapping[str, Any]) -> dict[str, Any]:
+def request_defaults(diff_or_settings: TierDiff | Mapping[str, object]) -> dict[str, object]:
     """The T1 settings as request-body defaults (for Router.set_request_defaults)."""
     items = (diff_or_settings.changed if isinstance(diff_or_settings, TierDiff)
              else diff_or_settings)
-    out = {}
+    out: dict[str, object] = {}
     for name, value in items.items():
         spec = lookup(name)
         if spec is not None and spec.target is Target.REQUEST:
@@ -151,7 +153,7 @@ def request_defaults(diff_or_settings: TierDiff | Mapping[str, Any]) -> dict[str
     return out
 
 
-def _server_arg_value(args: Mapping[str, Any], spec: KeySpec) -> tuple[bool, Any]:
+def _server_arg_value(args: Mapping[str, object], spec: KeySpec) -> tuple[bool, object]:
     """Find a setting in a profile's server_args under any of its flag spellings."""
     for key in (spec.field, spec.name, *spec.aliases):
         for k in (key, key.replace("_", "-")):
@@ -160,16 +162,17 @@ def _server_arg_value(args: Mapping[str, Any], spec: KeySpec) -> tuple[bool, Any
     return False, None
 
 
-def current_settings(profile: Any, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def current_settings(profile: Profile, defaults: Mapping[str, object] | None = None
+                     ) -> dict[str, object]:
     """The canonical settings a profile (config.Profile) and the T1 defaults in force amount to:
     what `classify` diffs against. Only what the profile states is listed (a key it leaves to
     llama.cpp's default counts as changed the first time it is sent)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in (defaults or {}).items():
         spec = lookup(key)
         if spec is not None and spec.tier is Tier.T1:
             out[spec.name] = spec.coerce(value)
-    args = getattr(profile, "server_args", {}) or {}
+    args: Mapping[str, object] = getattr(profile, "server_args", {}) or {}
     for spec in KEYS:
         if spec.target is Target.SERVER_ARG:
             found, value = _server_arg_value(args, spec)
@@ -195,12 +198,12 @@ def current_settings(profile: Any, defaults: Mapping[str, Any] | None = None) ->
     return out
 
 
-def apply_to_profile(profile: Any, changed: Mapping[str, Any]) -> Any:
+def apply_to_profile(profile: Profile, changed: Mapping[str, object]) -> Profile:
     """A new profile (dataclasses.replace) with the T2/T3 settings applied: SERVER_ARG keys go
     into server_args under their stock flag name, PROFILE keys into their field. T1 keys are
     not part of a profile (they are request defaults) and are ignored here."""
-    args = dict(getattr(profile, "server_args", {}) or {})
-    fields: dict[str, Any] = {}
+    args: dict[str, object] = dict(getattr(profile, "server_args", {}) or {})
+    fields: dict[str, object] = {}
     for name, value in changed.items():
         spec = lookup(name)
         if spec is None or spec.tier in (Tier.T1, Tier.T4):
@@ -213,8 +216,10 @@ def apply_to_profile(profile: Any, changed: Mapping[str, Any]) -> Any:
         elif spec.name == "split_mode":
             fields["mode"] = type(profile.mode)("solo" if value == "none" else "combine")
         elif spec.name in ("tensor_split", "rpc", "device"):
-            fields[spec.field] = (value[0] if spec.name == "device" and value
-                                  else tuple(value))
+            items = cast("list[object]", value)  # coerced by as_split / as_str_list
+            fields[spec.field] = (items[0] if spec.name == "device" and items
+                                  else tuple(items))
         else:
             fields[spec.field] = value
-    return replace(profile, server_args=args, **fields)
+    fields["server_args"] = args
+    return replace(profile, **cast(ProfileFields, fields))

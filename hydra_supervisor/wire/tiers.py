@@ -34,28 +34,29 @@ and checks are in wire/tier_values.py, the diff of a payload and the mapping ont
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from hydra_supervisor.wire.tier_values import (
-    _PROB,
-    _THREADS,
     GGML_KV_TYPES,
     INT32_MAX,
-    _any,
-    _bool,
-    _choice,
-    _float,
-    _int,
-    _items,
-    _on_off_auto,
-    _range,
-    _split,
-    _split_check,
-    _str,
-    _str_list,
-    _text,
+    PROB,
+    THREADS,
+    Check,
+    Coercer,
+    as_bool,
+    as_float,
+    as_int,
+    as_is,
+    as_on_off_auto,
+    as_split,
+    as_str,
+    as_str_list,
+    entries_of,
+    in_range,
+    one_of,
+    split_check,
+    text_of,
 )
 
 STATE_CHUNK_KEY = "state_chunk_size"
@@ -90,10 +91,10 @@ class KeySpec:
     tier: Tier
     target: Target
     field: str  # request-body key | server_args flag name | profile field
-    coerce: Callable[[Any], Any] = _any
+    coerce: Coercer = as_is
     aliases: tuple[str, ...] = ()
     note: str = ""
-    check: Callable[[Any], None] | None = None  # range/choices of the coerced value
+    check: Check | None = None  # range/choices of the coerced value
     names_file: bool = False  # the value is a path: refused over the wire
 
     @property
@@ -103,26 +104,25 @@ class KeySpec:
             return "a file path: refused over the wire (set it in the profile)"
         if self.check is not None:
             return str(getattr(self.check, "desc", ""))
-        if self.coerce is _bool:
+        if self.coerce is as_bool:
             return "true or false"
-        return "on, off or auto" if self.coerce is _on_off_auto else ""
+        return "on, off or auto" if self.coerce is as_on_off_auto else ""
 
 
-Check = Callable[[Any], None] | None
 
 
-def _t1(name: str, coerce: Callable[[Any], Any], check: Check, *aliases: str,
+def _t1(name: str, coerce: Coercer, check: Check | None, *aliases: str,
         body: str | None = None, note: str = "") -> KeySpec:
     return KeySpec(name, Tier.T1, Target.REQUEST, body or name, coerce, aliases, note, check)
 
 
-def _t2(name: str, coerce: Callable[[Any], Any], check: Check, *aliases: str,
+def _t2(name: str, coerce: Coercer, check: Check | None, *aliases: str,
         flag: str | None = None, note: str = "", names_file: bool = False) -> KeySpec:
     return KeySpec(name, Tier.T2, Target.SERVER_ARG, flag or name.replace("_", "-"), coerce,
                    aliases, note, check, names_file)
 
 
-def _t3(name: str, coerce: Callable[[Any], Any], check: Check, *aliases: str,
+def _t3(name: str, coerce: Coercer, check: Check | None, *aliases: str,
         flag: str | None = None, profile: str | None = None, note: str = "",
         names_file: bool = False) -> KeySpec:
     if profile:
@@ -133,109 +133,111 @@ def _t3(name: str, coerce: Callable[[Any], Any], check: Check, *aliases: str,
 
 
 def _t4(name: str, *aliases: str, note: str) -> KeySpec:
-    return KeySpec(name, Tier.T4, Target.FIXED, name, _any, aliases, note)
+    return KeySpec(name, Tier.T4, Target.FIXED, name, as_is, aliases, note)
 
 
 KEYS: tuple[KeySpec, ...] = (
     # T1: llama-server request-body fields (/completion and the OpenAI endpoints)
-    _t1("temperature", _float, _range(0, 100), "temp"),
-    _t1("top_k", _int, _range(0, INT32_MAX)),
-    _t1("top_p", _float, _PROB),
-    _t1("min_p", _float, _PROB),
-    _t1("typical_p", _float, _PROB, "typical"),
-    _t1("top_n_sigma", _float, _range(0, 100, {-1: "off"})),
-    _t1("xtc_probability", _float, _PROB),
-    _t1("xtc_threshold", _float, _PROB),
-    _t1("repeat_penalty", _float, _range(0, 100)),
-    _t1("repeat_last_n", _int, _range(0, INT32_MAX, {-1: "the context size"})),
-    _t1("presence_penalty", _float, _range(-100, 100)),
-    _t1("frequency_penalty", _float, _range(-100, 100)),
-    _t1("dry_multiplier", _float, _range(0, 100)),
-    _t1("dry_base", _float, _range(1, 100)),
-    _t1("dry_allowed_length", _int, _range(0, INT32_MAX)),
-    _t1("dry_penalty_last_n", _int, _range(0, INT32_MAX, {-1: "the context size"})),
-    _t1("dynatemp_range", _float, _range(0, 100)),
-    _t1("dynatemp_exponent", _float, _range(0, 100)),
-    _t1("mirostat", _int, _range(0, 2)),
-    _t1("mirostat_tau", _float, _range(0, 100)),
-    _t1("mirostat_eta", _float, _range(0, 100)),
-    _t1("n_predict", _int, _range(0, INT32_MAX, {-1: "no limit", -2: "until the context is full"}),
+    _t1("temperature", as_float, in_range(0, 100), "temp"),
+    _t1("top_k", as_int, in_range(0, INT32_MAX)),
+    _t1("top_p", as_float, PROB),
+    _t1("min_p", as_float, PROB),
+    _t1("typical_p", as_float, PROB, "typical"),
+    _t1("top_n_sigma", as_float, in_range(0, 100, {-1: "off"})),
+    _t1("xtc_probability", as_float, PROB),
+    _t1("xtc_threshold", as_float, PROB),
+    _t1("repeat_penalty", as_float, in_range(0, 100)),
+    _t1("repeat_last_n", as_int, in_range(0, INT32_MAX, {-1: "the context size"})),
+    _t1("presence_penalty", as_float, in_range(-100, 100)),
+    _t1("frequency_penalty", as_float, in_range(-100, 100)),
+    _t1("dry_multiplier", as_float, in_range(0, 100)),
+    _t1("dry_base", as_float, in_range(1, 100)),
+    _t1("dry_allowed_length", as_int, in_range(0, INT32_MAX)),
+    _t1("dry_penalty_last_n", as_int, in_range(0, INT32_MAX, {-1: "the context size"})),
+    _t1("dynatemp_range", as_float, in_range(0, 100)),
+    _t1("dynatemp_exponent", as_float, in_range(0, 100)),
+    _t1("mirostat", as_int, in_range(0, 2)),
+    _t1("mirostat_tau", as_float, in_range(0, 100)),
+    _t1("mirostat_eta", as_float, in_range(0, 100)),
+    _t1("n_predict", as_int,
+        in_range(0, INT32_MAX, {-1: "no limit", -2: "until the context is full"}),
         "predict", "n", "max_tokens",
         note="the router sends it as max_tokens on the OpenAI endpoints"),
-    _t1("seed", _int, _range(0, 2**32 - 1, {-1: "random"})),
-    _t1("n_keep", _int, _range(0, INT32_MAX, {-1: "all"}), "keep"),
-    _t1("n_probs", _int, _range(0, 1024)),
-    _t1("min_keep", _int, _range(0, INT32_MAX)),
-    _t1("ignore_eos", _bool, None),
-    _t1("cache_prompt", _bool, None),
-    _t1("t_max_predict_ms", _int, _range(0, INT32_MAX)),
+    _t1("seed", as_int, in_range(0, 2**32 - 1, {-1: "random"})),
+    _t1("n_keep", as_int, in_range(0, INT32_MAX, {-1: "all"}), "keep"),
+    _t1("n_probs", as_int, in_range(0, 1024)),
+    _t1("min_keep", as_int, in_range(0, INT32_MAX)),
+    _t1("ignore_eos", as_bool, None),
+    _t1("cache_prompt", as_bool, None),
+    _t1("t_max_predict_ms", as_int, in_range(0, INT32_MAX)),
     # T2: llama-server flags read at context creation; the head restarts, peers stay
-    _t2("ctx_size", _int, _range(1, INT32_MAX), "n_ctx", "ctx", "c", "ctx-size"),
-    _t2("batch_size", _int, _range(1, INT32_MAX), "n_batch", "batch", "b", "batch-size"),
-    _t2("ubatch_size", _int, _range(1, INT32_MAX), "n_ubatch", "ubatch", "ub", "ubatch-size"),
-    _t2("parallel", _int, _range(1, 4096, {-1: "auto"}), "n_parallel", "np"),
-    _t2("flash_attn", _on_off_auto, None, "fa", "flash-attn", "flash_attn_type"),
-    _t2("cache_type_k", _str, _choice(*GGML_KV_TYPES), "ctk", "cache-type-k", "type_k"),
-    _t2("cache_type_v", _str, _choice(*GGML_KV_TYPES), "ctv", "cache-type-v", "type_v"),
-    _t2("kv_unified", _bool, None, "kvu", "kv-unified"),
-    _t2("swa_full", _bool, None, "swa-full",
+    _t2("ctx_size", as_int, in_range(1, INT32_MAX), "n_ctx", "ctx", "c", "ctx-size"),
+    _t2("batch_size", as_int, in_range(1, INT32_MAX), "n_batch", "batch", "b", "batch-size"),
+    _t2("ubatch_size", as_int, in_range(1, INT32_MAX), "n_ubatch", "ubatch", "ub", "ubatch-size"),
+    _t2("parallel", as_int, in_range(1, 4096, {-1: "auto"}), "n_parallel", "np"),
+    _t2("flash_attn", as_on_off_auto, None, "fa", "flash-attn", "flash_attn_type"),
+    _t2("cache_type_k", as_str, one_of(*GGML_KV_TYPES), "ctk", "cache-type-k", "type_k"),
+    _t2("cache_type_v", as_str, one_of(*GGML_KV_TYPES), "ctv", "cache-type-v", "type_v"),
+    _t2("kv_unified", as_bool, None, "kvu", "kv-unified"),
+    _t2("swa_full", as_bool, None, "swa-full",
         note="needed for slot restore to hit the cache on sliding-window models (Gemma 3)"),
-    _t2("cont_batching", _bool, None, "cb", "cont-batching"),
-    _t2("cache_reuse", _int, _range(0, INT32_MAX), "n_cache_reuse", "cache-reuse"),
-    _t2("context_shift", _bool, None, "ctx_shift", "context-shift"),
-    _t2("no_kv_offload", _bool, None, "nkvo", "no-kv-offload"),
-    _t2("threads", _int, _THREADS, "n_threads", "t"),
-    _t2("threads_batch", _int, _THREADS, "tb", "threads-batch"),
-    _t2("rope_scaling", _str, _choice("none", "linear", "yarn"), "rope-scaling",
+    _t2("cont_batching", as_bool, None, "cb", "cont-batching"),
+    _t2("cache_reuse", as_int, in_range(0, INT32_MAX), "n_cache_reuse", "cache-reuse"),
+    _t2("context_shift", as_bool, None, "ctx_shift", "context-shift"),
+    _t2("no_kv_offload", as_bool, None, "nkvo", "no-kv-offload"),
+    _t2("threads", as_int, THREADS, "n_threads", "t"),
+    _t2("threads_batch", as_int, THREADS, "tb", "threads-batch"),
+    _t2("rope_scaling", as_str, one_of("none", "linear", "yarn"), "rope-scaling",
         "rope_scaling_type"),
-    _t2("rope_scale", _float, _range(1e-6, 1e6), "rope-scale"),
-    _t2("rope_freq_base", _float, _range(0, 1e12), "rope-freq-base"),
-    _t2("rope_freq_scale", _float, _range(0, 1e6), "rope-freq-scale"),
-    _t2("yarn_orig_ctx", _int, _range(0, INT32_MAX), "yarn-orig-ctx"),
-    _t2("yarn_ext_factor", _float, _range(-1, 100), "yarn-ext-factor"),
-    _t2("yarn_attn_factor", _float, _range(-1, 100), "yarn-attn-factor"),
-    _t2("yarn_beta_fast", _float, _range(-1, 1000), "yarn-beta-fast"),
-    _t2("yarn_beta_slow", _float, _range(-1, 1000), "yarn-beta-slow"),
-    _t2("slot_prompt_similarity", _float, _PROB, "sps", "slot-prompt-similarity"),
-    _t2("cache_ram", _int, _range(0, INT32_MAX, {-1: "no limit"}), "cram", "cache-ram",
+    _t2("rope_scale", as_float, in_range(1e-6, 1e6), "rope-scale"),
+    _t2("rope_freq_base", as_float, in_range(0, 1e12), "rope-freq-base"),
+    _t2("rope_freq_scale", as_float, in_range(0, 1e6), "rope-freq-scale"),
+    _t2("yarn_orig_ctx", as_int, in_range(0, INT32_MAX), "yarn-orig-ctx"),
+    _t2("yarn_ext_factor", as_float, in_range(-1, 100), "yarn-ext-factor"),
+    _t2("yarn_attn_factor", as_float, in_range(-1, 100), "yarn-attn-factor"),
+    _t2("yarn_beta_fast", as_float, in_range(-1, 1000), "yarn-beta-fast"),
+    _t2("yarn_beta_slow", as_float, in_range(-1, 1000), "yarn-beta-slow"),
+    _t2("slot_prompt_similarity", as_float, PROB, "sps", "slot-prompt-similarity"),
+    _t2("cache_ram", as_int, in_range(0, INT32_MAX, {-1: "no limit"}), "cram", "cache-ram",
         "cache_ram_mib"),
-    _t2("jinja", _bool, None),
-    _t2("chat_template", _str, _text(1 << 16), "chat-template"),
-    _t2("chat_template_file", _str, None, "chat-template-file", names_file=True),
-    _t2("reasoning_format", _str, _choice("none", "deepseek", "deepseek-legacy", "auto"),
+    _t2("jinja", as_bool, None),
+    _t2("chat_template", as_str, text_of(1 << 16), "chat-template"),
+    _t2("chat_template_file", as_str, None, "chat-template-file", names_file=True),
+    _t2("reasoning_format", as_str, one_of("none", "deepseek", "deepseek-legacy", "auto"),
         "reasoning-format"),
-    _t2("metrics", _bool, None),
+    _t2("metrics", as_bool, None),
     # T3: what the model load reads; the model's processes restart, peers before head
-    _t3("model", _str, _text(256), "m", "model_path", "model_alias", profile="model",
+    _t3("model", as_str, text_of(256), "m", "model_path", "model_alias", profile="model",
         note="an alias from the node file (a path is refused over the wire)"),
-    _t3("tensor_split", _split, _split_check, "split", "ts", "tensor-split", profile="split",
+    _t3("tensor_split", as_split, split_check, "split", "ts", "tensor-split", profile="split",
         note="layers per device in llama.cpp order: peers first, head last"),
-    _t3("split_mode", _str, _choice("none", "layer"), "sm", "split-mode", profile="mode",
+    _t3("split_mode", as_str, one_of("none", "layer"), "sm", "split-mode", profile="mode",
         note="none = SOLO, layer = COMBINE (hydra derives -sm from the profile's mode)"),
-    _t3("rpc", _str_list, _items("a host:port endpoint or a device name"), "peers",
+    _t3("rpc", as_str_list, entries_of("a host:port endpoint or a device name"), "peers",
         "rpc_servers", profile="peers",
         note="peer endpoints host:port, or the node file's device names"),
-    _t3("override_tensor", _str_list, _items("a PATTERN=BUFFER rule", need="="), "ot",
+    _t3("override_tensor", as_str_list, entries_of("a PATTERN=BUFFER rule", need="="), "ot",
         "override-tensor", "override_tensors", "tensor_buft_overrides"),
-    _t3("n_gpu_layers", _int, _range(0, 100000, {-1: "all"}), "ngl", "gpu_layers",
+    _t3("n_gpu_layers", as_int, in_range(0, 100000, {-1: "all"}), "ngl", "gpu_layers",
         "n-gpu-layers", "gpu-layers", note="in COMBINE hydra derives -ngl from the split"),
-    _t3("n_cpu_moe", _int, _range(0, 100000), "ncmoe", "n-cpu-moe", profile="n_cpu_moe"),
-    _t3("cpu_moe", _bool, None, "cmoe", "cpu-moe"),
-    _t3("main_gpu", _int, _range(0, 1023), "mg", "main-gpu"),
-    _t3("device", _str_list, _items("a device name", max_items=16), "dev", "devices",
+    _t3("n_cpu_moe", as_int, in_range(0, 100000), "ncmoe", "n-cpu-moe", profile="n_cpu_moe"),
+    _t3("cpu_moe", as_bool, None, "cmoe", "cpu-moe"),
+    _t3("main_gpu", as_int, in_range(0, 1023), "mg", "main-gpu"),
+    _t3("device", as_str_list, entries_of("a device name", max_items=16), "dev", "devices",
         profile="head",
         note="hydra pins each process to its device from the profile's head/peers"),
-    _t3("mmap", _bool, None, "use_mmap"),
-    _t3("no_mmap", _bool, None, "no-mmap"),
-    _t3("mlock", _bool, None, "use_mlock"),
-    _t3("check_tensors", _bool, None, "check-tensors"),
-    _t3("override_kv", _str_list, _items("a KEY=TYPE:VALUE override", need="="), "override-kv",
+    _t3("mmap", as_bool, None, "use_mmap"),
+    _t3("no_mmap", as_bool, None, "no-mmap"),
+    _t3("mlock", as_bool, None, "use_mlock"),
+    _t3("check_tensors", as_bool, None, "check-tensors"),
+    _t3("override_kv", as_str_list, entries_of("a KEY=TYPE:VALUE override", need="="),
+        "override-kv",
         "kv_overrides"),
-    _t3("lora", _str_list, None, "lora_adapters", names_file=True),
-    _t3("mmproj", _str, None, names_file=True),
-    _t3("control_vector", _str_list, None, "control-vector", "control_vectors",
+    _t3("lora", as_str_list, None, "lora_adapters", names_file=True),
+    _t3("mmproj", as_str, None, names_file=True),
+    _t3("control_vector", as_str_list, None, "control-vector", "control_vectors",
         names_file=True),
-    _t3("model_draft", _str, None, "md", "model-draft", names_file=True),
+    _t3("model_draft", as_str, None, "md", "model-draft", names_file=True),
     # T4: fixed while the engine runs
     _t4("host", "hostname", note="the external bind address is fixed; change the profile and "
                                  "restart hydra"),
@@ -266,8 +268,8 @@ def lookup(key: str) -> KeySpec | None:
     return BY_NAME.get(k) or BY_NAME.get(k.replace("-", "_"))
 
 
-def clamp_chunk(v: Any) -> int:
-    n = int(_int(v))
+def clamp_chunk(v: object) -> int:
+    n = int(as_int(v))
     return max(STATE_CHUNK_MIN, min(STATE_CHUNK_MAX, n))
 
 

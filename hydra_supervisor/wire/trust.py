@@ -34,7 +34,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 log = logging.getLogger("hydra.wire")
 
@@ -59,10 +59,11 @@ def _norm(ip: _IP) -> _IP:
     return ip
 
 
-def _endpoint(addr: Any) -> tuple[_IP, int] | None:
+def _endpoint(addr: object) -> tuple[_IP, int] | None:
     """(address, port) of a socket address tuple, v4-mapped IPv6 judged as IPv4."""
+    a = cast("tuple[object, object]", addr)  # anything else: the TypeError below
     try:
-        return _norm(ipaddress.ip_address(str(addr[0]).split("%", 1)[0])), int(addr[1])
+        return _norm(ipaddress.ip_address(str(a[0]).split("%", 1)[0])), int(cast(int, a[1]))
     except (ValueError, IndexError, TypeError):
         return None
 
@@ -78,7 +79,7 @@ def _parse_hex_endpoint(text: str) -> tuple[_IP, int]:
     return _norm(ip), int(port, 16)
 
 
-def peer_uid(peer: Any, local: Any, proc_net: Path = Path("/proc/net")) -> int | None:
+def peer_uid(peer: object, local: object, proc_net: Path = Path("/proc/net")) -> int | None:
     """The uid owning the TCP socket at the other end of one of our connections, or None when
     it is not a socket of this host (network namespace) or cannot be told.
 
@@ -111,7 +112,7 @@ def peer_uid(peer: Any, local: Any, proc_net: Path = Path("/proc/net")) -> int |
     return None
 
 
-def socket_peer_uid(sock: socket.socket, peer: Any = None) -> int | None:
+def socket_peer_uid(sock: socket.socket, peer: object = None) -> int | None:
     """The uid of whoever is at the other end of `sock` (a unix socket: SO_PEERCRED; TCP: the
     /proc/net/tcp lookup), or None."""
     try:
@@ -179,8 +180,8 @@ def with_token(token: str | None, trace: str = "") -> str:
 class Identity:
     """What the wire server knows about one connection's client."""
 
-    peer: Any = None
-    local: Any = None
+    peer: object = None  # the socket address accept() gave (a (host, port) tuple for TCP)
+    local: object = None
     sock: socket.socket | None = None
     uid: int | None = None
     uid_known: bool = False  # looked up (lazily: only a gated frame needs it)
