@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 import logging
+from collections.abc import Callable
 
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.proc.state import StateDir

@@ -19,7 +19,9 @@ from typing import TypedDict, TypeVar, cast
 import psutil
 
 from hydra_supervisor.config.paths import repo_root
+from hydra_supervisor.jsontypes import JSONObject
 from hydra_supervisor.plan.ports import free_port as free_port  # re-exported for the tests
+from hydra_supervisor.proc.state import SupervisorRecord
 
 REPO = repo_root()
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
@@ -55,9 +57,9 @@ class Status(TypedDict, total=False):
     directly): the fields the harness reads."""
 
     running: bool
-    supervisor: dict[str, object] | None
+    supervisor: SupervisorRecord | None
     status: StatusFile | None
-    abnormal_end: dict[str, object] | None
+    abnormal_end: JSONObject | None
 
 
 def free_port_range(n: int = 8) -> tuple[int, int]:
