@@ -129,7 +129,7 @@ class FakeRouter:
 class FakeProc:
     def __init__(self, name: str, role: Role, owner: FakeSupervisor) -> None:
         self.name = name
-        self.spec = type("S", (), {"role": role})()
+        self.spec = type("S", (), {"role": role, "host": "127.0.0.1", "port": 9})()
         self.state = State.STOPPED
         self.reason = ""
         self.pid: int | None = None

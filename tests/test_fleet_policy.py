@@ -240,11 +240,11 @@ def test_activate_stops_sharers_and_rolls_back_on_failure(tmp_path: Path) -> Non
         rep = (await f.node.activate(a)).to_json()
         assert rep["result"] == "rolled_back" and rep["failed_phase"] == "start"
         assert b.phase is LaneState.SERVING and a.phase is LaneState.FAILED
-        # A name no lane has: the daemon's `hydra switch` looks the lane up (the node's
-        # activate takes a lane); its words were "not served on port".
+        # A name no lane has: the daemon's `hydra switch` plans it for the port's default lane
+        # (as on any port); a name no profile file has is refused before anything stops.
         d = Daemon(f.state, Options(profile=None, profiles=["a", "b", "c"]), [f], f.node)
         f.listeners.remove(d._changed)
-        with pytest.raises(HydraError, match="profile zzz is not served by this hydra"):
+        with pytest.raises(HydraError, match="unknown profile 'zzz'"):
             await d.switch("zzz")
 
     run(f, body)
@@ -374,7 +374,7 @@ def test_reload_restarts_only_what_changed_and_updates_knobs(tmp_path: Path) -> 
         new = replace(new, plan=replace(new.plan, engines=tuple(
             replace(e, args=(*e.args, "--ctx-size", "8192")) for e in new.plan.engines)))
         assert f.differs(a, prof("a", ttl=60.0), new)
-        did = await f.replace(a, (prof("a", ttl=60.0), new))
+        did, _ = await f.replace(a, (prof("a", ttl=60.0), new))
         assert did.startswith("restarted a.head in ")
         assert a.sup is sup and sup.restarted == ["a.head"]
         assert a.ttl == 60.0 and "--ctx-size" in a.dep.plan.head.args
@@ -383,7 +383,7 @@ def test_reload_restarts_only_what_changed_and_updates_knobs(tmp_path: Path) -> 
         assert not f.differs(a, prof("a", ttl=60.0), new)
         # a stopped profile takes the new plan (and concurrency) at its next load
         b_new = fdep("b", 30201, gpu1=6)
-        did = await f.replace(b, (prof("b", concurrency=2, queue=1), b_new))
+        did, _ = await f.replace(b, (prof("b", concurrency=2, queue=1), b_new))
         assert did == "not loaded: the new settings apply at its next load"
         assert b.phase is LaneState.STOPPED and b.needs == {"cuda1": 6 * GIB}
         assert b.route.limiter is not None and b.route.limiter.limit == 2

@@ -107,7 +107,7 @@ def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: P
     eng = Port(StateDir(tmp_path), "127.0.0.1", 8080, node=Node({}), profiles=lambda: ["a"],
                make_supervisor=FakeSupervisor,
                make_router=FakeRouter,  # type: ignore[arg-type]
-               switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+               switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1), exit_on_fatal=True)
     eng.plan_lane(None, dep("a"))
     eng.open()
     r = eng.router
@@ -117,8 +117,8 @@ def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: P
     async def go() -> None:
         await eng.start()
         lane = eng.only()
-        assert lane is not None and lane.sup is not None
-        await asyncio.wait_for(lane.sup.first_ready.wait(), 5)
+        assert lane is not None
+        await until(lambda: lane.phase is LaneState.SERVING)
         assert eng.state_of(lane) == "serving" and eng.down() is None
         r.running = False  # the acceptor is not running: every connection is refused
         assert eng.state_of(lane) == "port down"
@@ -169,7 +169,7 @@ def make_fleet(tmp_path: Path) -> Port:
     BEHAVIOUR.clear()
     STARTED.clear()
     f = Port(StateDir(tmp_path), "127.0.0.1", 0,
-             node=Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0), by_model=True,
+             node=Node({"cuda0": 24 * GIB, "cuda1": 16 * GIB}, load_wait=5.0),
              allow=("127.0.0.0/8",),
              switch_timeouts=SwitchTimeouts(drain=0.2, gpu_free=0.1), load_wait=5.0,
              make_supervisor=RowFake)
@@ -365,8 +365,9 @@ def statuses(sent: list[dict[str, str]]) -> list[str]:
 def test_daemon_one_port(tmp_path: Path, notify_env: Listener) -> None:
     opts = Options(profile=None, port=0, metrics_port=free_port())
     state = state_dir(tmp_path)
-    ports, node = setup.single(state, None, host=opts.host, port=opts.port,  # as hydra up
-                               profiles=lambda: list(known_profiles(opts.profiles_dir)))
+    ports, node = setup.build(state, [], node_file=None, profiles_dir=None,  # as hydra up
+                              overrides={}, host=opts.host, port=opts.port,
+                              profiles=lambda: list(known_profiles(opts.profiles_dir)))
     d = Daemon(state, opts, ports, node)
     p = ports[0]
     sent = asyncio.run(drive(d, notify_env, lambda: p.router, lambda: _watch(p.watch), "idle"))

@@ -29,9 +29,9 @@ ROW: dict[str, Any] = {
 
 def test_the_json_shape_is_the_row_it_was_built_from() -> None:
     snap = Snapshot.build(pid=1, started=2.0, state_dir="/s", rows=[ROW],
-                          by_model=[{"port": 8080, "url": "http://127.0.0.1:8080",
-                                     "default": "demo", "profiles": ["demo"], "alive": True,
-                                     "down": None}],
+                          ports=[{"port": 8080, "url": "http://127.0.0.1:8080",
+                                  "default": "demo", "profiles": ["demo"], "alive": True,
+                                  "down": None}],
                           switches=[{"to": "demo", "result": "ok"}])
     out = snap.to_json()
     assert out["engines"] == [ROW]
@@ -40,10 +40,12 @@ def test_the_json_shape_is_the_row_it_was_built_from() -> None:
     assert isinstance(snap.rows[0], LaneStatus) and snap.rows[0].processes[0].pid == 42
 
 
-def test_a_port_with_one_profile_has_no_fleets_key() -> None:
-    one = {k: v for k, v in ROW.items() if k != "fleet"}
-    out = Snapshot.build(pid=1, started=2.0, state_dir="/s", rows=[one]).to_json()
-    assert "fleets" not in out and "fleet" not in out["engines"][0]
+def test_one_shape_whatever_the_number_of_profiles() -> None:
+    """A port with one profile is described like one with several: `ports`, `fleets` and
+    `switches` are always there."""
+    out = Snapshot.build(pid=1, started=2.0, state_dir="/s", rows=[ROW]).to_json()
+    assert out["ports"] == [] and out["fleets"] == [] and out["switches"] == []
+    assert out["engines"][0]["fleet"]["default"] is True
 
 
 def test_it_is_frozen_and_every_reader_gets_its_own_copy() -> None:
@@ -66,10 +68,8 @@ def test_every_port_with_its_router_counters_under_ports() -> None:
     `fleets` entries keep their shape."""
     port = {"port": 8080, "url": "http://127.0.0.1:8080", "default": "demo",
             "profiles": ["demo"], "alive": True, "down": None}
-    snap = Snapshot.build(pid=1, started=2.0, state_dir="/s", rows=[ROW], by_model=[port],
+    snap = Snapshot.build(pid=1, started=2.0, state_dir="/s", rows=[ROW],
                           ports=[{**port, "name": "port-8080", "router": {"open": 1}}])
     out = snap.to_json()
     assert out["ports"] == [{"name": "port-8080", **port, "router": {"open": 1}}]
     assert out["fleets"] == [port]
-    assert "ports" not in Snapshot.build(pid=1, started=2.0, state_dir="/s",
-                                         rows=[ROW]).to_json()

@@ -75,7 +75,7 @@ def make(tmp_path: Path, capacity_mib: int = 0,
     port = Port(StateDir(tmp_path), "127.0.0.1", 8080, node=node,
                 make_supervisor=FakeSupervisor,
                 make_router=FakeRouter,  # type: ignore[arg-type]
-                switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1))
+                switch_timeouts=SwitchTimeouts(drain=0.1, gpu_free=0.1), exit_on_fatal=True)
     known = deps or {"moe-c": COMBINE, "moe-s": SOLO, "dense": OTHER}
 
     async def warm(lane: Lane) -> float:
@@ -280,10 +280,10 @@ def test_a_flip_is_refused_while_the_standby_loads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("ref", ["moe-s", "moe-s.yaml"])
 def test_names(tmp_path: Path, ref: str) -> None:
-    from hydra_supervisor.serve.standby import _names
-
-    lane = SimpleNamespace(name="moe-s", dep=SOLO)
-    assert _names(lane, ref)  # type: ignore[arg-type]
+    port = make(tmp_path)
+    lane = port.make_lane(None, SOLO, standby=True)
+    assert lane.answers_to(ref) and not lane.answers_to("moe-c")
+    port.close()
 
 
 def test_the_standby_key_is_checked_with_file_and_line(tmp_path: Path) -> None:
