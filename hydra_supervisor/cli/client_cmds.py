@@ -258,9 +258,17 @@ def _log_of(state: StateDir, engine: str) -> Path | None:
     from hydra_supervisor.proc import logfiles
 
     rows = (state.read_status() or {}).get("engines")
-    named = next((Path(cast(str, r["log"])) for r in (rows if isinstance(rows, list) else [])
-                  if isinstance(r, dict) and
-                  r.get("name") == engine and r.get("log")), None)
+    procs = [r for r in (rows if isinstance(rows, list) else []) if isinstance(r, dict)]
+    # The role alone (`head`) names the one process of the last run with that role
+    # (processes are named PROFILE.ROLE).
+    short = [str(r.get("name")) for r in procs
+             if str(r.get("name", "")).split(".", 1)[-1] == engine and r.get("name") != engine]
+    if len(short) > 1 and not any(r.get("name") == engine for r in procs):
+        raise HydraError(f"'{engine}' is ambiguous: {', '.join(short)}; name one")
+    if len(short) == 1 and not any(r.get("name") == engine for r in procs):
+        engine = short[0]
+    named = next((Path(cast(str, r["log"])) for r in procs
+                  if r.get("name") == engine and r.get("log")), None)
     for p in (named, state.log_path(engine), logfiles.fallback_path(state.root, engine)):
         if p is not None and p.exists():
             return p

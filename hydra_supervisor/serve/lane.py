@@ -319,6 +319,8 @@ class Lane:
         if head.state is State.READY:
             r.set_unavailable(None)
             r.release()
+            if self.meta is None and (self.meta_task is None or self.meta_task.done()):
+                self.meta_task = asyncio.create_task(self._fetch_meta())
         else:
             r.hold(self._hold_reason(head))
 
@@ -408,6 +410,7 @@ class Lane:
         if sup is None:
             return []
         pids = [p.pid for p in sup.procs if p.pid is not None]
+        self.meta = None  # the next layout's llama-server says its own
         sup.request_stop(reason)
         if task is not None:
             await task
@@ -719,7 +722,6 @@ class Lane:
             self.sync_gate()
             if self.node is not None:
                 self.node.room_changed.set()  # a loader waiting on this one may decide now
-            self.meta_task = asyncio.create_task(self._fetch_meta())
             return True
         finally:
             self.job = None
@@ -802,6 +804,7 @@ class Lane:
     def _adopt(self, dep: Deployment) -> None:
         """The lane now runs `dep` (a switch may change its profile: the port re-indexes)."""
         renamed = dep.profile != self.dep.profile
+        self.meta = None  # (fetched again once its head is READY)
         self.dep = dep
         self.needs = needs_of(dep)
         self.profile = _profile_of(dep) or self.profile
