@@ -301,3 +301,17 @@ def test_router_series_keep_their_port_labels_across_a_switch(engine: Port) -> N
                    if name != "hydra_router_fds")
 
     asyncio.run(go())
+
+
+def test_a_switch_to_what_serves_is_a_no_op_that_says_so(engine: Port) -> None:
+    """One answer on every port (issue 28): nothing restarts; `hydra restart` restarts."""
+    async def go() -> None:
+        await started(engine, dep("a"))
+        lane = lane_of(engine)
+        sup = lane.sup
+        rep = await engine.switch(lane)
+        assert rep.result == "noop" and "already serving" in (rep.reason or "")
+        assert lane.sup is sup and not STARTED[1:]  # nothing started again
+        await engine.shutdown("test")
+
+    asyncio.run(go())
