@@ -44,7 +44,7 @@ def _chat(port: int) -> requests.Response:
 
 
 def _head(env: dict[str, str]) -> dict[str, Any]:
-    return next(e for e in status_json(env)["status"]["engines"] if e["name"] == "head")
+    return next(e for e in status_json(env)["status"]["engines"] if e["name"].endswith(".head"))
 
 
 def _argv(pid: int) -> list[str]:

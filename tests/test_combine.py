@@ -41,7 +41,7 @@ def test_demo_combine_splits_layers_onto_the_peer(hydra_up, hydra_env):
     peer, head = st["status"]["engines"]
     assert (peer["role"], head["role"]) == ("peer", "head")
     _chat(port)
-    log = _log(hydra_env, "head")
+    log = _log(hydra_env, f"{head['name']}")
     endpoint = f"127.0.0.1:{peer['port']}"
     # 9 blocks + the output layer on the peer, the other 9 blocks on the head's CPU.
     assert "offloaded 10/19 layers" in log
@@ -56,7 +56,7 @@ def test_demo_moe_combine_puts_experts_on_the_peer(hydra_up, hydra_env):
     res = requests.post(f"http://127.0.0.1:{port}/completion",
                         json={"prompt": "Hello", "n_predict": 8}, timeout=60)
     assert res.status_code == 200 and res.json()["tokens_predicted"] == 8
-    log = _log(hydra_env, "head")
+    log = _log(hydra_env, "demo-moe-combine.head")
     m = re.search(rf"RPC0\[127\.0\.0\.1:{peer['port']}\] model buffer size = +([\d.]+) MiB", log)
     assert m, "no model buffer on the RPC device"
     # Exactly the expert tensors: 8 layers x 3 x (8 experts x 256 x 256) f16 = 24 MiB.

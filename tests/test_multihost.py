@@ -165,8 +165,8 @@ MOE = ("model: synth-moe\nmode: combine\nhead: cpu\nmoe_split: experts\n"
 
 
 def _head_log(pair: Pair) -> str:
-    return (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" / "head.log").read_text(
-        errors="replace")
+    logs = Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs"
+    return "".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.head.log")))
 
 
 def test_head_host_serves_dense_and_moe_on_a_peer_hosts_cpu(pair: Pair) -> None:

@@ -62,7 +62,8 @@ def test_switch_and_expert_mode_flip_without_restarts_or_failures(hydra_up, hydr
                                                               ("demo-moe", True)]
     assert rows[1]["needs_mib"]["host"] > 0 and rows[0]["needs_mib"]["host"] > 0
     pids = _pids(rows)
-    assert set(pids) == {"peer-cpu-peer", "head", "demo-moe.head"}
+    assert set(pids) == {"demo-moe-combine.peer-cpu-peer", "demo-moe-combine.head",
+                         "demo-moe.head"}
     models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
     assert [(m["id"], m["standby"]) for m in models] == [("demo-moe-combine", False),
                                                          ("demo-moe", True)]
@@ -144,7 +145,8 @@ def test_no_room_for_both_reloads_and_says_why(hydra_up, tmp_path):
         rows = wait_until(said, 60, "the standby's reason")
         assert rows[1]["standby"] and rows[1]["state"] == "stopped", rows[1]
         assert "host:" in rows[1]["why"] and "MiB short" in rows[1]["why"], rows[1]["why"]
-        assert [p["name"] for r in rows for p in r["processes"]] == ["peer-cpu-peer", "head"]
+        assert [p["name"] for r in rows for p in r["processes"]] == [
+            "demo-moe-combine.peer-cpu-peer", "demo-moe-combine.head"]
         rep = _switch(env, "demo-moe")
         assert rep["result"] == "ok" and rep["instant"] is False, rep
         assert "MiB short" in rep["not_instant"] and "start" in rep["phases"], rep

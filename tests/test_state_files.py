@@ -304,11 +304,11 @@ def test_follow_reads_across_a_size_rotation_and_a_restart(tmp_path):
 def test_hydra_logs_f_follows_rotation_restart_and_the_fallback_path(hydra_env, tmp_path):
     state = StateDir(Path(hydra_env["HYDRA_STATE_DIR"]))
     state.logs.mkdir(parents=True)
-    log = state.log_path("head")
+    log = state.log_path("demo.head")
     fd = os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     _write(fd, 0, 3)
     out = (tmp_path / "logs.out").open("w+")
-    p = subprocess.Popen([*HYDRA, "logs", "head", "-f", "-n", "2"], env=hydra_env, stdout=out,
+    p = subprocess.Popen([*HYDRA, "logs", "demo.head", "-f", "-n", "2"], env=hydra_env, stdout=out,
                          stderr=subprocess.STDOUT, cwd=REPO)
     try:
         def seen(n: int) -> bool:
@@ -506,11 +506,11 @@ def test_a_chatty_llama_server_log_stays_bounded_under_hydra_up(hydra_up, hydra_
     logs = Path(hydra_env["HYDRA_STATE_DIR"]) / "logs"
     up = hydra_up("--profile", str(prof), "--port", str(free_port()))
     up.wait_ready(60)
-    wait_until(lambda: (logs / "head.log.2").exists(), 20, "two size rotations")
+    wait_until(lambda: (logs / f"{prof.stem}.head.log.2").exists(), 20, "two size rotations")
     time.sleep(3)  # ~1.8 MB more written: still three files of about the bound each
-    heads = sorted(p.name for p in logs.glob("head.log*"))
+    heads = sorted(p.name.removeprefix(f"{prof.stem}.") for p in logs.glob("*.head.log*"))
     assert heads == ["head.log", "head.log.1", "head.log.2"], heads
-    for p in logs.glob("head.log*"):
+    for p in logs.glob("*.head.log*"):
         assert p.stat().st_size < (64 << 10) + 2 * 600_000, (p, p.stat().st_size)
     res = run_hydra(hydra_env, "logs", "head", "-n", "3")
     assert res.returncode == 0 and len(res.stdout.splitlines()) == 3

@@ -26,7 +26,7 @@ def test_demo_serves_chat_status_and_down(hydra_up, hydra_env):
     up = hydra_up("--profile", "demo", "--port", str(port))
     st = up.wait_ready()
     head = st["status"]["engines"][0]
-    assert head["name"] == "head" and head["state"] == "READY"
+    assert head["name"] == "demo.head" and head["state"] == "READY"
     # The external port is hydra's router; llama-server listens on an internal loopback port.
     assert st["status"]["url"] == f"http://127.0.0.1:{port}" and head["port"] != port
     assert head["host"] == "127.0.0.1"

@@ -71,10 +71,10 @@ def test_info_configure_tiers_and_expert_mode(hydra_up, hydra_env):
         r = c.configure({"ctx_size": 2048})
         assert r.status == OK, r.meta
         after = _pids(hydra_env)
-        head = next(n for n in after if n == "head")
-        peer = next(n for n in after if n != "head")
+        head = next(n for n in after if n.endswith(".head"))
+        peer = next(n for n in after if not n.endswith(".head"))
         assert after[head] != before[head] and after[peer] == before[peer]
-        assert r.meta.get("restarted") == ["head"]
+        assert r.meta.get("restarted") == [head]
         assert _chat(port).status_code == 200
         # SET_EXPERT_MODE solo: the layout becomes SOLO; combined brings the peer back
         r = c.expert_mode("solo")

@@ -178,9 +178,11 @@ class Up:
         return st
 
     def engine(self, name: str) -> EngineRow:
+        """A process's status row by its name (`demo.head`) or its role part (`head`), as
+        `hydra restart` and `hydra logs` accept it."""
         status = status_json(self.env)["status"]
         assert status is not None, "no status.json"
-        return next(e for e in status["engines"] if e["name"] == name)
+        return next(e for e in status["engines"] if named(e["name"], name))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -219,3 +221,9 @@ def _running(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def named(full: str, name: str) -> bool:
+    """A process name as a test gives it: in full (`demo.head`) or its role part (`head`);
+    hydra names a lane's processes PROFILE.ROLE."""
+    return full == name or full.split(".", 1)[-1] == name
