@@ -736,8 +736,16 @@ class Lane:
             (line.strip() for line in reversed(tail) if line.strip()), None)
         error = llamaerr.with_line(error, why)
         log.error("profile %s failed to load: %s", self.name, error)
-        with contextlib.suppress(LayoutFailed, HydraError, OSError):
-            await self.stop_layout(f"load of {self.name} failed")
+        sup = self.sup
+        if self.exit_on_fatal and sup is not None and sup.fatal:
+            # hydra ends on this (exit 1): the failed run (its FATAL reason, its processes'
+            # last states and log tails) stays as the record status.json keeps
+            if self.task is not None:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self.task
+        else:
+            with contextlib.suppress(LayoutFailed, HydraError, OSError):
+                await self.stop_layout(f"load of {self.name} failed")
         self.failed_at = self.clock()  # before the phase: whoever reads FAILED reads its time
         self.error = error
         self._to(LaneState.FAILED)
