@@ -100,7 +100,7 @@ def test_start_leaves_only_owner_readable_files_and_tightens_old_ones(hydra_up, 
     (root / "logs").mkdir(parents=True)
     root.chmod(0o755)
     (root / "logs").chmod(0o777)
-    old = root / "logs" / "head.log"
+    old = root / "logs" / "chatty.head.log"
     old.write_text("a line of an earlier run\n")
     old.chmod(0o644)
     up = hydra_up("--profile", str(prof), "--port", str(free_port()))
@@ -108,15 +108,15 @@ def test_start_leaves_only_owner_readable_files_and_tightens_old_ones(hydra_up, 
     for d in (root, root / "logs", root / "pids"):
         assert _mode(d) == 0o700, (d, oct(_mode(d)))
     files = [root / "status.json", root / "supervisor.json", root / "hydra.lock",
-             root / "control.sock", root / "pids" / "head.json", root / "logs" / "head.log",
-             root / "logs" / "head.log.1", root / "logs" / "hydra.log"]
+             root / "control.sock", root / "pids" / "chatty.head.json",
+             root / "logs" / "chatty.head.log", root / "logs" / "chatty.head.log.1", root / "logs" / "hydra.log"]
     for f in files:
         assert _mode(f) == 0o600, (f, oct(_mode(f)))
     every = [p for p in root.rglob("*")]
     loose = [(str(p), oct(_mode(p))) for p in every if _mode(p) & 0o077]
     assert not loose
     log = (root / "logs" / "hydra.log").read_text()
-    assert log.count("tightened") == 1 and "head.log: 0644 -> 0600" in log
+    assert log.count("tightened") == 1 and "chatty.head.log: 0644 -> 0600" in log
     # The child inherits the umask: what it creates is the owner's too.
     child = next(p for p in up.children if "chatty" in " ".join(p.cmdline()))
     with open(f"/proc/{child.pid}/status") as fh:
@@ -133,8 +133,8 @@ def test_state_group_makes_the_state_dir_group_readable(hydra_up, hydra_env, tmp
     up.wait_ready(60)
     for d in (root, root / "logs", root / "pids"):
         assert _mode(d) == 0o2750 and os.stat(d).st_gid == os.getgid(), (d, oct(_mode(d)))
-    for f in (root / "status.json", root / "logs" / "head.log", root / "logs" / "hydra.log",
-              root / "pids" / "head.json"):
+    for f in (root / "status.json", root / "logs" / "chatty.head.log",
+              root / "logs" / "hydra.log", root / "pids" / "chatty.head.json"):
         assert _mode(f) == 0o640, (f, oct(_mode(f)))
     assert _mode(root / "control.sock") == 0o600  # reading is one thing, driving another
 

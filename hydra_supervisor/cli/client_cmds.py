@@ -116,19 +116,31 @@ def restart(engine: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @friendly
 def reload(as_json: bool) -> None:
-    """Re-read the running profile and apply what changed as a switch (unchanged: nothing)."""
+    """Re-read every running profile and apply what changed (unchanged: nothing).
+
+    A serving profile restarts what changed (its head alone, or everything); a change that
+    fails rolls back and says why; a stopped profile takes the new settings at its next
+    load."""
     code, reply = _control("/reload")
     if as_json:
         click.echo(json.dumps(reply, indent=2))
         sys.exit(exits.of_reply(code, reply.get("result")))
     _fail_reply(code, reply)
-    if "reloaded" in reply:  # several profiles: what each one did
-        for name, did in reply["reloaded"].items():
-            out.print(f"reloaded {name}: {did}", markup=False)
-        for key in reply.get("not_applied") or []:
-            err.print(f"  not applied: {key}", markup=False)
-        sys.exit(exits.of_reply(code, reply.get("result")))
-    _print_report(reply)
+    if reply.get("result") == "noop":
+        out.print(f"nothing to do: {reply.get('reason', '')}", markup=False)
+    for name, did in (reply.get("reloaded") or {}).items():
+        (out if not did.startswith(("rolled back", "failed")) else err).print(
+            f"reloaded {name}: {did}", markup=False)
+    for line in reply.get("log_tail") or []:
+        err.print(f"  {line}", markup=False)
+    phases = "  ".join(f"{k} {v:.2f}s" for k, v in (reply.get("phases") or {}).items())
+    if phases:
+        out.print(f"  phases: {phases}", markup=False)
+    for note in reply.get("notes") or []:
+        if not str(note).startswith("not applied: "):
+            out.print(f"  note: {note}", markup=False)
+    for key in reply.get("not_applied") or []:
+        err.print(f"  not applied: {key}", markup=False)
     sys.exit(exits.of_reply(code, reply.get("result")))
 
 

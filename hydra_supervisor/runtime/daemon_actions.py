@@ -39,7 +39,7 @@ from hydra_supervisor.plan.plan import Plan
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import Busy, Result
+from hydra_supervisor.serve.reports import Busy, Result, SwitchReport
 
 log = logging.getLogger("hydra")
 Reply = dict[str, Any]
@@ -215,14 +215,14 @@ class Actions:
         """Every lane of every port re-reads its profile: a serving lane whose plan changed
         restarts what changed (plandiff), a stopped one uses the new plan at its next load."""
         done: dict[str, str] = {}
-        reports: list[Reply] = []
+        reports: list[SwitchReport] = []
         errors: list[str] = []
         skipped: list[str] = []
         for p in self.ports:
             for lane in list(p.lanes.values()):
                 skip = await asyncio.to_thread(not_applied, self.planning,
                                                lane.dep.plan.source, lane.name, p.host, p.port)
-                skipped += [f"{lane.name}: {k}" for k in skip]
+                skipped += [f"{k} [profile {lane.name}]" for k in skip]
                 try:
                     new = await asyncio.to_thread(
                         self._replan, lane.dep.plan.source, lane.name, p.host, p.port,
@@ -233,22 +233,36 @@ class Actions:
                         did, rep = await p.replace(lane, (prof, new))
                         done[lane.name] = did
                         if rep is not None:
-                            reports.append(rep.to_json())
+                            reports.append(rep)
+                            if rep.result not in (Result.OK, Result.NOOP):
+                                errors.append(rep.error or str(rep.result))
                 except HydraError as exc:  # one profile's failure leaves the others' reload
-                    done[lane.name] = f"failed, rolled back: {exc}"
+                    done[lane.name] = f"failed, nothing changed: {exc}"
                     errors.append(f"{lane.name}: {exc}")
         if skipped:
             log.warning("reload: not applied: %s", "; ".join(skipped))
         notes = [f"not applied: {k}" for k in skipped]
         if not done:
             log.info("reload: nothing changed; nothing to do")
-            return {"result": Result.NOOP.value, "not_applied": skipped, "notes": notes,
+            return {"result": Result.NOOP.value, "reloaded": {}, "reports": [],
+                    "not_applied": skipped, "notes": notes,
                     "reason": "nothing it can apply changed" if skipped
                     else "profiles unchanged"}
         log.info("reload: %s", "; ".join(f"{k}: {v}" for k, v in done.items()))
-        return {"result": (Result.ROLLED_BACK if errors else Result.OK).value,
-                "reloaded": done, "reports": reports, "error": "; ".join(errors) or None,
-                "not_applied": skipped, "notes": notes}
+        phases: dict[str, float] = {}
+        for r in reports:
+            for k, v in r.phases.items():
+                phases[k] = round(phases.get(k, 0.0) + v, 3)
+        failed = any(r.result == Result.FAILED for r in reports)
+        result = Result.FAILED if failed else Result.ROLLED_BACK if errors else Result.OK
+        return {"result": result.value, "reloaded": done,
+                "reports": [r.to_json() for r in reports],
+                "error": "; ".join(errors) or None, "not_applied": skipped,
+                "notes": [*(n for r in reports for n in r.notes), *notes],
+                "phases": phases, "cut": sum(r.cut for r in reports),
+                "total_s": round(sum(r.total_s for r in reports), 3),
+                "log_tail": [t for r in reports if r.result not in (Result.OK, Result.NOOP)
+                             for t in r.log_tail]}
 
     def _replan(self, ref: str, name: str, host: str, port: int, keep: Plan,
                 reserved: frozenset[int]) -> Deployment:

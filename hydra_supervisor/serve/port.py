@@ -204,10 +204,14 @@ class Port:
                                                            LaneState.FAILED),
                 failed=lane.phase is LaneState.FAILED,
                 reason=lane.error or lane.why)
+        mine = self.every_lane()
+        elsewhere = frozenset(label for o in self.node.lanes.values()
+                              if o not in mine and not o.standby
+                              for label in (o.name, *o.aliases))
         self.table = RouteTable(
             entries=MappingProxyType(entries), lookup=MappingProxyType(dict(self.lookup)),
             default=self.default, none=self._none, models=self.models_json(),
-            ask_load=self._ask_load)
+            ask_load=self._ask_load, elsewhere=elsewhere)
         if self.router is not None:
             self.router.table = self.table
 
@@ -512,8 +516,9 @@ class Port:
     async def replace(self, lane: Lane, new: tuple[Profile, Deployment]) -> tuple[
             str, SwitchReport | None]:
         """A reload of one lane: a serving lane restarts what changed (plandiff: the head
-        alone, or everything; a failure rolls back); a stopped one uses the new plan at its
-        next load. Returns what it did, and the report of a change that ran."""
+        alone, or everything; a failure rolls back and keeps the old settings); a stopped one
+        uses the new plan at its next load. Returns what it did, and the report of a change
+        that ran (its result says whether it failed)."""
         prof, dep = new[0], lane.own(new[1])
         me = asyncio.current_task()
         while lane.job is not None and lane.job is not me:  # a load or an unload: let it finish
@@ -528,7 +533,8 @@ class Port:
             if lane.phase is LaneState.SERVING:
                 rep = await lane.apply(dep)
                 if rep.result not in (Result.OK, Result.NOOP):
-                    raise HydraError(f"reload of {lane.name}: {rep.result}: {rep.error}")
+                    back = "rolled back" if rep.result == Result.ROLLED_BACK else "failed"
+                    return f"{back}: {rep.error}", rep  # the old settings stay
                 did = (f"restarted {', '.join(rep.restarted)} in {rep.total_s:.2f}s"
                        if rep.result == Result.OK else "routing settings only, nothing restarted")
             lane.take_settings(dep, prof)

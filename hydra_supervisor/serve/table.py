@@ -12,8 +12,9 @@ decides whether and when it loads: the table itself never starts anything.
 
 Every port works the same way, with any number of lanes: the request's `model` picks the lane
 (its name or an alias); no model picks the default lane; a port with one lane also sends it
-every other model name (llama-server on its own answers any `model`), one with several answers
-404 naming the known ones; a port with no lane answers 503 naming `hydra switch NAME`.
+every other model name (llama-server on its own answers any `model`) but those another port
+of this hydra serves; one with several answers 404 naming the known ones; a port with no lane
+answers 503 naming `hydra switch NAME`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class RouteTable:
     none: Route | None = None  # where requests go while the port has no lane (503)
     models: JSONDict = field(default_factory=dict)  # /v1/models, as published
     ask_load: Callable[[str], None] = _no_load  # posts a load request to the loop
+    elsewhere: frozenset[str] = frozenset()  # model names other ports of this hydra serve
 
     @property
     def needs_model(self) -> bool:
@@ -68,11 +70,11 @@ class RouteTable:
         return self.select(model, method, path)
 
     def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
-        if method == "GET" and path in MODEL_PATHS:
-            return LocalReply(200, _copy(self.models))
-        if not self.entries:
+        if not self.entries:  # every request, /v1/models too: 503 naming `hydra switch NAME`
             assert self.none is not None
             return self.none
+        if method == "GET" and path in MODEL_PATHS:
+            return LocalReply(200, _copy(self.models))
         default = self.entries.get(self.default) if self.default is not None else None
         if not model and method in ("GET", "HEAD") and default is not None:
             idle = self._idle_default(default, path)
@@ -83,7 +85,7 @@ class RouteTable:
                 if held is not None:
                     return held
         name = self.default if not model else self.lookup.get(model)
-        if name is None and model and len(self.entries) == 1:
+        if name is None and model and len(self.entries) == 1 and model not in self.elsewhere:
             name = next(iter(self.entries))  # one lane: any model name (as llama-server)
         if name is None:
             known = ", ".join(sorted(self.lookup))
