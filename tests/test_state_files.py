@@ -109,7 +109,8 @@ def test_start_leaves_only_owner_readable_files_and_tightens_old_ones(hydra_up, 
         assert _mode(d) == 0o700, (d, oct(_mode(d)))
     files = [root / "status.json", root / "supervisor.json", root / "hydra.lock",
              root / "control.sock", root / "pids" / "chatty.head.json",
-             root / "logs" / "chatty.head.log", root / "logs" / "chatty.head.log.1", root / "logs" / "hydra.log"]
+             root / "logs" / "chatty.head.log", root / "logs" / "chatty.head.log.1",
+             root / "logs" / "hydra.log"]
     for f in files:
         assert _mode(f) == 0o600, (f, oct(_mode(f)))
     every = [p for p in root.rglob("*")]
