@@ -1,12 +1,16 @@
 """Lane- and port-level policy fakes, shared by the fast serve/ policy tests (no processes).
 
 What is faked: a lane's route (`FakeRoute`, over a real Gate) and the router that hands routes
-out (`FakeRouter`); a supervisor and its processes (`FakeSupervisor`, `FakeProc`; `FleetFake`
-adds a head-only reload), started to the behaviour a test scripts per profile in `BEHAVIOUR`
-and recorded in `STARTED`; the policy's clock (`FakeClock`). Plus the deployments and helpers
-those tests build on: `dep` (a one-lane port's layout), `fdep`/`prof`/`GIB` (a by-model
-port's layouts and profiles), `make`/`run`/`route`/`until` (a by-model port on fake
+out (`FakeRouter`); a supervisor and its processes (`FakeSupervisor`, a serve/runner.py
+Runner, also named `FleetFake`; its `FakeProc`s are ManagedProcesses it moves itself), started
+to the behaviour a test scripts per profile in `BEHAVIOUR` and recorded in `STARTED`; the
+policy's clock (`FakeClock`). Plus the deployments and helpers those tests build on: `dep` (a
+one-lane port's layout), `fdep`/`prof`/`GIB` (a by-model port's layouts, on a real
+plan.layout.Layout, and profiles), `make`/`run`/`route`/`until` (a by-model port on fake
 supervisors, run with a body, requests selected, conditions awaited).
+
+Typed as strictly as the package (`mypy --strict`, scripts/test): the fakes are checked against
+the Protocols they stand in for (Runner, RouterLike) below.
 
 Used by tests/test_engine_policy.py, test_fleet_policy.py, test_change_policy.py,
 test_port_down.py and test_standby_policy.py. (The supervisor's own policy tests run the real
@@ -48,6 +52,7 @@ from hydra_supervisor.router.routes import Route, RouteTable
 from hydra_supervisor.serve.clock import Clock
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
+from hydra_supervisor.serve.portwatch import RouterLike
 from hydra_supervisor.serve.reports import SwitchTimeouts
 from hydra_supervisor.serve.runner import Runner
 
@@ -149,6 +154,10 @@ class FakeRouter:
 
     def stats(self) -> dict[str, bool | int]:
         return {"alive": self.running, "open": 0}
+
+
+# The fake is what a PortWatch restarts (serve/portwatch.py RouterLike): mypy checks it here.
+_AS_WATCHED: Callable[[str, int, Upstreams | None], RouterLike] = FakeRouter
 
 
 # A fake process's spec answers at the discard port: nothing listens there, and a fake
