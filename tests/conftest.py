@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import psutil
 import pytest
@@ -75,8 +75,14 @@ def hydra_env(tmp_path: Path) -> dict[str, str]:
     return make_env(tmp_path)
 
 
+class StartUp(Protocol):
+    """The `hydra_up` fixture: start `hydra up ARGS`."""
+
+    def __call__(self, *args: str) -> Up: ...
+
+
 @pytest.fixture
-def hydra_up(hydra_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
+def hydra_up(hydra_env: dict[str, str], tmp_path: Path) -> Iterator[StartUp]:
     """Factory: start `hydra up ARGS`; everything it started is gone after the test."""
     ups: list[Up] = []
 

@@ -19,19 +19,30 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, RestartPolicy
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
-from hydra_supervisor.plan.plan import EngineSpec, Plan, Role, RouterSpec
+from hydra_supervisor.plan.plan import (
+    EngineSpec,
+    ModelKind,
+    Plan,
+    PlanMode,
+    PlanTransport,
+    Role,
+    RouterSpec,
+)
 from hydra_supervisor.proc import process
+from hydra_supervisor.proc.health import Gated
 from hydra_supervisor.proc.managed import ManagedProcess, State
 from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, Version
-from hydra_supervisor.proc.seams import Seams
+from hydra_supervisor.proc.seams import Moved, Seams
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
 
 SCALE = 50.0
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -151,7 +162,7 @@ class FakeWorld:
         return next((c for c in reversed(self.children)
                      if c.port == port and c.returncode is None), None)
 
-    async def wait_for(self, pred: Callable[[], Any], timeout: float = 60.0) -> Any:
+    async def wait_for(self, pred: Callable[[], T], timeout: float = 60.0) -> T:
         """Wait (in policy seconds) until pred() is true."""
         deadline = self.clock() + timeout
         while self.clock() < deadline:
@@ -219,7 +230,7 @@ class FakeWorld:
         return process.ProcStat(stopped=c.frozen, cpu=c.cpu(), state="T" if c.frozen else
                                 "disk-sleep" if c.dsleep else "S")
 
-    def flights(self, router: Any) -> tuple[int, float | None] | None:
+    def flights(self, traffic: Gated | None) -> tuple[int, float | None] | None:
         if self.inflight is None:
             return None
         return (self.inflight, self.clock() - self.last_byte if self.inflight else None)
@@ -279,9 +290,9 @@ def deployment(n_peers: int = 1, *, remote: bool = False, on_peer_loss: PeerLoss
                ) -> Deployment:
     peers = [peer_spec(i, 50100 + i, remote=remote) for i in range(n_peers)]
     head = head_spec(peers)
-    plan = Plan(profile="t", source="t.yaml", model_path="m.gguf", model_kind="dense",
-                mode="combine" if peers else "solo", transport="rpc", host="127.0.0.1",
-                port=8080, engines=(*peers, head),
+    plan = Plan(profile="t", source="t.yaml", model_path="m.gguf", model_kind=ModelKind.DENSE,
+                mode=PlanMode.COMBINE if peers else PlanMode.SOLO,
+                transport=PlanTransport.RPC, host="127.0.0.1", port=8080, engines=(*peers, head),
                 router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", head.port), None, ())
                 if router else None)
     spare = list(internal_ports)
@@ -306,11 +317,11 @@ class UpstreamMoves:
 
     def __init__(self, http: tuple[str, int] | None) -> None:
         self.http = http
-        self.moves: list[tuple[str, tuple[str, int], int]] = []
+        self.moves: list[tuple[Moved, tuple[str, int], int]] = []
 
-    def __call__(self, kind: str, old: tuple[str, int], new_port: int) -> None:
+    def __call__(self, kind: Moved, old: tuple[str, int], new_port: int) -> None:
         self.moves.append((kind, old, new_port))
-        if kind == "http" and self.http == old:
+        if kind is Moved.HTTP and self.http == old:
             self.http = (old[0], new_port)
 
 
@@ -335,8 +346,8 @@ class Run:
     def mp(self, name: str) -> ManagedProcess:
         return next(p for p in self.sup.procs if p.name == name)
 
-    async def until(self, pred: Callable[[], Any], timeout: float = 120.0) -> Any:
-        def check() -> Any:
+    async def until(self, pred: Callable[[], T], timeout: float = 120.0) -> T:
+        def check() -> T:
             if self.task is not None and self.task.done() and not pred():
                 self.task.result()
                 raise AssertionError(f"supervisor ended: fatal={self.sup.fatal}")

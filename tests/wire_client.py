@@ -14,9 +14,10 @@ import json
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
 
 MAGIC = 0x4859
 REQ = struct.Struct("<HBBHQH")
@@ -36,7 +37,7 @@ def frame(op: int, key: str = "", payload: bytes = b"", trace: str = "", flags: 
 @dataclass
 class Response:
     status: int
-    meta: dict[str, Any]
+    meta: JSONObject
     payload: bytes
 
 
@@ -70,12 +71,12 @@ class WireClient:
             out += chunk
         return bytes(out)
 
-    def read_head(self, deadline: float) -> tuple[int, dict[str, Any], int]:
+    def read_head(self, deadline: float) -> tuple[int, JSONObject, int]:
         head = self._read(12, deadline)
         status = head[0]
         meta_len = int.from_bytes(head[1:4], "little")
         payload_len = int.from_bytes(head[4:12], "little")
-        meta = json.loads(self._read(meta_len, deadline)) if meta_len else {}
+        meta: JSONObject = json.loads(self._read(meta_len, deadline)) if meta_len else {}
         return status, meta, payload_len
 
     def request(self, op: int, key: str = "", payload: bytes = b"", trace: str = "",
@@ -87,7 +88,7 @@ class WireClient:
 
     def request_stream(self, op: int, key: str = "", payload: bytes = b"",
                        timeout: float | None = None,
-                       ) -> tuple[int, dict[str, Any], int, Iterator[bytes]]:
+                       ) -> tuple[int, JSONObject, int, Iterator[bytes]]:
         """Send; return (status, meta, payload_len, iterator over payload pieces as read)."""
         deadline = time.monotonic() + (timeout or self.timeout)
         self.sock.sendall(frame(op, key, payload))
@@ -117,7 +118,7 @@ class WireClient:
     def info(self) -> Response:
         return self.request(INFO)
 
-    def configure(self, params: dict[str, Any], key: str = "0") -> Response:
+    def configure(self, params: Mapping[str, JSONValue], key: str = "0") -> Response:
         return self.request(CONFIGURE, key, json.dumps(params).encode())
 
     def expert_mode(self, mode: str) -> Response:

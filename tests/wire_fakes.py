@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from hydra_supervisor.wire.control import ConfigureRefused
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
+from hydra_supervisor.wire.control import ConfigureRefused, EngineControl
 
 
 class StubControl:
@@ -25,19 +26,19 @@ class StubControl:
         self._slot_dir = slot_dir
         self.head = head
         self.is_busy = False
-        self.settings: dict[str, Any] = {"port": 8080, "model": "gemma3-270m"}
-        self.configured: list[dict[str, Any]] = []
+        self.settings: dict[str, object] = {"port": 8080, "model": "gemma3-270m"}
+        self.configured: list[dict[str, object]] = []
         self.modes: list[str] = []
         self.refuse: str | None = None
         self.explode = False
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         if self.explode:
             raise RuntimeError("engine state unavailable")
         return {"profile": "demo", "mode": "solo", "model": "gemma3-270m",
                 "settings": dict(self.settings)}
 
-    def configure(self, params: dict[str, Any]) -> dict[str, Any]:
+    def configure(self, params: dict[str, object]) -> dict[str, list[str]]:
         if self.refuse:
             raise ConfigureRefused(self.refuse)
         self.configured.append(params)
@@ -45,7 +46,7 @@ class StubControl:
         return {"restarted": [] if all(k in ("temperature", "top_k") for k in params)
                 else ["head"]}
 
-    def set_expert_mode(self, mode: str) -> dict[str, Any]:
+    def set_expert_mode(self, mode: str) -> dict[str, str]:
         if self.refuse:
             raise ConfigureRefused(self.refuse)
         self.modes.append(mode)
@@ -61,17 +62,21 @@ class StubControl:
         return self._slot_dir
 
 
+# The stub is an EngineControl (what the wire server fronts): mypy checks it here.
+_AS_CONTROL: Callable[[Path], EngineControl] = StubControl
+
+
 class FakeSlots:
     """A fake llama-server slot API on 127.0.0.1 over `slot_dir`; slot states are bytes."""
 
     def __init__(self, slot_dir: Path, n_slots: int = 2) -> None:
         self.slot_dir = slot_dir
         self.states: dict[int, bytes] = {i: b"" for i in range(n_slots)}
-        self.requests: list[tuple[str, str, Any]] = []
+        self.requests: list[tuple[str, str, JSONObject]] = []
         fake = self
 
         class H(BaseHTTPRequestHandler):
-            def _send(self, code: int, body: Any) -> None:
+            def _send(self, code: int, body: JSONValue) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -84,7 +89,8 @@ class FakeSlots:
                                   "n_past": len(s) // 16} for i, s in fake.states.items()])
 
             def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                body: JSONObject = json.loads(
+                    self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 url = urlparse(self.path)
                 fake.requests.append(("POST", url.path, body))
                 if url.path.startswith("/slots/"):
@@ -93,7 +99,9 @@ class FakeSlots:
                     if slot not in fake.states:
                         return self._send(400, {"error": {"code": 400,
                                                           "message": "Invalid slot ID"}})
-                    path = fake.slot_dir / body["filename"]
+                    name = body["filename"]
+                    assert isinstance(name, str), name  # a bare file name (wire/slots.py)
+                    path = fake.slot_dir / name
                     if action == "save":
                         path.write_bytes(fake.states[slot])
                         return self._send(200, {"id_slot": slot, "n_saved":
@@ -104,9 +112,10 @@ class FakeSlots:
                     fake.states[slot] = data
                     return self._send(200, {"id_slot": slot, "n_restored": len(data) // 16,
                                             "n_read": len(data), "timings": {"restore_ms": 1}})
-                slot = body["id_slot"]
+                prefill_slot = body["id_slot"]
+                assert isinstance(prefill_slot, int), prefill_slot  # a prefill names its slot
                 text = json.dumps(body.get("messages") or body.get("prompt")).encode()
-                fake.states[slot] = hashlib.sha256(text).digest() * 4096  # 128 KiB
+                fake.states[prefill_slot] = hashlib.sha256(text).digest() * 4096  # 128 KiB
                 return self._send(200, {"content": "", "timings": {
                     "prompt_n": 42, "prompt_ms": 3.5, "cache_n": 0}})
 
