@@ -280,9 +280,8 @@ def deployment(n_peers: int = 1, *, remote: bool = False, on_peer_loss: PeerLoss
     peers = [peer_spec(i, 50100 + i, remote=remote) for i in range(n_peers)]
     head = head_spec(peers)
     plan = Plan(profile="t", source="t.yaml", model_path="m.gguf", model_kind="dense",
-                mode="combine" if peers else "solo", transport="rpc", host="127.0.0.1",
-                port=8080, engines=(*peers, head),
-                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", head.port), None, ())
+                mode="combine" if peers else "solo", transport="rpc", engines=(*peers, head),
+                router=RouterSpec(("127.0.0.1", head.port), None, ())
                 if router else None)
     spare = list(internal_ports)
 

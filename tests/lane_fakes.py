@@ -207,9 +207,8 @@ def dep(name: str, peers: int = 0, load: float = 5.0) -> Deployment:
                           env=(), host="127.0.0.1", port=30052 + i, device="cpu",
                           start_order=i) for i in range(peers))
     plan = Plan(profile=name, source=f"{name}.yaml", model_path="m.gguf", model_kind="dense",
-                mode="combine" if peers else "solo", transport="rpc", host="127.0.0.1",
-                port=8080, engines=(*ps, head),
-                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", 30200), None, ()))
+                mode="combine" if peers else "solo", transport="rpc", engines=(*ps, head),
+                router=RouterSpec(("127.0.0.1", 30200), None, ()))
     return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=load, peer=1.0))
 
 
@@ -234,9 +233,9 @@ def fdep(name: str, port: int, **gib: float) -> Deployment:
                       start_order=0)
     places = tuple(Placement(dev, 1, int(n * GIB), 0, 0, 0) for dev, n in gib.items())
     plan = Plan(profile=name, source=f"{name}.yaml", model_path=f"{name}.gguf",
-                model_kind="dense", mode="solo", transport="rpc", host="127.0.0.1", port=0,
+                model_kind="dense", mode="solo", transport="rpc",
                 engines=(head,), placements=places,
-                router=RouterSpec("127.0.0.1", 0, ("127.0.0.1", port), None, ()))
+                router=RouterSpec(("127.0.0.1", port), None, ()))
     return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=5.0, peer=1.0),
                       # what a lane reads of its layout.Layout: devices, and the profile
                       # (None here: the test gives the lane its Profile)
