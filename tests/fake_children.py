@@ -292,8 +292,8 @@ def deployment(n_peers: int = 1, *, remote: bool = False, on_peer_loss: PeerLoss
     head = head_spec(peers)
     plan = Plan(profile="t", source="t.yaml", model_path="m.gguf", model_kind=ModelKind.DENSE,
                 mode=PlanMode.COMBINE if peers else PlanMode.SOLO,
-                transport=PlanTransport.RPC, host="127.0.0.1", port=8080, engines=(*peers, head),
-                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", head.port), None, ())
+                transport=PlanTransport.RPC, engines=(*peers, head),
+                router=RouterSpec(("127.0.0.1", head.port), None, ())
                 if router else None)
     spare = list(internal_ports)
 

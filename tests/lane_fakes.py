@@ -33,6 +33,7 @@ from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.devices import Device, Inventory, Kind
 from hydra_supervisor.plan.layout import Layout
 from hydra_supervisor.plan.plan import (
+    Address,
     EngineSpec,
     ModelKind,
     Placement,
@@ -289,8 +290,7 @@ def dep(name: str, peers: int = 0, load: float = 5.0) -> Deployment:
     plan = Plan(profile=name, source=f"{name}.yaml", model_path="m.gguf",
                 model_kind=ModelKind.DENSE,
                 mode=PlanMode.COMBINE if peers else PlanMode.SOLO, transport=PlanTransport.RPC,
-                host="127.0.0.1", port=8080, engines=(*ps, head),
-                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", 30200), None, ()))
+                engines=(*ps, head), router=RouterSpec(("127.0.0.1", 30200), None, ()))
     return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=load, peer=1.0))
 
 
@@ -327,7 +327,7 @@ def layout(plan: Plan, profile: Profile) -> Layout:
     return Layout(node=NodeFile(source="fake-node.yaml", devices={}), profile=profile,
                   model_path=Path(plan.model_path), model=None, devices=DEVICES,
                   inventory=Inventory(gpus=(), cpu_total=0, cpu_free=0, source="fake"),
-                  plan=plan)
+                  plan=plan, external=Address("127.0.0.1", 0))
 
 
 def fdep(name: str, port: int, *, profile: Profile | None = None, **gib: float) -> Deployment:
@@ -339,8 +339,8 @@ def fdep(name: str, port: int, *, profile: Profile | None = None, **gib: float) 
     places = tuple(Placement(dev, 1, int(n * GIB), 0, 0, 0) for dev, n in gib.items())
     plan = Plan(profile=name, source=f"{name}.yaml", model_path=f"{name}.gguf",
                 model_kind=ModelKind.DENSE, mode=PlanMode.SOLO, transport=PlanTransport.RPC,
-                host="127.0.0.1", port=0, engines=(head,), placements=places,
-                router=RouterSpec("127.0.0.1", 0, ("127.0.0.1", port), None, ()))
+                engines=(head,), placements=places,
+                router=RouterSpec(("127.0.0.1", port), None, ()))
     return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=5.0, peer=1.0),
                       layout=layout(plan, profile or prof(name)))
 

@@ -127,7 +127,7 @@ def _plan(endpoint: str, device: str = "p100") -> Plan:
     head = EngineSpec(name="head", role=Role.HEAD, program="llama-server", args=(), env=(),
                       host="127.0.0.1", port=1, device="cpu", start_order=1)
     return Plan(profile="remote", source="remote.yaml", model_path="m.gguf", model_kind="dense",
-                mode="combine", transport="rpc", host="127.0.0.1", port=8080,
+                mode="combine", transport="rpc",
                 engines=(peer, head))
 
 

@@ -17,7 +17,7 @@ def _plan(remote: bool) -> Plan:
                       managed=not remote)
     places = (Placement("far", 9, 300 * MIB, 0, 0, 0), Placement("cpu", 9, 100 * MIB, 0, 0, 0))
     return Plan(profile="p", source="p.yaml", model_path="m.gguf", model_kind="dense",  # type: ignore[arg-type]
-                mode="combine", transport="rpc", host="127.0.0.1", port=8080,  # type: ignore[arg-type]
+                mode="combine", transport="rpc",  # type: ignore[arg-type]
                 engines=(peer, head), placements=places)
 
 

@@ -44,10 +44,9 @@ def sdep(name: str, *, mode: Mode = Mode.SOLO, port: int = 30200, mib: int = 300
                       env=(), host="127.0.0.1", port=port, device="cpu",
                       start_order=len(peers))
     plan = Plan(profile=name, source=f"{name}.yaml", model_path=model, model_kind="moe",
-                mode=mode.value, transport="rpc", host="127.0.0.1", port=8080,
-                engines=(*peers, head),
+                mode=mode.value, transport="rpc", engines=(*peers, head),
                 placements=(Placement("cpu", 8, mib * MIB, 0, 0, 0),),
-                router=RouterSpec("127.0.0.1", 8080, ("127.0.0.1", port), None, ()))
+                router=RouterSpec(("127.0.0.1", port), None, ()))
     prof = Profile(name=name, source=f"{name}.yaml", model="moe", mode=mode,
                    peers=("cpu-peer",) if mode is Mode.COMBINE else (), standby=standby)
     return Deployment(plan=plan, binaries={}, timeouts=Timeouts(load=5.0, peer=1.0),

@@ -45,9 +45,10 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
     lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
                        overrides=port_overrides(port, None), check_ports=False)
     p = lay.plan
+    ext = lay.external  # the profile's host and port (--port overrides it); not in the plan
     both = _standby_plan(lay, node_file, profiles_dir, port)
     if as_json:
-        click.echo(json.dumps({**p.to_json(), **({"standby": both} if both else {})},
+        click.echo(json.dumps({**plan_json(lay), **({"standby": both} if both else {})},
                               indent=2))
         return
     m = lay.model
@@ -80,11 +81,27 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         rpc = (f", ggml-RPC -> {host_port(*r.rpc)} (from {', '.join(r.allow)})"
                if r.rpc else "")
         http = f"HTTP -> {host_port(*r.http)}" if r.http else "HTTP -> 503 (no head)"
-        out.print(styled(("router", "bold"), f" listens {host_port(r.host, r.port)}: {http}{rpc}"))
+        out.print(styled(("router", "bold"),
+                         f" listens {host_port(ext.host, ext.port)}: {http}{rpc}"))
     for note in p.notes:
         out.print(f"  note: {note}")
     if both:
         _print_standby_plan(both)
+
+
+def plan_json(lay: layout.Layout) -> dict[str, object]:
+    """`hydra plan --json`: the plan, with the external address it was planned for (the
+    profile's host and port, or --port) as `host`/`port` and in `router` beside what the
+    router relays to; a plan carries no external address of its own."""
+    ext = lay.external
+    out: dict[str, object] = {}
+    for key, value in lay.plan.to_json().items():
+        if key == "engines":  # (where the plan's JSON said them before the engines)
+            out.update(host=ext.host, port=ext.port)
+        if key == "router" and isinstance(value, dict):
+            value = {"host": ext.host, "port": ext.port, **value}
+        out[key] = value
+    return out
 
 
 def _standby_plan(lay: Any, node_file: str | None, profiles_dir: str | None,

@@ -238,9 +238,9 @@ def _present_one(p: Port, lane: Lane) -> None:
     if plan.router and not plan.router.http:
         r = plan.router
         out.print(f"ready: {plan.profile} serves {plan.engines[0].device} over ggml-RPC at "
-                  f"{host_port(r.host, p.port)} (from {', '.join(r.allow)})")
+                  f"{host_port(p.host, p.port)} (from {', '.join(r.allow)})")
         out.print(f"  on the head's host: llama-server -m MODEL --rpc "
-                  f"{host_port(client_host(r.host), p.port)} ...   "
+                  f"{host_port(client_host(p.host), p.port)} ...   "
                   f"(or a node file device: {{endpoint: HOST:{p.port}}})")
         return
     url = p.url

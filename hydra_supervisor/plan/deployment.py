@@ -6,6 +6,11 @@ on_peer_loss: degrade, and how to move a peer whose port was taken). It is plain
 `hydra up`, `hydra switch` and `hydra reload` all build one with `prepare()` (which has no side
 effects beyond reading files and probing ports) and hand it to a Lane, which runs it under a
 Supervisor.
+
+It describes the processes and their internal ports, never the external address: that is the
+Port's (serve/port.py), given to `prepare` as a value (`external`) it hands to no process (a
+`router: false` head binds it itself). A Port bound to port 0 keeps what the kernel gave it;
+nothing is written back into a plan.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, Profile, RestartPolicy
 from hydra_supervisor.plan import layout
-from hydra_supervisor.plan.plan import EngineSpec, Plan, Role
+from hydra_supervisor.plan.plan import Address, EngineSpec, Plan, Role
 
 PortPicker = Callable[[set[int]], int | None]
 
@@ -57,21 +62,24 @@ class Deployment:
 
 def prepare(profile_ref: str, *, node_file: str | None = None,
             profiles_dir: str | None = None, overrides: Mapping[str, object] | None = None,
-            keep: Plan | None = None, external: int | None = None,
+            keep: Plan | None = None, external: Address | None = None,
             profile: Profile | None = None, slot_dir: Path | None = None,
             reserved: frozenset[int] = frozenset()) -> Deployment:
     """Read, resolve and check a profile into a Deployment; raises HydraError on bad input.
 
-    For a running engine, `keep` is its current plan (whose ports are reused) and `external`
-    its own external port (held by its router, so not checked)."""
+    `external`: the address of the Port it is for, bound already (a switch, a reload,
+    CONFIGURE, the standby): its port is given to no process and not checked (its router, or
+    the running `router: false` head, holds it). None: the profile's own address (`hydra up`,
+    before anything is bound), checked free. For a running engine, `keep` is its current plan
+    (whose ports are reused)."""
     lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
                        overrides=overrides, keep=keep, profile=profile, reserved=reserved,
-                       need_binaries=True)
+                       need_binaries=True, external=external)
     bins = layout.find_binaries(lay)
-    ours: set[int] = {external} if external is not None else set()
+    ours: set[int] = {external.port} if external is not None else set()
     if keep is not None:
         ours |= {e.port for e in keep.engines if e.managed}
-    layout.check_ports(lay.plan, ours)
+    layout.check_ports(lay.plan, lay.external, ours)
     layout.check_remote_peers(lay.plan, node=lay.node)
     prof = lay.profile
     plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir,
@@ -80,24 +88,16 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     # rpc-server starts (rpccache.py), within the same budget (60 s + 15 s per GiB).
     model_bytes = lay.model.file_size if lay.model else sum(
         Path(p).stat().st_size for p in plan.meta.get("prefill", ()))
+    avoid = frozenset({lay.external.port} - {0})  # a moved process never takes it
     timeouts = Timeouts(load=load_timeout_for(model_bytes, prof.load_timeout),
                         stop_grace=prof.stop_grace, health=prof.health)
     return Deployment(plan=plan, binaries=bins, policy=prof.restart,
                       on_peer_loss=prof.on_peer_loss, timeouts=timeouts,
                       model_label=prof.model or "-", solo_head=layout.solo_fallback(lay),
-                      pick_port=layout.port_picker(lay.node),
-                      pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports),
+                      pick_port=layout.port_picker(lay.node, avoid=avoid),
+                      pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports,
+                                                            avoid=avoid),
                       layout=lay, keep_slots=prof.keep_slots)
-
-
-def bound_to(dep: Deployment, port: int) -> Deployment:
-    """`dep` planned with port 0 (any free port), once its router has bound `port`: the plan
-    says the real port, so a later re-plan on that port (reload, configure) is no move."""
-    plan = dep.plan
-    if plan.port == port:
-        return dep
-    router = replace(plan.router, port=port) if plan.router is not None else None
-    return replace(dep, plan=replace(plan, port=port, router=router))
 
 
 def with_slot_dir(plan: Plan, slot_dir: Path, swa_full: bool = False) -> Plan:

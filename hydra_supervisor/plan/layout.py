@@ -28,7 +28,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import devices, resolver
 from hydra_supervisor.plan.devices import Device, Inventory
 from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
-from hydra_supervisor.plan.plan import EngineSpec, Plan
+from hydra_supervisor.plan.plan import Address, EngineSpec, Plan
 from hydra_supervisor.plan.ports import ephemeral_range, port_free, port_holder
 from hydra_supervisor.proc import rpcproto
 from hydra_supervisor.tools import binaries, buildid, install
@@ -45,6 +45,7 @@ class Layout:
     devices: dict[str, Device]
     inventory: Inventory
     plan: Plan
+    external: Address  # the address it serves on (the Port's, else the profile's); not in `plan`
 
 
 def free_rpc_ports(node: Node, count: int, exclude: set[int],
@@ -63,20 +64,30 @@ def free_rpc_ports(node: Node, count: int, exclude: set[int],
 def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str | None = None,
           overrides: Mapping[str, object] | None = None, check_ports: bool = True,
           keep: Plan | None = None, profile: Profile | None = None,
-          reserved: frozenset[int] = frozenset(), need_binaries: bool = False) -> Layout:
+          reserved: frozenset[int] = frozenset(), need_binaries: bool = False,
+          external: Address | None = None) -> Layout:
     """`keep`: the plan of the layout running on this engine now; its internal and peer ports
     are reused (they are ours: the old processes free them before the new ones start), so an
     engine's ports stay put across switches and reloads. `profile`: an already loaded (and
     possibly reconfigured) profile to plan instead of reading `profile_ref`. `reserved`: ports
     other profiles of this hydra have planned (not to be handed out again, running or not).
     `need_binaries`: fail at once when the binary every plan of this mode runs is missing,
-    before the model is read (a first read of a large vocabulary takes seconds)."""
+    before the model is read (a first read of a large vocabulary takes seconds).
+    `external`: the address the layout serves on, a Port's; the profile is read as served
+    there (its host and port are that address: a `mode: peer` trust check reads the host).
+    None: the profile's own host and port (`hydra up` and `hydra plan`, before any port is
+    bound). No process is given its port; a `router: false` head binds it. The Plan does
+    not carry it: the Layout's `external` says what it was."""
     node = load_node(find_node_file(node_file))
+    at = {"host": external.host, "port": external.port} if external is not None else {}
     if profile is None:
         path = find_profile(profile_ref, profiles_dir)
-        profile = load_profile(path, node, overrides)
+        profile = load_profile(path, node, {**(overrides or {}), **at})
     else:
         path = Path(profile.source)
+        if external is not None:
+            profile = replace(profile, host=external.host, port=external.port)
+    ext = external if external is not None else Address(profile.host, profile.port)
     if need_binaries:
         binaries.find("ggml-rpc-server" if profile.mode is Mode.PEER else "llama-server",
                       dict(node.binaries))
@@ -98,7 +109,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     info: ModelInfo | None = None
     if profile.mode is Mode.PEER:
         plan = resolver.resolve_peer_engine(profile, devs,
-                                            pick(1, {profile.port}, node.rpc_ports, kept_peers))
+                                            pick(1, {ext.port}, node.rpc_ports, kept_peers))
         if profile.prefill:  # the GGUFs the supervisor writes into the rpc-server's cache
             from hydra_supervisor.tools import rpccache
             plan = replace(plan, meta={**plan.meta, rpccache.PLAN_KEY: rpccache.resolve_prefill(
@@ -107,14 +118,14 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     else:
         model_path = models.resolve_model(profile.model, node, path.parent)
         info = inspect(model_path)
-        ports = pick(len(profile.peers), {profile.port}, node.rpc_ports, kept_peers)
-        internal = pick(1, {profile.port, *ports}, node.internal_ports, kept_head)
+        ports = pick(len(profile.peers), {ext.port}, node.rpc_ports, kept_peers)
+        internal = pick(1, {ext.port, *ports}, node.internal_ports, kept_head)
         if profile.router and not internal:
             raise HydraError(f"no free port left in the node's internal_ports range "
                              f"{node.internal_ports[0]}-{node.internal_ports[1]}")
         plan = resolver.resolve(profile, info, str(model_path), devs, ports,
-                                internal[0] if profile.router else None)
-    plan = replace(plan, notes=(*plan.notes, *port_range_notes(node, profile.port)))
+                                internal[0] if profile.router else None, external=ext)
+    plan = replace(plan, notes=(*plan.notes, *port_range_notes(node, ext.port)))
     lo, hi = ephemeral_range()
     overlap = [name for name, (a, b) in (("rpc_ports", node.rpc_ports),
                                          ("internal_ports", node.internal_ports))
@@ -123,7 +134,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
         plan = replace(plan, notes=(*plan.notes, (
             f"{node.source}: {', '.join(overlap)} overlap the kernel's ephemeral port range "
             f"{lo}-{hi}; outgoing connections may take those ports: prefer ports below {lo}")))
-    return Layout(node, profile, model_path, info, devs, inv, plan)
+    return Layout(node, profile, model_path, info, devs, inv, plan, ext)
 
 
 def port_range_notes(node: Node, external: int) -> list[str]:
@@ -155,7 +166,8 @@ def solo_fallback(lay: Layout) -> EngineSpec | None:
     try:
         # Same internal port as the COMBINE head, so the router needs no change.
         plan = resolver.resolve(solo, lay.model, str(lay.model_path), lay.devices, [],
-                                lay.plan.head.port if lay.plan.router else None)
+                                lay.plan.head.port if lay.plan.router else None,
+                                external=lay.external)
     except HydraError as exc:
         raise HydraError(f"{prof.source}: on_peer_loss: degrade needs the model to fit the "
                          f"head's device alone, and it does not:\n{exc}",
@@ -163,11 +175,12 @@ def solo_fallback(lay: Layout) -> EngineSpec | None:
     return plan.head
 
 
-def port_picker(node: Node, span: tuple[int, int] | None = None
-                ) -> Callable[[set[int]], int | None]:
-    """A free port of the node's rpc_ports range (or `span`, e.g. internal_ports)."""
+def port_picker(node: Node, span: tuple[int, int] | None = None,
+                avoid: frozenset[int] = frozenset()) -> Callable[[set[int]], int | None]:
+    """A free port of the node's rpc_ports range (or `span`, e.g. internal_ports), never one
+    of `avoid` (the external port)."""
     def pick(taken: set[int]) -> int | None:
-        ports = free_rpc_ports(node, 1, taken, span)
+        ports = free_rpc_ports(node, 1, taken | avoid, span)
         return ports[0] if ports else None
 
     return pick
@@ -178,14 +191,16 @@ def find_binaries(layout: Layout) -> dict[str, str]:
     return {name: str(binaries.find(name, dict(layout.node.binaries)).path) for name in needed}
 
 
-def check_ports(plan: Plan, ours: set[int] | frozenset[int] = frozenset()) -> None:
-    """Every port the plan binds is free, except `ours` (held by this hydra's running layout or
-    its router, which a switch frees or keeps)."""
-    if plan.router and plan.router.port not in ours and \
-            not port_free(plan.router.host, plan.router.port):
+def check_ports(plan: Plan, external: Address,
+                ours: set[int] | frozenset[int] = frozenset()) -> None:
+    """Every port the plan binds is free, and the `external` address its router will bind,
+    except `ours` (held by this hydra's running layout or its router, which a switch frees or
+    keeps). A `router: false` head binds the external address itself: checked as the head."""
+    if plan.router and external.port not in ours and \
+            not port_free(external.host, external.port):
         raise HydraError(
-            f"port {plan.router.port} on {plan.router.host} (the profile's external port) is "
-            f"already in use by {port_holder(plan.router.port)}",
+            f"port {external.port} on {external.host} (the profile's external port) is "
+            f"already in use by {port_holder(external.port)}",
             hint="stop that process, or pick another port: hydra up --port N")
     for eng in plan.engines:
         if eng.managed and eng.port not in ours and not port_free(eng.host, eng.port):

@@ -2,6 +2,10 @@
 
 One EngineSpec per process (or per remote peer hydra only connects to), with everything needed
 to start it: program, argv, environment, bind address and port, role and start order.
+
+A Plan never carries the external address: that is the Port's (serve/port.py), known to
+planning only as a value (`Address`) no process may be given. The one exception is a
+`router: false` plan, whose head binds that address itself (its EngineSpec says so).
 """
 
 from __future__ import annotations
@@ -84,11 +88,20 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class RouterSpec:
-    """The external port: HTTP to the head, ggml-RPC (allow-listed) to the engine's local peer."""
+class Address:
+    """An external address (host, port): the Port's. Planning takes it as a value: no process
+    is given its port, and a `router: false` head binds it. Port 0: any free port (the Port
+    learns which when its router binds)."""
 
     host: str
     port: int
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """What the router on the external port relays to: HTTP to the head, ggml-RPC
+    (allow-listed) to the engine's local peer. Where it listens is the Port's address."""
+
     http: tuple[str, int] | None
     rpc: tuple[str, int] | None
     allow: tuple[str, ...]
@@ -112,13 +125,11 @@ class Plan:
     model_kind: ModelKind
     mode: PlanMode
     transport: PlanTransport
-    host: str
-    port: int
     engines: tuple[EngineSpec, ...]
     placements: tuple[Placement, ...] = ()
     notes: tuple[str, ...] = ()
     meta: PlanMeta = field(default_factory=lambda: PlanMeta())
-    router: RouterSpec | None = None
+    router: RouterSpec | None = None  # None: `router: false`, the head binds the external address
 
     @property
     def head(self) -> EngineSpec:
@@ -127,6 +138,15 @@ class Plan:
     @property
     def peers(self) -> tuple[EngineSpec, ...]:
         return tuple(e for e in self.engines if e.role is Role.PEER)
+
+    @property
+    def binds_external(self) -> Address | None:
+        """The external address a process of this plan binds itself: a `router: false`
+        head's; None behind a router (the Port binds it)."""
+        if self.router is not None:
+            return None
+        head = self.head
+        return Address(head.host, head.port)
 
     def in_start_order(self) -> list[EngineSpec]:
         return sorted(self.engines, key=lambda e: e.start_order)

@@ -4,8 +4,9 @@ Pure (two Plans in, a verdict out), golden-tested. Used by reload and by CONFIGU
 payload twice is a no-op; a change to the head's flags alone (context size, KV types, batch,
 sampling defaults baked into argv) restarts only the head and leaves its peers running; any
 change to a peer, or to the set of processes, restarts the whole layout, peers before head (a
-head must reconnect to a restarted peer anyway). A different external host or port is refused:
-a running hydra keeps its address.
+head must reconnect to a restarted peer anyway). The external address is the Port's, in no
+plan, except where a `router: false` head binds it: a plan whose head would bind another one is
+refused (a running hydra keeps its address).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def _key(e: EngineSpec) -> tuple[object, ...]:
 
 
 def diff(old: Plan, new: Plan) -> PlanDiff:
-    if (old.host, old.port) != (new.host, new.port):
+    was, now = old.binds_external, new.binds_external
+    if was is not None and now is not None and was != now:
         return PlanDiff(Change.REFUSED, f"the external address would change from "
-                        f"{old.host}:{old.port} to {new.host}:{new.port}; a running hydra keeps "
+                        f"{was.host}:{was.port} to {now.host}:{now.port}; a running hydra keeps "
                         "its address (restart hydra to move it)")
     o = {e.name: e for e in old.engines}
     n = {e.name: e for e in new.engines}

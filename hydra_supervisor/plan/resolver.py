@@ -56,6 +56,7 @@ from hydra_supervisor.plan.placement import (
     solo_placements,
 )
 from hydra_supervisor.plan.plan import (
+    Address,
     EngineSpec,
     ModelKind,
     Placement,
@@ -85,18 +86,19 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
     if not rpc_ports:
         raise HydraError("no free ggml-rpc-server port left in the node's rpc_ports range")
     peer = peer_spec(f"peer-{dev.name}", dev, rpc_ports[0], 0, profile)
-    router = RouterSpec(host=profile.host, port=profile.port, http=None,
-                        rpc=(peer.host, peer.port), allow=tuple(profile.rpc_allow))
+    router = RouterSpec(http=None, rpc=(peer.host, peer.port), allow=tuple(profile.rpc_allow))
     return Plan(profile=profile.name, source=profile.source, model_path="",
                 model_kind=ModelKind.NONE, mode=PlanMode(profile.mode.value),
-                transport=PlanTransport.RPC, host=profile.host, port=profile.port,
-                engines=(peer,), router=router)
+                transport=PlanTransport.RPC, engines=(peer,), router=router)
 
 
 def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[str, Device],
-            rpc_ports: Sequence[int], internal_port: int | None = None) -> Plan:
+            rpc_ports: Sequence[int], internal_port: int | None = None,
+            external: Address | None = None) -> Plan:
     """With `internal_port`, the head binds 127.0.0.1:internal_port and the Plan carries a
-    RouterSpec for the external host:port; without it, the head binds the external port."""
+    RouterSpec (what the router on the external address relays to); without it (`router:
+    false`), the head binds the external address itself: `external` (the Port's; default the
+    profile's own host and port)."""
     head_dev = device_named(devices, profile.head, profile, "head")
     if head_dev.kind is Kind.REMOTE:
         raise HydraError(f"{profile.source}: head: '{head_dev.name}' is a remote peer; the head "
@@ -128,8 +130,8 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         raise HydraError(f"{profile.source}: moe_split is for mode: combine of an MoE model; "
                          f"{model_path} is dense")
     cpu_sharers = sum(1 for d in [head_dev, *peer_devs] if d.kind is Kind.CPU)
-    head_host, head_port = ((PEER_BIND, internal_port) if internal_port
-                            else (profile.host, profile.port))
+    ext = external or Address(profile.host, profile.port)
+    head_host, head_port = (PEER_BIND, internal_port) if internal_port else (ext.host, ext.port)
     # --alias: the model name llama-server reports (/v1/models, every reply's `model`) is the
     # profile's name, the name clients ask for, not the GGUF's file name.
     base = ["-m", model_path, "--alias", profile.name, "--host", head_host, "--port",
@@ -202,11 +204,10 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
         # ggml-RPC through the external port would reach a local peer, but every local peer
         # here already serves this profile's head, and a ggml-rpc-server serves one client at
         # a time: an outside client would hang in its backlog. So RPC is closed at once.
-        router = RouterSpec(host=profile.host, port=profile.port, http=(head_host, head_port),
-                            rpc=None, allow=tuple(profile.rpc_allow))
+        router = RouterSpec(http=(head_host, head_port), rpc=None,
+                            allow=tuple(profile.rpc_allow))
     return Plan(
         profile=profile.name, source=profile.source, model_path=model_path, model_kind=kind,
         mode=PlanMode(profile.mode.value), transport=PlanTransport(transport.value),
-        host=profile.host, port=profile.port,
         engines=tuple(engines), placements=tuple(placements), notes=tuple(notes),
         meta=meta, router=router)

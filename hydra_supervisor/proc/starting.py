@@ -78,7 +78,8 @@ class Starter:
         spec = mp.spec
         if self.seams.port_free(spec.host, spec.port):
             return
-        taken = {p.spec.port for p in self.lineup.procs} | {self.lineup.plan.port}
+        # (the external port is not among them: the pickers never hand it out, deployment.py)
+        taken = {p.spec.port for p in self.lineup.procs}
         if spec.role is Role.PEER:
             new = self.pick_port(taken) if self.pick_port else None
             if new is None:

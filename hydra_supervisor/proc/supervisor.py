@@ -49,7 +49,7 @@ from typing import Any
 
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import Plan, Role
-from hydra_supervisor.plan.ports import client_host
+from hydra_supervisor.plan.ports import client_host, host_port
 from hydra_supervisor.proc import process
 from hydra_supervisor.proc.health import Gated as Traffic
 from hydra_supervisor.proc.lineup import Lineup
@@ -197,13 +197,20 @@ class Supervisor:
         return {
             "pid": os.getpid(), "profile": plan.profile, "source": plan.source,
             "mode": plan.mode, "model": self.model_label,
-            "url": (f"ggml-rpc://{plan.host}:{plan.port}"
-                    if plan.router and not plan.router.http
-                    else f"http://{client_host(plan.host)}:{plan.port}"),
+            "url": self._url(),
             "fatal": self.fatal, "degraded": self.degraded, "stopped": self.stop_reason,
             "unkillable": list(self.unkillable), "updated": time.time(),
             "engines": [p.row() for p in self.procs],
         }
+
+    def _url(self) -> str:
+        """Where this layout answers on its own (no Port in front: under a lane the daemon's
+        status gives the Port's address): the head, or the device it lends (mode: peer)."""
+        plan = self.plan
+        if plan.router is not None and not plan.router.http and plan.router.rpc is not None:
+            return f"ggml-rpc://{host_port(*plan.router.rpc)}"
+        head = plan.head
+        return f"http://{host_port(client_host(head.host), head.port)}"
 
     def publish(self) -> None:
         if self.on_publish is not None:  # under a lane, the daemon publishes its whole status

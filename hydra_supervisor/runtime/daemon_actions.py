@@ -35,7 +35,7 @@ from hydra_supervisor.config.config import (
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment
 from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.plan.plan import Plan
+from hydra_supervisor.plan.plan import Address, Plan
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
@@ -55,16 +55,17 @@ class Planning:
     slot_dir: Path
 
 
-def plan_on(p: Planning, ref: str, *, host: str, port: int, keep: Plan | None,
+def plan_on(p: Planning, ref: str, *, external: Address, keep: Plan | None,
             name: str | None = None, profiles_dir: str | None = None,
             reserved: frozenset[int] = frozenset()) -> Deployment:
-    """Validate and plan `ref` on a port's own address (`host`, `port`), the running plan's
-    ports kept. `name`: the profile keeps this name whatever its file says now (a reload)."""
+    """Validate and plan `ref` for a port's own address (`external`, a value: no process is
+    given its port), the running plan's ports kept. `name`: the profile keeps this name
+    whatever its file says now (a reload)."""
     keep_name = {"profile": name} if name else {}
     return deployment.prepare(
         ref, node_file=p.node_file, profiles_dir=profiles_dir or p.profiles_dir,
-        overrides={**dict(p.overrides), "host": host, "port": port, **keep_name}, keep=keep,
-        external=port, slot_dir=p.slot_dir, reserved=reserved)
+        overrides={**dict(p.overrides), **keep_name}, keep=keep, external=external,
+        slot_dir=p.slot_dir, reserved=reserved)
 
 
 def not_applied(p: Planning, ref: str, name: str, host: str, port: int) -> list[str]:
@@ -141,7 +142,7 @@ class Actions:
         t0 = time.monotonic()
         # Planning reads files and probes ports: off the loop, so status stays live.
         dep = await asyncio.to_thread(
-            plan_on, self.planning, ref, host=port.host, port=port.port, keep=keep,
+            plan_on, self.planning, ref, external=port.address, keep=keep,
             profiles_dir=profiles_dir, reserved=self.node.planned_ports(but=lane))
         plan_s = time.monotonic() - t0
         check_servable(port, dep)
@@ -225,7 +226,7 @@ class Actions:
                 skipped += [f"{k} [profile {lane.name}]" for k in skip]
                 try:
                     new = await asyncio.to_thread(
-                        self._replan, lane.dep.plan.source, lane.name, p.host, p.port,
+                        self._replan, lane.dep.plan.source, lane.name, p.address,
                         lane.dep.plan, self.node.planned_ports(but=lane))
                     check_servable(p, new)
                     prof = new.layout.profile if new.layout is not None else lane.profile
@@ -264,9 +265,9 @@ class Actions:
                 "log_tail": [t for r in reports if r.result not in (Result.OK, Result.NOOP)
                              for t in r.log_tail]}
 
-    def _replan(self, ref: str, name: str, host: str, port: int, keep: Plan,
+    def _replan(self, ref: str, name: str, external: Address, keep: Plan,
                 reserved: frozenset[int]) -> Deployment:
-        return plan_on(self.planning, ref, host=host, port=port, keep=keep, name=name,
+        return plan_on(self.planning, ref, external=external, keep=keep, name=name,
                        reserved=reserved)
 
 

@@ -264,11 +264,12 @@ class EngineWire:
         port = self.port
 
         def prepare(running: Plan | None) -> deployment.Deployment:
-            # planned on the address the port holds (a profile read with port 0 included)
-            here = replace(prof, host=port.host, port=port.port)
+            # planned for the address the port holds (the value, taken on the loop)
             return deployment.prepare(prof.name, node_file=self.node_file,
-                                      keep=running, external=port.port, profile=here,
+                                      keep=running, external=address, profile=prof,
                                       slot_dir=self.slot_dir())
+
+        address = port.address
 
         lane = port.default_lane()
         running = lane.running_plan if lane is not None else None

@@ -222,14 +222,9 @@ class Lane:
         return float(min(FAIL_COOLDOWN * 2.0 ** max(0, self.fails - 1), FAIL_COOLDOWN_MAX))
 
     def own(self, dep: Deployment) -> Deployment:
-        """A Deployment as this lane runs it: on the port's address, its processes named
-        after the profile (`demo.head`)."""
-        from hydra_supervisor.plan import deployment  # deployment imports layout: keep it lazy
-
-        dep = namespaced(dep)
-        if dep.plan.router is not None:
-            dep = deployment.bound_to(dep, self.port.port)
-        return dep
+        """A Deployment as this lane runs it: its processes named after the profile
+        (`demo.head`). The address it serves on is the port's, in no plan."""
+        return namespaced(dep)
 
     def answers_to(self, ref: str) -> bool:
         """Whether a switch's `ref` (a profile name or its file) names this lane."""

@@ -30,6 +30,7 @@ from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import plandiff
 from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.plan.plan import Address
 from hydra_supervisor.plan.ports import host_port, url_for
 from hydra_supervisor.proc import gpumem
 from hydra_supervisor.proc.state import StateDir
@@ -304,6 +305,13 @@ class Port:
             self.watch.active = False  # down on purpose from now on
         if self.router is not None:
             self.router.stop()
+
+    @property
+    def address(self) -> Address:
+        """The external address this port serves on (after `open`, the port its router really
+        bound: `--port 0` asks for any free one). Planning for this port takes it as a value
+        (deployment.prepare's `external`); no plan carries it."""
+        return Address(self.host, self.port)
 
     @property
     def url(self) -> str:

@@ -3,9 +3,11 @@
 Every profile named (`hydra up -p A -p B ...`, or a node file's `profiles:` list) is read,
 resolved and checked first — its `standby:` too — so a bad one stops `hydra up` before
 anything starts, with its file and line; each gets ports no other profile of this hydra has
-planned. Profiles that name the same external address share it (one Port per address, a Lane
-per profile, routed by the request's `model`); the node file's `default_profile` (else the
-first profile given for that address) answers requests without a model. No profile: one port
+planned. A profile's external address is its host and port (or `hydra up --host/--port`): it
+becomes its Port's, in no plan. Profiles that name the same external address share it (one Port
+per address, a Lane per profile, routed by the request's `model`); the node file's
+`default_profile` (else the first profile given for that address) answers requests without a
+model. No profile: one port
 on the given address with no lane (`hydra switch NAME` loads one). Every port shares one Node:
 the devices' capacity, measured before anything loads, and every lane, so room is made
 node-wide. A hydra that serves exactly one profile ends when it goes FATAL (`exit_on_fatal`);
@@ -22,6 +24,7 @@ from hydra_supervisor.config.config import find_node_file, load_node
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment, fleetplan
 from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.plan.plan import Address
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import DEFAULT_ALLOW, Port
@@ -33,8 +36,9 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
           profiles: Callable[[], list[str]] | None = None) -> tuple[list[Port], Node]:
     """The ports (one per external address) and the node of a hydra serving `names`."""
     slot_dir = state.slots()
-    deps = _prepare_all(names, node_file=node_file, profiles_dir=profiles_dir,
-                        overrides=overrides, slot_dir=slot_dir)
+    planned = _prepare_all(names, node_file=node_file, profiles_dir=profiles_dir,
+                           overrides=overrides, slot_dir=slot_dir)
+    deps = [d for _, d in planned]
     first = deps[0].layout if deps else None
     node = Node(fleetplan.capacity_of(first.devices) if first is not None else {})
     if not deps:  # --no-profile: one port, no lane yet
@@ -42,20 +46,20 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
         p.standby = _standby(p, node_file, profiles_dir, overrides, slot_dir)
         return [p], node
     node_cfg = load_node(find_node_file(node_file))
-    groups: dict[tuple[str, int], list[Deployment]] = {}
-    for dep in deps:
-        groups.setdefault((dep.plan.host, dep.plan.port), []).append(dep)
+    groups: dict[Address, list[Deployment]] = {}
+    for addr, dep in planned:
+        groups.setdefault(addr, []).append(dep)
     served = [d.profile for d in deps]
     if node_cfg.default_profile and node_cfg.default_profile not in served:
         raise HydraError(f"{node_cfg.source}: default_profile {node_cfg.default_profile} is "
                          f"not among the profiles served ({', '.join(served)})")
     ports = []
-    for (addr_host, addr_port), items in groups.items():
+    for addr, items in groups.items():
         if len(items) > 1:
             _check_shared(items)
         here = [d.profile for d in items]
         router = items[0].plan.router
-        p = Port(state, addr_host, addr_port, node=node, profiles=profiles,
+        p = Port(state, addr.host, addr.port, node=node, profiles=profiles,
                  allow=tuple(router.allow) if router is not None else DEFAULT_ALLOW,
                  use_router=router is not None, exit_on_fatal=len(deps) == 1)
         p.default = node_cfg.default_profile if node_cfg.default_profile in here else here[0]
@@ -68,15 +72,18 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
 
 
 def _prepare_all(names: list[str], *, node_file: str | None, profiles_dir: str | None,
-                 overrides: dict[str, Any], slot_dir: Path) -> list[Deployment]:
+                 overrides: dict[str, Any], slot_dir: Path) -> list[tuple[Address, Deployment]]:
+    """Each profile planned on its own address (no Port is bound yet), with that address."""
+    out: list[tuple[Address, Deployment]] = []
     deps: list[Deployment] = []
     reserved: set[int] = set()
     for name in names:
         dep = deployment.prepare(name, node_file=node_file, profiles_dir=profiles_dir,
                                  overrides=overrides, slot_dir=slot_dir,
                                  reserved=frozenset(reserved))
-        plan = dep.plan
-        if plan.port == 0 and plan.router is None:
+        plan, lay = dep.plan, dep.layout
+        assert lay is not None  # prepare() always says what it planned from
+        if lay.external.port == 0 and plan.router is None:
             raise HydraError(f"{plan.source}: port 0 (any free port) needs hydra's router, "
                              "and this profile has router: false",
                              hint="give a port number: hydra up --port N")
@@ -91,7 +98,8 @@ def _prepare_all(names: list[str], *, node_file: str | None, profiles_dir: str |
                        overrides=overrides, slot_dir=slot_dir,
                        reserved=frozenset(reserved))
         deps.append(dep)
-    return deps
+        out.append((lay.external, dep))
+    return out
 
 
 def _check_shared(items: list[Deployment]) -> None:

@@ -39,6 +39,7 @@ from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment, fleetplan
 from hydra_supervisor.plan.deployment import Deployment
+from hydra_supervisor.plan.plan import Address
 from hydra_supervisor.serve import keepslots, states
 from hydra_supervisor.serve.clock import Clock
 from hydra_supervisor.serve.lane import Lane
@@ -66,6 +67,9 @@ class StandbyPort(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def address(self) -> Address: ...
 
     def only(self) -> Lane | None: ...
 
@@ -259,8 +263,7 @@ class Standby:
         port = self.port
         return deployment.prepare(
             name, node_file=self.node_file, profiles_dir=self.profiles_dir,
-            overrides={**self.overrides, "host": port.host, "port": port.port},
-            external=port.port, slot_dir=self.slot_dir,
+            overrides=self.overrides, external=port.address, slot_dir=self.slot_dir,
             reserved=port.node.planned_ports(but=active) | frozenset(
                 e.port for e in active.dep.plan.engines if e.managed))
 
