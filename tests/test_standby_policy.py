@@ -80,7 +80,7 @@ def make(tmp_path: Path, capacity_mib: int = 0,
     async def warm(lane: Lane) -> float:
         return 0.001
 
-    port.standby = Standby(port, prepare=lambda name, active: known[name], warm=warm)
+    port.standby = Standby(port, prepare=lambda name, _addr, _ports: known[name], warm=warm)
     port.plan_lane(None, COMBINE)
     port.open()
     return port

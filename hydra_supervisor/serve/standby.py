@@ -52,7 +52,8 @@ log = logging.getLogger("hydra")
 WARM_TIMEOUT = 120.0  # one short completion on a freshly loaded standby (a slow CPU)
 MIB = fleetplan.MIB
 
-Prepare = Callable[[str, Lane], Deployment]  # (profile, the active lane) -> its Deployment
+# (profile, the port's address, ports to leave alone) -> its Deployment (planned in a thread)
+Prepare = Callable[[str, Address, frozenset[int]], Deployment]
 Warm = Callable[[Lane], Awaitable[float]]  # seconds the warm-up request took
 Row = dict[str, Any]
 
@@ -202,7 +203,10 @@ class Standby:
             return
         self.pair = frozenset({active.name, name})
         try:
-            dep = await asyncio.to_thread(self._prepare, name, active)
+            # planned in a thread from plain values: the address, the ports to leave alone
+            reserved = self.port.node.planned_ports(but=active) | frozenset(
+                e.port for e in active.dep.plan.engines if e.managed)
+            dep = await asyncio.to_thread(self._prepare, name, self.port.address, reserved)
         except HydraError as exc:
             self._not_loaded(f"cannot be planned: {exc}")
             return
@@ -258,14 +262,14 @@ class Standby:
             f"{used[k] / MIB:,.0f} of {node.capacity[k] / MIB:,.0f} MiB in use)"
             for k, v in sorted(short.items()))
 
-    def _prepare_default(self, name: str, active: Lane) -> Deployment:
-        """Plan `name` on the port's address, on ports the active layout does not hold."""
-        port = self.port
+    def _prepare_default(self, name: str, external: Address,
+                         reserved: frozenset[int]) -> Deployment:
+        """Plan `name` on the port's address, on ports no other layout holds (a thread: plain
+        values only)."""
         return deployment.prepare(
             name, node_file=self.node_file, profiles_dir=self.profiles_dir,
-            overrides=self.overrides, external=port.address, slot_dir=self.slot_dir,
-            reserved=port.node.planned_ports(but=active) | frozenset(
-                e.port for e in active.dep.plan.engines if e.managed))
+            overrides=self.overrides, external=external, slot_dir=self.slot_dir,
+            reserved=reserved)
 
     async def drop(self, why: str, keep_why: bool = False) -> None:
         """Stop the standby (drained, then cut; an old layout may still finish streams)."""
