@@ -37,7 +37,10 @@ VERSION = 1  # the schema's version: `version` in the JSON (docs/control.md)
 
 Role = Literal["active", "standby"]
 T = TypeVar("T")
-_EMPTY: Mapping[str, int] = MappingProxyType({})
+
+
+def _counts() -> Mapping[str, int]:
+    return MappingProxyType({})
 
 
 def frozen_map(d: Mapping[str, T] | None) -> Mapping[str, T]:
@@ -89,7 +92,7 @@ class SwitchStatus:
     result: str  # reports.Result: ok, rolled_back, failed, noop
     seq: int = 0  # 1, 2, … per lane (metrics count by it)
     frm: str | None = field(default=None, metadata={"json": "from"})
-    phases: Mapping[str, float] = field(default_factory=lambda: frozen_map({}))
+    phases: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     total_s: float = 0.0
     error: str | None = None
     failed_phase: str | None = None
@@ -130,7 +133,8 @@ class LaneStatus:
     default: bool = False  # requests without a model go here
     aliases: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
-    needs_mib: Mapping[str, int] = _EMPTY  # planned MiB per physical device
+    # planned MiB per physical device
+    needs_mib: Mapping[str, int] = field(default_factory=_counts)
     on_demand: bool = True
     ttl: float | None = None
     min_resident: float | None = None
@@ -187,10 +191,12 @@ class RouterCounters:
     bytes_up: int = 0
     bytes_down: int = 0
     bytes: int = 0
-    by_kind: Mapping[str, int] = _EMPTY  # connections by protocol: http, rpc, hydra
-    http: Mapping[str, int] = _EMPTY  # requests, 1xx..5xx, cut, retried
-    refused: Mapping[str, int] = _EMPTY  # by reason
-    events: Mapping[str, int] = _EMPTY  # trouble survived, by kind
+    # connections by protocol (http, rpc, hydra); HTTP requests, 1xx..5xx, cut, retried;
+    # connections refused by reason; trouble survived, by kind
+    by_kind: Mapping[str, int] = field(default_factory=_counts)
+    http: Mapping[str, int] = field(default_factory=_counts)
+    refused: Mapping[str, int] = field(default_factory=_counts)
+    events: Mapping[str, int] = field(default_factory=_counts)
     fds: FdStatus | None = None
     recoveries: int = 0
     recovery_failures: int = 0
@@ -283,7 +289,7 @@ class Snapshot:
         return list(dict.fromkeys(d for p in self.ports if (d := p.down)))
 
     def to_json(self) -> JSONObject:
-        return _obj(self)
+        return {"version": self.version, **_obj(self)}
 
     def summary(self) -> Summary:
         """The summary view (status.json, the crash record; `status` in `hydra status
