@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -126,14 +127,32 @@ class FakeRouter:
         return {"alive": self.running, "open": 0}
 
 
+@dataclass(frozen=True)
+class FakeSpec:
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 9
+    device: str = "gpu0"
+    managed: bool = True
+
+
 class FakeProc:
+    """A process as a lane reads it (its status: serve/lane.py `_process_status`)."""
+
     def __init__(self, name: str, role: Role, owner: FakeSupervisor) -> None:
         self.name = name
-        self.spec = type("S", (), {"role": role, "host": "127.0.0.1", "port": 9})()
+        self.spec = FakeSpec(role)
         self.state = State.STOPPED
         self.reason = ""
         self.pid: int | None = None
         self.owner = owner
+        self.restarts = 0
+        self.started_wall: float | None = None
+        self.alive = False
+        self.last_exit: int | None = None
+        self.log_path = f"/logs/{name}.log"
+        self.warning = ""
+        self.first_failure_log: str | None = None
 
     def to(self, st: State, reason: str = "") -> None:
         self.state, self.reason = st, reason
