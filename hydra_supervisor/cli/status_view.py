@@ -20,6 +20,7 @@ from hydra_supervisor.serve.snapshot import (
     RemoteLoad,
     RouterCounters,
     Snapshot,
+    SwitchStatus,
     parse,
 )
 from hydra_supervisor.serve.states import LaneState
@@ -61,24 +62,39 @@ def daemon_renderables(snap: Snapshot) -> list[RenderableType]:
 
 
 def _port_renderables(p: PortStatus) -> list[RenderableType]:
-    """A port: a row per profile, its standby, then every running process, then the port's
-    router counters."""
-    parts: list[RenderableType] = []
+    """A port: with one profile, that profile's view; with several, a row per profile, then
+    every running process, then the port's router counters; then its standby."""
     active = p.active()
-    if active:
-        parts.append(styled(("port ", ""), (p.url, "bold"),
-                            f" serves {len(active)} profile{'s' if len(active) != 1 else ''}, "
-                            f"routed by the request's model (default: {p.default})"))
+    if len(active) == 1:
+        parts = lane_renderables(active[0], p.url, router=p.router, down=p.down)
+    elif not active:
+        parts = [Text(f"no profile loaded at {p.url} ({p.word()}); "
+                      "`hydra switch NAME` loads one")]
+        parts += _router_line(p.router, None)
+        if p.down:
+            parts.append(Text(f"PORT DOWN: {p.down}; hydra is restarting it",
+                              style="bold red"))
+        parts += _last_switch(p.switches)
     else:
-        parts.append(Text(f"no profile loaded at {p.url} ({p.word()}); "
-                          "`hydra switch NAME` loads one"))
+        parts = _several_renderables(p, active)
+    for x in p.lanes:
+        if x.role == "standby":
+            parts.append(_standby_line(x))
+            if x.processes:
+                parts.append(_process_table(list(x.processes), warnings=True))
+    return parts
+
+
+def _several_renderables(p: PortStatus, active: tuple[LaneStatus, ...]
+                         ) -> list[RenderableType]:
+    parts: list[RenderableType] = [
+        styled(("port ", ""), (p.url, "bold"),
+               f" serves {len(active)} profiles, routed by the request's model "
+               f"(default: {p.default})")]
     if p.down:
         parts.append(Text(f"PORT DOWN: {p.down}; hydra is restarting it", style="bold red"))
-    if active:
-        parts.append(_lane_table(active))
-    parts += [_standby_line(x) for x in p.lanes if x.role == "standby"]
-    procs = _process_table([(x, proc) for x in p.lanes for proc in x.processes],
-                           warnings=False)
+    parts.append(_lane_table(active))
+    procs = _process_table([proc for x in active for proc in x.processes], warnings=False)
     if procs.row_count:
         parts.append(procs)
     r = p.router
@@ -88,15 +104,9 @@ def _port_renderables(p: PortStatus) -> list[RenderableType]:
             f"{r.refused.get('unknown_model', 0)} for unknown models, "
             f"{r.refused.get('queue_full', 0)} refused busy (429), {r.http.get('cut', 0)} cut, "
             f"{r.http.get('retried', 0)} retried" + _router_restarts(r)))
-    switches = [s for x in active for s in x.switches] or list(p.switches)
-    if not active and switches:
-        last = max(switches, key=lambda s: s.at or 0.0)
-        parts.append(Text(f"last switch: {last.frm} -> {last.to} {last.result} in "
-                          f"{last.total_s:.2f}s" + (f" ({last.error})" if last.error else "")))
-    parts += _log_tails([proc for x in p.lanes for proc in x.processes])
-    if active:
-        parts.append(Text("loads = loads/unloads; * = the default profile (requests without "
-                          "a model)", style="dim"))
+    parts += _log_tails([proc for x in active for proc in x.processes])
+    parts.append(Text("loads = loads/unloads; * = the default profile (requests without "
+                      "a model)", style="dim"))
     return parts
 
 
@@ -132,12 +142,12 @@ def _standby_line(x: LaneStatus) -> Text:
                          f"{needs or '-'}; {how}")
 
 
-def _process_table(rows: list[tuple[LaneStatus, ProcessStatus]], warnings: bool) -> Table:
+def _process_table(procs: list[ProcessStatus], warnings: bool) -> Table:
     table = Table(show_edge=False, pad_edge=False)
     for col in PROCESS_COLUMNS:
         table.add_column(col)
     now = time.time()
-    for _, p in rows:
+    for p in procs:
         uptime = _fmt_age(now - p.started) if p.started else "-"
         reason = p.reason + remote_load_text(p.remote_load) + \
             (f" [{p.warning}]" if warnings and p.warning else "")
@@ -174,23 +184,49 @@ def print_summary(data: Mapping[str, object]) -> None:
         out.print(part)
 
 
-def lane_renderables(lane: LaneStatus, url: str) -> list[RenderableType]:
-    """One lane on its own: what it runs, its processes, why it is degraded or FATAL, its
-    last switch, and the log lines of a FATAL process."""
+def lane_renderables(lane: LaneStatus, url: str, router: RouterCounters | None = None,
+                     down: str | None = None) -> list[RenderableType]:
+    """One profile on its port: what it runs, its processes, the router line, why the port is
+    down or the layout degraded or FATAL, its last switch, and a FATAL process's log lines."""
+    head = f" ({lane.mode}) at {url} — {lane.state}"
+    if lane.standby:
+        needs = ", ".join(f"{k} {v:,} MiB" for k, v in lane.needs_mib.items())
+        head += f", active (plan {needs}; standby {lane.standby})"
     parts: list[RenderableType] = [Text.assemble(("profile ", ""), (lane.profile, "bold"),
-                                                 f" ({lane.mode}) at {url} — {lane.state}")]
+                                                 head)]
+    note = lane.error or (lane.why if lane.state == LaneState.STOPPED.value else None)
+    if note:
+        parts.append(Text(f"  {note}"))
     if lane.processes:
-        parts.append(_process_table([(lane, p) for p in lane.processes], warnings=True))
+        parts.append(_process_table(list(lane.processes), warnings=True))
+    parts += _router_line(router, lane.requests_last_min)
+    if down:
+        parts.append(Text(f"PORT DOWN: {down}; hydra is restarting it", style="bold red"))
     if lane.degraded:
         parts.append(Text(lane.degraded, style="bold yellow"))
     if lane.fatal:
         parts.append(Text(f"FATAL: {lane.fatal}", style="bold red"))
-    if lane.switches:
-        last = lane.switches[-1]
-        parts.append(Text(f"last switch: {last.frm} -> {last.to} {last.result} in "
-                          f"{last.total_s:.2f}s" + (f" ({last.error})" if last.error else "")))
+    parts += _last_switch(lane.switches)
     parts += _log_tails(list(lane.processes))
     return parts
+
+
+def _router_line(r: RouterCounters | None, last: int | None) -> list[RenderableType]:
+    if r is None:
+        return []
+    return [Text(f"router: {r.open} open, {r.held} held, {r.inflight} in flight; "
+                 f"{r.accepted} accepted, {r.http.get('requests', 0)} HTTP requests"
+                 + (f" ({last} in the last minute)" if last is not None else "")
+                 + f", {r.http.get('cut', 0)} cut, {r.http.get('retried', 0)} retried"
+                 + _router_restarts(r))]
+
+
+def _last_switch(switches: tuple[SwitchStatus, ...]) -> list[RenderableType]:
+    if not switches:
+        return []
+    last = switches[-1]
+    return [Text(f"last switch: {last.frm} -> {last.to} {last.result} in {last.total_s:.2f}s"
+                 + (f" ({last.error})" if last.error else ""))]
 
 
 def _fmt_mem(p: ProcessStatus) -> str:
