@@ -27,7 +27,7 @@ def test_demo_serves_chat_status_and_down(hydra_up, hydra_env):
     up = hydra_up("--profile", "demo", "--port", str(port))
     st = up.wait_ready()
     head = st["status"]["engines"][0]
-    assert head["name"] == "head" and head["state"] == "READY"
+    assert head["name"] == "demo.head" and head["state"] == "READY"
     # The external port is hydra's router; llama-server listens on an internal loopback port.
     assert st["status"]["url"] == f"http://127.0.0.1:{port}" and head["port"] != port
     assert head["host"] == "127.0.0.1"
@@ -128,7 +128,7 @@ def test_router_holds_requests_while_head_is_down_and_closes_rpc(hydra_up, hydra
     r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert r.status_code == 200, r.text
-    assert up.engine("head")["pid"] != head["pid"]
+    assert up.engine("demo.head")["pid"] != head["pid"]
     wait_until(lambda: status_json(hydra_env)["status"]["engines"][0]["state"] == "READY"
                and status_json(hydra_env)["status"]["engines"][0]["pid"] != head["pid"], 60,
                "head back")
