@@ -246,8 +246,7 @@ class Dashboard:
             return self._json(start, 200, {"name": name, "gone": True, "known": sorted(logs),
                                            "error": f"no process {name!r} runs now"})
         path, pid = logs[name]
-        reply = read_log(path, cursor)
-        reply.update(name=name, pid=pid, path=str(path))
+        reply = {**read_log(path, cursor), "name": name, "pid": pid, "path": str(path)}
         return self._json(start, 200, reply)
 
     def _action(self, environ: dict[str, Any], start: StartResponse,

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import requests
 
@@ -207,7 +208,17 @@ def process_logs(snap: Snapshot | None) -> dict[str, tuple[Path, int | None]]:
     return {p.name: (Path(p.log), p.pid) for _, _, p in snap.processes() if p.name and p.log}
 
 
-def read_log(path: Path, cursor: str | None, limit: int = 64 * 1024) -> JSONObject:
+class LogChunk(TypedDict):
+    """A log read by offset (/api/log): the text past the cursor and the next cursor."""
+
+    text: str
+    cursor: str | None  # "inode:offset"
+    restarted: bool  # a new file (a restart) or a shorter one: read from its start
+    skipped: bool  # far behind: only the last `limit` bytes
+    missing: bool
+
+
+def read_log(path: Path, cursor: str | None, limit: int = 64 * 1024) -> LogChunk:
     """What the file holds past `cursor` ("inode:offset" from the last read), at most `limit`
     bytes. A new inode (a restart gives the child a new file) or a shorter file (a size
     rotation truncated it) starts over from the file's start, and the reply says so
@@ -215,7 +226,7 @@ def read_log(path: Path, cursor: str | None, limit: int = 64 * 1024) -> JSONObje
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return {"text": "", "cursor": None, "restarted": False, "missing": True}
+        return LogChunk(text="", cursor=None, restarted=False, skipped=False, missing=True)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         inode, size = st.st_ino, st.st_size
