@@ -82,7 +82,7 @@ def test_it_is_frozen_and_every_reader_gets_its_own_copy() -> None:
     router = SNAP.ports[0].router
     assert router is not None
     with pytest.raises(TypeError):
-        router.http["requests"] = 9
+        router.http["requests"] = 9  # type: ignore[index]
     pub = Publisher(lambda: SNAP)
     pub.put(SNAP)
     got, _ = pub.get(max_age=60)
