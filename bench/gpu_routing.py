@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hydra_supervisor.testing.harness import HYDRA, Up, make_env, status_json  # noqa: E402
+from hydra_supervisor.testing.harness import HYDRA, Up, lanes, make_env, snapshot  # noqa: E402
 
 MIB = 1 << 20
 
@@ -95,7 +95,7 @@ def one_run(tmp: Path, dense: str, moe: str, min_resident: float, seconds: float
     sampler = GpuSampler()
     try:
         up.wait_ready(600)
-        port = int(status_json(env)["daemon"]["fleets"][0]["port"])
+        port = snapshot(env).ports[0].port
         sampler.start()
         stop = threading.Event()
         lat: list[float] = []
@@ -130,8 +130,7 @@ def one_run(tmp: Path, dense: str, moe: str, min_resident: float, seconds: float
         elapsed = time.monotonic() - t0
         sampler.stop.set()
         sampler.join(5)
-        rows = {e["profile"]: e for e in status_json(env)["daemon"]["engines"]}
-        loads = sum(r["fleet"]["loads"] for r in rows.values()) - 1
+        loads = sum(lane.loads for lane in lanes(env)) - 1
         log = (Path(env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
         load_s = [float(x) for x in re.findall(r"serving after ([0-9.]+)s \(on request\)", log)]
         lat.sort()

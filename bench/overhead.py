@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
 from hydra_supervisor.proc import rpcproto  # noqa: E402
+from hydra_supervisor.serve.snapshot import Snapshot  # noqa: E402
 from hydra_supervisor.tools import binaries  # noqa: E402
 
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
@@ -140,8 +141,8 @@ def head_port(env: dict[str, str]) -> int:
     """The internal port of the head hydra started (its llama-server, behind the router)."""
     out = subprocess.run([*HYDRA, "status", "--json"], env=env, capture_output=True,
                          text=True, timeout=60, check=True).stdout
-    rows = json.loads(out)["daemon"]["engines"]
-    return int(next(p["port"] for r in rows for p in r["processes"] if p["role"] == "head"))
+    snap = Snapshot.from_json(json.loads(out)["daemon"])
+    return next(p.port for _, _, p in snap.processes() if p.role == "head")
 
 
 def bench(profile: str, rounds: int, n_predict: int, tmp: Path, direct: bool = False,

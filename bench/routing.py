@@ -52,7 +52,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.overhead import spawn_plan, stop_all  # noqa: E402
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
-from hydra_supervisor.testing.harness import HYDRA, Up, make_env, status_json  # noqa: E402
+from hydra_supervisor.serve.snapshot import LaneStatus  # noqa: E402
+from hydra_supervisor.testing.harness import HYDRA, Up, lanes, make_env, snapshot  # noqa: E402
 from hydra_supervisor.testing.harness import wait_until as wait  # noqa: E402
 
 PROFILES = ("demo", "demo-moe-combine")
@@ -97,7 +98,7 @@ class Hydra:
     def __enter__(self) -> Hydra:
         try:
             self.up.wait_ready(180)
-            self.port = int(status_json(self.env)["daemon"]["fleets"][0]["port"])
+            self.port = snapshot(self.env).ports[0].port
         except BaseException:
             self.close()
             raise
@@ -122,8 +123,8 @@ class Hydra:
         r = requests.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=10)
         return {m["id"]: m["state"] for m in r.json()["data"]}
 
-    def profiles(self) -> dict[str, dict[str, Any]]:
-        return {e["profile"]: e for e in status_json(self.env)["daemon"]["engines"]}
+    def profiles(self) -> dict[str, LaneStatus]:
+        return {lane.profile: lane for lane in lanes(self.env)}
 
     def wait_state(self, want: dict[str, str], timeout: float) -> None:
         def there() -> bool:
@@ -295,7 +296,7 @@ def part_reloads(tmp: Path, min_resident: float, duration: float) -> dict[str, A
     tag = f"h-reload-{min_resident:g}"
     with Hydra(tmp, tag, node_extra=f"defaults:\n  min_resident: {min_resident:g}\n",
                devices="cpu:\n  total_mib: 1000\n  threads: 2\n") as h:
-        start_loads = sum(e["fleet"]["loads"] for e in h.profiles().values())
+        start_loads = sum(e.loads for e in h.profiles().values())
         stop = threading.Event()
         lat: list[float] = []
         served = dict.fromkeys(PROFILES, 0)
@@ -344,13 +345,13 @@ def part_reloads(tmp: Path, min_resident: float, duration: float) -> dict[str, A
             failures.append("a client was still waiting for its response 180s after the end")
         h.alive()
         profs = h.profiles()
-        loads = sum(e["fleet"]["loads"] for e in profs.values()) - start_loads
+        loads = sum(e.loads for e in profs.values()) - start_loads
         return {"min_resident": min_resident, "elapsed": elapsed, "loads": loads,
                 "per_min": loads / (elapsed / 60), "served": dict(served),
                 "failed": failures, "p50": pct(lat, 50) if lat else float("nan"),
                 "p95": pct(lat, 95) if lat else float("nan"),
                 "max": max(lat, default=float("nan")), "most_running": most_running[0],
-                "unloads": sum(e["fleet"]["unloads"] for e in profs.values())}
+                "unloads": sum(e.unloads for e in profs.values())}
 
 
 # -- main ------------------------------------------------------------------------------------------

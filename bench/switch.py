@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from bench import routing  # noqa: E402
 from bench.overhead import HYDRA, env_for, wait  # noqa: E402
 from hydra_supervisor.plan.ports import free_port  # noqa: E402
+from hydra_supervisor.serve.snapshot import LaneStatus, Snapshot  # noqa: E402
 from hydra_supervisor.testing.load import Load  # noqa: E402
 
 
@@ -177,12 +178,12 @@ def _first_token(port: int, want: str, deadline: float) -> float:
     raise SystemExit(f"no token from {want}")
 
 
-def _rows(env: dict[str, str]) -> list[dict[str, object]]:
+def _rows(env: dict[str, str]) -> list[LaneStatus]:
     from hydra_supervisor.runtime import control_client
 
     sock = control_client.socket_path(Path(env["HYDRA_STATE_DIR"]))
     _, st = control_client.call(sock, "GET", "/status", timeout=10)
-    return list(st["daemon"]["engines"])
+    return [lane for _, lane in Snapshot.from_json(st["daemon"]).lanes()]
 
 
 def _ctl_switch(env: dict[str, str], profile: str) -> dict[str, object]:
@@ -195,22 +196,18 @@ def _ctl_switch(env: dict[str, str], profile: str) -> dict[str, object]:
     return rep
 
 
-def _standby_memory(rows: list[dict[str, object]]) -> str:
+def _standby_memory(rows: list[LaneStatus]) -> str:
     """The standby row's processes: measured bytes (GPU where NVML has them, else RSS) vs
     the plan's MiB per device."""
-    row = next((r for r in rows if r.get("standby")), None)
+    row = next((r for r in rows if r.role == "standby"), None)
     if row is None:
         return "no standby row"
-    procs = row.get("processes") or []
-    assert isinstance(procs, list)
-    gpu = sum(int(p.get("gpu_bytes") or 0) for p in procs)
-    rss = sum(int(p.get("rss_bytes") or 0) for p in procs)
-    plan = row.get("needs_mib") or {}
-    assert isinstance(plan, dict)
-    planned = ", ".join(f"{k} {v:,} MiB" for k, v in plan.items())
+    gpu = sum(p.gpu_bytes or 0 for p in row.processes)
+    rss = sum(p.rss_bytes or 0 for p in row.processes)
+    planned = ", ".join(f"{k} {v:,} MiB" for k, v in row.needs_mib.items())
     got = f"GPU {gpu / 2**20:,.0f} MiB, RSS {rss / 2**20:,.0f} MiB" if gpu else \
         f"RSS {rss / 2**20:,.0f} MiB"
-    return f"standby {row.get('profile')}: planned {planned}; measured {got}"
+    return f"standby {row.profile}: planned {planned}; measured {got}"
 
 
 def _one_variant(label: str, names: list[str], pdir: Path, tmp: Path, switches: int,
@@ -229,10 +226,10 @@ def _one_variant(label: str, names: list[str], pdir: Path, tmp: Path, switches: 
                 rows = _rows(env)
             except Exception:  # noqa: BLE001 - not answering yet
                 return False
-            if rows[0].get("state") != "serving":
+            if rows[0].state != "serving":
                 return False
-            return not standby or (len(rows) == 2 and rows[1].get("state") == "serving"
-                                   and rows[1].get("warm_s") is not None)
+            return not standby or (len(rows) == 2 and rows[1].state == "serving"
+                                   and rows[1].warm_s is not None)
         wait(up, 300, f"hydra up ({label})")
         memory = [_standby_memory(_rows(env))] if standby else []
         times: dict[str, list[float]] = {names[1]: [], names[0]: []}

@@ -300,14 +300,14 @@ def test_a_failed_change_is_said_on_the_status_line_until_one_works(tmp_path: Pa
                                     error=f"head: exited (exit 1): {BAD_ARG}"))
         await d.reload()
         assert f"last change failed: p: head: exited (exit 1): {BAD_ARG}" in \
-            d._status_line(d.snapshot())
+            d._status_line(d.take())
         outcome.append(HydraError("p.yaml:3: unknown key 'thraeds'"))
         with pytest.raises(HydraError):
             await d.reload()
-        assert "last change failed: reload: p.yaml:3" in d._status_line(d.snapshot())
+        assert "last change failed: reload: p.yaml:3" in d._status_line(d.take())
         outcome.append(SwitchReport(to="p", frm="p", result="ok"))
         await d.reload()
-        assert "failed" not in d._status_line(d.snapshot())
+        assert "failed" not in d._status_line(d.take())
 
     asyncio.run(asyncio.wait_for(body(), 20))
 

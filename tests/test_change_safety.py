@@ -17,7 +17,15 @@ from typing import Any
 import pytest
 import requests
 
-from hydra_supervisor.testing.harness import REPO, free_port, run_hydra, status_json, wait_until
+from hydra_supervisor.testing.harness import (
+    REPO,
+    free_port,
+    lanes,
+    run_hydra,
+    snapshot,
+    status_json,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # real llama.cpp processes
 
@@ -34,7 +42,7 @@ def _profile(tmp: Path, extra: str = "", name: str = "chg") -> Path:
 
 
 def _port(env: dict[str, str]) -> int:
-    return int(status_json(env)["daemon"]["engines"][0]["port"])
+    return snapshot(env).ports[0].port
 
 
 def _chat(port: int) -> requests.Response:
@@ -256,7 +264,7 @@ def test_a_bad_reload_among_several_profiles_rolls_back_fast(hydra_up, hydra_env
         (tmp_path / f"{name}.yaml").write_text(text)
     up = hydra_up("-p", "one", "-p", "two", "--profiles-dir", str(tmp_path), "--port", "0")
     up.wait_ready()
-    port = int(status_json(hydra_env)["daemon"]["fleets"][0]["port"])
+    port = snapshot(hydra_env).ports[0].port
 
     def ask(model: str) -> int:
         return requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
@@ -296,4 +304,4 @@ def test_a_switch_to_a_router_false_profile_is_refused_before_the_old_layout_sto
     assert time.monotonic() - t0 < 10
     assert _head(hydra_env)["pid"] == pid  # nothing stopped
     assert _chat(_port(hydra_env)).status_code == 200
-    assert not status_json(hydra_env)["daemon"]["engines"][0]["switches"]
+    assert not lanes(hydra_env)[0].switches

@@ -29,7 +29,14 @@ from typing import Any
 
 import pytest
 
-from hydra_supervisor.testing.harness import REPO, free_port, run_hydra, status_json, wait_until
+from hydra_supervisor.testing.harness import (
+    REPO,
+    free_port,
+    run_hydra,
+    snapshot,
+    status_json,
+    wait_until,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -81,7 +88,7 @@ def test_dashboard_in_a_real_browser(hydra_up, hydra_env, tmp_path):
     up = hydra_up("-p", "demo", "-p", "demo-moe-combine", "--port", "0", "--metrics-port",
                   str(mport), "--profiles-dir", str(_profiles_with_metrics(tmp_path)))
     up.wait_ready()
-    port = int(status_json(hydra_env)["daemon"]["fleets"][0]["port"])
+    port = snapshot(hydra_env).ports[0].port
     base = f"http://127.0.0.1:{mport}"
     timings = {"hydra up": time.monotonic() - t0}
 
@@ -247,4 +254,5 @@ def _state(base: str) -> dict[str, Any]:
 
 
 def _states(base: str) -> dict[str, str]:
-    return {e["profile"]: e["state"] for e in _state(base)["snapshot"]["engines"]}
+    return {lane["profile"]: lane["state"] for p in _state(base)["snapshot"]["ports"]
+            for lane in p["lanes"]}

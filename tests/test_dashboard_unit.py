@@ -19,6 +19,7 @@ from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.dashboard import app as dash_app
 from hydra_supervisor.dashboard.feed import read_log
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.serve.snapshot import DaemonInfo, Snapshot
 
 PORT = "9123"
 
@@ -29,8 +30,12 @@ def _peer_is_me(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dash_app, "peer_uid", lambda peer, local: os.getuid())
 
 
+def _snap(n: int = 0) -> Snapshot:
+    return Snapshot(daemon=DaemonInfo(pid=n, started=0.0, state_dir="/s"), taken=0.0)
+
+
 def _dash() -> Dashboard:
-    return Dashboard(Publisher(lambda: {"engines": []}))
+    return Dashboard(Publisher(_snap))
 
 
 def _environ(method: str = "POST", path: str = "/api/reload", **headers: str) -> dict[str, Any]:
@@ -130,24 +135,24 @@ def test_the_publisher_takes_a_fresh_snapshot_on_the_loop_and_serves_it():
     thread.start()
     on_loop: list[bool] = []
 
-    def take() -> dict[str, Any]:
+    def take() -> Snapshot:
         on_loop.append(threading.current_thread() is thread)
-        return {"n": len(on_loop)}
+        return _snap(len(on_loop))
 
     try:
         pub = Publisher(take)
         assert pub.get()[0] is None  # not bound, nothing published: nothing to show
-        pub.put({"n": 0})
-        assert pub.get(max_age=60)[0] == {"n": 0}
+        pub.put(_snap(0))
+        assert pub.get(max_age=60)[0] == _snap(0)
         pub.bind(loop)
         snap, age = pub.get(max_age=0)
-        assert snap == {"n": 1} and age < 1 and on_loop == [True]
+        assert snap == _snap(1) and age < 1 and on_loop == [True]
 
         async def on_the_loop() -> Any:  # asked on the loop's own thread: taken there
             return pub.get(max_age=0)
 
         snap, _ = asyncio.run_coroutine_threadsafe(on_the_loop(), loop).result(5)
-        assert snap == {"n": 2} and on_loop == [True, True]
+        assert snap == _snap(2) and on_loop == [True, True]
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)

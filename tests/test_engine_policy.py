@@ -71,7 +71,7 @@ def route(port: Port) -> FakeRoute:
 def word(port: Port) -> str:
     """The state word `hydra status` shows for the port's (only) lane, or the port's own."""
     lane = port.only()
-    return lane.state_now().value if lane is not None else port.row(None, {})["state"]
+    return lane.state_now().value if lane is not None else port.status({}).word()
 
 
 async def started(port: Port, d: Deployment) -> None:
@@ -262,15 +262,15 @@ def test_router_series_keep_their_port_labels_across_a_switch(engine: Port) -> N
     metric series are labelled engine="port-8080" alone, so a switch from profile a to b
     keeps the same series and their counts carry on (they moved to profile b before)."""
     from hydra_supervisor.runtime.metrics_state import SnapshotCollector
-    from hydra_supervisor.serve.snapshot import Snapshot
+    from hydra_supervisor.serve.snapshot import DaemonInfo, Snapshot
 
     counts = {"accepted": 0}
 
-    def take() -> dict[str, Any]:
-        return Snapshot.build(pid=1, started=0.0, state_dir="/s", rows=engine.snapshot({}),
-                              ports=[engine.status_row()]).to_json()
+    def take() -> Snapshot:
+        return Snapshot(daemon=DaemonInfo(pid=1, started=0.0, state_dir="/s"),
+                        ports=(engine.status({}),))
 
-    def router_series(snap: dict[str, Any]) -> dict[tuple[str, frozenset[Any]], float]:
+    def router_series(snap: Snapshot) -> dict[tuple[str, frozenset[Any]], float]:
         c = SnapshotCollector(lambda: snap)
         return {(s.name, frozenset(s.labels.items())): s.value for m in c.collect()
                 for s in m.samples if s.name.startswith("hydra_router_")}
@@ -288,17 +288,21 @@ def test_router_series_keep_their_port_labels_across_a_switch(engine: Port) -> N
         counts["accepted"] = 9
         after = take()
         await engine.shutdown("test")
-        assert [r["profile"] for r in before["engines"]] == ["a"]
-        assert [r["profile"] for r in after["engines"]] == ["b"]
-        assert [p["name"] for p in after["ports"]] == ["port-8080"]
-        assert after["ports"][0]["router"]["accepted"] == 9
+        assert [x.profile for _, x in before.lanes()] == ["a"]
+        assert [x.profile for _, x in after.lanes()] == ["b"]
+        assert [p.name for p in after.ports] == ["port-8080"]
+        router_after = after.ports[0].router
+        assert router_after is not None and router_after.accepted == 9
         s0, s1 = router_series(before), router_series(after)
         assert s0.keys() == s1.keys()  # the same series, the same labels
         key = ("hydra_router_connections_accepted_total",
                frozenset({("engine", "port-8080")}))
         assert (s0[key], s1[key]) == (5, 9)
+        # (the counters are typed now: bytes by direction are there at 0 from a fake router)
         assert all(dict(lv) == {"engine": "port-8080"} for name, lv in s1
-                   if name != "hydra_router_fds")
+                   if name not in ("hydra_router_fds", "hydra_router_bytes_total"))
+        assert all(dict(lv).keys() == {"engine", "direction"} for name, lv in s1
+                   if name == "hydra_router_bytes_total")
 
     asyncio.run(go())
 

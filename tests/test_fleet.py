@@ -21,7 +21,8 @@ from typing import Any
 import openai
 import pytest
 
-from hydra_supervisor.testing.harness import REPO, make_env, run_hydra, status_json, wait_until
+from hydra_supervisor.serve.snapshot import LaneStatus
+from hydra_supervisor.testing.harness import REPO, lanes, make_env, run_hydra, snapshot, wait_until
 
 pytestmark = pytest.mark.slow  # real hydra up with llama-server processes
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.slow  # real hydra up with llama-server processes
 
 
 def _port(env: dict[str, str]) -> int:
-    return int(status_json(env)["daemon"]["fleets"][0]["port"])
+    return snapshot(env).ports[0].port
 
 
 def _models(port: int) -> dict[str, dict[str, Any]]:
@@ -38,8 +39,8 @@ def _models(port: int) -> dict[str, dict[str, Any]]:
         return {m["id"]: m for m in json.load(r)["data"]}
 
 
-def _profiles(env: dict[str, str]) -> dict[str, dict[str, Any]]:
-    return {e["profile"]: e for e in status_json(env)["daemon"]["engines"]}
+def _profiles(env: dict[str, str]) -> dict[str, LaneStatus]:
+    return {lane.profile: lane for lane in lanes(env)}
 
 
 def _client(port: int) -> openai.OpenAI:
@@ -104,12 +105,12 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
     # alone) and the fleet keeps its record: demo keeps serving under its name.
     from tests.wire_client import OK, WireClient
 
-    pids = {p["name"]: p["pid"] for r in _profiles(hydra_env).values() for p in r["processes"]}
+    pids = {p.name: p.pid for r in _profiles(hydra_env).values() for p in r.processes}
     with WireClient("127.0.0.1", port) as wc:
         assert wc.info().meta["profile"] == "demo"
         r = wc.configure({"ctx_size": 2048})
         assert r.status == OK, r.meta
-    after = {p["name"]: p["pid"] for r in _profiles(hydra_env).values() for p in r["processes"]}
+    after = {p.name: p.pid for r in _profiles(hydra_env).values() for p in r.processes}
     assert after["demo.head"] != pids["demo.head"]
     assert after["demo-moe-combine.head"] == pids["demo-moe-combine.head"]
     assert _ask(client, "demo", False) == "demo"
@@ -119,8 +120,8 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
     assert res.returncode == 0 and "reloaded demo: restarted demo.head" in res.stdout, res
     assert "demo-moe-combine" not in res.stdout
     profiles = _profiles(hydra_env)
-    assert profiles["demo"]["fleet"]["loads"] == 1
-    assert profiles["demo-moe-combine"]["fleet"]["loads"] == 1
+    assert profiles["demo"].loads == 1
+    assert profiles["demo-moe-combine"].loads == 1
 
 
 def test_ttl_unloads_then_the_next_request_reloads(hydra_up, hydra_env, tmp_path):
@@ -132,18 +133,18 @@ def test_ttl_unloads_then_the_next_request_reloads(hydra_up, hydra_env, tmp_path
     up = hydra_up("--profiles-dir", str(tmp_path), "--port", "0")
     up.wait_ready()
     port = _port(hydra_env)
-    assert status_json(hydra_env)["daemon"]["fleets"][0]["default"] == "brief"
+    assert snapshot(hydra_env).ports[0].default == "brief"
     client = _client(port)
     assert _ask(client, "brief", True) == "brief"
-    pids = [p["pid"] for p in _profiles(hydra_env)["brief"]["processes"]]
+    pids = [p.pid for p in _profiles(hydra_env)["brief"].processes]
     assert pids
     assert _ask(client, "demo", True) == "demo"
     wait_until(lambda: _models(port)["brief"]["state"] == "stopped", 60, "ttl unload")
-    assert _profiles(hydra_env)["brief"]["processes"] == []
+    assert _profiles(hydra_env)["brief"].processes == ()
     assert _models(port)["demo"]["state"] == "serving"  # no ttl: stays
     assert _ask(client, "brief", False) == "brief"
-    fleet = _profiles(hydra_env)["brief"]["fleet"]
-    assert fleet["loads"] == 2 and fleet["unloads"] == 1
+    brief = _profiles(hydra_env)["brief"]
+    assert brief.loads == 2 and brief.unloads == 1
     # hydra reload: a new alias and threads for brief (its head restarts), demo unchanged
     prof = tmp_path / "brief.yaml"
     prof.write_text(prof.read_text().replace("threads: 1", "threads: 2")
@@ -202,7 +203,7 @@ def test_profiles_that_cannot_fit_together_alternate_without_failures(hydra_up, 
         assert not failures, failures
         assert served["demo"] >= 1 and served["demo-moe-combine"] >= 1, served
         profiles = _profiles(env)
-        loads = sum(p["fleet"]["loads"] for p in profiles.values())
+        loads = sum(p.loads for p in profiles.values())
         # Never both at once; a profile stays >= 4 s once loaded, so at most one load per
         # 4 s after the first two (plus the one at start).
         assert sum(p["state"] == "serving" for p in profiles.values()) <= 1
@@ -248,9 +249,9 @@ def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
     up = hydra_up("-p", "front", "-p", "front-moe", "-p", "side", "--profiles-dir",
                   str(tmp_path), "--metrics-port", str(mport))
     up.wait_ready()
-    fleets = {f["port"]: f for f in status_json(hydra_env)["daemon"]["fleets"]}
-    assert fleets[p1]["profiles"] == ["front", "front-moe"] and fleets[p1]["default"] == "front"
-    assert fleets[p2]["profiles"] == ["side"] and fleets[p2]["default"] == "side"
+    ports = {p.port: p for p in snapshot(hydra_env).ports}
+    assert ports[p1].profiles == ("front", "front-moe") and ports[p1].default == "front"
+    assert ports[p2].profiles == ("side",) and ports[p2].default == "side"
     assert set(_models(p1)) == {"front", "front-moe"} and set(_models(p2)) == {"side"}
     # Each port's default loaded at start; a model of the other port is unknown here.
     assert _models(p2)["side"]["state"] == "serving"

@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.serve.snapshot import Snapshot
 from hydra_supervisor.testing.front_door import answered, ask, burst, connect, request
 from hydra_supervisor.testing.harness import Up, free_port, make_env, status_json
 from hydra_supervisor.testing.routerhelp import HOST, one_route, wait_until
@@ -88,10 +89,10 @@ def _serving(demo: Demo) -> None:
     assert ask(demo.port, _health()) == "200", f"the port is dead after the test\n{demo.tail()}"
     st = demo.status()
     assert st["status"]["state"] == "serving", st["status"]
-    eng = st["daemon"]["engines"][0]
-    assert not eng.get("down"), eng.get("down")
-    router = eng["router"]
-    assert router is not None and router["alive"] is True, router
+    port = Snapshot.from_json(st["daemon"]).ports[0]
+    assert not port.down, port.down
+    router = port.router
+    assert router is not None and router.alive is True, router
 
 
 # --------------------------------------------------------------------------- hydra up

@@ -25,6 +25,7 @@ from hydra_supervisor.runtime.metrics import (
     heads_from_snapshot,
     relabel,
 )
+from hydra_supervisor.serve.snapshot import Snapshot
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -105,6 +106,23 @@ def fake_head() -> Iterator[FakeHead]:
     head.close()
 
 
+def snapshot(*ports: dict[str, Any], pid: int = 999,
+             started: float = 1_700_000_000.0) -> dict[str, Any]:
+    """The snapshot's JSON (docs/control.md): the daemon and its ports."""
+    return {"version": 1, "daemon": {"pid": pid, "started": started, "state_dir": "/tmp/state"},
+            "ports": list(ports)}
+
+
+def port(*lanes: dict[str, Any], router: dict[str, Any] | None = None,
+         name: str = "port-8080") -> dict[str, Any]:
+    return {"name": name, "host": "127.0.0.1", "port": 8080, "url": "http://127.0.0.1:8080",
+            "router": router, "lanes": list(lanes)}
+
+
+def typed(data: dict[str, Any]) -> Snapshot:
+    return Snapshot.from_json(data)
+
+
 def make_snapshot(head_port: int) -> dict[str, Any]:
     proc = {"pid": 1234, "host": "127.0.0.1", "reason": "", "log": "/x.log",
             "started": 1_700_000_100.0}
@@ -118,14 +136,9 @@ def make_snapshot(head_port: int) -> dict[str, Any]:
                  "cut": 1, "retried": 2},
         "fds": {"nofile": 65536, "budget": 60000, "relays": 4},
     }
-    return {
-        "pid": 999, "started": 1_700_000_000.0, "state_dir": "/tmp/state",
-        # the port's own row: its router's counters, which metrics read
-        "ports": [{"name": "port-8080", "port": 8080, "url": "http://127.0.0.1:8080",
-                   "router": router}],
-        "engines": [{
+    # the port: its router's counters, which metrics read, and its lane
+    return snapshot(port({
             "name": "main", "profile": "demo", "mode": "solo", "model": "gemma3-270m",
-            "host": "127.0.0.1", "port": 8080, "url": "http://127.0.0.1:8080",
             "state": "serving", "fatal": None, "degraded": None,
             "processes": [
                 {**proc, "name": "head", "role": "head", "port": head_port, "device": "cpu",
@@ -136,7 +149,6 @@ def make_snapshot(head_port: int) -> dict[str, Any]:
                 {**proc, "name": "peer-gpu2", "role": "peer", "port": 30053,
                  "device": "gpu2", "state": "STARTING", "restarts": 0, "last_exit": None},
             ],
-            "router": router,  # a copy on the port's first row (hydra status)
             "switches": [
                 {"seq": 1, "to": "demo", "result": "ok", "phases": {"hold": 0.25, "drain": 0.5,
                                                           "start": 3.0}, "total_s": 3.75,
@@ -145,14 +157,13 @@ def make_snapshot(head_port: int) -> dict[str, Any]:
                  "phases": {"hold": 0.25, "start": 9.0},
                  "total_s": 12.0, "error": "head exited 1"},
             ],
-        }],
-    }
+        }, router=router))
 
 
 def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
     snap = make_snapshot(fake_head.port)
     live = {"snap": snap}
-    with MetricsServer("127.0.0.1", 0, snapshot=lambda: live["snap"]) as ms:
+    with MetricsServer("127.0.0.1", 0, snapshot=lambda: typed(live["snap"])) as ms:
         assert ms.url.startswith("http://127.0.0.1:")
         s = scrape(ms.url)
         e = {"engine": "main", "profile": "demo"}
@@ -218,7 +229,7 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
 
         # A restart and a switch later, the same scrape shows them.
         after = copy.deepcopy(snap)
-        eng = after["engines"][0]
+        eng = after["ports"][0]["lanes"][0]
         eng["processes"][0].update(restarts=3, last_exit=-6, state="STARTING")
         eng["switches"].append({"seq": 3, "to": "demo", "result": "ok",
                                 "phases": {"start": 2.0},
@@ -238,10 +249,11 @@ def test_scrape_has_the_snapshot_series(fake_head: FakeHead) -> None:
 
 
 def test_older_flat_router_counters() -> None:
-    """Router.stats() before the request-aware router: flat refusal counters."""
-    snap = {"engines": [{"name": "m", "profile": "p", "router": {
+    """Router.stats() before the request-aware router: flat refusal counters (read into
+    today's counters by the schema's parse)."""
+    snap = typed(snapshot(port({"name": "m", "profile": "p"}, router={
         "total": 9, "refused": 1, "rejected": 2, "denied": 3, "timeouts": 4,
-        "upstream_errors": 5, "by_kind": {"http": 9}}}]}
+        "upstream_errors": 5, "by_kind": {"http": 9}})))
     with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
         s = scrape(ms.url)
     assert value(s, "hydra_router_connections_accepted_total") == 9
@@ -258,8 +270,8 @@ def test_switch_counts_survive_a_bounded_report_list() -> None:
                 "phases": {"start": 1.0}, "total_s": 1.0 + i / 1000, "error": None}
 
     reports: list[dict[str, Any]] = []
-    snap = {"engines": [{"name": "main", "port": 8080, "switches": reports}]}
-    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+    snap = snapshot(port({"name": "main", "profile": "main", "switches": reports}))
+    with MetricsServer(snapshot=lambda: typed(snap), heads=lambda: []) as ms:
         for i in range(20):
             reports.append(report(i))
         first = scrape(ms.url)
@@ -281,7 +293,7 @@ def test_switch_counts_survive_a_bounded_report_list() -> None:
 
 
 def test_request_records(fake_head: FakeHead) -> None:
-    ms = MetricsServer(snapshot=lambda: make_snapshot(fake_head.port))
+    ms = MetricsServer(snapshot=lambda: typed(make_snapshot(fake_head.port)))
     ms.start()
     try:
         observe = ms.request_observer("main")
@@ -315,12 +327,12 @@ def test_request_records(fake_head: FakeHead) -> None:
 
 
 def test_loopback_only_and_never_an_external_port() -> None:
-    snap = make_snapshot(1)
+    snap = typed(make_snapshot(1))
     with pytest.raises(ValueError, match="loopback"):
         MetricsServer("0.0.0.0", 0, snapshot=lambda: snap)
     with pytest.raises(ValueError, match="external port"):
         MetricsServer("127.0.0.1", 8080, snapshot=lambda: snap).start()
-    ms = MetricsServer("::1", 0, snapshot=lambda: {"engines": []})
+    ms = MetricsServer("::1", 0, snapshot=lambda: typed(snapshot()))
     try:
         ms.start()
     except OSError:
@@ -339,7 +351,7 @@ def test_unreachable_and_keyed_heads() -> None:
         heads = [Head("a", "p", f"http://127.0.0.1:{dead}"),
                  Head("b", "p", f"http://127.0.0.1:{keyed.port}"),
                  Head("c", "p", f"http://127.0.0.1:{keyed.port}", api_key="sk-1")]
-        with MetricsServer(snapshot=lambda: {"engines": []}, heads=lambda: heads,
+        with MetricsServer(snapshot=lambda: typed(snapshot()), heads=lambda: heads,
                            scrape_timeout=2) as ms:
             s = scrape(ms.url)
     finally:
@@ -351,7 +363,7 @@ def test_unreachable_and_keyed_heads() -> None:
 
 
 def test_heads_from_snapshot_and_relabel_merge() -> None:
-    snap = make_snapshot(31000)
+    snap = typed(make_snapshot(31000))
     assert heads_from_snapshot(snap) == [Head("main", "demo", "http://127.0.0.1:31000")]
     merged: dict[str, Any] = {}
     relabel(LLAMA_METRICS, {"engine": "a", "profile": "x"}, merged)
@@ -389,7 +401,7 @@ def test_real_llama_server_metrics_relabelled(tmp_path: Path) -> None:
                                     "temperature": 0, "cache_prompt": False},
                               timeout=120).json()
         timings = reply["timings"]
-        snap = make_snapshot(port)
+        snap = typed(make_snapshot(port))
         key = {"engine": "main", "profile": "demo"}
 
         def heads() -> list[Head]:
@@ -417,8 +429,8 @@ def test_identical_switch_reports_counted_once_each_by_their_seq() -> None:
     same = {"to": "b", "from": "a", "result": "rolled_back", "phases": {"start": 0.5},
             "total_s": 0.5, "error": "boom"}
     reports: list[dict[str, Any]] = []
-    snap = {"engines": [{"name": "main", "port": 8080, "switches": reports}]}
-    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+    snap = snapshot(port({"name": "main", "profile": "main", "switches": reports}))
+    with MetricsServer(snapshot=lambda: typed(snap), heads=lambda: []) as ms:
         reports.append({**same, "seq": 1})
         first = scrape(ms.url)
         reports.append({**same, "seq": 2})
@@ -443,10 +455,10 @@ def test_lanes_sharing_a_port_count_their_own_switches() -> None:
 
     a: list[dict[str, Any]] = []
     b: list[dict[str, Any]] = []
-    snap = {"engines": [{"name": "port-8080/a", "profile": "a", "port": 8080, "switches": a},
-                        {"name": "port-8080/b", "profile": "b", "port": 8080, "switches": b}]}
+    snap = snapshot(port({"name": "port-8080/a", "profile": "a", "switches": a},
+                         {"name": "port-8080/b", "profile": "b", "switches": b}))
     seen: list[tuple[float, float]] = []
-    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+    with MetricsServer(snapshot=lambda: typed(snap), heads=lambda: []) as ms:
         for reports, seq in ((a, 1), (b, 1), (a, 2), (b, 2)):
             reports.append(rep(seq))
             s = scrape(ms.url)
@@ -468,16 +480,12 @@ def test_router_series_stay_with_the_port_across_a_switch() -> None:
                 "by_kind": {"http": accepted}, "http": {"requests": requests, "2xx": requests}}
 
     def snap(profile: str, st: dict[str, Any]) -> dict[str, Any]:
-        return {"pid": 1,
-                "ports": [{"name": "port-8080", "port": 8080, "url": "http://127.0.0.1:8080",
-                           "router": st}],
-                "engines": [{"name": "port-8080", "profile": profile, "port": 8080,
-                             "state": "serving",
-                             # the row's copy, with the lane's own gate: not what metrics read
-                             "router": {**st, "held": 0}}]}
+        # (the lane's own gate holds none: metrics read the port's router)
+        return snapshot(port({"name": "port-8080", "profile": profile, "state": "serving",
+                              "held": 0}, router=st), pid=1)
 
     live = {"snap": snap("a", router(5, 4, 2))}
-    with MetricsServer(snapshot=lambda: live["snap"], heads=lambda: []) as ms:
+    with MetricsServer(snapshot=lambda: typed(live["snap"]), heads=lambda: []) as ms:
         before = scrape(ms.url)
         live["snap"] = snap("b", router(9, 7, 3))  # switched: the router counted on
         after = scrape(ms.url)
@@ -498,12 +506,12 @@ def test_router_series_stay_with_the_port_across_a_switch() -> None:
                  state="serving") == 1
 
 
-def test_router_counted_once_per_port_from_an_older_snapshot() -> None:
-    """A snapshot without `ports` (its shape before) has the counters on the port's first
-    lane row: they are read from there, labelled by the port."""
+def test_router_counted_once_per_port_with_several_lanes() -> None:
+    """The counters are the port's (one `router` per port in the schema): a port with two
+    lanes has its router's series once, labelled by the port."""
     st = {"accepted": 3, "alive": True}
-    snap = {"engines": [{"name": "port-8080/a", "profile": "a", "port": 8080, "router": st},
-                        {"name": "port-8080/b", "profile": "b", "port": 8080, "router": st}]}
+    snap = typed(snapshot(port({"name": "port-8080/a", "profile": "a"},
+                               {"name": "port-8080/b", "profile": "b"}, router=st)))
     with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
         s = scrape(ms.url)
     assert value(s, "hydra_router_connections_accepted_total", engine="port-8080") == 3

@@ -22,6 +22,7 @@ from hydra_supervisor.runtime.notify import (
     status_text,
     watchdog_loop,
 )
+from hydra_supervisor.serve.snapshot import DaemonInfo, LaneStatus, PortStatus, Snapshot
 from tests.notify_listener import DEADLINE, Listener
 
 
@@ -149,16 +150,19 @@ def test_watchdog_pings_only_while_alive(path_listener: tuple[str, Listener]) ->
 
 
 def test_status_text_from_a_snapshot() -> None:
-    snap = {"engines": [
-        {"name": "main", "profile": "demo", "state": "serving", "url": "http://127.0.0.1:8080",
-         "fatal": None, "degraded": None},
-        {"name": "b", "profile": None, "state": "idle", "url": "http://127.0.0.1:8081"},
-        {"name": "c", "profile": "moe", "state": "degraded", "url": "http://h:1",
-         "degraded": "peer lost: serving SOLO"},
-    ]}
+    def port(n: int, url: str, *lanes: LaneStatus) -> PortStatus:
+        return PortStatus(name=f"port-{n}", host="h", port=n, url=url, lanes=lanes)
+
+    daemon = DaemonInfo(pid=1, started=0.0, state_dir="/s")
+    snap = Snapshot(daemon=daemon, ports=(
+        port(8080, "http://127.0.0.1:8080",
+             LaneStatus(name="main", profile="demo", state="serving")),
+        port(8081, "http://127.0.0.1:8081"),
+        port(1, "http://h:1", LaneStatus(name="c", profile="moe", state="degraded",
+                                         degraded="peer lost: serving SOLO"))))
     assert status_text(snap) == ("demo: serving at http://127.0.0.1:8080; no profile: idle; "
                                  "moe: degraded at http://h:1 (peer lost: serving SOLO)")
-    assert status_text({"engines": []}) == "no engines"
+    assert status_text(Snapshot(daemon=daemon)) == "no engines"
 
 
 def test_status_is_sent_once_per_change(path_listener: tuple[str, Listener]) -> None:

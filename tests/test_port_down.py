@@ -13,12 +13,12 @@ where one lane's port is tested (serve/port.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import socket
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.portwatch import PortWatch
 from hydra_supervisor.serve.reports import SwitchTimeouts
+from hydra_supervisor.serve.snapshot import DaemonInfo, PortStatus, Snapshot
 from hydra_supervisor.serve.states import LaneState
 from tests.lane_fakes import (
     BEHAVIOUR,
@@ -122,13 +123,13 @@ def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: P
         assert eng.state_of(lane) == "serving" and eng.down() is None
         r.running = False  # the acceptor is not running: every connection is refused
         assert eng.state_of(lane) == "port down"
-        snap = eng.snapshot({})[0]
-        assert snap["state"] == "port down"
-        assert snap["down"] == "router on 127.0.0.1:8080 is not accepting connections"
-        assert snap["router"]["alive"] is False
-        assert status_text({"engines": [snap]}) == (
+        st = eng.status({})
+        assert st.lanes[0].state == "port down"
+        assert st.down == "router on 127.0.0.1:8080 is not accepting connections"
+        assert st.router is not None and st.router.alive is False
+        assert status_text(snap_of(st)) == (
             "a: port down (router on 127.0.0.1:8080 is not accepting connections)")
-        assert status_view.ports_down({"engines": [snap]}) == [snap["down"]]
+        assert status_view.ports_down(snap_of(st)) == [st.down]
         # (the gate is the lane's route's now, not the router's)
         held = (lane.route.gate.held_reason, lane.route.gate.refusal_now())
         assert eng.check_port()  # noticed
@@ -136,9 +137,9 @@ def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: P
         assert [c for c, _ in r.calls[-2:]] == ["stop", "start"]
         assert eng.state_of(lane) == "serving"
         assert (lane.route.gate.held_reason, lane.route.gate.refusal_now()) == held  # as it was
-        snap = eng.snapshot({})[0]
-        assert snap["down"] is None and snap["router"]["recoveries"] == 1
-        assert status_view.ports_down({"engines": [snap]}) == []
+        st = eng.status({})
+        assert st.down is None and st.router is not None and st.router.recoveries == 1
+        assert status_view.ports_down(snap_of(st)) == []
         # Closed on purpose (hydra stopping): that is not a port to bring back.
         await eng.shutdown("test")
         eng.close()
@@ -151,18 +152,12 @@ def test_engine_says_port_down_and_comes_back_after_a_router_restart(tmp_path: P
 
 
 class RowFake(FleetFake):
-    """A fake supervisor whose process rows have what `hydra status` prints."""
+    """A fake supervisor whose processes have what `hydra status` prints."""
 
     def __init__(self, dep: Any, state: StateDir) -> None:
         super().__init__(dep, state)
         for p in self.procs:
-            p.row = functools.partial(_row, p)  # type: ignore[method-assign]
-
-
-def _row(p: Any) -> dict[str, Any]:
-    return {"name": p.name, "role": p.spec.role.value, "device": "gpu0", "pid": p.pid,
-            "port": 30200, "state": p.state.value, "started": None, "restarts": 0,
-            "reason": p.reason}
+            p.spec = replace(p.spec, device="gpu0", port=30200)
 
 
 def make_fleet(tmp_path: Path) -> Port:
@@ -205,18 +200,19 @@ def test_fleet_says_port_down_for_every_profile_and_comes_back(tmp_path: Path) -
         assert not connects(f.port)
         down = f"router on 127.0.0.1:{f.port} is not accepting connections"
         assert f.down() == down and not f.alive()
-        rows = f.snapshot()
-        assert [r["state"] for r in rows] == ["port down", "port down"]
-        assert [r["down"] for r in rows] == [down, down]
-        assert [r["fleet"]["phase"] for r in rows] == ["serving", "stopped"]
-        assert rows[0]["router"]["alive"] is False and rows[1]["router"] is None
-        assert status_view.ports_down({"engines": rows, "fleets": [{"down": f.down()}]}) == [down]
+        st = f.status()
+        assert [x.state for x in st.lanes] == ["port down", "port down"]
+        assert st.down == down
+        assert [x.phase for x in st.lanes] == ["serving", "stopped"]
+        assert st.router is not None and st.router.alive is False
+        assert status_view.ports_down(snap_of(st)) == [down]
         assert f.check_port()  # noticed
         assert f.check_port()  # restarted
         assert f.alive() and f.down() is None and connects(f.port)
         assert f.state_of(a) == "serving" and f.state_of(b) == "stopped"
         assert a.phase is LaneState.SERVING and b.route.gate.held_reason == b_hold
-        assert f.snapshot()[0]["router"]["recoveries"] == 1
+        router = f.status().router
+        assert router is not None and router.recoveries == 1
 
     async def main() -> None:
         try:
@@ -305,7 +301,7 @@ async def drive(d: Daemon, lst: Listener, router: Callable[[], Any],
         w = watch()
         w.grace = 3600.0  # first look at the outage, then let the daemon mend it
         state = d.state.root
-        await until(lambda: d.snapshot()["engines"][0]["state"] == serving_word)
+        await until(lambda: first_state(d.take()) == serving_word)
         code, text = await asyncio.to_thread(hydra_status, state)
         assert code == 0, text
         port = router().port
@@ -320,9 +316,9 @@ async def drive(d: Daemon, lst: Listener, router: Callable[[], Any],
         code, text = await asyncio.to_thread(hydra_status, state, "--json")
         live = json.loads(text)
         assert code == EXIT_PORT_DOWN == 1
-        rows = live["daemon"]["engines"]
-        assert {r["state"] for r in rows} == {"port down"}
-        assert rows[0]["down"] == down and rows[0]["router"]["alive"] is False
+        (st,) = live["daemon"]["ports"]
+        assert {x["state"] for x in st["lanes"]} <= {"port down"}
+        assert st["down"] == down and st["router"]["alive"] is False
         assert live["status"]["state"] == "port down" and live["status"]["down"] == down
         assert json.loads((state / "status.json").read_text())["state"] == "port down"
         code, text = await asyncio.to_thread(hydra_status, state)
@@ -334,7 +330,7 @@ async def drive(d: Daemon, lst: Listener, router: Callable[[], Any],
 
         w.grace = w.next_try = 0.0  # now the daemon's tick restarts it
         await until(lambda: router().alive() and w.down_since is None)
-        await until(lambda: d.snapshot()["engines"][0]["state"] == serving_word)
+        await until(lambda: first_state(d.take()) == serving_word)
         assert w.restarts == 1
         code, _ = await asyncio.to_thread(hydra_status, state)
         assert code == 0
@@ -350,6 +346,16 @@ async def drive(d: Daemon, lst: Listener, router: Callable[[], Any],
         await asyncio.wait_for(run, 20)
     take()
     return sent
+
+
+def snap_of(port: PortStatus) -> Snapshot:
+    return Snapshot(daemon=DaemonInfo(pid=1, started=0.0, state_dir="/s"), ports=(port,))
+
+
+def first_state(snap: Snapshot) -> str:
+    """The first lane's state word (the port's own, `idle` or `port down`, without a lane)."""
+    p = snap.ports[0]
+    return p.lanes[0].state if p.lanes else p.word()
 
 
 def state_dir(tmp_path: Path) -> StateDir:
@@ -396,10 +402,12 @@ def _watch(w: PortWatch | None) -> PortWatch:
 
 
 def test_metrics_export_the_routers_own_acceptor_restarts() -> None:
-    snap = {"pid": 1, "engines": [{
-        "name": "port-8080", "profile": "demo", "state": "serving", "port": 8080,
+    snap = Snapshot.from_json({"daemon": {"pid": 1, "started": 0.0, "state_dir": "/s"},
+                               "ports": [{
+        "name": "port-8080", "host": "127.0.0.1", "port": 8080, "url": "http://127.0.0.1:8080",
         "router": {"alive": True, "events": {"acceptor_restart": 2}, "recoveries": 1,
-                   "recovery_failures": 0}}]}
+                   "recovery_failures": 0},
+        "lanes": [{"name": "port-8080", "profile": "demo", "state": "serving"}]}]})
     with MetricsServer("127.0.0.1", 0, snapshot=lambda: snap) as ms:
         s = scrape(ms.url)
     e = {"engine": "port-8080", "profile": "demo"}

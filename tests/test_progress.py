@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from hydra_supervisor.cli.status_view import _remote_load
+from hydra_supervisor.cli.status_view import remote_load_text
 from hydra_supervisor.plan.plan import EngineSpec, Placement, Plan, Role
 from hydra_supervisor.serve import progress
+from hydra_supervisor.serve.snapshot import RemoteLoad
 
 MIB = 1 << 20
 
@@ -28,28 +29,25 @@ def _io(wchar: int) -> str:
 def test_progress_counts_the_bytes_written_against_the_remote_weights() -> None:
     plan = _plan(remote=True)
     assert progress.remote_weight_bytes(plan) == 300 * MIB
-    row = {"pid": 42, "state": "STARTING"}
-    got = progress.remote_load(plan, row, read=lambda pid: _io(120 * MIB))
+    got = progress.remote_load(plan, 42, "STARTING", read=lambda pid: _io(120 * MIB))
     assert got == {"sent_bytes": 120 * MIB, "remote_bytes": 300 * MIB}
     # never past the total (logs count too), and nothing once the head is READY
-    assert progress.remote_load(plan, row, read=lambda pid: _io(900 * MIB)) == {
+    assert progress.remote_load(plan, 42, "STARTING", read=lambda pid: _io(900 * MIB)) == {
         "sent_bytes": 300 * MIB, "remote_bytes": 300 * MIB}
-    assert progress.remote_load(plan, {"pid": 42, "state": "READY"},
-                                read=lambda pid: _io(1)) is None
+    assert progress.remote_load(plan, 42, "READY", read=lambda pid: _io(1)) is None
 
 
 def test_a_local_peer_or_an_unreadable_process_shows_nothing() -> None:
-    assert progress.remote_load(_plan(remote=False), {"pid": 42, "state": "STARTING"},
+    assert progress.remote_load(_plan(remote=False), 42, "STARTING",
                                 read=lambda pid: _io(1)) is None
 
     def gone(pid: int) -> str:
         raise FileNotFoundError(pid)
 
-    assert progress.remote_load(_plan(remote=True), {"pid": 42, "state": "STARTING"},
-                                read=gone) is None
+    assert progress.remote_load(_plan(remote=True), 42, "STARTING", read=gone) is None
 
 
 def test_hydra_status_says_it_in_the_reason() -> None:
-    text = _remote_load({"remote_load": {"sent_bytes": 120 * MIB, "remote_bytes": 300 * MIB}})
+    text = remote_load_text(RemoteLoad(sent_bytes=120 * MIB, remote_bytes=300 * MIB))
     assert text == "; sent 120 of 300 MiB to remote peers (40%; a warm peer cache sends less)"
-    assert _remote_load({"remote_load": None}) == ""
+    assert remote_load_text(None) == ""

@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 import requests
 
-from hydra_supervisor.testing.harness import REPO, Up, make_env, run_hydra, status_json, wait_until
+from hydra_supervisor.serve.snapshot import LaneStatus
+from hydra_supervisor.testing.harness import (
+    REPO,
+    Up,
+    lanes,
+    make_env,
+    run_hydra,
+    snapshot,
+    wait_until,
+)
 from hydra_supervisor.testing.load import Load
 from tests.test_switch import _switch
 from tests.wire_client import OK, WireClient
@@ -24,14 +33,14 @@ from tests.wire_client import OK, WireClient
 pytestmark = pytest.mark.slow
 
 
-def _rows(env: dict[str, str]) -> list[dict[str, Any]]:
-    return list(status_json(env)["daemon"]["engines"])
+def _rows(env: dict[str, str]) -> list[LaneStatus]:
+    return lanes(env)
 
 
-def _standby_ready(env: dict[str, str]) -> list[dict[str, Any]] | None:
+def _standby_ready(env: dict[str, str]) -> list[LaneStatus] | None:
     rows = _rows(env)
-    if len(rows) == 2 and rows[1].get("standby") and rows[1]["state"] == "serving" \
-            and rows[1].get("warm_s") is not None:
+    if len(rows) == 2 and rows[1].role == "standby" and rows[1].state == "serving" \
+            and rows[1].warm_s is not None:
         return rows
     return None
 
@@ -45,22 +54,22 @@ def _ctl_switch(env: dict[str, str], profile: str) -> dict[str, Any]:
     return dict(rep)
 
 
-def _pids(rows: list[dict[str, Any]]) -> dict[str, int]:
-    return {p["name"]: p["pid"] for r in rows for p in r["processes"]}
+def _pids(rows: list[LaneStatus]) -> dict[str, int | None]:
+    return {p.name: p.pid for r in rows for p in r.processes}
 
 
-def _up(hydra_up: Any, env: dict[str, str]) -> tuple[int, list[dict[str, Any]]]:
+def _up(hydra_up: Any, env: dict[str, str]) -> tuple[int, list[LaneStatus]]:
     up = hydra_up("--profile", "demo-moe-combine", "--port", "0")
     up.wait_ready(180)
     rows = wait_until(lambda: _standby_ready(env), 180, "the standby loaded and warm")
-    return int(rows[0]["port"]), rows
+    return snapshot(env).ports[0].port, rows
 
 
 def test_switch_and_expert_mode_flip_without_restarts_or_failures(hydra_up, hydra_env):
     port, rows = _up(hydra_up, hydra_env)
-    assert [(r["profile"], r["standby"]) for r in rows] == [("demo-moe-combine", False),
-                                                              ("demo-moe", True)]
-    assert rows[1]["needs_mib"]["host"] > 0 and rows[0]["needs_mib"]["host"] > 0
+    assert [(r.profile, r.role) for r in rows] == [("demo-moe-combine", "active"),
+                                                   ("demo-moe", "standby")]
+    assert rows[1].needs_mib["host"] > 0 and rows[0].needs_mib["host"] > 0
     pids = _pids(rows)
     assert set(pids) == {"demo-moe-combine.peer-cpu-peer", "demo-moe-combine.head",
                          "demo-moe.head"}
@@ -84,34 +93,35 @@ def test_switch_and_expert_mode_flip_without_restarts_or_failures(hydra_up, hydr
                 assert r.status == OK and r.meta["instant"] and r.meta["mode"] == target, r.meta
                 want = "demo-moe" if target == "solo" else "demo-moe-combine"
             rows = _rows(hydra_env)
-            assert rows[0]["profile"] == want and not rows[0]["standby"] and rows[1]["standby"]
+            assert rows[0].profile == want and rows[0].role == "active" \
+                and rows[1].role == "standby"
             wait_until(lambda b=before: load.ok > b + 1, 120, f"requests served by {want}")
         assert _pids(_rows(hydra_env)) == pids  # no process restarted
     assert load.failures == [] and load.cut == [], (load.failures, load.cut)
     # the flips are the port's switch history, numbered on
-    st = status_json(hydra_env)
-    assert [s["to"] for s in st["daemon"]["engines"][0]["switches"]] == [
+    assert [s.to for s in _rows(hydra_env)[0].switches] == [
         "demo-moe", "demo-moe-combine", "demo-moe", "demo-moe-combine"]
 
 
 def test_a_dead_standby_is_restarted_and_the_active_layout_untouched(hydra_up, hydra_env):
     port, rows = _up(hydra_up, hydra_env)
     active = _pids(rows[:1])
-    head = next(p for p in rows[1]["processes"] if p["name"] == "demo-moe.head")
+    head = next(p for p in rows[1].processes if p.name == "demo-moe.head")
+    assert head.pid is not None
     with Load(port) as load:
         wait_until(lambda: load.ok >= 2, 120, "first requests served")
-        os.kill(head["pid"], signal.SIGKILL)
+        os.kill(head.pid, signal.SIGKILL)
 
         def back() -> bool:
             r = _rows(hydra_env)
-            p = next(p for p in r[1]["processes"] if p["name"] == "demo-moe.head")
-            return r[1]["state"] == "serving" and p["pid"] not in (None, head["pid"])
+            p = next(p for p in r[1].processes if p.name == "demo-moe.head")
+            return r[1].state == "serving" and p.pid not in (None, head.pid)
         wait_until(back, 120, "the standby's head restarted by its supervisor")
         n = load.ok
         wait_until(lambda: load.ok > n + 1, 120, "requests served meanwhile")
         rows = _rows(hydra_env)
-        assert _pids(rows[:1]) == active and rows[0]["state"] == "serving"
-        assert next(p for p in rows[1]["processes"])["restarts"] == 1
+        assert _pids(rows[:1]) == active and rows[0].state == "serving"
+        assert next(p for p in rows[1].processes).restarts == 1
         # and it takes over at once again
         rep = _switch(hydra_env, "demo-moe")
         assert rep["result"] == "ok" and rep["instant"], rep
@@ -139,18 +149,19 @@ def test_no_room_for_both_reloads_and_says_why(hydra_up, tmp_path):
     try:
         up.wait_ready(180)
 
-        def said() -> list[dict[str, Any]] | None:
+        def said() -> list[LaneStatus] | None:
             rows = _rows(env)
-            return rows if len(rows) == 2 and rows[1].get("why") else None
+            return rows if len(rows) == 2 and rows[1].why else None
         rows = wait_until(said, 60, "the standby's reason")
-        assert rows[1]["standby"] and rows[1]["state"] == "stopped", rows[1]
-        assert "host:" in rows[1]["why"] and "MiB short" in rows[1]["why"], rows[1]["why"]
-        assert [p["name"] for r in rows for p in r["processes"]] == [
+        why = rows[1].why or ""
+        assert rows[1].role == "standby" and rows[1].state == "stopped", rows[1]
+        assert "host:" in why and "MiB short" in why, why
+        assert [p.name for r in rows for p in r.processes] == [
             "demo-moe-combine.peer-cpu-peer", "demo-moe-combine.head"]
         rep = _switch(env, "demo-moe")
         assert rep["result"] == "ok" and rep["instant"] is False, rep
         assert "MiB short" in rep["not_instant"] and "start" in rep["phases"], rep
-        assert _rows(env)[0]["profile"] == "demo-moe"
+        assert _rows(env)[0].profile == "demo-moe"
     finally:
         up.stop()
         up.kill_everything()

@@ -28,6 +28,7 @@ from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchTimeouts
+from hydra_supervisor.serve.snapshot import Snapshot
 from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
 from tests.lane_fakes import STARTED, FakeRouter, FakeSupervisor
@@ -132,11 +133,12 @@ def test_flip_repoints_the_port_in_one_step_and_restarts_nothing(tmp_path: Path)
         assert back.instant is True and active(port) is old and len(STARTED) == started
         # one switch history per port, numbered on
         assert [s.seq for s in old.switches] == [1, 2]
-        rows = port.snapshot({})
-        assert [(r["profile"], r["standby"]) for r in rows] == [("moe-c", False),
-                                                                  ("moe-s", True)]
-        assert rows[1]["needs_mib"] == {"host": 300} and rows[0]["needs_mib"] == {"host": 600}
-        assert rows[1]["name"] == "port-8080/standby" and rows[1]["switches"] == []
+        rows = port.status({}).lanes
+        assert [(r.profile, r.role) for r in rows] == [("moe-c", "active"),
+                                                       ("moe-s", "standby")]
+        assert rows[1].needs_mib == {"host": 300} and rows[0].needs_mib == {"host": 600}
+        assert rows[1].name == "port-8080/standby" and rows[1].switches == ()
+        assert rows[0].standby == "moe-s" and rows[1].standby_of == "moe-c"
         models = port.select(None, "GET", "/v1/models")
         assert [(m["id"], m["standby"]) for m in models.body["data"]] == [  # type: ignore
             ("moe-c", False), ("moe-s", True)]
@@ -173,9 +175,9 @@ def test_no_room_for_both_reloads_and_says_why(tmp_path: Path) -> None:
         why = sb(port).why
         assert why is not None and "host: 100 MiB short" in why, why
         assert sb(port).lane is None and len(STARTED) == 1
-        rows = port.snapshot({})
-        assert rows[1]["standby"] and rows[1]["state"] == "stopped" and \
-            rows[1]["needs_mib"] == {"host": 300} and "MiB short" in rows[1]["why"]
+        rows = port.status({}).lanes
+        assert rows[1].role == "standby" and rows[1].state == "stopped" and \
+            rows[1].needs_mib == {"host": 300} and "MiB short" in (rows[1].why or "")
         rep = await port.switch_in(SOLO)
         assert rep.result == "ok" and rep.instant is False
         assert rep.not_instant is not None and "host: 100 MiB short" in rep.not_instant
@@ -207,7 +209,7 @@ def test_a_standby_that_dies_does_not_touch_the_active_layout(tmp_path: Path) ->
         assert sb(port).ready()
         stand.sup.fatal = "gave up after 5 restarts"  # its supervisor gave up
         assert stand.state_now() is LaneState.FAILED and not sb(port).ready()
-        assert port.snapshot({})[1]["state"] == "failed"
+        assert port.status({}).lanes[1].state == "failed"
         assert act.state_now() is LaneState.SERVING
         assert act.exit_on_fatal and not stand.exit_on_fatal  # a standby never ends hydra
 
@@ -227,7 +229,7 @@ def test_a_switch_out_of_the_pair_stops_the_standby_first(tmp_path: Path) -> Non
         assert its.stopping.is_set() and stand.phase is LaneState.STOPPED
         assert "moe-s" not in port.node.lanes and sb(port).lane is None
         assert active(port).name == "dense" and sb(port).wanted() is None
-        assert [r.get("standby") for r in port.snapshot({})] == [None]
+        assert [(r.role, r.standby) for r in port.status({}).lanes] == [("active", None)]
 
     run(port, body)
 
@@ -308,11 +310,13 @@ def test_the_standby_key_is_checked_with_file_and_line(tmp_path: Path) -> None:
 def test_status_line_names_the_standby() -> None:
     from hydra_supervisor.runtime.notify import status_text
 
-    snap = {"engines": [
-        {"profile": "moe-c", "state": "serving", "url": "http://127.0.0.1:8080",
-         "standby": False},
-        {"profile": "moe-s", "state": "stopped", "url": "http://127.0.0.1:8080",
-         "standby": True, "why": "does not fit beside moe-c: host: 100 MiB short"}]}
+    snap = Snapshot.from_json({"daemon": {"pid": 1, "started": 0.0, "state_dir": "/s"},
+                               "ports": [{"name": "port-8080", "host": "127.0.0.1",
+                                          "port": 8080, "url": "http://127.0.0.1:8080",
+                                          "lanes": [
+        {"name": "port-8080/moe-c", "profile": "moe-c", "state": "serving"},
+        {"name": "port-8080/standby", "profile": "moe-s", "state": "stopped",
+         "role": "standby", "why": "does not fit beside moe-c: host: 100 MiB short"}]}]})
     assert status_text(snap) == ("moe-c: serving at http://127.0.0.1:8080; standby moe-s: "
                                  "stopped (does not fit beside moe-c: host: 100 MiB short)")
 
@@ -322,13 +326,15 @@ def test_metrics_say_which_layout_stands_by() -> None:
 
     from hydra_supervisor.runtime.metrics import SnapshotCollector
 
-    rows = [{"name": "port-8080", "profile": "moe-c", "mode": "combine", "state": "serving",
-             "port": 8080, "standby": False, "processes": [], "switches": []},
-            {"name": "port-8080/standby", "profile": "moe-s", "mode": "solo",
-             "state": "serving", "port": 8080, "standby": True, "processes": [],
-             "switches": []}]
+    lanes = [{"name": "port-8080", "profile": "moe-c", "mode": "combine", "state": "serving"},
+             {"name": "port-8080/standby", "profile": "moe-s", "mode": "solo",
+              "state": "serving", "role": "standby"}]
+    snap = Snapshot.from_json({"daemon": {"pid": 1, "started": 0.0, "state_dir": "/s"},
+                               "ports": [{"name": "port-8080", "host": "127.0.0.1",
+                                          "port": 8080, "url": "http://127.0.0.1:8080",
+                                          "lanes": lanes}]})
     reg = CollectorRegistry()
-    reg.register(SnapshotCollector(lambda: {"pid": 1, "engines": rows}))
+    reg.register(SnapshotCollector(lambda: snap))
     text = generate_latest(reg).decode()
     assert 'engine="port-8080",mode="combine"' in text and 'role="active"' in text
     line = next(x for x in text.splitlines() if x.startswith("hydra_engine_info")

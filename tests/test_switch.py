@@ -15,7 +15,15 @@ from typing import Any
 import psutil
 import pytest
 
-from hydra_supervisor.testing.harness import REPO, run_hydra, status_json, wait_dead, wait_until
+from hydra_supervisor.testing.harness import (
+    REPO,
+    lanes,
+    run_hydra,
+    snapshot,
+    status_json,
+    wait_dead,
+    wait_until,
+)
 from hydra_supervisor.testing.load import Load
 
 pytest.importorskip("openai")  # for Load
@@ -37,7 +45,7 @@ def _profile(st: dict[str, Any]) -> str:
 def test_switch_under_load_loses_nothing(hydra_up, hydra_env):
     up = hydra_up("--profile", "demo", "--port", "0")
     up.wait_ready()
-    port = int(status_json(hydra_env)["daemon"]["engines"][0]["port"])
+    port = snapshot(hydra_env).ports[0].port
     with Load(port) as load:
         wait_until(lambda: load.ok >= 2, 60, "first requests served")
         for target in ("demo-combine", "demo-moe-combine", "demo"):
@@ -66,7 +74,7 @@ def test_switch_to_a_broken_profile_rolls_back(hydra_up, hydra_env, tmp_path):
     truncated.write_text(f"profile: truncated\nmodel: {bad_model}\nmode: solo\nhead: cpu\n")
     up = hydra_up("--profile", "demo", "--port", "0")
     up.wait_ready()
-    port = int(status_json(hydra_env)["daemon"]["engines"][0]["port"])
+    port = snapshot(hydra_env).ports[0].port
     head_pid = up.engine("head")["pid"]
     # A profile that cannot be planned (a truncated GGUF) changes nothing at all.
     res = run_hydra(hydra_env, "switch", str(truncated))
@@ -95,7 +103,7 @@ def test_two_switches_at_once_and_sigterm_mid_switch(hydra_up, hydra_env):
     from hydra_supervisor.testing.harness import HYDRA
     first = subprocess.Popen([*HYDRA, "switch", "demo-combine"], env=hydra_env, cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: status_json(hydra_env)["daemon"]["engines"][0]["switching"], 30,
+    wait_until(lambda: lanes(hydra_env)[0].switching, 30,
                "the first switch running")
     second = run_hydra(hydra_env, "switch", "demo")
     assert second.returncode != 0 and "already running" in second.stderr
@@ -157,7 +165,7 @@ def test_not_running_is_exit_3(hydra_env):
 def test_kill_head_and_peer_under_load_loses_no_unstarted_request(hydra_up, hydra_env):
     up = hydra_up("--profile", "demo-combine", "--port", "0")
     up.wait_ready()
-    port = int(status_json(hydra_env)["daemon"]["engines"][0]["port"])
+    port = snapshot(hydra_env).ports[0].port
 
     def all_ready() -> bool:
         st = status_json(hydra_env)

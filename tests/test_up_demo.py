@@ -13,6 +13,7 @@ from openai import OpenAI
 from hydra_supervisor.testing.harness import (
     free_port,
     run_hydra,
+    snapshot,
     status_json,
     wait_dead,
     wait_until,
@@ -127,7 +128,7 @@ def test_router_holds_requests_while_head_is_down_and_closes_rpc(hydra_up, hydra
     r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert r.status_code == 200, r.text
-    assert up.engine("head")["pid"] != head["pid"]
+    assert up.engine("demo.head")["pid"] != head["pid"]
     wait_until(lambda: status_json(hydra_env)["status"]["engines"][0]["state"] == "READY"
                and status_json(hydra_env)["status"]["engines"][0]["pid"] != head["pid"], 60,
                "head back")
@@ -161,10 +162,11 @@ def test_status_shows_memory_and_recent_requests(hydra_up, hydra_env):
                                 "max_tokens": 2})
         assert r.status_code == 200
     time.sleep(1.1)
-    eng = status_json(hydra_env)["daemon"]["engines"][0]
-    head = eng["processes"][0]
-    assert head["rss_bytes"] > 10 * 2**20  # the model is mapped in
-    assert eng["router"]["http"]["requests"] >= 2
-    assert eng["requests_last_min"] >= 2
+    port = snapshot(hydra_env).ports[0]
+    lane = port.lanes[0]
+    head = lane.processes[0]
+    assert (head.rss_bytes or 0) > 10 * 2**20  # the model is mapped in
+    assert port.router is not None and port.router.http["requests"] >= 2
+    assert (lane.requests_last_min or 0) >= 2
     text = run_hydra(hydra_env, "status").stdout
     assert " MiB" in text and "in the last minute" in text, text

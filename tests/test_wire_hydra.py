@@ -16,7 +16,7 @@ import struct
 import pytest
 import requests
 
-from hydra_supervisor.testing.harness import status_json, wait_until
+from hydra_supervisor.testing.harness import snapshot, status_json, wait_until
 from tests.wire_client import (
     BAD_REQUEST,
     DECODE,
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 
 def _port(env: dict[str, str]) -> int:
-    return int(status_json(env)["daemon"]["engines"][0]["port"])
+    return snapshot(env).ports[0].port
 
 
 def _pids(env: dict[str, str]) -> dict[str, int]:

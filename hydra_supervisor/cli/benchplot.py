@@ -27,6 +27,7 @@ from hydra_supervisor.config import paths
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.runtime import control_client
+from hydra_supervisor.serve.snapshot import Snapshot
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -40,17 +41,17 @@ def live_urls(profile: str) -> tuple[str | None, str | None]:
         return None, None
     if code != 200:
         return None, None
-    for e in (reply.get("daemon") or {}).get("engines") or []:
-        if e.get("profile") != profile:
+    snap = Snapshot.from_json(reply.get("daemon"))
+    for port, lane in snap.lanes():
+        if lane.profile != profile or lane.role != "active":
             continue
-        head = next((p for p in e.get("processes") or []
-                     if p.get("role") == "head" and p.get("state") == "READY" and p.get("port")),
-                    None)
+        head = next((p for p in lane.processes
+                     if p.role == "head" and p.state == "READY" and p.port), None)
         direct = None
         if head is not None:
-            host = client_host(str(head.get("host") or "127.0.0.1"))
-            direct = f"http://{f'[{host}]' if ':' in host else host}:{head['port']}"
-        return e.get("url"), direct
+            host = client_host(head.host or "127.0.0.1")
+            direct = f"http://{f'[{host}]' if ':' in host else host}:{head.port}"
+        return port.url, direct
     return None, None
 
 

@@ -17,10 +17,10 @@ import click
 from hydra_supervisor.cli.shared import control_socket, dir_opt, err, friendly, out
 from hydra_supervisor.cli.status_view import (
     daemon_renderables,
-    legacy_to_engine,
     ports_down,
-    print_engine,
+    print_summary,
     serving_now,
+    snapshot_of,
     status_group,
 )
 from hydra_supervisor.errors import HydraError
@@ -166,7 +166,7 @@ def status(as_json: bool, watch: bool) -> None:
                                    "abnormal_end": state.abnormal_end()}, indent=2))
             sys.exit(exits.NOT_RUNNING)
         click.echo(json.dumps(live, indent=2))
-        sys.exit(exits.PORT_DOWN if ports_down(live["daemon"]) else 0)
+        sys.exit(exits.PORT_DOWN if ports_down(snapshot_of(live)) else 0)
     if live is None:
         sup = state.running_supervisor()
         if sup:
@@ -185,12 +185,13 @@ def status(as_json: bool, watch: bool) -> None:
             out.print(f"its last run ended: {data['stopped']}", markup=False)
         if data and data.get("fatal"):
             out.print("its last run:", markup=False)
-            print_engine(legacy_to_engine(data))
+            print_summary(data)
         sys.exit(exits.NOT_RUNNING)
     if not watch:
-        for part in daemon_renderables(live["daemon"]):
+        snap = snapshot_of(live)
+        for part in daemon_renderables(snap):
             out.print(part)
-        sys.exit(exits.PORT_DOWN if ports_down(live["daemon"]) else 0)
+        sys.exit(exits.PORT_DOWN if ports_down(snap) else 0)
     from rich.live import Live
 
     with Live(console=out, refresh_per_second=2) as view:
@@ -200,7 +201,7 @@ def status(as_json: bool, watch: bool) -> None:
             except (control_client.NotRunning, OSError):
                 view.update(f"hydra is not running here (state dir {state.root})")
                 sys.exit(exits.NOT_RUNNING)
-            view.update(status_group(live["daemon"]))
+            view.update(status_group(snapshot_of(live)))
             time.sleep(1.0)
 
 

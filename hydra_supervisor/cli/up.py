@@ -158,12 +158,11 @@ async def _run_daemon(state: StateDir, opts: daemon.Options, ports: Any, node: A
         return exits.UNKILLABLE
     if code == exits.FAILED:
         err.print(f"FATAL: {d.stop_reason.removeprefix('FATAL: ')}", markup=False)
-        for row in d.snapshot()["engines"]:
-            for proc in row["processes"]:
-                if proc.get("log_tail"):
-                    err.print(f"last lines of {proc['log']}:", markup=False)
-                    for line in proc["log_tail"]:
-                        err.print(f"  {line}", markup=False)
+        for _, _, proc in d.take().processes():
+            if proc.log_tail:
+                err.print(f"last lines of {proc.log}:", markup=False)
+                for line in proc.log_tail:
+                    err.print(f"  {line}", markup=False)
     return code
 
 

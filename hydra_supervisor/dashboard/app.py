@@ -29,7 +29,7 @@ import os
 import pwd
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -223,11 +223,12 @@ class Dashboard:
                          *SECURITY_HEADERS])
         return [data]
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
+        """/api/state: the snapshot's JSON (docs/control.md) and what the page adds."""
         snap, age = self.publisher.get()
         if snap is None:
             return {"snapshot": None, "age_s": None, "now": time.time()}
-        return {"snapshot": snap, "age_s": round(age, 3), "now": time.time(),
+        return {"snapshot": snap.to_json(), "age_s": round(age, 3), "now": time.time(),
                 "devices": self._devices.get(), "heads": self._heads.get(snap),
                 "profiles": self._safe_profiles(), "actions": self.actions[-20:],
                 "refused": self.refused}
@@ -240,13 +241,12 @@ class Dashboard:
 
     def _log(self, start: StartResponse, name: str, cursor: str | None) -> Iterable[bytes]:
         snap, _ = self.publisher.get(max_age=2.0)
-        logs = process_logs(snap or {})
+        logs = process_logs(snap)
         if name not in logs:  # stopped with its profile (or never was): nothing to follow
             return self._json(start, 200, {"name": name, "gone": True, "known": sorted(logs),
                                            "error": f"no process {name!r} runs now"})
         path, pid = logs[name]
-        reply = read_log(path, cursor)
-        reply.update(name=name, pid=pid, path=str(path))
+        reply = {**read_log(path, cursor), "name": name, "pid": pid, "path": str(path)}
         return self._json(start, 200, reply)
 
     def _action(self, environ: dict[str, Any], start: StartResponse,
@@ -289,7 +289,7 @@ class Dashboard:
         return self._json(start, code, reply)
 
     @staticmethod
-    def _json(start: StartResponse, code: int, body: dict[str, Any]) -> Iterable[bytes]:
+    def _json(start: StartResponse, code: int, body: Mapping[str, object]) -> Iterable[bytes]:
         data = json.dumps(body, default=str).encode()
         reason = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
                   405: "Method Not Allowed", 409: "Conflict", 500: "Internal Server Error",

@@ -1,12 +1,12 @@
 """What the dashboard shows, gathered off the event loop: the daemon's published snapshot, the
 devices' memory, the heads' own token counters, and process logs read by offset.
 
-Threads here never touch a Port, a Lane or a Supervisor. The snapshot is the dict the daemon
-publishes on every status change (the one status.json and `hydra status --json` are built from);
-when the page asks for something fresher than `max_age`, a new one is taken *on the loop*
-(asyncio.run_coroutine_threadsafe) and published, so the HTTP thread only ever reads a finished
-dict. Everything else read here is outside hydra's objects: /proc/meminfo, NVML, a head's
-`/metrics` over HTTP, a log file.
+Threads here never touch a Port, a Lane or a Supervisor. The snapshot is the frozen, typed
+value the daemon publishes on every status change (serve/snapshot.py: the one status.json and
+`hydra status --json` are built from); when the page asks for something fresher than
+`max_age`, a new one is taken *on the loop* (asyncio.run_coroutine_threadsafe) and published,
+so the HTTP thread only ever reads a finished, immutable value. Everything else read here is
+outside hydra's objects: /proc/meminfo, NVML, a head's `/metrics` over HTTP, a log file.
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import requests
 
+from hydra_supervisor.jsontypes import JSONList, JSONObject
 from hydra_supervisor.plan import devices
 from hydra_supervisor.runtime.metrics_heads import heads_from_snapshot
+from hydra_supervisor.serve.snapshot import Snapshot
 
 log = logging.getLogger("hydra.dashboard")
-
-Snapshot = dict[str, Any]
 
 # A head's llama-server counters the page turns into rates (its `/metrics`, with --metrics).
 HEAD_COUNTERS = {
@@ -41,26 +41,23 @@ HEAD_COUNTERS = {
 class Publisher:
     """The last published snapshot, and a fresh one on request (taken on the loop)."""
 
-    def __init__(self, take: Callable[[], Any],
-                 view: Callable[[Any], Snapshot] | None = None) -> None:
-        """`take` builds the value to publish (on the loop's thread only); `view` turns the
-        published value into what a reader gets (the daemon publishes a frozen, typed
-        serve/snapshot.Snapshot and each reader gets its own plain JSON copy)."""
+    def __init__(self, take: Callable[[], Snapshot]) -> None:
+        """`take` builds the snapshot to publish (on the loop's thread only); readers share
+        it (it is immutable)."""
         self._take = take
-        self._view = view or (lambda v: v)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._latest: tuple[float, Snapshot] | None = None
         self._lock = threading.Lock()
-        self._pending: concurrent.futures.Future[Any] | None = None
+        self._pending: concurrent.futures.Future[Snapshot] | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def put(self, snap: Any) -> None:
+    def put(self, snap: Snapshot) -> None:
         """Publish (the loop's thread: the daemon's status change)."""
         self._latest = (time.monotonic(), snap)
 
-    async def _refresh(self) -> Any:
+    async def _refresh(self) -> Snapshot:
         snap = self._take()
         self.put(snap)
         return snap
@@ -72,14 +69,14 @@ class Publisher:
         latest = self._latest
         now = time.monotonic()
         if latest is not None and now - latest[0] <= max_age:
-            return self._view(latest[1]), now - latest[0]
+            return latest[1], now - latest[0]
         loop = self._loop
         if loop is not None and _running_loop() is loop:
             # asked on the loop's own thread (a start-up check): take it here; waiting for
             # the loop from its own thread would only time out
             snap = self._take()
             self.put(snap)
-            return self._view(snap), 0.0
+            return snap, 0.0
         if loop is not None and not loop.is_closed():
             with self._lock:  # one refresh at a time, shared by every waiting request
                 fut = self._pending
@@ -95,7 +92,7 @@ class Publisher:
         latest = self._latest
         if latest is None:
             return None, float("inf")
-        return self._view(latest[1]), time.monotonic() - latest[0]
+        return latest[1], time.monotonic() - latest[0]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -116,10 +113,10 @@ class DeviceMemory:
     def __init__(self, ttl: float = 3.0) -> None:
         self._ttl = ttl
         self._at = -1e9
-        self._cached: dict[str, Any] = {}
+        self._cached: JSONObject = {}
         self._lock = threading.Lock()
 
-    def get(self) -> dict[str, Any]:
+    def get(self) -> JSONObject:
         with self._lock:
             if time.monotonic() - self._at > self._ttl:
                 self._cached = self._read()
@@ -127,14 +124,14 @@ class DeviceMemory:
             return self._cached
 
     @staticmethod
-    def _read() -> dict[str, Any]:
+    def _read() -> JSONObject:
         try:
             inv = devices.inventory()
         except Exception as exc:  # noqa: BLE001 - a bad devices file must not end the page
             return {"source": f"unknown ({exc})", "host": None, "gpus": []}
-        host = {"total": inv.cpu_total, "used": max(0, inv.cpu_total - inv.cpu_free),
+        host: JSONObject = {"total": inv.cpu_total, "used": max(0, inv.cpu_total - inv.cpu_free),
                 "cores": inv.cpu_count}
-        gpus = [{"index": g.index, "model": g.model, "total": g.total,
+        gpus: JSONList = [{"index": g.index, "model": g.model, "total": g.total,
                  "used": max(0, g.total - g.free)} for g in inv.gpus]
         return {"source": inv.source, "host": host, "gpus": gpus}
 
@@ -152,14 +149,14 @@ class HeadTokens:
         self._timeout = timeout
         self._retry_s = retry_s
         self._every_s = every_s  # a head logs every /metrics request: not at every poll
-        self._last: tuple[float, dict[str, dict[str, Any]]] = (-1e9, {})
+        self._last: tuple[float, dict[str, JSONObject]] = (-1e9, {})
         self._off: dict[str, float] = {}  # url -> when it said "no metrics"
         self._session = requests.Session()
         self._lock = threading.Lock()
 
-    def get(self, snap: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    def get(self, snap: Snapshot) -> dict[str, JSONObject]:
         """{profile: {"metrics": bool, "predicted": n, "prompt": n, "processing": n}}"""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, JSONObject] = {}
         with self._lock:
             heads = heads_from_snapshot(snap)
             at, last = self._last
@@ -176,7 +173,7 @@ class HeadTokens:
             self._last = (time.monotonic(), out)
         return out
 
-    def _scrape(self, url: str, api_key: str | None) -> dict[str, Any]:
+    def _scrape(self, url: str, api_key: str | None) -> JSONObject:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
             r = self._session.get(f"{url}/metrics", timeout=self._timeout, headers=headers)
@@ -186,7 +183,7 @@ class HeadTokens:
             if r.status_code in (404, 501):
                 self._off[url] = time.monotonic()
             return {"metrics": False, "error": f"HTTP {r.status_code}"}
-        row: dict[str, Any] = {"metrics": True}
+        row: JSONObject = {"metrics": True}
         for line in r.text.splitlines():
             if not line or line[0] == "#":
                 continue
@@ -204,17 +201,24 @@ class HeadTokens:
 # Logs
 
 
-def process_logs(snap: Mapping[str, Any]) -> dict[str, tuple[Path, int | None]]:
+def process_logs(snap: Snapshot | None) -> dict[str, tuple[Path, int | None]]:
     """Every process the snapshot names: its log file and pid (only these can be read)."""
-    out: dict[str, tuple[Path, int | None]] = {}
-    for e in snap.get("engines") or []:
-        for p in e.get("processes") or []:
-            if p.get("name") and p.get("log"):
-                out[str(p["name"])] = (Path(str(p["log"])), p.get("pid"))
-    return out
+    if snap is None:
+        return {}
+    return {p.name: (Path(p.log), p.pid) for _, _, p in snap.processes() if p.name and p.log}
 
 
-def read_log(path: Path, cursor: str | None, limit: int = 64 * 1024) -> dict[str, Any]:
+class LogChunk(TypedDict):
+    """A log read by offset (/api/log): the text past the cursor and the next cursor."""
+
+    text: str
+    cursor: str | None  # "inode:offset"
+    restarted: bool  # a new file (a restart) or a shorter one: read from its start
+    skipped: bool  # far behind: only the last `limit` bytes
+    missing: bool
+
+
+def read_log(path: Path, cursor: str | None, limit: int = 64 * 1024) -> LogChunk:
     """What the file holds past `cursor` ("inode:offset" from the last read), at most `limit`
     bytes. A new inode (a restart gives the child a new file) or a shorter file (a size
     rotation truncated it) starts over from the file's start, and the reply says so
@@ -222,7 +226,7 @@ def read_log(path: Path, cursor: str | None, limit: int = 64 * 1024) -> dict[str
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return {"text": "", "cursor": None, "restarted": False, "missing": True}
+        return LogChunk(text="", cursor=None, restarted=False, skipped=False, missing=True)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         inode, size = st.st_ino, st.st_size

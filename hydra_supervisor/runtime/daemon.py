@@ -52,7 +52,7 @@ from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy, RestartFailed, SwitchTimeouts
-from hydra_supervisor.serve.snapshot import Snapshot
+from hydra_supervisor.serve.snapshot import DaemonInfo, Snapshot
 from hydra_supervisor.serve.states import ANSWERING
 
 log = logging.getLogger("hydra")
@@ -99,7 +99,7 @@ class Daemon:
         # Threads (metrics scrapes, the page) read snapshots taken on the loop, never the
         # loop's live objects: a scrape that walked a lane while the loop appended a switch
         # report failed with "deque mutated during iteration".
-        self.publisher = Publisher(self.take, view=lambda s: s.to_json())
+        self.publisher = Publisher(self.take)
         self.dashboard = (Dashboard(self.publisher,
                                     profiles=lambda: list(known_profiles(opts.profiles_dir)))
                           if opts.metrics_port else None)
@@ -135,35 +135,23 @@ class Daemon:
     # -- status ---------------------------------------------------------------------------------
 
     def take(self) -> Snapshot:
-        """The status as one frozen, typed value (serve/snapshot.py), built here on the loop."""
+        """The status as one frozen, typed value (serve/snapshot.py), built here on the loop
+        from the ports, their lanes and their processes."""
         running = any(lane.running for lane in self.lanes())
         gpu = gpumem.used_by_pid() if running else {}  # one NVML session for every lane
-        rows: list[dict[str, Any]] = []
-        ports: list[dict[str, Any]] = []
-        for p in self.ports:
-            st = p.router_stats()  # once per port: its row in `ports` and its first lane row
-            rows += p.snapshot(gpu, router=st)
-            ports.append(p.status_row(router=st))
-        switches = sorted((r.to_json() for lane in self.lanes() for r in lane.switches),
-                          key=lambda r: r.get("at") or 0.0)[-20:]
-        return Snapshot.build(
-            pid=os.getpid(), started=self.started, state_dir=str(self.state.root),
-            rows=rows, ports=ports, switches=switches)
-
-    def snapshot(self) -> dict[str, Any]:
-        """A fresh snapshot as plain JSON (the loop's thread)."""
-        return self.take().to_json()
+        ports = tuple(p.status(gpu) for p in self.ports)
+        switches = sorted((s for p in ports for lane in p.lanes for s in lane.switches),
+                          key=lambda s: s.at or 0.0)[-20:]
+        return Snapshot(daemon=DaemonInfo(pid=os.getpid(), started=self.started,
+                                          state_dir=str(self.state.root), stopped=self.ended,
+                                          unkillable=tuple(self.unkillable)),
+                        ports=ports, switches=tuple(switches))
 
     @property
     def unkillable(self) -> list[str]:
         return [u for p in self.ports for u in p.unkillable]
 
-    def summary(self, snap: dict[str, Any]) -> dict[str, Any]:
-        """The summary view (`status` in `hydra status --json`, and status.json), from the
-        snapshot just taken (daemon_status.py)."""
-        return daemon_status.summary(snap, ended=self.ended, unkillable=self.unkillable)
-
-    def _published(self) -> dict[str, Any]:
+    def _published(self) -> Snapshot:
         """A snapshot for another thread: taken on the loop (fresh within 0.5 s)."""
         snap, _ = self.publisher.get(max_age=0.5)
         if snap is None:
@@ -173,10 +161,9 @@ class Daemon:
     def _changed(self) -> None:
         taken = self.take()  # one snapshot (processes, NVML) for every record
         self.publisher.put(taken)
-        snap = taken.to_json()
         with contextlib.suppress(OSError):
-            self.state.write_status(self.summary(snap))
-        self.notifier.status(self._status_line(snap))
+            self.state.write_status(taken.summary())
+        self.notifier.status(self._status_line(taken))
         if self.fatal is None:
             for p in self.ports:
                 why = p.fatal()
@@ -184,12 +171,10 @@ class Daemon:
                     self.fatal = why
                     self.request_stop(f"FATAL: {why}")
 
-    def _status_line(self, snap: dict[str, Any]) -> str:
+    def _status_line(self, snap: Snapshot) -> str:
         """systemd's STATUS=: the snapshot, and the last change that failed (until one works;
         daemon_status.py)."""
-        records = [*(lane.switches for lane in self.lanes()),
-                   *(p.reports for p in self.ports if not p.lanes)]
-        return daemon_status.status_line(snap, self.actions.last_change_error, records)
+        return daemon_status.status_line(snap, self.actions.last_change_error)
 
     def _on_request(self, rec: dict[str, Any]) -> None:
         """The router's per-request record (a router thread): counted in the metrics,
@@ -256,9 +241,9 @@ class Daemon:
                 ("POST", "/down"): self._r_down}
 
     async def _r_status(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        snap = self.snapshot()
+        snap = self.take()
         return 200, {"running": True, "supervisor": self.state.running_supervisor(),
-                     "status": self.summary(snap), "daemon": snap}
+                     "status": dict(snap.summary()), "daemon": snap.to_json()}
 
     @staticmethod
     async def _guard(coro: Coroutine[Any, Any, dict[str, Any]]
@@ -337,7 +322,7 @@ class Daemon:
             except Exception:  # a bug here must not end hydra
                 log.exception("reload failed")
             finally:
-                self.notifier.ready(self._status_line(self.snapshot()))
+                self.notifier.ready(self._status_line(self.take()))
 
         asyncio.get_running_loop().create_task(go())
 
@@ -379,7 +364,7 @@ class Daemon:
                 await p.start()
             self._changed()
             readiness = asyncio.create_task(notify.ready_when(
-                self.notifier, self._ready, lambda: notify.status_text(self.snapshot()),
+                self.notifier, self._ready, lambda: notify.status_text(self.take()),
                 self.stop_event))
             if on_start is not None:
                 presenter = asyncio.create_task(on_start(self))

@@ -2,9 +2,10 @@
 that port's HTTP belongs to llama-server).
 
 Three sources, one registry:
-  - the daemon's status `snapshot()` (the dict `GET /status` serves; shape in docs/control.md):
-    read at every scrape by `SnapshotCollector`, so nothing is stored twice and nothing drifts:
-    engine and process states, restarts, last exit codes, router counters, switches;
+  - the daemon's published status (serve/snapshot.py's typed `Snapshot`; its JSON is what
+    `GET /status` serves, docs/control.md): read at every scrape by `SnapshotCollector`, so
+    nothing is stored twice and nothing drifts: engine and process states, restarts, last
+    exit codes, router counters, switches;
   - per-request records from the router's `on_request` callback (`observe_request`): HTTP
     requests by status, outcome and duration, in prometheus_client's own Counter/Histogram;
   - every READY head's own llama-server `/metrics` (it must run with `--metrics`), scraped at
@@ -48,10 +49,10 @@ from hydra_supervisor.runtime.metrics_state import (
     ENGINE_STATES,
     PROCESS_STATES,
     SWITCH_RESULTS,
-    Snapshot,
     SnapshotCollector,
     SnapshotFn,
 )
+from hydra_supervisor.serve.snapshot import Snapshot
 
 __all__ = [
     "DURATION_BUCKETS", "ENGINE_STATES", "KNOWN_PATHS", "PROCESS_STATES", "REQUEST_OUTCOMES",
@@ -92,7 +93,8 @@ class MetricsServer:
     """`GET /metrics` on a loopback port: hydra's state, per-request records and the heads'
     llama-server metrics. Threads of its own; `stop()` is bounded.
 
-    snapshot: the daemon's status dict (read at each scrape; must be cheap and thread-safe).
+    snapshot: the daemon's published Snapshot (read at each scrape; must be cheap and
+              thread-safe).
     heads: who to scrape; default = every READY head in the snapshot. Pass a callable to add
            an api key (Head.api_key) or to scrape something else.
     external_ports: ports this server must never take (the engines' external ports); default
@@ -149,7 +151,7 @@ class MetricsServer:
         if self._server is not None:
             raise RuntimeError("metrics server already started")
         external = set(self._external if self._external is not None else
-                       (e.get("port") for e in self._snapshot().get("engines") or []))
+                       (p.port for p in self._snapshot().ports))
         if self._req_port and self._req_port in external:
             raise ValueError(f"port {self._req_port} is an engine's external port; metrics "
                              "need a port of their own")

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from hydra_supervisor.plan.ports import client_host
-from hydra_supervisor.runtime.metrics_state import Snapshot, engine_labels
+from hydra_supervisor.serve.snapshot import Snapshot
 
 log = logging.getLogger("hydra.metrics")
 
@@ -43,13 +43,11 @@ HeadsFn = Callable[[], Iterable[Head]]
 def heads_from_snapshot(snap: Snapshot) -> list[Head]:
     """Every READY head process in the snapshot, at its own (internal) host:port."""
     out = []
-    for e in snap.get("engines") or []:
-        name, profile = engine_labels(e)
-        for p in e.get("processes") or []:
-            if p.get("role") == "head" and p.get("state") == "READY" and p.get("port"):
-                host = client_host(str(p.get("host") or "127.0.0.1"))
-                host = f"[{host}]" if ":" in host else host
-                out.append(Head(name, profile, f"http://{host}:{p['port']}"))
+    for _, lane, p in snap.processes():
+        if p.role == "head" and p.state == "READY" and p.port:
+            host = client_host(p.host or "127.0.0.1")
+            host = f"[{host}]" if ":" in host else host
+            out.append(Head(lane.name, lane.profile, f"http://{host}:{p.port}"))
     return out
 
 

@@ -11,7 +11,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from hydra_supervisor.runtime.metrics_state import num
+
+def num(value: object) -> float | None:
+    """A JSON number as a float (None: not a number; a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
 
 REQUEST_OUTCOMES = ("ok", "cut", "held_timeout", "error")
 # Request durations: a health check (ms) to a long generation (minutes).

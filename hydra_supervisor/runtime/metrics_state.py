@@ -1,7 +1,7 @@
 """Metrics, part 1: hydra's own state as Prometheus families, read from the daemon's published
-status `snapshot()` at every scrape (`SnapshotCollector`), so nothing is stored twice and nothing
-drifts: engine and process states, restarts, last exit codes, router counters, switches, the
-profiles of a port that routes by model. The server is metrics.py.
+status (serve/snapshot.py's typed `Snapshot`) at every scrape (`SnapshotCollector`), so nothing
+is stored twice and nothing drifts: engine and process states, restarts, last exit codes,
+router counters, switches, the lanes of each port. The server is metrics.py.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,8 +23,8 @@ from prometheus_client.registry import Collector
 
 from hydra_supervisor import __version__
 from hydra_supervisor.serve import states
+from hydra_supervisor.serve.snapshot import LaneStatus, RouterCounters, Snapshot, SwitchStatus
 
-Snapshot = Mapping[str, Any]
 SnapshotFn = Callable[[], Snapshot]
 
 # Every state a process or an engine can be in: each gets a series (1 for the current one, 0
@@ -43,34 +43,25 @@ _STATUS_CLASS = re.compile(r"^[1-5]xx$")
 # From the snapshot
 
 
-def engine_labels(engine: Mapping[str, Any]) -> tuple[str, str]:
-    return str(engine.get("name", "")), str(engine.get("profile") or "")
+@dataclass(frozen=True)
+class Row:
+    """One `engine` label of the metrics: a lane (engine="port-N/PROFILE"), or a port with no
+    lane (engine="port-N", profile "")."""
+
+    name: str
+    profile: str
+    state: str
+    url: str
+    lane: LaneStatus | None  # None: the port's own row
 
 
-def router_stats(snap: Snapshot) -> list[tuple[str, Mapping[str, Any]]]:
-    """(port label, router counters) once per port. The router is the port's: its series are
-    labelled by the port alone (engine="port-N"), so a switch does not move them to another
-    profile. From `ports` (the daemon's snapshot); a snapshot without it (an older shape) has
-    them on a port's first engine row."""
-    out: dict[str, Mapping[str, Any]] = {}
-    ports = snap.get("ports")
-    if isinstance(ports, Sequence) and not isinstance(ports, str):
-        for p in ports:
-            if isinstance(p, Mapping) and isinstance(p.get("router"), Mapping):
-                out.setdefault(str(p.get("name") or f"port-{p.get('port')}"), p["router"])
-        return list(out.items())
-    for e in snap.get("engines") or []:
-        st = e.get("router")
-        if isinstance(st, Mapping):
-            port = e.get("port")
-            out.setdefault(f"port-{port}" if port is not None else str(e.get("name", "")), st)
-    return list(out.items())
-
-
-def num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
+def engine_rows(snap: Snapshot) -> list[Row]:
+    out = []
+    for p in snap.ports:
+        if not p.lanes:
+            out.append(Row(p.name, "", p.word(), p.url, None))
+        out += [Row(x.name, x.profile, x.state, p.url, x) for x in p.lanes]
+    return out
 
 
 class SnapshotCollector(Collector):
@@ -83,23 +74,25 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        engines = list(snap.get("engines") or [])
+        rows = engine_rows(snap)
         info = InfoMetricFamily("hydra", "hydra itself", labels=["version"])
-        info.add_metric([__version__], {"pid": str(snap.get("pid", ""))})
+        info.add_metric([__version__], {"pid": str(snap.daemon.pid)})
         yield info
-        started = num(snap.get("started"))
-        if started is not None:
-            yield GaugeMetricFamily("hydra_start_time_seconds",
-                                    "When this hydra started (unix time)", value=started)
-        yield from self._engines(engines)
-        yield from self._processes(engines)
-        yield from self._routers(router_stats(snap))
-        yield from self._switches(engines)
-        yield from self._profiles(engines)
+        yield GaugeMetricFamily("hydra_start_time_seconds",
+                                "When this hydra started (unix time)",
+                                value=snap.daemon.started)
+        yield from self._engines(rows)
+        yield from self._processes(rows)
+        # The router is the port's: its series are labelled by the port alone
+        # (engine="port-N"), so a switch does not move them to another profile.
+        yield from self._routers([(p.name, p.router) for p in snap.ports
+                                  if p.router is not None])
+        yield from self._switches(snap)
+        yield from self._profiles(rows)
 
-    # -- several profiles per port (fleet.py)
+    # -- the lanes of a port (their loads, unloads and gate counters)
     @staticmethod
-    def _profiles(engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    def _profiles(rows: list[Row]) -> Iterator[Metric]:
         el = ["engine", "profile"]
         loads = CounterMetricFamily("hydra_profile_loads",
                                     "Loads of a profile (at start, on request, by switch)",
@@ -107,51 +100,47 @@ class SnapshotCollector(Collector):
         unloads = CounterMetricFamily("hydra_profile_unloads",
                                       "Unloads of a profile (ttl, room for another, switch)",
                                       labels=el)
-        gauges = {key: GaugeMetricFamily(f"hydra_profile_{key}", doc, labels=el)
-                  for key, doc in (("held", "Requests held for the profile (loading, room)"),
-                                   ("inflight", "The profile's requests sent upstream"),
-                                   ("waiting", "Requests queued for a concurrency slot"))}
-        any_fleet = False
-        for e in engines:
-            fl = e.get("fleet")
-            if not isinstance(fl, Mapping):
-                continue
-            any_fleet = True
-            lv = list(engine_labels(e))
-            loads.add_metric(lv, float(fl.get("loads") or 0))
-            unloads.add_metric(lv, float(fl.get("unloads") or 0))
-            for key, fam in gauges.items():
-                fam.add_metric(lv, float(fl.get(key) or 0))
-        if any_fleet:
-            yield loads
-            yield unloads
-            yield from gauges.values()
+        held = GaugeMetricFamily("hydra_profile_held",
+                                 "Requests held for the profile (loading, room)", labels=el)
+        inflight = GaugeMetricFamily("hydra_profile_inflight",
+                                     "The profile's requests sent upstream", labels=el)
+        waiting = GaugeMetricFamily("hydra_profile_waiting",
+                                    "Requests queued for a concurrency slot", labels=el)
+        lanes = [(r, r.lane) for r in rows if r.lane is not None]
+        for r, lane in lanes:
+            lv = [r.name, r.profile]
+            loads.add_metric(lv, float(lane.loads))
+            unloads.add_metric(lv, float(lane.unloads))
+            held.add_metric(lv, float(lane.held))
+            inflight.add_metric(lv, float(lane.inflight))
+            waiting.add_metric(lv, float(lane.waiting or 0))
+        if lanes:
+            yield from (loads, unloads, held, inflight, waiting)
 
     # -- engines
     @staticmethod
-    def _engines(engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    def _engines(rows: list[Row]) -> Iterator[Metric]:
         info = InfoMetricFamily("hydra_engine", "An engine: one external port, one layout",
                                 labels=["engine", "profile"])
         state = GaugeMetricFamily("hydra_engine_state", "1 for the engine's current state",
                                   labels=["engine", "profile", "state"])
-        for e in engines:
-            name, profile = engine_labels(e)
-            info.add_metric([name, profile], {
-                "mode": str(e.get("mode") or ""), "model": str(e.get("model") or ""),
-                "url": str(e.get("url") or ""),
+        for r in rows:
+            lane = r.lane
+            info.add_metric([r.name, r.profile], {
+                "mode": (lane.mode or "") if lane else "",
+                "model": (lane.model or "") if lane else "", "url": r.url,
                 # a port's standby layout (serve/standby.py) beside its active one
-                "role": "standby" if e.get("standby") else "active",
+                "role": lane.role if lane else "active",
             })
-            current = str(e.get("state") or "")
-            for s in dict.fromkeys([*ENGINE_STATES, current]):
+            for s in dict.fromkeys([*ENGINE_STATES, r.state]):
                 if s:
-                    state.add_metric([name, profile, s], 1.0 if s == current else 0.0)
+                    state.add_metric([r.name, r.profile, s], 1.0 if s == r.state else 0.0)
         yield info
         yield state
 
     # -- processes
     @staticmethod
-    def _processes(engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    def _processes(rows: list[Row]) -> Iterator[Metric]:
         labels = ["engine", "profile", "process", "role", "device"]
         state = GaugeMetricFamily("hydra_process_state", "1 for the process's current state",
                                   labels=[*labels, "state"])
@@ -167,28 +156,23 @@ class SnapshotCollector(Collector):
         started = GaugeMetricFamily("hydra_process_start_time_seconds",
                                     "When the running process started (unix time)",
                                     labels=labels)
-        for e in engines:
-            name, profile = engine_labels(e)
-            for p in e.get("processes") or []:
-                lv = [name, profile, str(p.get("name", "")), str(p.get("role", "")),
-                      str(p.get("device") or "")]
-                current = str(p.get("state") or "")
-                for s in dict.fromkeys([*PROCESS_STATES, current]):
+        for r in rows:
+            for p in r.lane.processes if r.lane is not None else ():
+                lv = [r.name, r.profile, p.name, p.role, p.device]
+                for s in dict.fromkeys([*PROCESS_STATES, p.state]):
                     if s:
-                        state.add_metric([*lv, s], 1.0 if s == current else 0.0)
-                up.add_metric(lv, 1.0 if current == "READY" else 0.0)
-                restarts.add_metric(lv, num(p.get("restarts")) or 0.0)
-                code = num(p.get("last_exit"))
-                if code is not None:
-                    last_exit.add_metric(lv, code)
-                t0 = num(p.get("started"))
-                if t0 is not None:
-                    started.add_metric(lv, t0)
+                        state.add_metric([*lv, s], 1.0 if s == p.state else 0.0)
+                up.add_metric(lv, 1.0 if p.state == "READY" else 0.0)
+                restarts.add_metric(lv, float(p.restarts))
+                if p.last_exit is not None:
+                    last_exit.add_metric(lv, float(p.last_exit))
+                if p.started is not None:
+                    started.add_metric(lv, p.started)
         yield from (state, up, restarts, last_exit, started)
 
     # -- routers
     @staticmethod
-    def _routers(routers: list[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
+    def _routers(routers: list[tuple[str, RouterCounters]]) -> Iterator[Metric]:
         el = ["engine"]  # the port (port-N): no profile, the router is the port's
         conns = CounterMetricFamily(
             "hydra_router_connections",
@@ -243,58 +227,38 @@ class SnapshotCollector(Collector):
                                       labels=el)
         for name, st in routers:  # none for router: false (llama-server on the port itself)
             lv = [name]
-            total = num(st.get("accepted", st.get("total")))
-            if total is not None:
-                accepted.add_metric(lv, total)
-            for kind, value in (st.get("by_kind") or {}).items():
-                if isinstance(value, Mapping):  # {outcome: n} when the router splits them
-                    for outcome, n in value.items():
-                        conns.add_metric([*lv, str(kind), str(outcome)], num(n) or 0.0)
-                else:
-                    conns.add_metric([*lv, str(kind), "relayed"], num(value) or 0.0)
-            for reason, n in _refusals(st).items():
-                refused.add_metric([*lv, reason], n)
-            for key, fam in gauges.items():
-                v = num(st.get(key))
-                if v is not None:
-                    fam.add_metric(lv, v)
-            for direction in ("up", "down"):
-                v = num(st.get(f"bytes_{direction}"))
-                if v is not None:
-                    byte_count.add_metric([*lv, direction], v)
-            h = st.get("http")
-            if isinstance(h, Mapping):
-                # {"requests": n, "1xx": n, ..., "5xx": n, "cut": n, "retried": n}
-                for cls, n in h.items():
-                    if _STATUS_CLASS.match(str(cls)):
-                        http.add_metric([*lv, str(cls)], num(n) or 0.0)
-                for counter, key in ((http_total, "requests"), (cut, "cut"),
-                                     (retried, "retried")):
-                    v = num(h.get(key))
-                    if v is not None:
-                        counter.add_metric(lv, v)
-            ev = st.get("events")
-            if isinstance(ev, Mapping):
-                for what, n in ev.items():
-                    events.add_metric([*lv, str(what)], num(n) or 0.0)
-            if isinstance(st.get("alive"), bool):
-                alive.add_metric(lv, 1.0 if st["alive"] else 0.0)
-            for counter, key in ((recoveries, "recoveries"),
-                                 (recovery_failures, "recovery_failures")):
-                v = num(st.get(key))
-                if v is not None:
-                    counter.add_metric(lv, v)
-            fds = st.get("fds")
-            if isinstance(fds, Mapping):
-                for what, n in fds.items():
-                    v = num(n)
-                    if v is not None:
-                        fd_gauge.add_metric([*lv, str(what)], v)
+            accepted.add_metric(lv, float(st.accepted))
+            for kind, n in st.by_kind.items():
+                conns.add_metric([*lv, kind, "relayed"], float(n))
+            for reason, n in st.refused.items():
+                refused.add_metric([*lv, reason], float(n))
+            for key, value in (("open", st.open), ("held", st.held), ("inflight", st.inflight),
+                               ("pending", st.pending), ("open_peak", st.open_peak),
+                               ("pooled", st.pooled)):
+                gauges[key].add_metric(lv, float(value))
+            byte_count.add_metric([*lv, "up"], float(st.bytes_up))
+            byte_count.add_metric([*lv, "down"], float(st.bytes_down))
+            # http: {"requests": n, "1xx": n, ..., "5xx": n, "cut": n, "retried": n}
+            for cls, n in st.http.items():
+                if _STATUS_CLASS.match(cls):
+                    http.add_metric([*lv, cls], float(n))
+            for counter, key in ((http_total, "requests"), (cut, "cut"), (retried, "retried")):
+                if key in st.http:
+                    counter.add_metric(lv, float(st.http[key]))
+            for what, n in st.events.items():
+                events.add_metric([*lv, what], float(n))
+            alive.add_metric(lv, 1.0 if st.alive else 0.0)
+            recoveries.add_metric(lv, float(st.recoveries))
+            recovery_failures.add_metric(lv, float(st.recovery_failures))
+            if st.fds is not None:
+                for what, n in (("nofile", st.fds.nofile), ("budget", st.fds.budget),
+                                ("relays", st.fds.relays)):
+                    fd_gauge.add_metric([*lv, what], float(n))
         yield from (accepted, conns, refused, *gauges.values(), byte_count, http_total, http,
                     cut, retried, events, alive, recoveries, recovery_failures, fd_gauge)
 
     # -- switches
-    def _switches(self, engines: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    def _switches(self, snap: Snapshot) -> Iterator[Metric]:
         count = CounterMetricFamily("hydra_switches", "Layout switches by result",
                                     labels=["engine", "result"])
         phases = SummaryMetricFamily("hydra_switch_phase_seconds",
@@ -302,12 +266,13 @@ class SnapshotCollector(Collector):
                                      "switch)", labels=["engine", "phase"])
         last = GaugeMetricFamily("hydra_switch_last_phase_seconds",
                                  "The last switch's time per phase", labels=["engine", "phase"])
-        for e in engines:
-            name = str(e.get("name", ""))
-            switches = [s for s in e.get("switches") or [] if isinstance(s, Mapping)]
+        # A lane's reports, and a port's without a lane (its first switch failed).
+        histories = [(x.name, x.switches) for p in snap.ports for x in p.lanes]
+        histories += [(p.name, p.switches) for p in snap.ports if not p.lanes]
+        for name, switches in histories:
             # Keyed by the row's name: a lane numbers its reports (seq) on its own, so lanes
             # sharing a port each need their own tally. The name is stable across switches
-            # (port-N for a port's one lane, port-N/PROFILE for a lane among several).
+            # (port-N/PROFILE for a lane, port-N for a port without one).
             with self._lock:
                 tally = self._tallies.setdefault(name, _SwitchTally())
                 tally.update(switches)
@@ -324,8 +289,8 @@ class SnapshotCollector(Collector):
 
 
 class _SwitchTally:
-    """Cumulative switch counts from a snapshot that keeps only the last N switch reports (the
-    Engine's deque). The engine numbers its reports (``seq``: 1, 2, …), so each scrape adds
+    """Cumulative switch counts from a snapshot that keeps only the last N switch reports (a
+    lane's deque). The lane numbers its reports (``seq``: 1, 2, …), so each scrape adds
     those numbered after the last one it counted and the counters never go down. (More than N
     switches between two scrapes: the oldest are not counted.)"""
 
@@ -335,48 +300,18 @@ class _SwitchTally:
         self.phase_count: Tally[str] = Tally()
         self.phase_sum: dict[str, float] = {}
 
-    def update(self, switches: Sequence[Mapping[str, Any]]) -> None:
-        seqs = [s["seq"] for s in switches if isinstance(s.get("seq"), int)]
+    def update(self, switches: Sequence[SwitchStatus]) -> None:
         for s in switches:
-            if isinstance(s.get("seq"), int) and s["seq"] > self.last_seq:
+            if s.seq > self.last_seq:
                 self._count(s)
-        self.last_seq = max([self.last_seq, *seqs])
+        self.last_seq = max([self.last_seq, *(s.seq for s in switches)])
 
-    def _count(self, s: Mapping[str, Any]) -> None:
-        self.results[str(s.get("result"))] += 1
+    def _count(self, s: SwitchStatus) -> None:
+        self.results[s.result] += 1
         for phase, secs in _phases(s).items():
             self.phase_count[phase] += 1
             self.phase_sum[phase] = self.phase_sum.get(phase, 0.0) + secs
 
 
-def _phases(switch: Mapping[str, Any]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for k, raw in (switch.get("phases") or {}).items():
-        v = num(raw)
-        if v is not None:
-            out[str(k)] = v
-    total = num(switch.get("total_s"))
-    if total is not None:
-        out["total"] = total
-    return out
-
-
-# The router's flat refusal counters (today) or a {reason: n} mapping (`refused` by reason).
-_FLAT_REFUSALS = {"refused": "queue_full", "rejected": "unrecognised", "denied": "not_allowed",
-                  "timeouts": "timeout", "upstream_errors": "upstream_error"}
-
-
-def _refusals(st: Mapping[str, Any]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    refused = st.get("refused")
-    if isinstance(refused, Mapping):
-        out.update({str(k): v for k, n in refused.items() if (v := num(n)) is not None})
-    for key, reason in _FLAT_REFUSALS.items():
-        if key == "refused" and isinstance(refused, Mapping):
-            continue
-        v = num(st.get(key))
-        if v is not None:
-            out[reason] = out.get(reason, 0.0) + v
-    return out
-
-
+def _phases(switch: SwitchStatus) -> dict[str, float]:
+    return {**switch.phases, "total": switch.total_s}

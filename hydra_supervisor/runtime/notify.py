@@ -22,9 +22,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from hydra_supervisor.serve import states
+from hydra_supervisor.serve.snapshot import Snapshot
 
 log = logging.getLogger("hydra.notify")
 
@@ -162,24 +162,26 @@ class Notifier:
                 self._sock = None
 
 
-def status_text(snapshot: Mapping[str, Any]) -> str:
+def status_text(snap: Snapshot) -> str:
     """One STATUS= line from the daemon's status snapshot: per lane (or lane-less port) its
     profile, state and URL, and why when its port is down, or it is degraded or fatal.
     `systemctl status` shows it."""
     parts = []
-    for e in snapshot.get("engines") or []:
-        what = e.get("profile") or "no profile"
-        state = e.get("state") or "?"
-        line = f"{what}: {state}"
-        if e.get("standby"):  # the other layout kept loaded beside it (serve/standby.py)
-            parts.append(f"standby {what}: {state}" + (f" ({e['why']})" if e.get("why") else ""))
-            continue
-        if state in states.ANSWERING and e.get("url"):
-            line += f" at {e['url']}"
-        why = e.get("down") or e.get("fatal") or e.get("degraded")
-        if why:
-            line += f" ({why})"
-        parts.append(line)
+    for p in snap.ports:
+        if not p.lanes:
+            parts.append(f"no profile: {p.word()}" + (f" ({p.down})" if p.down else ""))
+        for lane in p.lanes:
+            if lane.role == "standby":  # the other layout kept loaded (serve/standby.py)
+                parts.append(f"standby {lane.profile}: {lane.state}"
+                             + (f" ({lane.why})" if lane.why else ""))
+                continue
+            line = f"{lane.profile}: {lane.state}"
+            if lane.state in states.ANSWERING:
+                line += f" at {p.url}"
+            why = p.down or lane.fatal or lane.degraded
+            if why:
+                line += f" ({why})"
+            parts.append(line)
     return "; ".join(parts) or "no engines"
 
 

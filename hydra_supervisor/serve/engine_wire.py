@@ -41,6 +41,7 @@ from hydra_supervisor.plan.plan import Plan
 from hydra_supervisor.serve import states
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Result, SwitchReport
+from hydra_supervisor.serve.snapshot import LaneStatus, Snapshot
 from hydra_supervisor.tools import binaries, buildid
 from hydra_supervisor.wire import tier_diff, tiers, trust
 from hydra_supervisor.wire.control import ConfigureRefused
@@ -70,7 +71,7 @@ class EngineWire:
 
     def __init__(self, port: Port, loop: asyncio.AbstractEventLoop,
                  node_file: str | None,
-                 published: Callable[[], dict[str, Any]] | None = None) -> None:
+                 published: Callable[[], Snapshot] | None = None) -> None:
         """`published`: the daemon's snapshot as published on the loop (INFO reads that on
         the wire server's threads, never the lanes' live objects)."""
         self.port = port
@@ -143,16 +144,17 @@ class EngineWire:
 
     def info(self) -> dict[str, Any]:
         view = self.view  # one read: every field below describes the same layout
-        snap = self._row(view)
+        lane, state = self._status(view)
         dep = view.dep
         prof = view.profile
         plan = dep.plan if dep is not None else None
         return {
-            "profile": snap["profile"], "mode": snap["mode"], "model": snap["model"],
+            "profile": lane.profile if lane else None, "mode": lane.mode if lane else None,
+            "model": lane.model if lane else None,
             "model_path": plan.model_path if plan else None,
             "model_kind": plan.model_kind if plan else None,
             "transport": plan.transport if plan else None,
-            "state": snap["state"],
+            "state": state,
             "expert_mode": ("combined" if plan and plan.mode == "combine" else "solo")
             if plan else None,
             "peers": [{"name": e.name, "endpoint": e.endpoint, "device": e.device,
@@ -160,9 +162,9 @@ class EngineWire:
             "split": [{"device": p.device, "what": p.what, "layers": p.layers,
                        "weight_bytes": p.weight_bytes, "need_bytes": p.need_bytes}
                       for p in (plan.placements if plan else ())],
-            "processes": [{k: row.get(k) for k in ("name", "role", "pid", "state", "reason",
-                                                   "restarts", "device", "port")}
-                          for row in snap["processes"]],
+            "processes": [{"name": p.name, "role": p.role, "pid": p.pid, "state": p.state,
+                           "reason": p.reason, "restarts": p.restarts, "device": p.device,
+                           "port": p.port} for p in (lane.processes if lane else ())],
             "build": self.build(),
             # this host's build identity; on a mode: peer host the free memory it lends
             **buildid.info_section(getattr(dep, "layout", None)),
@@ -174,20 +176,22 @@ class EngineWire:
             "request_defaults": dict(self.defaults),
         }
 
-    def _row(self, view: WireView) -> dict[str, Any]:
-        """The lane's status row (the port's, when it has no lane), from the published
-        snapshot (before the first one: what the view says)."""
-        lane = view.lane
+    def _status(self, view: WireView) -> tuple[LaneStatus | None, str]:
+        """The wire lane's published status (None: the port has no lane) and its state word
+        (the port's, `idle` or `port down`, without a lane), from the published snapshot;
+        before the first one, what the view says."""
         if self.published is not None:
             with contextlib.suppress(RuntimeError):  # none yet: hydra is starting
-                rows = [r for r in self.published().get("engines") or []
-                        if r.get("port") == self.port.port]
-                mine = [r for r in rows if lane is not None and r.get("profile") == lane]
-                if mine or rows:
-                    row: dict[str, Any] = (mine or rows)[0]
-                    return row
-        return {"profile": lane, "mode": None, "model": None, "state": view.state,
-                "processes": []}
+                port = next((p for p in self.published().ports if p.port == self.port.port),
+                            None)
+                if port is not None:
+                    lanes = port.active()
+                    lane = next((x for x in lanes if x.profile == view.lane),
+                                lanes[0] if lanes else None)
+                    return lane, lane.state if lane is not None else port.word()
+        if view.lane is None:
+            return None, view.state
+        return LaneStatus(name=view.lane, profile=view.lane, state=view.state), view.state
 
     def _expert_modes(self) -> list[str]:
         prof = self._profile()

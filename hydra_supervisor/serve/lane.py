@@ -25,7 +25,7 @@ import collections
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,6 +56,13 @@ from hydra_supervisor.serve.reports import (
     SwitchTimeouts,
 )
 from hydra_supervisor.serve.runner import Runner
+from hydra_supervisor.serve.snapshot import (
+    LaneStatus,
+    ProcessStatus,
+    RemoteLoad,
+    SwitchStatus,
+    frozen_map,
+)
 from hydra_supervisor.serve.states import LaneState
 
 log = logging.getLogger("hydra")
@@ -863,24 +870,12 @@ class Lane:
             return LaneState.LOADING
         return LaneState.RECOVERING
 
-    def process_rows(self, gpu: dict[int, int]) -> list[dict[str, Any]]:
-        """The supervisor's rows plus memory: resident (host) and GPU (NVML) per process."""
+    def process_status(self, gpu: Mapping[int, int]) -> tuple[ProcessStatus, ...]:
+        """Its running processes, with memory: resident (host) and GPU (NVML) per process."""
         sup = self.sup
         if sup is None:
-            return []
-        rows = []
-        for p in sup.procs:
-            row = p.row()
-            pid = row.get("pid")
-            row["rss_bytes"] = None
-            if pid:
-                with contextlib.suppress(psutil.Error):
-                    row["rss_bytes"] = psutil.Process(pid).memory_info().rss
-            row["gpu_bytes"] = gpu.get(pid) if pid else None
-            if p.spec.role is Role.HEAD:  # how far a load onto remote peers has got
-                row["remote_load"] = progress.remote_load(sup.plan, row)
-            rows.append(row)
-        return rows
+            return ()
+        return tuple(_process_status(p, gpu, sup.plan) for p in sup.procs)
 
     def requests_last_min(self) -> int | None:
         """Requests of this lane in about the last minute, from its route's counter sampled at
@@ -895,22 +890,33 @@ class Lane:
             return None
         return total - self._samples[0][1]
 
-    def lane_row(self) -> dict[str, Any]:
-        """Lane facts for the snapshot (the port adds its own)."""
+    def status(self, gpu: Mapping[int, int], *, name: str, state: str, default: bool,
+               standby: str | None = None) -> LaneStatus:
+        """The lane in the published status (serve/snapshot.py); its port gives the label
+        (`name`), the state word (`port down` while the port refuses connections), whether it
+        is the default, and the standby profile kept beside it."""
         st = self.route.stats()
-        now = self.clock()
-        return {
-            "phase": self.phase.value, "aliases": list(self.aliases),
-            "on_demand": self.on_demand, "ttl": self.ttl, "min_resident": self.min_resident,
-            "concurrency": getattr(self.profile, "concurrency", None),
-            "queue": getattr(self.profile, "queue", None),
-            "devices": list(self.devices),
-            "needs_mib": {k: round(v / fleetplan.MIB) for k, v in self.needs.items()},
-            "loads": self.loads, "unloads": self.unloads, "error": self.error, "why": self.why,
-            "resident_s": round(now - self.loaded_at, 1) if self.loaded_at is not None else None,
-            "idle_s": st["idle_s"], "requests": st["requests"], "held": st["held"],
-            "held_reason": st["held_reason"], "inflight": st["inflight"],
-            "running": st["running"], "waiting": st["waiting"]}
+        dep, sup = self.dep, self.sup
+        prof = self.profile
+        return LaneStatus(
+            name=name, profile=self.name, role="standby" if self.standby else "active",
+            state=state, phase=self.phase.value, mode=str(dep.plan.mode),
+            model=dep.model_label, source=dep.plan.source, default=default,
+            aliases=self.aliases, devices=self.devices,
+            needs_mib=frozen_map({k: round(v / fleetplan.MIB) for k, v in self.needs.items()}),
+            on_demand=self.on_demand, ttl=self.ttl, min_resident=self.min_resident,
+            concurrency=prof.concurrency if prof is not None else None,
+            queue=prof.queue if prof is not None else None,
+            switching=self.switching, fatal=sup.fatal if sup is not None else None,
+            degraded=sup.degraded if sup is not None else None,
+            error=self.error, why=self.why, loads=self.loads, unloads=self.unloads,
+            resident_s=(round(self.clock() - self.loaded_at, 1)
+                        if self.loaded_at is not None else None),
+            idle_s=st["idle_s"], requests=st["requests"],
+            requests_last_min=self.requests_last_min(), held=st["held"],
+            held_reason=st["held_reason"], inflight=st["inflight"], running=st["running"],
+            waiting=st["waiting"], standby=standby, processes=self.process_status(gpu),
+            switches=tuple(SwitchStatus.of(r) for r in self.switches))
 
 
 def _profile_of(dep: Deployment) -> Profile | None:
@@ -920,3 +926,24 @@ def _profile_of(dep: Deployment) -> Profile | None:
 def _tail_of(sup: Runner, name: str) -> list[str]:
     mp = next((p for p in sup.procs if p.name == name), None)
     return mp.log_tail() if mp is not None else []
+
+
+def _process_status(p: ManagedProcess, gpu: Mapping[int, int], plan: Plan) -> ProcessStatus:
+    pid = p.pid
+    rss = None
+    if pid:
+        with contextlib.suppress(psutil.Error):
+            rss = psutil.Process(pid).memory_info().rss
+    spec = p.spec
+    load = None
+    if spec.role is Role.HEAD:  # how far a load onto remote peers has got
+        got = progress.remote_load(plan, pid, p.state.value)
+        load = RemoteLoad(**got) if got is not None else None
+    return ProcessStatus(
+        name=p.name, role=spec.role.value, state=p.state.value, pid=pid, host=spec.host,
+        port=spec.port, device=spec.device, reason=p.reason, restarts=p.restarts,
+        started=p.started_wall if p.alive else None, last_exit=p.last_exit,
+        managed=spec.managed, log=str(p.log_path), warning=p.warning,
+        first_failure_log=p.first_failure_log,
+        log_tail=tuple(p.log_tail()) if p.state is State.FATAL else (),
+        rss_bytes=rss, gpu_bytes=gpu.get(pid) if pid else None, remote_load=load)

@@ -21,7 +21,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
@@ -45,6 +45,7 @@ from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import TICK, Node
 from hydra_supervisor.serve.portwatch import PortWatch
 from hydra_supervisor.serve.reports import Busy, Result, SwitchReport, SwitchTimeouts
+from hydra_supervisor.serve.snapshot import PortStatus, RouterCounters, SwitchStatus, parse
 from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.serve.table import Entry, RouteTable
@@ -52,8 +53,6 @@ from hydra_supervisor.serve.table import Entry, RouteTable
 log = logging.getLogger("hydra")
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128")
 DEMAND_WAIT_S = 5.0  # how long a router thread waits for the loop to take a request's load
-
-Row = dict[str, Any]
 
 
 class Port:
@@ -597,70 +596,38 @@ class Port:
             data += self.standby.models(self._created)
         return {"object": "list", "data": data}
 
-    def router_stats(self) -> dict[str, Any] | None:
-        """The port's router counters (held/inflight: every route's gate), None without a
-        router (router: false)."""
+    def router_status(self) -> RouterCounters | None:
+        """The port's router counters (held/inflight: every route's gate) and hydra's restarts
+        of it; None without a router (router: false)."""
         if self.router is None:
             return None
-        st = self.router.stats()
+        st: dict[str, object] = dict(self.router.stats())
         if self.watch is not None:
             st.update(self.watch.counts())
-        return st
+        return parse(RouterCounters, st)
 
-    def row(self, lane: Lane | None, gpu: dict[int, int]) -> Row:
-        """One status row: a lane (or, for a port with none, the port itself); its `router`
-        is None (`snapshot` puts the port's counters on the first row)."""
-        sup = lane.sup if lane is not None else None
-        dep = lane.dep if lane is not None else None
-        word = (states.PORT_DOWN if self.down() else states.IDLE) if lane is None \
-            else self.state_of(lane)
-        row: Row = {
-            "name": f"port-{self.port}/{lane.name}" if lane is not None
-            else f"port-{self.port}",
-            "profile": dep.profile if dep is not None else None,
-            "source": dep.plan.source if dep is not None else None,
-            "mode": dep.plan.mode if dep is not None else None,
-            "model": dep.model_label if dep is not None else None,
-            "host": self.host, "port": self.port, "url": self.url, "state": word,
-            "down": self.down(),
-            "switching": lane.switching if lane is not None else None,
-            "fatal": sup.fatal if sup is not None else None,
-            "degraded": sup.degraded if sup is not None else None,
-            "processes": lane.process_rows(gpu) if lane is not None else [],
-            "requests_last_min": lane.requests_last_min() if lane is not None else None,
-            "router": None,
-            "switches": [s.to_json() for s in (lane.switches if lane is not None
-                                                else self.reports)],
-        }
-        if lane is not None:
-            row["fleet"] = {"port": self.port, "default": lane.name == self.default,
-                            **lane.lane_row()}
-        return row
-
-    def snapshot(self, gpu: dict[int, int] | None = None,
-                 router: dict[str, Any] | None = None) -> list[Row]:
-        """A row per lane (the standby's beside its active one); a copy of the port's router
-        counters rides on the first row only (for `hydra status`; metrics read the port's
-        own, `status_row()`). `router`: those counters when the caller has taken them."""
+    def status(self, gpu: Mapping[int, int] | None = None) -> PortStatus:
+        """The port in the published status (serve/snapshot.py): its address, router
+        counters and lanes, the standby's beside its active one. `gpu`: NVML's bytes per pid
+        when the caller has read them."""
         if gpu is None:
             running = any(x.running for x in self.every_lane())
             gpu = gpumem.used_by_pid() if running else {}
-        st = router if router is not None else self.router_stats()
-        rows = [self.row(lane, gpu) for lane in self.lanes.values()] or [self.row(None, gpu)]
-        rows[0]["router"] = dict(st) if st is not None else None
-        if not self.lanes or self.standby is None:
-            return rows
-        return self.standby.rows(rows, gpu, self.row)
-
-    def port_row(self) -> Row:
-        return {"port": self.port, "url": self.url, "default": self.default,
-                "profiles": list(self.lanes), "alive": self.alive(), "down": self.down()}
-
-    def status_row(self, router: dict[str, Any] | None = None) -> Row:
-        """The port in the snapshot's `ports`: its row and its router's counters (`router`:
-        taken already by the caller)."""
-        return {**self.port_row(), "name": f"port-{self.port}",
-                "router": router if router is not None else self.router_stats()}
+        sb = self.standby
+        pair = sb.wanted() if sb is not None else None  # the standby of the port's one lane
+        lanes = [lane.status(gpu, name=f"port-{self.port}/{lane.name}",
+                             state=self.state_of(lane), default=lane.name == self.default,
+                             standby=pair)
+                 for lane in self.lanes.values()]
+        if sb is not None and self.lanes:
+            extra = sb.status(gpu, f"port-{self.port}/standby", self.state_of)
+            if extra is not None:
+                lanes.append(extra)
+        return PortStatus(name=f"port-{self.port}", host=self.host, port=self.port,
+                          url=self.url, alive=self.alive(), down=self.down(),
+                          default=self.default, router=self.router_status(),
+                          lanes=tuple(lanes),
+                          switches=tuple(SwitchStatus.of(r) for r in self.reports))
 
 
 def _clear_job(lane: Lane, _task: asyncio.Task[Any]) -> None:

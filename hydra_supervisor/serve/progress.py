@@ -10,8 +10,7 @@ promise. Log lines count too (a few KiB).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from hydra_supervisor.plan.plan import Plan
 
@@ -43,13 +42,12 @@ def written_bytes(pid: int, read: Callable[[int], str] = _read_io) -> int | None
     return None
 
 
-def remote_load(plan: Plan, head: Mapping[str, Any],
+def remote_load(plan: Plan, pid: int | None, state: str,
                 read: Callable[[int], str] = _read_io) -> dict[str, int] | None:
-    """{"sent_bytes", "remote_bytes"} while the head (its status row) is starting and its plan
-    puts weights on remote peers; None otherwise."""
+    """{"sent_bytes", "remote_bytes"} while the head (`pid`, in process state `state`) is
+    starting and its plan puts weights on remote peers; None otherwise."""
     total = remote_weight_bytes(plan)
-    pid = head.get("pid")
-    if total <= 0 or not pid or head.get("state") != "STARTING":
+    if total <= 0 or not pid or state != "STARTING":
         return None
     sent = written_bytes(int(pid), read)
     if sent is None:

@@ -29,7 +29,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,6 +46,7 @@ from hydra_supervisor.serve.clock import Clock
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.reports import Busy, Phases, Result, SwitchReport
+from hydra_supervisor.serve.snapshot import LaneStatus, frozen_map
 from hydra_supervisor.serve.states import LaneState
 
 log = logging.getLogger("hydra")
@@ -55,7 +57,6 @@ MIB = fleetplan.MIB
 # (profile, the port's address, ports to leave alone) -> its Deployment (planned in a thread)
 Prepare = Callable[[str, Address, frozenset[int]], Deployment]
 Warm = Callable[[Lane], Awaitable[float]]  # seconds the warm-up request took
-Row = dict[str, Any]
 
 
 class StandbyPort(Protocol):
@@ -355,34 +356,23 @@ class Standby:
 
     # -- status ---------------------------------------------------------------------------------
 
-    def rows(self, rows: list[Row], gpu: dict[int, int],
-             row_of: Callable[[Lane, dict[int, int]], Row]) -> list[Row]:
-        """The port's rows with the standby's beside the active one: each says `standby`
-        true or false, and both layouts' planned MiB per device (`needs_mib`)."""
-        name = self.wanted()
-        active = self._active()
-        if name is None or active is None:
-            return rows
-        for row in rows:
-            row["standby"] = False
-            row["needs_mib"] = _mib(active.needs)
-            row["standby_name"] = name
+    def status(self, gpu: Mapping[int, int], name: str,
+               state_of: Callable[[Lane], str]) -> LaneStatus | None:
+        """The standby in the published status, beside the active lane (role standby): its
+        lane's status when it is loaded, else the profile it wants with why it is not
+        (`why`), and its planned MiB per device; None when the active lane has none."""
+        want, active = self.wanted(), self._active()
+        if want is None or active is None:
+            return None
         lane = self.lane
         if lane is not None:
-            row = row_of(lane, gpu)
-            row["router"] = None  # the port's counters ride on its first row
-            row["switches"] = []  # the port's switch history is on the active row
+            # (the port's switch history stays on the active lane's status)
+            base = replace(lane.status(gpu, name=name, state=state_of(lane), default=False),
+                           switches=())
         else:
-            row = {"profile": name, "source": None, "mode": None, "model": None,
-                   "host": self.port.host, "port": self.port.port, "url": self.port.url,
-                   "state": LaneState.STOPPED.value, "down": None, "switching": None,
-                   "fatal": None, "degraded": None, "processes": [],
-                   "requests_last_min": None, "router": None, "switches": []}
-        row.update({"name": f"port-{self.port.port}/standby", "standby": True,
-                    "standby_of": active.name, "why": self.why, "warm_s": self.warm_s,
-                    "flips": self.flips,
-                    "needs_mib": _mib(lane.needs if lane is not None else self.needs)})
-        return [*rows, row]
+            base = LaneStatus(name=name, profile=want, needs_mib=frozen_map(_mib(self.needs)))
+        return replace(base, role="standby", standby_of=active.name, why=self.why,
+                       warm_s=self.warm_s, flips=self.flips)
 
     def models(self, created: int) -> list[dict[str, Any]]:
         """/v1/models entries of the standby (the port's lane entries say standby: false)."""

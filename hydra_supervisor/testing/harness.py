@@ -22,6 +22,7 @@ from hydra_supervisor.config.paths import repo_root
 from hydra_supervisor.jsontypes import JSONObject
 from hydra_supervisor.plan.ports import free_port as free_port  # re-exported for the tests
 from hydra_supervisor.proc.state import SupervisorRecord
+from hydra_supervisor.serve.snapshot import LaneStatus, Snapshot
 
 REPO = repo_root()
 HYDRA = [sys.executable, "-m", "hydra_supervisor"]
@@ -60,6 +61,7 @@ class Status(TypedDict, total=False):
     supervisor: SupervisorRecord | None
     status: StatusFile | None
     abnormal_end: JSONObject | None
+    daemon: JSONObject  # the snapshot's JSON (docs/control.md): `snapshot()` reads it typed
 
 
 def free_port_range(n: int = 8) -> tuple[int, int]:
@@ -130,6 +132,16 @@ def status_json(env: dict[str, str]) -> Status:
         return Status(running=False, supervisor=state.running_supervisor(),
                       status=cast(StatusFile | None, state.read_status_checked()),
                       abnormal_end=state.abnormal_end())
+
+
+def snapshot(env: dict[str, str]) -> Snapshot:
+    """The running hydra's status, typed (`daemon` in `hydra status --json`)."""
+    return Snapshot.from_json(status_json(env).get("daemon"))
+
+
+def lanes(env: dict[str, str]) -> list[LaneStatus]:
+    """Every lane of every port of the running hydra (standby lanes included), in order."""
+    return [lane for _, lane in snapshot(env).lanes()]
 
 
 def descendants(pid: int) -> list[psutil.Process]:

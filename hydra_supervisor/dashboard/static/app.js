@@ -240,22 +240,26 @@ async function poll() {
   }
 }
 
-function engines(st) { return (st && st.snapshot && st.snapshot.engines) || []; }
+// The snapshot's JSON (docs/control.md, "The status schema"): ports, each with its lanes.
+function ports(st) { return (st && st.snapshot && st.snapshot.ports) || []; }
+function lanes(st) { return ports(st).flatMap((p) => p.lanes || []); }
 
 function feedCharts(st) {
   const t = st.now;
   const reqs = {}, toks = {};
   let anyMetrics = false, heads = 0;
-  for (const e of engines(st)) {
-    const name = e.profile || e.name;
-    const n = e.fleet ? e.fleet.requests : e.router && e.router.http ? e.router.http.requests : null;
-    reqs[name] = n ?? null;
+  for (const p of ports(st)) {
+    if (!(p.lanes || []).length && p.router) reqs[p.name] = p.router.http.requests ?? null;
+  }
+  for (const e of lanes(st)) {
+    const name = e.profile;
+    reqs[name] = e.requests ?? null;
     const h = (st.heads || {})[name];
     if (h) {
       heads++;
       if (h.metrics) anyMetrics = true;
       toks[name] = h.metrics ? (h.predicted ?? null) : null;
-    } else if (e.fleet || e.profile) {
+    } else {
       toks[name] = null;
     }
   }
@@ -271,89 +275,82 @@ function feedCharts(st) {
 function render(st) {
   if (!st || !st.snapshot) return;
   const snap = st.snapshot;
-  const rows = engines(st);
-  const up = st.now - snap.started;
+  const rows = lanes(st);
+  const up = st.now - snap.daemon.started;
   const word = summaryWord(snap);
-  $("summary").replaceChildren(badge(word), ` pid ${snap.pid} · up ${fmtDur(up)} · ${snap.state_dir}`);
+  $("summary").replaceChildren(badge(word), ` pid ${snap.daemon.pid} · up ${fmtDur(up)} · ${snap.daemon.state_dir}`);
   const fresh = $("freshness");
   fresh.textContent = `data ${st.age_s < 1 ? "live" : `${st.age_s.toFixed(0)} s old`}`;
   fresh.classList.toggle("stale", st.age_s > 5);
   $("reload").disabled = busy;
-  renderPorts(st, rows);
+  renderPorts(st);
   renderDevices(st, rows);
   renderProcesses(st, rows);
-  renderSwitches(rows);
+  renderSwitches(snap);
   updateLogChoices(rows);
 }
 
 function summaryWord(snap) {
-  const rows = snap.engines || [];
-  if (snap.fleets) {
-    if (snap.fleets.some((f) => f.down)) return "port down";
-    if (rows.some((r) => r.state === "failed")) return "degraded";
-    return rows.some((r) => r.state === "serving") ? "serving" : "idle";
-  }
-  return rows[0] ? rows[0].state : "–";
+  const ps = snap.ports || [];
+  const rows = ps.flatMap((p) => (p.lanes || []).filter((l) => l.role === "active"));
+  if (ps.some((p) => p.down)) return "port down";
+  if (rows.some((r) => r.state === "failed")) return "degraded";
+  return rows.some((r) => r.state === "serving") ? "serving" : "idle";
 }
 
-function renderPorts(st, rows) {
-  const snap = st.snapshot;
+function renderPorts(st) {
   const box = $("ports");
-  const ports = snap.fleets
-    ? snap.fleets.map((f) => ({ port: f.port, url: f.url, down: f.down, alive: f.alive, def: f.default,
-      rows: rows.filter((r) => r.port === f.port) }))
-    : rows.map((r) => ({ port: r.port, url: r.url, down: r.down, alive: !r.down, def: r.profile, rows: [r] }));
   const out = [];
-  for (const p of ports) {
+  for (const p of ports(st)) {
+    const mine = p.lanes || [];
+    const n = mine.filter((l) => l.role === "active").length;
     const head = el("div", { class: "port-head" },
       el("a", { href: p.url, text: `port ${p.port}` }),
       p.down ? badge("port down") : badge("alive"),
-      el("span", { class: "muted", text: p.down || (snap.fleets
-        ? `${p.url}  ·  ${p.rows.length} profile${p.rows.length === 1 ? "" : "s"}, routed by the request's "model"`
-        : `${p.url}  ·  one profile at a time (switch it below)`) }));
+      el("span", { class: "muted", text: p.down || (n
+        ? `${p.url}  ·  ${n} profile${n === 1 ? "" : "s"}, routed by the request's "model"`
+        : `${p.url}  ·  no profile loaded (switch one in below)`) }));
     const tbody = el("tbody");
-    for (const r of p.rows) tbody.append(profileRow(st, r, p.def));
+    for (const r of mine) tbody.append(profileRow(st, r));
     const table = el("table", { class: "grid" },
       el("thead", {}, el("tr", {}, ...["profile", "state", "mode", "model", "devices", "requests", "loads", "why / note", ""]
         .map((h) => el("th", { text: h })))), tbody);
-    out.push(el("div", { class: "port", "data-port": p.port }, head, table));
+    out.push(el("div", { class: "port", "data-port": p.port }, head, table,
+      mine.length ? null : singleSwitch(st)));
   }
-  if (!snap.fleets) out.push(singleSwitch(st, rows[0]));
   patchChildren(box, out);
 }
 
-function profileRow(st, r, def) {
-  const f = r.fleet || {};
-  const name = r.profile || "(none)";
-  const devs = f.devices || [...new Set((r.processes || []).map((p) => p.device))];
+function profileRow(st, r) {
+  const name = r.profile;
   const running = r.state === "serving";
-  let button = null;
-  if (r.fleet) {
-    button = el("button", {
-      type: "button", "data-action": "switch", "data-profile": name, disabled: busy || running || f.phase === "loading",
-      title: "Load this profile (profiles sharing its devices are stopped first)", text: running ? "serving" : "Switch to",
-      onclick: () => act("switch", { profile: name }, `switch to ${name}`),
-    });
-  }
-  const note = r.switching ? `switching to ${r.switching}` : f.error || r.fatal || r.degraded || (r.down) ||
-    (r.state !== "serving" ? f.held_reason || f.why : "") || "";
-  const req = f.requests ?? (r.router && r.router.http ? r.router.http.requests : null);
+  const standby = r.role === "standby";
+  const button = el("button", {
+    type: "button", "data-action": "switch", "data-profile": name, disabled: busy || (running && !standby) || r.phase === "loading",
+    title: standby ? "Flip the port to this standby layout (it is loaded and warm)" : "Load this profile (profiles sharing its devices are stopped first)",
+    text: running && !standby ? "serving" : "Switch to",
+    onclick: () => act("switch", { profile: name }, `switch to ${name}`),
+  });
+  const note = r.switching ? `switching to ${r.switching}` : r.error || r.fatal || r.degraded ||
+    (r.state !== "serving" ? r.held_reason || r.why : "") || "";
+  const req = r.requests;
   return el("tr", { "data-profile": name },
-    el("td", {}, el("b", { text: name }), def === name ? el("span", { class: "muted", text: " (default)" }) : null),
+    el("td", {}, el("b", { text: name }), r.default ? el("span", { class: "muted", text: " (default)" }) : null,
+      standby ? el("span", { class: "muted", text: ` (standby of ${r.standby_of})` }) : null),
     el("td", {}, badge(r.state)),
     el("td", { text: r.mode || "–" }),
     el("td", { text: r.model || "–" }),
-    el("td", { text: devs.join(", ") || "–" }),
+    el("td", { text: (r.devices || []).join(", ") || "–" }),
     el("td", { class: "num", "data-requests": req ?? "", text: req ?? "–" }),
-    el("td", { class: "num", text: f.loads ?? "–" }),
+    el("td", { class: "num", text: r.loads ?? "–" }),
     el("td", { class: "reason", text: note }),
     el("td", {}, button));
 }
 
 let singleChoice = null;
-function singleSwitch(st, row) {
+function singleSwitch(st) {
   const sel = el("select", { "aria-label": "profile to switch to" });
-  for (const p of st.profiles || []) sel.append(el("option", { value: p, text: p, selected: p === (singleChoice || (row && row.profile)) }));
+  for (const p of st.profiles || []) sel.append(el("option", { value: p, text: p, selected: p === singleChoice }));
   sel.addEventListener("change", () => { singleChoice = sel.value; });
   return el("div", { class: "port-head" }, el("span", { text: "Switch this port to" }), sel,
     el("button", { type: "button", "data-action": "switch", disabled: busy,
@@ -367,8 +364,8 @@ function renderDevices(st, rows) {
   const procs = rows.flatMap((r) => (r.processes || []).map((p) => ({ ...p, profile: r.profile })));
   const planned = {};
   for (const r of rows) {
-    if (!r.fleet || !["serving", "loading"].includes(r.fleet.phase)) continue;
-    for (const [k, v] of Object.entries(r.fleet.needs_mib || {})) planned[k] = (planned[k] || 0) + v * 1048576;
+    if (!["serving", "loading"].includes(r.phase)) continue;
+    for (const [k, v] of Object.entries(r.needs_mib || {})) planned[k] = (planned[k] || 0) + v * 1048576;
   }
   const h = d.host;
   if (h) {
@@ -464,11 +461,10 @@ function colorOf(name) {
   return phaseColor[name];
 }
 
-function renderSwitches(rows) {
-  const all = [];
-  for (const r of rows) for (const s of r.switches || []) all.push({ ...s, profile: r.profile });
-  // between a port's profiles: the daemon's log (with times), newest last
-  for (const s of (lastState && lastState.snapshot && lastState.snapshot.switches) || []) all.push(s);
+function renderSwitches(snap) {
+  // every lane's last changes (with times), and a port's whose first switch failed; newest last
+  const all = [...(snap.switches || [])];
+  for (const p of snap.ports || []) if (!(p.lanes || []).length) all.push(...(p.switches || []));
   all.sort((a, b) => (a.at || 0) - (b.at || 0));
   const box = $("switches");
   if (!all.length) { box.replaceChildren(el("p", { class: "muted", text: "No switch yet." })); return; }
