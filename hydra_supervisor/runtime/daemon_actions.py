@@ -244,7 +244,8 @@ class Actions:
             log.warning("reload: not applied: %s", "; ".join(skipped))
         notes = [f"not applied: {k}" for k in skipped]
         if not done:
-            log.info("reload: nothing changed; nothing to do")
+            names = ", ".join(x.name for x in self.lanes() if not x.standby)
+            log.info("reload: %s is unchanged; nothing to do", names or "no profile")
             return {"result": Result.NOOP.value, "reloaded": {}, "reports": [],
                     "not_applied": skipped, "notes": notes,
                     "reason": "nothing it can apply changed" if skipped

@@ -365,7 +365,9 @@ def degrade_to_solo(tmp: Path) -> FaultResult:
 
 
 def _by_name(env: dict[str, str]) -> dict[str, EngineRow]:
-    return {e["name"]: e for e in engine_rows(env)}
+    """The processes by their role part (`head`, `peer-cpu-peer`): hydra names them
+    PROFILE.ROLE."""
+    return {e["name"].split(".", 1)[-1]: e for e in engine_rows(env)}
 
 
 def kill_peer_during_load(tmp: Path) -> FaultResult:
@@ -427,7 +429,7 @@ def sigstop_peer(tmp: Path) -> FaultResult:
         detected, recovered = _watch(env, port, t0, {_pid(peer), _pid(head)}, 90 + load)
     with contextlib.suppress(ProcessLookupError):
         os.kill(_pid(peer), signal.SIGCONT)
-    reason = next((e["reason"] for e in engine_rows(env) if e["name"] == "head"), "")
+    reason = next((e["reason"] for e in engine_rows(env) if e["name"].endswith(".head")), "")
     return FaultResult("SIGSTOP peer (frozen)", load, detected, recovered, client.failed,
                        client.sent, _finish(up, seen), notes=f"head restarts: "
                        f"{_by_name(env).get('head', {}).get('restarts')}; {reason[:60]}")
