@@ -20,8 +20,9 @@ reused keep-alive upstream connection that turned out stale is replaced at once,
 An upstream that dies mid-response ends an SSE response with an error event (the openai client
 raises APIError on it) and closes the client connection.
 
-router/upstream.py holds the upstream pool, the request as it goes upstream and ``SessionHost``
-(what a session needs of its router); router/replies.py what the router writes itself.
+router/upstream.py holds the upstream pool, the request as it goes upstream, ``SessionHost``
+(what a session needs of its router) and ``SessionCounts`` (the counters it reports into);
+router/replies.py what the router writes itself.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class HttpSession:
                 raise head.HeadError(431, "request head over 64 KiB")
             if not self.buf.strip(b"\r\n"):
                 # Marked idle while blocked here: the acceptor may close this connection to
-                # admit a waiting one when descriptors run short (router/acceptor.py).
+                # admit a waiting one when descriptors run short (Ledger.admit).
                 self.conn.idle_since = time.monotonic()
                 try:
                     data = self._recv_client(self.r.idle_timeout)
