@@ -256,7 +256,7 @@ def test_slowloris_closed_by_timeouts(standin: StandIn, routers: list[Router]) -
 def _tick_failing(router: Router, times: int | None) -> list[float]:
     """Make the acceptor loop's periodic tick raise ``times`` times (None: always)."""
     calls: list[float] = []
-    real = router._tick
+    real = router.acceptor.tick
 
     def tick(now: float) -> None:
         calls.append(now)
@@ -264,7 +264,7 @@ def _tick_failing(router: Router, times: int | None) -> list[float]:
             raise RuntimeError("injected acceptor failure")
         real(now)
 
-    router._tick = tick  # type: ignore[method-assign]
+    router.acceptor.tick = tick
     return calls
 
 

@@ -25,6 +25,7 @@ import pytest
 import requests
 
 from hydra_supervisor.router import Router, Upstreams, limits, raise_nofile
+from hydra_supervisor.router.conn import Conn
 from hydra_supervisor.testing.routerhelp import (
     HOST,
     ROUTER_CHILD,
@@ -243,7 +244,9 @@ def test_rpc_relay_not_idle_timed_http_keepalive_is() -> None:
         with connect(r.port) as c:
             c.sendall(RPC_HELLO)
             assert recv_exact(c, 4 + len(RPC_HELLO)) == b"rpc:" + RPC_HELLO
-            [conn] = list(r._active.values())
+            admitted: list[Conn] = []
+            r.ledger.each_active(admitted.append)
+            [conn] = admitted
             assert conn.client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             time.sleep(1.0)  # 5x the HTTP idle timeout: a head's quiet link stays up
             c.sendall(b"ping")

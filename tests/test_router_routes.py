@@ -528,11 +528,11 @@ def test_pool_keeps_every_routes_upstream(rig: Rig, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(router_upstream, "_POOL_AGE_S", 60.0)
     assert chat(rig.r.port, "a").status == 200 and chat(rig.r.port, "b").status == 200
     wait_until(lambda: rig.r.pool.idle() == 2, what="both upstream connections pooled")
-    rig.r._tick(time.monotonic())  # the acceptor's periodic reap: the routes' upstreams are kept
+    rig.r.acceptor.tick(time.monotonic())  # the periodic reap: the routes' upstreams are kept
     assert rig.r.pool.idle() == 2 and rig.r.stats()["pooled"] == 2
     assert chat(rig.r.port, "a").status == 200 and chat(rig.r.port, "b").status == 200
     wait_until(lambda: rig.r.pool.idle() == 2, what="connections back in the pool")
     # A route that moved away from its upstream: that upstream's idle connection is closed.
     rig.b.http = None
-    rig.r._tick(time.monotonic())
+    rig.r.acceptor.tick(time.monotonic())
     assert rig.r.pool.idle() == 1

@@ -1,14 +1,15 @@
 """The first-byte router: one external port carrying ggml-RPC, Hydra control and HTTP.
 
 ``classify`` owns the sans-IO decision on a connection's first bytes; ``conn`` one connection's
-state and where it goes; ``core`` is the ``Router`` (its public API and counters), built of
-``acceptor`` (the listener, admission: allow list, bounded queues, timeouts) and ``relay`` (the
-worker pool and the byte relay to the engine's local ggml-rpc-server or hydra's control
+state and where it goes; ``core`` is the ``Router`` (its public API), which composes
+``ledger`` (the state its threads share: admitted connections, descriptors, stopping, counters),
+``acceptor`` (the listener and admission: allow list, bounded queues, timeouts) and ``relay``
+(the worker pool and the byte relay to the engine's local ggml-rpc-server or hydra's control
 handler); ``http`` is the request-aware HTTP leg to the internal llama-server (h11): its
 session (reading requests, forwarding, retries, cuts), with ``upstream`` (the upstream pool,
-the request as it goes upstream, ``SessionHost``: what a session needs of its router, so that
-nothing below ``core`` imports it) and ``replies`` (what the router writes itself, the request
-record, the ``JSONValue`` alias);
+the request as it goes upstream, ``SessionHost``/``SessionCounts``: what a session needs of its
+router, so that nothing below ``core`` imports it) and ``replies`` (what the router writes
+itself, the request record, the ``JSONValue`` alias);
 ``routes`` the route table's Routes (each HTTP request goes to the one its table picks:
 the router has no gate of its own) and their limiters; ``gate`` decides when a route's request
 may go upstream (hold/release, unavailable, in flight); ``defaults`` merges T1 defaults into

@@ -4,9 +4,9 @@ One *acceptor* thread (a ``selectors`` loop) accepts, reads each new connection'
 without blocking, enforces the first-byte timeout, the allow list and the bounded queues
 (silent connections, classified ones waiting for a relay slot, refused ones lingering until the
 client's EOF), evicts silent connections for room (a flood evicts its own; the per-source cap)
-and admits a waiting connection when the descriptor budget has room, handing it to a pooled
-worker (router/relay.py). ``Acceptor`` is a part of ``Router`` (router/core.py), which holds
-the state it reads and writes.
+and admits a waiting connection when the ``Ledger`` (router/ledger.py) has room for it, handing
+it to the ``Relays`` (router/relay.py's ``Relay``: pooled workers). ``Acceptor`` owns the
+listener and that thread; the ``Router`` (router/core.py) opens, starts and closes it.
 """
 
 from __future__ import annotations
@@ -18,28 +18,27 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from hydra_supervisor.router import limits
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 from hydra_supervisor.router.conn import (
     Conn,
-    Network,
     Pending,
     Queues,
     SockAddr,
     Upstreams,
     fmt_addr,
+    parse_allow,
     set_keepalive,
     set_nodelay,
     source_ip,
     unwatch,
 )
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER
+from hydra_supervisor.router.ledger import Ledger
 from hydra_supervisor.router.replies import http_error_response
-from hydra_supervisor.router.routes import Route
-from hydra_supervisor.router.upstream import UpstreamPool
 
 log = logging.getLogger("hydra.router")
 
@@ -47,67 +46,170 @@ FIRST_READ = 64 * 1024
 _ACCEPT_BATCH = 64
 _EMFILE_BACKOFF_S = 0.1
 _TICK_S = 1.0
-# An idle keep-alive connection is closed for room only after this long idle: a client that is
-# about to send its next request has usually sent it by then.
-_IDLE_CLOSE_MIN_S = 0.05
 # The acceptor restarts its loop after a failure; this many failures within the window end it.
 _ACCEPTOR_MAX_FAILS = 5
 _ACCEPTOR_FAIL_WINDOW_S = 10.0
 
 
-class Acceptor:
-    """The acceptor thread's part of ``Router``: ``_accept_loop`` and what it calls."""
+class Relays(Protocol):
+    """Where the acceptor hands the connections it admits (router/relay.py's ``Relay``)."""
 
-    # The Router's state this part uses (router/core.py sets it in Router.__init__).
-    name: str
-    acceptor_error: str | None
-    pool: UpstreamPool
-    _lock: threading.Lock
-    _stopping: bool
-    _listener: socket.socket | None
-    _wake_r: socket.socket | None
-    _wake_w: socket.socket | None
-    _ids: itertools.count[int]
-    _allow: tuple[Network, ...]
-    _upstreams: Upstreams
-    _routes: list[Route]
-    _first_byte_timeout: float
-    _queue_timeout: float
-    _evict_after: float
-    _pending_cap: int
-    _max_per_source: int
-    _max_waiting: int
-    _max_active: int | None
-    _http_mode: str
-    _pump_kind: str
-    _active: dict[int, Conn]
-    _n_pending: int
-    _fds_active: int
-    _fd_budget: int
-    _open_peak: int
-    _c: dict[str, int]
-    _events: collections.Counter[str]
-    _by_kind: dict[str, int]
+    def fd_cost(self, kind: Kind) -> int:
+        """Descriptors a connection of ``kind`` holds once admitted."""
+        ...
 
-    if TYPE_CHECKING:  # the Router's (core.py) and the relay's (relay.py)
-        def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None: ...
-        def count_event(self, reason: str, detail: str = "") -> None: ...
-        def _log_close(self, conn: Conn) -> None: ...
-        def _http_session(self, conn: Conn, ups: Upstreams) -> None: ...
-        def _run(self, fn: Callable[..., None], *args: object) -> None: ...
-        def _relay(self, conn: Conn, ups: Upstreams) -> None: ...
-        def _reap_idle(self, now: float) -> None: ...
+    def serve(self, conn: Conn, ups: Upstreams) -> None:
+        """Run ``conn`` on a worker; RuntimeError when no thread can be started for it."""
+        ...
 
-    # ---------------------------------------------------------------- acceptor
 
-    def _wake(self) -> None:
-        w = self._wake_w
+class Waker:
+    """Wakes the acceptor's select loop from other threads (a relay slot freed, stop): a
+    socket pair, made when the acceptor opens and closed when it closes."""
+
+    def __init__(self) -> None:
+        self._r: socket.socket | None = None
+        self._w: socket.socket | None = None
+
+    def open(self) -> socket.socket:
+        """A fresh pair; returns the end the acceptor selects on."""
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        self._r, self._w = r, w
+        return r
+
+    def wake(self) -> None:
+        w = self._w
         if w is None:
             return
         try:
             w.send(b"\0")
         except (BlockingIOError, OSError):
             pass  # a wake is already queued, or we are shutting down
+
+    def close(self) -> None:
+        for s in (self._r, self._w):
+            if s is not None:
+                s.close()
+        self._r = self._w = None
+
+
+class Acceptor:
+    """The listener and the acceptor thread: admission into ``ledger``, admitted connections
+    to ``relays``. ``upstreams`` (set by the router) go with each connection it admits;
+    ``tick`` is called once a second on its thread (the router's housekeeping)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        relays: Relays,
+        waker: Waker,
+        upstreams: Upstreams,
+        *,
+        name: str,
+        allow: Sequence[str],
+        first_byte_timeout: float,
+        queue_timeout: float,
+        evict_after: float,
+        max_pending: int,
+        max_pending_per_source: int | None,
+        max_waiting: int,
+        tick: Callable[[float], None],
+        thread_factory: Callable[..., threading.Thread],
+    ) -> None:
+        self.name = name
+        self.ledger = ledger
+        self.relays = relays
+        self.waker = waker
+        self.upstreams = upstreams
+        self.tick = tick
+        self._thread_factory = thread_factory
+        self._allow = parse_allow(allow)
+        self._first_byte_timeout = first_byte_timeout
+        self._queue_timeout = queue_timeout
+        self._evict_after = evict_after
+        self._max_pending = max_pending
+        self._pending_cap = max_pending  # sized from the open-file limit at open()
+        self._max_per_source = (max_pending if max_pending_per_source is None
+                                else min(max_pending_per_source, max_pending))
+        self._max_waiting = max_waiting
+        self._ids = itertools.count(1)
+        self.listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        # Why the acceptor gave up (after repeated failures), until the next start().
+        self.error: str | None = None
+
+    @property
+    def allow(self) -> list[str]:
+        """The allow list as CIDR strings."""
+        return [str(n) for n in self._allow]
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def open(self, bind_host: str, port: int, nofile: int) -> SockAddr:
+        """Bind the listener (raises OSError: port taken, bad address) and size the silent
+        queue to the soft open-file limit ``nofile``; returns the bound address."""
+        infos = socket.getaddrinfo(
+            bind_host or None,
+            port,
+            type=socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE,
+        )
+        family, _, _, _, sockaddr = infos[0]
+        dual = family == socket.AF_INET6 and bind_host in ("::", "")
+        # Backlog: the kernel holds connections we have not accepted yet (also while the
+        # acceptor pauses because the waiting queue is full); the kernel caps it at somaxconn.
+        listener = socket.create_server(
+            sockaddr[:2], family=family, backlog=max(1024, self._max_pending), dualstack_ipv6=dual
+        )
+        listener.setblocking(False)
+        self._wake_r = self.waker.open()
+        # The silent queue holds descriptors too: under a low open-file limit it gets at most
+        # an eighth of them, so that admitted relays keep the rest (1024 -> 128).
+        soft = nofile if nofile > 0 else 1024
+        self._pending_cap = max(16, min(self._max_pending, soft // 8))
+        self.listener = listener
+        bound: SockAddr = listener.getsockname()
+        return bound
+
+    def queued_fds(self) -> int:
+        """Descriptors the acceptor's queues may hold at once (silent and waiting)."""
+        return self._pending_cap + self._max_waiting
+
+    def start(self) -> None:
+        """Start the acceptor thread on the open listener; if it cannot start, the listener
+        is closed again and the RuntimeError raised."""
+        self.error = None
+        thread = self._thread_factory(
+            target=self._accept_loop, name=f"router-{self.name}-accept", daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError:
+            if self.listener is not None:
+                self.listener.close()
+            self.waker.close()
+            self.listener = self._wake_r = None
+            raise
+        self._thread = thread
+
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        """After the thread ended (it closes the listener): forget it; open() may follow."""
+        self.waker.close()
+        self.listener = self._wake_r = None
+        self._thread = None
+
+    # ---------------------------------------------------------------- acceptor
 
     def _is_allowed(self, peer: SockAddr) -> bool:
         ip = source_ip(peer)
@@ -122,12 +224,12 @@ class Acceptor:
         failures in a row (``_ACCEPTOR_MAX_FAILS`` within ``_ACCEPTOR_FAIL_WINDOW_S``) end it:
         the listener is then closed, so clients are refused rather than left hanging in the
         backlog, and ``alive()`` turns False for the owner to see (hydra status, watchdog)."""
-        listener, wake_r = self._listener, self._wake_r
+        listener, wake_r = self.listener, self._wake_r
         assert listener is not None and wake_r is not None
         q = Queues()
         fails: collections.deque[float] = collections.deque()
         try:
-            while not self._stopping:
+            while not self.ledger.stopping:
                 try:
                     self._accept_run(listener, wake_r, q)
                     return
@@ -136,10 +238,9 @@ class Acceptor:
                     fails.append(now)
                     while fails and now - fails[0] > _ACCEPTOR_FAIL_WINDOW_S:
                         fails.popleft()
-                    with self._lock:
-                        self._events["acceptor_restart"] += 1
+                    self.ledger.count_event("acceptor_restart", log_it=False)
                     if len(fails) >= _ACCEPTOR_MAX_FAILS:
-                        self.acceptor_error = f"{type(e).__name__}: {e}"
+                        self.error = f"{type(e).__name__}: {e}"
                         log.exception(
                             "router %s: acceptor failed %d times in %gs; giving up: the port "
                             "refuses connections until the router is restarted", self.name,
@@ -151,8 +252,7 @@ class Acceptor:
         finally:
             for conn in q.everyone():
                 self._drop(conn, "router stopped", None)
-            with self._lock:
-                self._n_pending = 0
+            self.ledger.set_pending(0)
             listener.close()
 
     def _accept_run(self, listener: socket.socket, wake_r: socket.socket, q: Queues) -> None:
@@ -165,7 +265,7 @@ class Acceptor:
             listening = False
             paused_until = 0.0
             next_tick = time.monotonic() + _TICK_S
-            while not self._stopping:
+            while not self.ledger.stopping:
                 now = time.monotonic()
                 room_at = self._room_at(q.pending, now)
                 want = (not paused_until and len(q.waiting) < self._max_waiting
@@ -215,9 +315,8 @@ class Acceptor:
                 self._admit(q.waiting)
                 if now >= next_tick:
                     next_tick = now + _TICK_S
-                    self._tick(now)
-                with self._lock:
-                    self._n_pending = len(q.pending) + len(q.waiting)
+                    self.tick(now)
+                self.ledger.set_pending(len(q.pending) + len(q.waiting))
         finally:
             sel.close()
 
@@ -242,11 +341,6 @@ class Acceptor:
         unwatch(sel, conn)
         self._drop(conn, f"acceptor error: {type(e).__name__}: {e}", "conn_error")
 
-    def _tick(self, now: float) -> None:
-        keep = {r.http for r in self._routes}
-        self.pool.reap(keep={k for k in keep if k is not None})
-        self._reap_idle(now)
-
     def _unpend(self, sel: selectors.BaseSelector, pending: Pending, conn: Conn) -> None:
         pending.remove(conn)
         unwatch(sel, conn)
@@ -265,14 +359,14 @@ class Acceptor:
         503 with Retry-After (not a reset), then the connection lingers until EOF."""
         self._unpend(sel, q.pending, victim)
         victim.note(why)
-        self.count_refused(counter, why)
+        self.ledger.count_refused(counter, why)
         self._linger(sel, q, victim, http_error_response(
             503, "hydra router: too many connections waiting, try again",
             DEFAULT_RETRY_AFTER))
 
     def _accept_batch(self, sel: selectors.BaseSelector, q: Queues) -> bool:
         """Accept what the kernel has queued. False when out of descriptors (caller backs off)."""
-        listener = self._listener
+        listener = self.listener
         assert listener is not None
         for _ in range(_ACCEPT_BATCH):
             if len(q.waiting) >= self._max_waiting:
@@ -293,11 +387,10 @@ class Acceptor:
                 return True
             except OSError as e:
                 # EMFILE/ENFILE/ENOBUFS: the listener stays readable; back off instead of spinning.
-                self.count_event("accept_failed", f"{e.strerror or e}")
+                self.ledger.count_event("accept_failed", f"{e.strerror or e}")
                 return False
             conn = Conn(next(self._ids), client, peer, now)
-            with self._lock:
-                self._c["accepted"] += 1
+            self.ledger.count_accepted()
             try:
                 self._take(sel, q, conn, now)
             except Exception as e:
@@ -315,7 +408,7 @@ class Acceptor:
                                    "silent_source_limit")
             else:
                 conn.note("too many silent connections from its address")
-                self.count_refused("silent_source_limit", conn.src)
+                self.ledger.count_refused("silent_source_limit", conn.src)
                 conn.client.setblocking(False)
                 self._linger(sel, q, conn, http_error_response(
                     503,
@@ -398,64 +491,23 @@ class Acceptor:
         conn.deadline = time.monotonic() + self._queue_timeout
         q.waiting.append(conn)
 
-    def _fd_cost(self, kind: Kind) -> int:
-        if kind is Kind.HTTP and self._http_mode == "aware":
-            return limits.FDS_HTTP
-        return limits.FDS_SPLICE if self._pump_kind == "splice" else limits.FDS_HTTP
-
     def _admit(self, waiting: collections.deque[Conn]) -> None:
+        """Admit waiting connections, oldest first, while the ledger has room for them, and
+        hand each to a worker (router/relay.py) with the upstreams of the moment."""
         while waiting:
             conn = waiting[0]
             assert conn.kind is not None
-            cost = self._fd_cost(conn.kind)
-            with self._lock:
-                if self._stopping:
-                    return
-                full = self._max_active is not None and len(self._active) >= self._max_active
-                if full or (self._fds_active + cost > self._fd_budget and self._active):
-                    # Wait for a relay to end rather than fail one with EMFILE; idle keep-alive
-                    # connections (between requests) are closed to make room, as HTTP allows.
-                    self._close_idle_locked(len(waiting))
-                    return
-                waiting.popleft()
-                conn.cost = cost
-                self._fds_active += cost
-                self._active[conn.id] = conn
-                self._open_peak = max(self._open_peak, len(self._active))
-                self._by_kind[conn.kind.value] += 1
-            if conn.kind is Kind.HTTP and self._http_mode == "aware":
-                conn.session = True
-                fn: Callable[[Conn, Upstreams], None] = self._http_session
-            else:
-                fn = self._relay
+            if not self.ledger.admit(conn, self.relays.fd_cost(conn.kind), len(waiting)):
+                return  # stopping, or no room until a relay ends (its finish wakes us)
+            waiting.popleft()
             try:
-                self._run(fn, conn, self._upstreams)
+                self.relays.serve(conn, self.upstreams)
             except RuntimeError as e:  # Thread.start failed: out of threads or memory
                 self._no_thread(conn, e)
 
-    def _close_idle_locked(self, want: int) -> None:
-        """Close up to ``want`` HTTP connections idle between requests, longest idle first.
-        Not an active connection: an HTTP/1.1 server may close an idle keep-alive connection
-        at any time, and clients reconnect (the openai client retries such a request)."""
-        now = time.monotonic()
-        idle = [c for c in self._active.values()
-                if c.idle_since is not None and now - c.idle_since >= _IDLE_CLOSE_MIN_S]
-        idle.sort(key=lambda c: c.idle_since or 0.0)
-        for conn in idle[:want]:
-            conn.idle_since = None
-            conn.note("idle keep-alive closed to admit a waiting connection")
-            self._events["idle_closed_for_room"] += 1
-            try:
-                conn.client.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
     def _no_thread(self, conn: Conn, e: BaseException) -> None:
         """A connection we could not give a thread: 503 (HTTP) and close; the router goes on."""
-        with self._lock:
-            self._active.pop(conn.id, None)
-            self._fds_active -= conn.cost
-            conn.cost = 0
+        self.ledger.unadmit(conn)
         if conn.kind is Kind.HTTP:
             try:
                 conn.client.send(http_error_response(
@@ -481,9 +533,9 @@ class Acceptor:
         """Close a connection that never reached the relay; one debug line, like a relay."""
         conn.note(reason)
         if counter is not None:  # count before the close is visible to the client
-            self.count_refused(counter, reason)
+            self.ledger.count_refused(counter, reason)
         try:
             conn.client.close()
         except OSError:
             pass
-        self._log_close(conn)
+        self.ledger.log_close(conn)

@@ -1,20 +1,26 @@
-"""The first-byte router of one external port: ``Router``, its public API and its counters.
+"""The first-byte router of one external port: ``Router``, its public API, built of its parts.
 
 ``Router`` listens on an engine's external port, admits, classifies and relays; the owner
 starts and stops it, points it at its byte upstreams (ggml-RPC, Hydra) and at a route table
 (router/routes.py: every HTTP request goes to the Route it picks, whose gate holds, releases
-and cuts it), and reads ``stats``. This module owns that API, the Router's configuration and
-state, and the counting every part reports into; the work is done by its parts:
+and cuts it), and reads ``stats``. This module owns that API and the Router's configuration;
+the work is done by collaborators it makes and wires together through their constructors:
 
-- router/acceptor.py: one *acceptor* thread (a ``selectors`` loop) accepts, reads each new
-  connection's first bytes without blocking, enforces the first-byte timeout, the allow list
-  and the bounded queues;
-- each admitted HTTP connection gets one pooled worker thread running an ``HttpSession``
-  (router/http.py: request-aware, h11), so the engine can hold, count, drain and cut requests;
-- router/relay.py: each admitted ggml-RPC or Hydra connection gets two pooled workers with
-  blocking sockets, one per direction, moving bytes with ``os.splice`` (a kernel pipe, no copy
-  through Python) or, as a fallback, ``recv_into``/``sendall``. ggml-RPC is the per-token path:
-  it stays a byte splice. relay.py also says why threads and not asyncio.
+- ``Ledger`` (router/ledger.py): the state the threads share, under one lock: the admitted
+  connections and their descriptors, the stopping flag, every counter;
+- ``Acceptor`` (router/acceptor.py): the listener and one *acceptor* thread (a ``selectors``
+  loop) that accepts, reads each new connection's first bytes without blocking, enforces the
+  first-byte timeout, the allow list and the bounded queues, and admits into the ledger;
+- ``Relay`` (router/relay.py): the pooled workers the acceptor hands admitted connections to.
+  Each HTTP connection gets one running an ``HttpSession`` (router/http.py: request-aware, h11),
+  so the engine can hold, count, drain and cut requests; each ggml-RPC or Hydra connection gets
+  two with blocking sockets, one per direction, moving bytes with ``os.splice`` (a kernel pipe,
+  no copy through Python) or, as a fallback, ``recv_into``/``sendall``. ggml-RPC is the
+  per-token path: it stays a byte splice. relay.py also says why threads and not asyncio;
+- ``UpstreamPool`` (router/upstream.py): idle keep-alive connections to the HTTP upstreams.
+
+The Router is also the ``SessionHost`` its HTTP sessions read their settings, route table,
+upstream pool and counters from.
 
 Invariants: a relaying connection is never dropped to admit another (new ones wait in a bounded
 queue; silent ones are evicted first); admission is sized from the descriptors the process
@@ -25,31 +31,21 @@ EOF, error, a route's ``cut_inflight`` or ``stop()``.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import os
-import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
 from hydra_supervisor.router import limits
-from hydra_supervisor.router.acceptor import Acceptor
-from hydra_supervisor.router.classify import Kind
-from hydra_supervisor.router.conn import (
-    Conn,
-    Upstreams,
-    allow_mismatch,
-    fmt_addr,
-    parse_allow,
-)
+from hydra_supervisor.router.acceptor import Acceptor, Waker
+from hydra_supervisor.router.conn import Conn, Upstreams, allow_mismatch, fmt_addr
 from hydra_supervisor.router.gate import HOLD_TIMEOUT_S, MAX_HELD, Gate
 from hydra_supervisor.router.http import HttpSession
-from hydra_supervisor.router.relay import Relay, Task
-from hydra_supervisor.router.replies import JSONValue, Record, RequestRecord
+from hydra_supervisor.router.ledger import FdCounts, Ledger
+from hydra_supervisor.router.relay import HTTP_MODES, PUMPS, Relay, WorkerPool
+from hydra_supervisor.router.replies import JSONValue, RequestRecord
 from hydra_supervisor.router.routes import Addr, Limiter, Route, RouteTable
 from hydra_supervisor.router.upstream import UpstreamPool
 
@@ -58,16 +54,8 @@ log = logging.getLogger("hydra.router")
 _CONNECT_TIMEOUT = 3.0
 _QUEUE_TIMEOUT = 30.0
 _STOP_JOIN_S = 5.0
-_LOG_EVERY_S = 10.0
 
-PUMPS = ("splice", "copy")
-HTTP_MODES = ("aware", "raw")
-
-
-class FdCounts(TypedDict):
-    nofile: int  # the soft open-file limit in force
-    budget: int  # descriptors admission may use for relays
-    relays: int  # descriptors the admitted connections hold now
+__all__ = ["HTTP_MODES", "PUMPS", "FdCounts", "Router", "RouterStats"]
 
 
 class RouterStats(TypedDict):
@@ -94,7 +82,7 @@ class RouterStats(TypedDict):
     acceptor_error: str | None
 
 
-class Router(Acceptor, Relay):
+class Router:
     """First-byte router for one engine's external port. Runs its own threads; ``start`` and
     ``stop`` are blocking but bounded, so an asyncio supervisor calls them directly (they take
     milliseconds) or through ``asyncio.to_thread``. Every other public method is thread-safe and
@@ -150,33 +138,19 @@ class Router(Acceptor, Relay):
             raise ValueError(f"http must be one of {HTTP_MODES}, not {http!r}")
         if pump == "splice" and not hasattr(os, "splice"):
             pump = "copy"  # os.splice is Linux-only
+        if hold_timeout <= 0 or max_held < 1:
+            raise ValueError("hold_timeout must be positive and max_held at least 1")
         self.bind_host = bind_host
         self.name = name
         self._req_port = port
-        self._upstreams = upstreams
-        self._allow = parse_allow(allow)
-        self._first_byte_timeout = first_byte_timeout
+        self._bound_port: int | None = None
+        self._nofile = (0, 0)
+        # What HTTP sessions read per request (SessionHost, router/upstream.py).
         self.idle_timeout = idle_timeout
-        self._rpc_idle_timeout = rpc_idle_timeout
-        self._max_active = max_active
-        self._max_pending = max_pending
-        self._pending_cap = max_pending  # sized from the open-file limit at start()
-        self._max_per_source = (max_pending if max_pending_per_source is None
-                                else min(max_pending_per_source, max_pending))
-        self._evict_after = evict_after
-        self._max_waiting = max_waiting
-        self._queue_timeout = queue_timeout
-        self._connect_timeout = connect_timeout
-        self._pump_kind = pump
-        self._http_mode = http
-        self._on_request = on_request
         self.retry_wait = retry_wait
         self.max_body = max_body
         self.request_timeout = request_timeout
-        self._thread_factory = thread_factory
         self.request_defaults: dict[str, JSONValue] = {}
-        if hold_timeout <= 0 or max_held < 1:
-            raise ValueError("hold_timeout must be positive and max_held at least 1")
         self.hold_timeout = hold_timeout
         self._max_held = max_held
         # Every HTTP request goes where the table says (router/routes.py): a Route (its own
@@ -185,100 +159,58 @@ class Router(Acceptor, Relay):
         # get 503.
         self.table: RouteTable | None = table
         self._routes: list[Route] = []
-        self.pool = UpstreamPool(self._connect)
+        self._routes_lock = threading.Lock()  # new_route against stop(): no gate left running
 
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._listener: socket.socket | None = None
-        self._bound_port: int | None = None
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
-        self._stopping = False
-        self._active: dict[int, Conn] = {}
-        self._threads: set[threading.Thread] = set()
-        self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
-        self._idle_workers = 0
-        self._n_pending = 0
-        self._fds_active = 0
-        self._open_peak = 0
-        self._fd_budget = 0
-        self._nofile = (0, 0)
-        self._c = {"accepted": 0, "bytes_up": 0, "bytes_down": 0}
-        self._refused: collections.Counter[str] = collections.Counter()
-        self._events: collections.Counter[str] = collections.Counter()
-        self._http = {"requests": 0, "1xx": 0, "2xx": 0, "3xx": 0, "4xx": 0, "5xx": 0,
-                      "cut": 0, "retried": 0}
-        self._by_kind = {k.value: 0 for k in (Kind.RPC, Kind.HYDRA, Kind.HTTP)}
-        self._log_marks: dict[str, tuple[float, int]] = {}
-        # Why the acceptor gave up (after repeated failures), until the next start().
-        self.acceptor_error: str | None = None
+        # The parts, wired through their constructors (module docstring).
+        self.ledger = Ledger(name, max_active=max_active, on_request=on_request)
+        self._waker = Waker()
+        self.workers = WorkerPool(name, thread_factory)
+        self.relay = Relay(
+            self.ledger, self.workers, name=name, pump=pump, http_mode=http,
+            connect_timeout=connect_timeout, idle_timeout=idle_timeout,
+            rpc_idle_timeout=rpc_idle_timeout, session=self._http_session,
+            raw_http_target=self.raw_http_target, wake=self._waker.wake)
+        self.pool = UpstreamPool(self.relay.connect, self.relay.connect_once)
+        self.acceptor = Acceptor(
+            self.ledger, self.relay, self._waker, upstreams, name=name, allow=allow,
+            first_byte_timeout=first_byte_timeout, queue_timeout=queue_timeout,
+            evict_after=evict_after, max_pending=max_pending,
+            max_pending_per_source=max_pending_per_source, max_waiting=max_waiting,
+            tick=self._housekeep, thread_factory=thread_factory)
 
     # ---------------------------------------------------------------- public API
 
     def start(self) -> None:
         """Bind and start the acceptor. A stopped router may be started again."""
-        if self._listener is not None:
+        if self.acceptor.listener is not None:
             raise RuntimeError("router already started")
         self._nofile = limits.raise_nofile()
-        infos = socket.getaddrinfo(
-            self.bind_host or None,
-            self._req_port,
-            type=socket.SOCK_STREAM,
-            flags=socket.AI_PASSIVE,
-        )
-        family, _, _, _, sockaddr = infos[0]
-        dual = family == socket.AF_INET6 and self.bind_host in ("::", "")
-        # Backlog: the kernel holds connections we have not accepted yet (also while the
-        # acceptor pauses because the waiting queue is full); the kernel caps it at somaxconn.
-        listener = socket.create_server(
-            sockaddr[:2], family=family, backlog=max(1024, self._max_pending), dualstack_ipv6=dual
-        )
-        listener.setblocking(False)
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        wake_w.setblocking(False)
-        # The silent queue holds descriptors too: under a low open-file limit it gets at most
-        # an eighth of them, so that admitted relays keep the rest (1024 -> 128).
-        soft = self._nofile[0] if self._nofile[0] > 0 else 1024
-        self._pending_cap = max(16, min(self._max_pending, soft // 8))
-        reserved = self._pending_cap + self._max_waiting + 16 + 3  # queues, pool, own sockets
-        with self._lock:
-            self._stopping = False
-            self.acceptor_error = None
-            self._tasks = queue.SimpleQueue()
-            self._idle_workers = 0
-            self._fd_budget = limits.fd_budget(reserved)
-        for route in self._routes:
+        addr = self.acceptor.open(self.bind_host, self._req_port, self._nofile[0])
+        reserved = self.acceptor.queued_fds() + 16 + 3  # queues, pool, own sockets
+        fd_budget = limits.fd_budget(reserved)
+        self.ledger.begin(fd_budget, self._nofile[0])
+        self.workers.start()
+        with self._routes_lock:
+            routes = list(self._routes)
+        for route in routes:
             route.gate.restart()
-        self._listener, self._wake_r, self._wake_w = listener, wake_r, wake_w
-        self._bound_port = int(listener.getsockname()[1])
+        self._bound_port = int(addr[1])
         self._req_port = self._bound_port  # port 0: a restart keeps the port it got
-        acceptor = self._thread_factory(
-            target=self._accept_loop, name=f"router-{self.name}-accept", daemon=True
-        )
-        try:
-            acceptor.start()
-        except RuntimeError:
-            for s in (listener, wake_r, wake_w):
-                s.close()
-            self._listener = None
-            raise
-        self._acceptor = acceptor
+        self.acceptor.start()
         per = limits.FDS_HTTP
         log.info(
             "router %s listening on %s (nofile %d/%d: room for ~%d HTTP connections)",
-            self.name, fmt_addr(listener.getsockname()), self._nofile[0], self._nofile[1],
-            self._fd_budget // per,
+            self.name, fmt_addr(addr), self._nofile[0], self._nofile[1],
+            fd_budget // per,
         )
-        why = allow_mismatch(self.bind_host, [str(n) for n in self._allow])
+        why = allow_mismatch(self.bind_host, self.acceptor.allow)
         if why:
             log.warning("router %s: %s; no ggml-RPC or Hydra wire client can ever be let in",
                         self.name, why)
-        if self._fd_budget // per < 64:
+        if fd_budget // per < 64:
             log.warning("router %s: the open-file limit leaves room for only %d connections; "
                         "raise the hard limit (LimitNOFILE= in systemd)", self.name,
-                        self._fd_budget // per)
+                        fd_budget // per)
 
     @property
     def port(self) -> int:
@@ -289,20 +221,20 @@ class Router(Acceptor, Relay):
 
     @property
     def upstreams(self) -> Upstreams:
-        return self._upstreams
+        return self.acceptor.upstreams
 
     def set_upstreams(self, u: Upstreams) -> None:
         """New connections and new HTTP requests use ``u``; open byte relays keep theirs."""
-        self._upstreams = u
+        self.acceptor.upstreams = u
 
     def new_route(self, name: str, limit: int | None = None, queue: int = 0) -> Route:
         """A lane of its own (gate, upstream, limiter) for a table to hand out; stopped and
         started with the router."""
         route = Route(name, Gate(self.hold_timeout, self._max_held),
                       limiter=Limiter(name, limit, queue) if limit else None)
-        with self._lock:
+        with self._routes_lock:
             self._routes.append(route)
-            if self._stopping:
+            if self.ledger.stopping:
                 route.gate.stop()
         return route
 
@@ -311,39 +243,28 @@ class Router(Acceptor, Relay):
         self.request_defaults = dict(d)
 
     def alive(self) -> bool:
-        a = self._acceptor
-        return a is not None and a.is_alive() and not self._stopping
+        return self.acceptor.running() and not self.ledger.stopping
+
+    @property
+    def acceptor_error(self) -> str | None:
+        """Why the acceptor gave up (after repeated failures), until the next start()."""
+        return self.acceptor.error
 
     def stop(self, timeout: float = _STOP_JOIN_S) -> None:
         """Close the listener, every waiting connection and every relay; bounded by ``timeout``.
         The router can be started again afterwards."""
-        with self._lock:
-            if self._listener is None or self._stopping:
+        with self._routes_lock:
+            if self.acceptor.listener is None or not self.ledger.stop("router stopped"):
                 return
-            self._stopping = True
-            # Under the lock: _finish closes sockets under it, so no fd is reused under us.
-            for conn in self._active.values():
-                conn.note("router stopped")
-                conn.shutdown_all()
-        for route in self._routes:
+            routes = list(self._routes)
+        for route in routes:
             route.gate.stop()
-        self._wake()
+        self._waker.wake()
         deadline = time.monotonic() + timeout
-        if self._acceptor is not None:
-            self._acceptor.join(max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            for _ in range(self._idle_workers):
-                self._tasks.put(None)  # idle workers exit on this
-            self._idle_workers = 0
-            threads = list(self._threads)
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        self.acceptor.join(max(0.0, deadline - time.monotonic()))
+        self.workers.stop(deadline)
         self.pool.close()
-        for s in (self._wake_r, self._wake_w):
-            if s is not None:
-                s.close()
-        self._listener = self._wake_r = self._wake_w = None
-        self._acceptor = None
+        self.acceptor.close()
         log.info("router %s stopped", self.name)
 
     def stats(self) -> dict[str, Any]:
@@ -351,103 +272,20 @@ class Router(Acceptor, Relay):
         return dict(self.counters())
 
     def counters(self) -> RouterStats:
-        with self._lock:
-            bytes_up = self._c["bytes_up"] + sum(c.up for c in self._active.values())
-            bytes_down = self._c["bytes_down"] + sum(c.down for c in self._active.values())
-            accepted = self._c["accepted"]
-            refused = dict(self._refused)
-            events = dict(self._events)
-            n_open = len(self._active)
-            open_peak = self._open_peak
-            pending = self._n_pending
-            by_kind = dict(self._by_kind)
-            http = dict(self._http)
-            fds = FdCounts(nofile=self._nofile[0], budget=self._fd_budget,
-                           relays=self._fds_active)
+        c = self.ledger.counts()
+        with self._routes_lock:
             routes = list(self._routes)
         return RouterStats(
-            accepted=accepted, bytes_up=bytes_up, bytes_down=bytes_down, refused=refused,
-            events=events, open=n_open, open_peak=open_peak, pending=pending,
-            bytes=bytes_up + bytes_down, by_kind=by_kind, http=http, fds=fds,
+            accepted=c["accepted"], bytes_up=c["bytes_up"], bytes_down=c["bytes_down"],
+            refused=c["refused"], events=c["events"], open=c["open"],
+            open_peak=c["open_peak"], pending=c["pending"],
+            bytes=c["bytes_up"] + c["bytes_down"], by_kind=c["by_kind"], http=c["http"],
+            fds=c["fds"],
             held=sum(r.gate.held() for r in routes),
             inflight=sum(r.gate.inflight() for r in routes),
-            pooled=self.pool.idle(), alive=self.alive(), acceptor_error=self.acceptor_error)
+            pooled=self.pool.idle(), alive=self.alive(), acceptor_error=self.acceptor.error)
 
-    # ---------------------------------------------------------------- for sessions
-
-    def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None:
-        """Count a refused connection or request under ``reason`` (stats "refused")."""
-        self._count(self._refused, reason, detail, log_it)
-
-    def count_event(self, reason: str, detail: str = "") -> None:
-        """Count something survived, not refused (stats "events"): EMFILE waited out, a
-        small pipe, a kernel accept failure."""
-        self._count(self._events, reason, detail, True)
-
-    def _count(
-        self, table: collections.Counter[str], reason: str, detail: str, log_it: bool
-    ) -> None:
-        # At most one INFO line per reason per _LOG_EVERY_S, saying how many were not logged.
-        now = time.monotonic()
-        with self._lock:
-            table[reason] += 1
-            if not log_it:
-                return
-            last, since = self._log_marks.get(reason, (-1e9, 0))
-            if now - last < _LOG_EVERY_S:
-                self._log_marks[reason] = (last, since + 1)
-                return
-            self._log_marks[reason] = (now, 0)
-        more = f" (+{since} more since the last line)" if since else ""
-        log.info("router %s %s: %s%s%s", self.name,
-                 "refused" if table is self._refused else "note", reason,
-                 f": {detail}" if detail else "", more)
-
-    def count_cut(self) -> None:
-        with self._lock:
-            self._http["cut"] += 1
-
-    def count_retried(self) -> None:
-        with self._lock:
-            self._http["retried"] += 1
-
-    def finish_request(self, rec: Record) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._http["requests"] += 1
-            cls = f"{rec.status // 100}xx"
-            if cls in self._http:
-                self._http[cls] += 1
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("router %s %s %s %d %.3fs in=%dB out=%dB %s%s", self.name, rec.method,
-                      rec.path, rec.status, now - rec.started, rec.bytes_in, rec.bytes_out,
-                      rec.outcome, f" ({rec.reason})" if rec.reason else "")
-        cb = self._on_request
-        if cb is not None:
-            try:
-                cb(rec.as_dict(now))
-            except Exception:  # a callback's bug must not end the client's connection
-                log.exception("router %s: on_request callback failed", self.name)
-
-    def _log_close(self, conn: Conn) -> None:
-        if not log.isEnabledFor(logging.DEBUG):
-            return
-        kind = conn.kind.value if conn.kind is not None else "-"
-        target = fmt_addr(conn.target) if conn.target else "-"
-        log.debug(
-            "router %s #%d %s %s->%s open %.3fs up=%dB down=%dB closed: %s",
-            self.name,
-            conn.id,
-            fmt_addr(conn.peer),
-            kind,
-            target,
-            time.monotonic() - conn.accepted,
-            conn.up,
-            conn.down,
-            conn.reason or "done",
-        )
-
-    # ---------------------------------------------------------------- HTTP sessions
+    # ---------------------------------------------------------------- for the parts
 
     def raw_http_target(self) -> Addr | None:
         """Where ``http="raw"`` relays an HTTP connection's bytes: the upstream of the route
@@ -456,11 +294,13 @@ class Router(Acceptor, Relay):
         sel = table(None, "", "") if table is not None else None
         return sel.http if isinstance(sel, Route) else None
 
-    def _http_session(self, conn: Conn, ups: Upstreams) -> None:
-        try:
-            HttpSession(self, conn).run()
-        except Exception:  # a bug in one session must not leak its sockets or kill the worker
-            log.exception("router %s #%d: HTTP session failed", self.name, conn.id)
-            conn.note("session error")
-        finally:
-            self._finish(conn)
+    def _http_session(self, conn: Conn) -> None:
+        """One HTTP connection, on a worker (the relay closes it after)."""
+        HttpSession(self, conn).run()
+
+    def _housekeep(self, now: float) -> None:
+        """Once a second on the acceptor's thread: pooled upstream connections past their age
+        or to an upstream no route has any more, and byte relays idle past their timeout."""
+        keep = {r.http for r in self._routes}
+        self.pool.reap(keep={k for k in keep if k is not None})
+        self.relay.reap_idle(now)

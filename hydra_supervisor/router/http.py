@@ -20,8 +20,9 @@ reused keep-alive upstream connection that turned out stale is replaced at once,
 An upstream that dies mid-response ends an SSE response with an error event (the openai client
 raises APIError on it) and closes the client connection.
 
-router/upstream.py holds the upstream pool, the request as it goes upstream and ``SessionHost``
-(what a session needs of its router); router/replies.py what the router writes itself.
+router/upstream.py holds the upstream pool, the request as it goes upstream, ``SessionHost``
+(what a session needs of its router) and ``SessionCounts`` (the counters it reports into);
+router/replies.py what the router writes itself.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class HttpSession:
 
     def __init__(self, router: SessionHost, conn: Conn) -> None:
         self.r = router
+        self.counts = router.ledger
         self.conn = conn
         self.sock = conn.client
         self.buf = bytearray(conn.prefix)  # received, not given to a parser yet
@@ -124,7 +126,7 @@ class HttpSession:
                 raise head.HeadError(431, "request head over 64 KiB")
             if not self.buf.strip(b"\r\n"):
                 # Marked idle while blocked here: the acceptor may close this connection to
-                # admit a waiting one when descriptors run short (router/acceptor.py).
+                # admit a waiting one when descriptors run short (Ledger.admit).
                 self.conn.idle_since = time.monotonic()
                 try:
                     data = self._recv_client(self.r.idle_timeout)
@@ -172,10 +174,10 @@ class HttpSession:
         except TimeoutError:
             if self.buf.strip(b"\r\n"):
                 self.conn.note("request head not received in time")
-                self.r.count_refused("request_timeout")
+                self.counts.count_refused("request_timeout")
             else:
                 self.conn.note(f"idle > {self.r.idle_timeout:g}s")
-                self.r.count_event("idle_timeout")
+                self.counts.count_event("idle_timeout")
             return False
         except ClientGone as e:
             self.conn.note(str(e))
@@ -184,7 +186,7 @@ class HttpSession:
             # Over 64 KiB of head: llama-server closes such a connection without a word
             # (a 70,000-byte URL, measured); so does the router.
             self.conn.note(f"bad request: {e}")
-            self.r.count_refused("bad_request", str(e))
+            self.counts.count_refused("bad_request", str(e))
             return False
         if raw is None:
             self.conn.note("client closed")
@@ -218,7 +220,7 @@ class HttpSession:
             self.conn.note(str(e))
             rec.outcome = "error" if rec.outcome == "ok" else rec.outcome
             rec.reason = str(e)
-            self.r.finish_request(rec)
+            self.counts.finish_request(rec)
             return False
         if not done or not self.keep or self.client_eof:
             return False
@@ -239,13 +241,13 @@ class HttpSession:
         conflict = head.framing_conflict(req.headers)
         if conflict is not None:
             # RFC 9112 6.1: such a message may be a smuggling attempt; answer and close.
-            self.r.count_refused("bad_request", conflict)
+            self.counts.count_refused("bad_request", conflict)
             self._reply_error(rec, 400, f"hydra router: bad request: {conflict}",
                               "invalid_request_error", close=True)
             return False
         declared = next((int(v) for k, v in req.headers if k == b"content-length"), None)
         if declared is not None and declared > self.r.max_body:
-            self.r.count_refused("body_too_large")
+            self.counts.count_refused("body_too_large")
             self._reply_error(rec, 413, f"hydra router: request body over {self.r.max_body} bytes",
                               "invalid_request_error", close=True)
             self._linger()
@@ -267,7 +269,7 @@ class HttpSession:
             body, complete = self._read_body(deadline, self.r.max_body)
         except TimeoutError:
             self.conn.note("request not received in time")
-            self.r.count_refused("request_timeout")
+            self.counts.count_refused("request_timeout")
             self._reply_error(rec, 408, "hydra router: request not received in time",
                               "timeout_error", close=True)
             return False
@@ -281,7 +283,7 @@ class HttpSession:
             self._refuse(rec, refusal, close=not complete)
             return complete
         if not complete:
-            self.r.count_refused("body_too_large")
+            self.counts.count_refused("body_too_large")
             self._reply_error(rec, 413, f"hydra router: request body over {self.r.max_body} bytes",
                               "invalid_request_error", close=True)
             return False
@@ -296,7 +298,7 @@ class HttpSession:
             if not readable:
                 # llama-server would read this body (a JSON parser without a depth limit);
                 # ours cannot, and must not guess which model it names.
-                self.r.count_refused("bad_request", "unreadable JSON body")
+                self.counts.count_refused("bad_request", "unreadable JSON body")
                 self._reply_error(rec, 400, "hydra router: cannot read \"model\" from this JSON "
                                   "body (nested too deeply or malformed)",
                                   "invalid_request_error")
@@ -334,7 +336,7 @@ class HttpSession:
         if reply.status >= 400:
             err = reply.body.get("error") if isinstance(reply.body, dict) else None
             msg = err.get("message", "") if isinstance(err, dict) else ""
-            self.r.count_refused(reply.counter, detail=msg)
+            self.counts.count_refused(reply.counter, detail=msg)
         rec.status = reply.status
         rec.outcome = "ok" if reply.status < 400 else "error"
         self._send_json(rec, reply.status, json.dumps(reply.body).encode(), [])
@@ -350,7 +352,7 @@ class HttpSession:
             self._send_client(out)
             rec.bytes_out += len(out)
         finally:
-            self.r.finish_request(rec)
+            self.counts.finish_request(rec)
 
     def _read_body(self, deadline: float, limit: int) -> tuple[bytes, bool]:
         parts: list[bytes] = []
@@ -393,7 +395,7 @@ class HttpSession:
         """A request the router could not parse: answer with llama-server's error shape and
         close (its framing cannot be trusted)."""
         self.conn.note(f"bad request: {message}")
-        self.r.count_refused("bad_request", message)
+        self.counts.count_refused("bad_request", message)
         body = error_body(status, f"hydra router: bad request: {message}",
                           "invalid_request_error")
         try:
@@ -414,7 +416,7 @@ class HttpSession:
 
     def _refuse(self, rec: Record, refusal: Refusal, close: bool = False,
                 kind: str = "unavailable_error") -> None:
-        self.r.count_refused(refusal.counter, detail=refusal.message)
+        self.counts.count_refused(refusal.counter, detail=refusal.message)
         self._reply_error(rec, refusal.status, f"hydra router: {refusal.message}",
                           kind, retry_after=refusal.retry_after, close=close,
                           outcome=refusal.outcome)
@@ -445,14 +447,14 @@ class HttpSession:
                 # A planned change (switch, reload) cut it before any response byte: like
                 # a crash's retry, it waits for the new layout instead of a 503.
                 requeued += 1
-                self.r.count_retried()
+                self.counts.count_retried()
                 refusal = gate.wait_turn()
                 if refusal is not None:
                     self._refuse(rec, refusal)
                     return True
                 continue
             if flight.cut is not None:
-                self.r.count_cut()
+                self.counts.count_cut()
                 self._reply_error(rec, 503, f"hydra router: request cut: {flight.cut}",
                                   "unavailable_error", retry_after=DEFAULT_RETRY_AFTER,
                                   outcome="cut")
@@ -466,15 +468,15 @@ class HttpSession:
                 # the client's connection as llama-server on its own port would have.
                 self.conn.note(f"{why}; llama-server is up: its answer passed on as a close")
                 rec.outcome, rec.reason = "error", why
-                self.r.count_refused("upstream_closed", why)
-                self.r.finish_request(rec)
+                self.counts.count_refused("upstream_closed", why)
+                self.counts.finish_request(rec)
                 return False
             if retried:
                 self._refuse(rec, Refusal(503, why, DEFAULT_RETRY_AFTER, "error",
                                           "upstream_down"))
                 return True
             retried = True
-            self.r.count_retried()
+            self.counts.count_retried()
             refusal = gate.wait_turn(delay=self.r.retry_wait)
             if refusal is not None:
                 self._refuse(rec, refusal)
@@ -483,12 +485,7 @@ class HttpSession:
     def _upstream_listening(self, target: Addr) -> bool:
         """Whether the upstream still accepts connections (a process that died does not)."""
         time.sleep(_CLOSE_PROBE_DELAY_S)  # a dying process may hold its listener a moment
-        try:
-            probe = self.r.connect_once(target)
-        except OSError:
-            return False
-        probe.close()
-        return True
+        return self.r.pool.listening(target)
 
     def _exchange(self, gate: Gate, flight: Flight, target: Addr, fwd: Outgoing,
                   rec: Record) -> bool:
@@ -620,7 +617,7 @@ class HttpSession:
             self.r.pool.give(target, sock)
         else:
             sock.close()
-        self.r.finish_request(rec)
+        self.counts.finish_request(rec)
         return True
 
     def _cut(self, flight: Flight, resp: _Framing, out: list[bytes], rec: Record,
@@ -629,7 +626,7 @@ class HttpSession:
         before the head, a 502; in a chunked body (every SSE stream), an SSE error event and
         the last chunk, so the connection stays usable; otherwise the close says it."""
         reason = flight.cut or f"upstream closed mid-response ({why})"
-        self.r.count_cut()
+        self.counts.count_cut()
         rec.outcome, rec.reason = "cut", reason
         self.conn.note(f"response cut: {reason}")
         if not resp.started:
@@ -648,7 +645,7 @@ class HttpSession:
                 self._flush(out, rec)
         except ClientGone:
             keep = False
-        self.r.finish_request(rec)
+        self.counts.finish_request(rec)
         return keep
 
     def _chunked_tail(self, sock: socket.socket, up: h11.Connection) -> bytes:

@@ -1,10 +1,12 @@
-"""The router's byte relay and its worker threads: ggml-RPC and Hydra connections, both ways.
+"""The router's worker threads and its byte relay: ggml-RPC and Hydra connections, both ways.
 
-Each admitted ggml-RPC or Hydra connection gets two pooled workers with blocking sockets, one
-per direction, moving bytes with ``os.splice`` (a kernel pipe, no copy through Python) or, as a
+``WorkerPool``: pooled threads that run what the acceptor admits. ``Relay``: what runs on them.
+Each admitted ggml-RPC or Hydra connection gets two workers with blocking sockets, one per
+direction, moving bytes with ``os.splice`` (a kernel pipe, no copy through Python) or, as a
 fallback, ``recv_into``/``sendall``. ggml-RPC is the per-token path: it stays a byte splice. A
-Hydra connection's socket is handed to hydra's in-process wire server instead. The same worker
-pool runs the HTTP sessions (router/http.py); ``_finish`` closes every admitted connection.
+Hydra connection's socket is handed to hydra's in-process wire server instead. An HTTP
+connection runs on one worker the session the ``Router`` gives (router/http.py); ``finish``
+closes every admitted connection.
 
 Why threads with blocking sockets and not asyncio: the ggml-RPC path is per-token, so the relay's
 wake-up latency and CPU are paid on every decoded token. Measured (bench/router.py), a blocked
@@ -12,7 +14,8 @@ wake-up latency and CPU are paid on every decoded token. Measured (bench/router.
 write path in added latency and CPU; docs/router.md has the numbers. The threads release the GIL
 while blocked, so the router lives happily inside the supervisor's asyncio process.
 
-``Relay`` is a part of ``Router`` (router/core.py), which holds the state it reads and writes.
+The acceptor (router/acceptor.py) hands ``Relay`` the connections it admitted; the router's
+shared state (admitted connections, stopping, counters) is the ``Ledger`` (router/ledger.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from hydra_supervisor.plan.ports import self_connected
 from hydra_supervisor.router import limits
@@ -40,6 +42,7 @@ from hydra_supervisor.router.conn import (
     set_nodelay,
 )
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER
+from hydra_supervisor.router.ledger import Ledger
 from hydra_supervisor.router.replies import http_error_response
 
 log = logging.getLogger("hydra.router")
@@ -56,39 +59,34 @@ _MAX_IDLE_WORKERS = 64
 _WORKER_IDLE_S = 30.0
 _EMFILE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
+PUMPS = ("splice", "copy")
+HTTP_MODES = ("aware", "raw")
+
 # What a pooled worker is handed: a function and its arguments (None: exit).
 Task = tuple[Callable[..., None], tuple[object, ...]]
 
 
-class Relay:
-    """The workers' part of ``Router``: the pool, the byte relay, closing a connection."""
+class WorkerPool:
+    """Pooled worker threads (small stacks, router/limits.py): ``run`` hands a function to an
+    idle one or starts a new one. Stopped, and started again, with the router."""
 
-    # The Router's state this part uses (router/core.py sets it in Router.__init__).
-    name: str
-    idle_timeout: float | None
-    _lock: threading.Lock
-    _stopping: bool
-    _active: dict[int, Conn]
-    _c: dict[str, int]
-    _fds_active: int
-    _connect_timeout: float
-    _rpc_idle_timeout: float | None
-    _pump_kind: str
-    _idle_workers: int
-    _tasks: queue.SimpleQueue[Task | None]
-    _thread_factory: Callable[..., threading.Thread]
-    _threads: set[threading.Thread]
+    def __init__(self, name: str, thread_factory: Callable[..., threading.Thread]) -> None:
+        self.name = name
+        self._thread_factory = thread_factory
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._threads: set[threading.Thread] = set()
+        self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._idle_workers = 0
 
-    if TYPE_CHECKING:  # the Router's (core.py) and the acceptor's (acceptor.py)
-        def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None: ...
-        def count_event(self, reason: str, detail: str = "") -> None: ...
-        def _log_close(self, conn: Conn) -> None: ...
-        def raw_http_target(self) -> Addr | None: ...
-        def _wake(self) -> None: ...
+    def start(self) -> None:
+        """A (re)start: a fresh task queue (workers left from a previous run keep theirs)."""
+        with self._lock:
+            self._stopping = False
+            self._tasks = queue.SimpleQueue()
+            self._idle_workers = 0
 
-    # ---------------------------------------------------------------- worker pool
-
-    def _run(self, fn: Callable[..., None], *args: object) -> None:
+    def run(self, fn: Callable[..., None], *args: object) -> None:
         """Run fn(*args) on an idle worker thread, or on a new one if none is idle.
         Raises RuntimeError when a new thread cannot be started."""
         with self._lock:
@@ -133,21 +131,95 @@ class Relay:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _reap_idle(self, now: float) -> None:
+    def stop(self, deadline: float) -> None:
+        """Idle workers exit, busy ones after their task; joined until ``deadline`` (the
+        router has shut their connections down already)."""
+        with self._lock:
+            self._stopping = True
+            for _ in range(self._idle_workers):
+                self._tasks.put(None)  # idle workers exit on this
+            self._idle_workers = 0
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+class Relay:
+    """What the workers run for admitted connections: the byte relay (ggml-RPC; HTTP with
+    ``http="raw"``), the Hydra wire hand-off, and HTTP sessions (``session``, the router's);
+    connecting to the local upstreams; closing an admitted connection (``finish``)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        workers: WorkerPool,
+        *,
+        name: str,
+        pump: str,
+        http_mode: str,
+        connect_timeout: float,
+        idle_timeout: float | None,
+        rpc_idle_timeout: float | None,
+        session: Callable[[Conn], None],
+        raw_http_target: Callable[[], Addr | None],
+        wake: Callable[[], None],
+    ) -> None:
+        self.name = name
+        self.ledger = ledger
+        self.workers = workers
+        self.pump_kind = pump
+        self.http_mode = http_mode
+        self._connect_timeout = connect_timeout
+        self._idle_timeout = idle_timeout
+        self._rpc_idle_timeout = rpc_idle_timeout
+        self._session = session  # runs one HTTP connection's session to its end
+        self._raw_http_target = raw_http_target  # where http="raw" relays HTTP bytes
+        self._wake = wake  # a slot freed: the acceptor looks at its waiting queue again
+
+    # ---------------------------------------------------------------- for the acceptor
+
+    def fd_cost(self, kind: Kind) -> int:
+        """Descriptors a connection of ``kind`` holds once admitted (router/limits.py)."""
+        if kind is Kind.HTTP and self.http_mode == "aware":
+            return limits.FDS_HTTP
+        return limits.FDS_SPLICE if self.pump_kind == "splice" else limits.FDS_HTTP
+
+    def serve(self, conn: Conn, ups: Upstreams) -> None:
+        """Run an admitted connection on a worker: an HTTP session, or the byte relay to
+        ``ups``. Raises RuntimeError when no thread can be started for it."""
+        if conn.kind is Kind.HTTP and self.http_mode == "aware":
+            conn.session = True
+            self.workers.run(self._run_session, conn)
+        else:
+            self.workers.run(self._relay, conn, ups)
+
+    def reap_idle(self, now: float) -> None:
         """Byte relays with no traffic past their idle timeout. HTTP sessions time their own
         idleness; ggml-RPC links have none by default (a head may be quiet for hours)."""
-        with self._lock:
-            for conn in self._active.values():
-                if conn.session:
-                    continue
-                idle = self.idle_timeout if conn.kind is Kind.HTTP else self._rpc_idle_timeout
-                if idle is not None and now - conn.last > idle:
-                    conn.note(f"idle > {idle:g}s")
-                    conn.shutdown_all()
+        http_idle, rpc_idle = self._idle_timeout, self._rpc_idle_timeout
+
+        def reap(conn: Conn) -> None:
+            if conn.session:
+                return
+            idle = http_idle if conn.kind is Kind.HTTP else rpc_idle
+            if idle is not None and now - conn.last > idle:
+                conn.note(f"idle > {idle:g}s")
+                conn.shutdown_all()
+
+        self.ledger.each_active(reap)
+
+    def _run_session(self, conn: Conn) -> None:
+        try:
+            self._session(conn)
+        except Exception:  # a bug in one session must not leak its sockets or kill the worker
+            log.exception("router %s #%d: HTTP session failed", self.name, conn.id)
+            conn.note("session error")
+        finally:
+            self.finish(conn)
 
     # ---------------------------------------------------------------- relay
 
-    def _connect(self, target: Addr) -> socket.socket:
+    def connect(self, target: Addr) -> socket.socket:
         """Connect to a local upstream. Out of descriptors is waited out (bounded by the
         connect timeout) rather than failing an admitted connection at once."""
         deadline = time.monotonic() + self._connect_timeout
@@ -157,7 +229,7 @@ class Relay:
             except OSError as e:
                 if e.errno not in _EMFILE or time.monotonic() >= deadline:
                     raise
-                self.count_event("emfile_wait", f"{e.strerror or e}")
+                self.ledger.count_event("emfile_wait", f"{e.strerror or e}")
                 time.sleep(0.05)
 
     def connect_once(self, target: Addr) -> socket.socket:
@@ -191,31 +263,26 @@ class Relay:
         try:
             upstream = self._open_upstream(conn, ups)
         except BaseException:
-            self._finish(conn)
+            self.finish(conn)
             raise
         if upstream is None:
-            self._finish(conn)
+            self.finish(conn)
             return
         try:
-            self._run(self._pump, conn, conn.client, upstream, True)
+            self.workers.run(self._pump, conn, conn.client, upstream, True)
         except RuntimeError as e:  # "can't start new thread": out of threads or memory
             conn.note(f"no relay thread: {e}")
-            self.count_refused("thread_start", str(e))
+            self.ledger.count_refused("thread_start", str(e))
             conn.shutdown_all()
-            with self._lock:
-                conn.halves -= 1
+            self.ledger.half_ended(conn)
         self._pump(conn, upstream, conn.client, False)
 
     def _hand_off(self, conn: Conn, to: Handoff) -> None:
         """Give the client socket itself to an in-process server (hydra's wire server), with
         the client's address and the bytes read so far: nothing is relayed, and the server
         authenticates the client, not the router. The connection then leaves the router."""
-        sock: socket.socket | None = None
         try:
-            with self._lock:  # not while stop() shuts this connection's socket down
-                if not self._stopping:
-                    c = conn.client
-                    sock = socket.socket(c.family, c.type, c.proto, fileno=c.detach())
+            sock = self.ledger.detach_client(conn)  # None while stop() shuts it down
             if sock is None:
                 conn.note("router stopped")
                 return
@@ -228,31 +295,28 @@ class Relay:
                 log.warning("router %s #%d: wire hand-off failed: %s: %s", self.name, conn.id,
                             type(e).__name__, e)
                 conn.note(f"wire hand-off failed: {e}")
-                self.count_refused("upstream_down", f"wire hand-off: {e}")
+                self.ledger.count_refused("upstream_down", f"wire hand-off: {e}")
                 sock.close()
         finally:
-            self._finish(conn)  # the detached client socket is no longer the router's
+            self.finish(conn)  # the detached client socket is no longer the router's
 
     def _open_upstream(self, conn: Conn, ups: Upstreams) -> socket.socket | None:
         """Connect to the connection's upstream and forward the classified prefix.
         None when that failed; the client has then been answered (HTTP 503) or closed."""
         assert conn.kind is not None
-        target = self.raw_http_target() if conn.kind is Kind.HTTP else ups.for_kind(conn.kind)
+        target = self._raw_http_target() if conn.kind is Kind.HTTP else ups.for_kind(conn.kind)
         conn.target = target
         if target is None:
             self._upstream_down(conn, f"no {conn.kind.value} upstream configured")
             return None
         try:
-            upstream = self._connect(target)
+            upstream = self.connect(target)
         except OSError as e:
             self._upstream_down(
                 conn, f"{conn.kind.value} upstream {fmt_addr(target)}: {e.strerror or e}"
             )
             return None
-        with self._lock:
-            conn.upstream = upstream
-            stopping = self._stopping
-        if stopping:
+        if not self.ledger.attach_upstream(conn, upstream):
             conn.note("router stopped")
             return None
         if conn.kind is Kind.RPC:  # a head that vanished must not hold the rpc-server
@@ -271,7 +335,7 @@ class Relay:
         """One direction until EOF or error; the last direction to end closes the connection,
         so a half-closed stream stays open for as long as its other direction flows."""
         try:
-            pipe = self._pipe() if self._pump_kind == "splice" else None
+            pipe = self._pipe() if self.pump_kind == "splice" else None
             try:
                 if pipe is not None:
                     eof = self._pump_splice(conn, src, dst, upward, pipe)
@@ -294,11 +358,8 @@ class Relay:
                 except OSError:
                     pass
         finally:
-            with self._lock:
-                conn.halves -= 1
-                last = conn.halves == 0
-            if last:
-                self._finish(conn)
+            if self.ledger.half_ended(conn):
+                self.finish(conn)
 
     def _pipe(self) -> tuple[int, int, int] | None:
         """(read fd, write fd, capacity) for the splice pump, or None to use the copy pump:
@@ -307,13 +368,13 @@ class Relay:
         try:
             r, w = os.pipe()
         except OSError as e:
-            self.count_event("pipe_unavailable", f"{e.strerror or e}; copying instead")
+            self.ledger.count_event("pipe_unavailable", f"{e.strerror or e}; copying instead")
             return None
         cap = limits.pipe_capacity(w, PIPE_SIZE)
         if cap < limits.MIN_PIPE:
             os.close(r)
             os.close(w)
-            self.count_event("pipe_small", f"pipe of {cap} bytes; copying instead")
+            self.ledger.count_event("pipe_small", f"pipe of {cap} bytes; copying instead")
             return None
         return r, w, cap
 
@@ -359,7 +420,7 @@ class Relay:
     def _upstream_down(self, conn: Conn, reason: str) -> None:
         """Upstream missing or refusing: close the client now; HTTP gets a 503 with the reason."""
         conn.note(reason)
-        self.count_refused("upstream_down", reason)
+        self.ledger.count_refused("upstream_down", reason)
         if conn.kind is not Kind.HTTP:
             return
         client = conn.client
@@ -381,17 +442,8 @@ class Relay:
         except OSError:
             pass  # the client went away first; nothing left to tell it
 
-    def _finish(self, conn: Conn) -> None:
-        with self._lock:
-            for s in (conn.client, conn.upstream):
-                if s is not None:
-                    try:
-                        s.close()
-                    except OSError:
-                        pass
-            if self._active.pop(conn.id, None) is not None:
-                self._fds_active -= conn.cost
-            self._c["bytes_up"] += conn.up
-            self._c["bytes_down"] += conn.down
-        self._log_close(conn)
+    def finish(self, conn: Conn) -> None:
+        """Close an admitted connection and free its slot; the acceptor looks again."""
+        self.ledger.finish(conn)
+        self.ledger.log_close(conn)
         self._wake()

@@ -3,8 +3,9 @@
 ``UpstreamPool``: idle keep-alive connections to the HTTP upstreams, shared by every session (a
 reused one that turned out stale is replaced by the session at once). ``Outgoing``: a request
 as it goes upstream. ``SessionHost``: what an HTTP session (router/http.py) needs of its router
-(its settings, table, pool and counters); the Router (router/core.py) is one, and nothing here
-or in router/http.py imports it.
+(its settings, table and pool), with ``SessionCounts``: the counters it reports into (the
+router's ``Ledger``, router/ledger.py). The Router (router/core.py) is a ``SessionHost``, and
+nothing here or in router/http.py imports it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ _POOL_AGE_S = 2.0
 class UpstreamPool:
     """Idle keep-alive connections to the HTTP upstream, shared by all sessions."""
 
-    def __init__(self, connect: Callable[[Addr], socket.socket]) -> None:
-        self._connect = connect
+    def __init__(self, connect: Callable[[Addr], socket.socket],
+                 connect_once: Callable[[Addr], socket.socket]) -> None:
+        self._connect = connect  # waits out a shortage of descriptors (bounded)
+        self._connect_once = connect_once
         self._lock = threading.Lock()
         self._idle: dict[Addr, collections.deque[tuple[socket.socket, float]]] = {}
 
@@ -52,6 +55,15 @@ class UpstreamPool:
             if now - since < _POOL_AGE_S and _still_open(sock):
                 return sock, True
             sock.close()
+
+    def listening(self, target: Addr) -> bool:
+        """Whether ``target`` accepts a new connection now (one attempt, closed at once)."""
+        try:
+            probe = self._connect_once(target)
+        except OSError:
+            return False
+        probe.close()
+        return True
 
     def give(self, target: Addr, sock: socket.socket) -> None:
         drop: list[socket.socket] = []
@@ -101,10 +113,20 @@ def _still_open(sock: socket.socket) -> bool:
     return False  # EOF, or bytes nobody asked for: not reusable either way
 
 
+class SessionCounts(Protocol):
+    """The counters an HTTP session reports into (the router's ``Ledger``)."""
+
+    def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None: ...
+    def count_event(self, reason: str, detail: str = "", log_it: bool = True) -> None: ...
+    def count_cut(self) -> None: ...
+    def count_retried(self) -> None: ...
+    def finish_request(self, rec: Record) -> None: ...
+
+
 class SessionHost(Protocol):
-    """What an HTTP session (router/http.py, and ``Forwarding`` here) needs of its router:
-    its settings and route table (read per request: the owner may change them any time), the
-    upstream pool, and the counters it reports into. ``Router`` (router/core.py) is one."""
+    """What an HTTP session (router/http.py) needs of its router: its settings and route
+    table (read per request: the owner may change them any time), the upstream pool, and
+    the counters it reports into. ``Router`` (router/core.py) is one."""
 
     @property
     def port(self) -> int: ...
@@ -122,13 +144,8 @@ class SessionHost(Protocol):
     def table(self) -> RouteTable | None: ...
     @property
     def pool(self) -> UpstreamPool: ...
-
-    def connect_once(self, target: Addr) -> socket.socket: ...
-    def count_refused(self, reason: str, detail: str = "", log_it: bool = True) -> None: ...
-    def count_event(self, reason: str, detail: str = "") -> None: ...
-    def count_cut(self) -> None: ...
-    def count_retried(self) -> None: ...
-    def finish_request(self, rec: Record) -> None: ...
+    @property
+    def ledger(self) -> SessionCounts: ...
 
 
 _NO_BODY_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
