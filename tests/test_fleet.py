@@ -206,7 +206,7 @@ def test_profiles_that_cannot_fit_together_alternate_without_failures(hydra_up, 
         loads = sum(p.loads for p in profiles.values())
         # Never both at once; a profile stays >= 4 s once loaded, so at most one load per
         # 4 s after the first two (plus the one at start).
-        assert sum(p["state"] == "serving" for p in profiles.values()) <= 1
+        assert sum(p.state == "serving" for p in profiles.values()) <= 1
         assert loads <= 2 + int(elapsed / 4) + 1, (loads, elapsed)
         assert loads >= 2
     finally:
