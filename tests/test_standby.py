@@ -198,7 +198,7 @@ def test_keep_slots_carries_the_prompt_cache_across_a_flip(hydra_up, hydra_env, 
         (pdir / f"{name}.yaml").write_text(text.replace("\nhost:", "\nkeep_slots: true\nhost:"))
     up = hydra_up("--profile", "demo-moe-combine", "--port", "0", "--profiles-dir", str(pdir))
     up.wait_ready(180)
-    rows = wait_until(lambda: _standby_ready(hydra_env), 180, "the standby loaded and warm")
+    wait_until(lambda: _standby_ready(hydra_env), 180, "the standby loaded and warm")
     url = f"http://127.0.0.1:{snapshot(hydra_env).ports[0].port}/completion"
     prompt = " ".join(f"word{i}" for i in range(200))
     first = requests.post(url, json={"prompt": prompt, "n_predict": 2}, timeout=120).json()
