@@ -256,7 +256,7 @@ def part_routing(tmp: Path, n: int, block: int) -> dict[str, Any]:
         session = requests.Session()
         chat(session, h.port, "demo-moe-combine")  # loads it beside demo
         h.wait_state(dict.fromkeys(PROFILES, "serving"), 60)
-        heads = {p: next(x["port"] for x in e["processes"] if x["role"] == "head")
+        heads = {p: next(x.port for x in e.processes if x.role == "head")
                  for p, e in h.profiles().items()}
         conns = {(path, p): Conn(heads[p] if path == "direct" else h.port, p)
                  for path in ("direct", "hydra") for p in PROFILES}
