@@ -52,3 +52,17 @@ def test_a_profile_alone_or_beside_another_is_described_the_same(tmp_path: Path)
     assert alone[0] == beside[0] == ["demo.head"]
     assert alone[1] == beside[1]
     assert {"id", "state", "status", "default", "devices", "mode", "model"} <= alone[1]
+
+
+def test_a_misspelt_standby_fails_hydra_up_naming_the_file(tmp_path: Path) -> None:
+    """The standby is planned with the active layout at `hydra up` (issue 28), not later in a
+    thread where a mistake would only surface as a note."""
+    import pytest
+
+    from hydra_supervisor.errors import HydraError
+
+    d = _profiles(tmp_path)
+    (d / "demo.yaml").write_text((d / "demo.yaml").read_text() + "standby: nope\n")
+    with pytest.raises(HydraError, match=r"demo\.yaml: standby: nope: unknown profile 'nope'"):
+        setup.build(StateDir(tmp_path / "state"), ["demo"], node_file=None,
+                    profiles_dir=str(d), overrides={}, host="127.0.0.1", port=8080)
