@@ -36,14 +36,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any
 
 from hydra_supervisor.router import limits
 from hydra_supervisor.router.acceptor import Acceptor, Waker
 from hydra_supervisor.router.conn import Conn, Upstreams, allow_mismatch, fmt_addr
 from hydra_supervisor.router.gate import HOLD_TIMEOUT_S, MAX_HELD, Gate
 from hydra_supervisor.router.http import HttpSession
-from hydra_supervisor.router.ledger import FdCounts, Ledger
+from hydra_supervisor.router.ledger import FdCounts, Ledger, LedgerCounts
 from hydra_supervisor.router.relay import HTTP_MODES, PUMPS, Relay, WorkerPool
 from hydra_supervisor.router.replies import JSONValue, RequestRecord
 from hydra_supervisor.router.routes import Addr, Limiter, Route, RouteTable
@@ -58,23 +58,13 @@ _STOP_JOIN_S = 5.0
 __all__ = ["HTTP_MODES", "PUMPS", "FdCounts", "Router", "RouterStats"]
 
 
-class RouterStats(TypedDict):
+class RouterStats(LedgerCounts):
     """``Router.counters()``: what the router counted since it was made (``stats()`` gives
-    the same as a plain dict). ``refused`` and ``events`` by reason; ``http`` by class
-    (``requests``, ``1xx``..``5xx``, ``cut``, ``retried``); ``by_kind`` by admitted kind."""
+    the same as a plain dict): the ledger's counts (``refused`` and ``events`` by reason;
+    ``http`` by class, ``requests``, ``1xx``..``5xx``, ``cut``, ``retried``; ``by_kind`` by
+    admitted kind) and what the router adds to them."""
 
-    accepted: int
-    bytes_up: int
-    bytes_down: int
-    refused: dict[str, int]
-    events: dict[str, int]
-    open: int
-    open_peak: int
-    pending: int
     bytes: int
-    by_kind: dict[str, int]
-    http: dict[str, int]
-    fds: FdCounts
     held: int
     inflight: int
     pooled: int

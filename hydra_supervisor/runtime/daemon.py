@@ -130,7 +130,7 @@ class Daemon:
 
     def lanes(self) -> list[Lane]:
         """Every lane, standby layouts included (restart, kill, status)."""
-        return [lane for p in self.ports for lane in p.every_lane()]
+        return self.actions.lanes()
 
     # -- status ---------------------------------------------------------------------------------
 

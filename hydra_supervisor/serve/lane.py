@@ -36,7 +36,7 @@ from hydra_supervisor.config.profile import Profile
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import fleetplan, plandiff
 from hydra_supervisor.plan.deployment import Deployment
-from hydra_supervisor.plan.plan import Plan, Role
+from hydra_supervisor.plan.plan import EngineSpec, Plan, Role
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.proc import gpumem, llamaerr
 from hydra_supervisor.proc.managed import Fatal, ManagedProcess, State
@@ -98,7 +98,7 @@ def namespaced(dep: Deployment) -> Deployment:
     keep apart in the state dir's pids/ and logs/ and in `hydra restart` / `hydra logs`."""
     name = dep.profile
 
-    def ren(e: Any) -> Any:
+    def ren(e: EngineSpec) -> EngineSpec:
         return e if e.name.startswith(f"{name}.") else replace(e, name=f"{name}.{e.name}")
 
     plan = replace(dep.plan, engines=tuple(ren(e) for e in dep.plan.engines))
@@ -400,11 +400,6 @@ class Lane:
                 raise LayoutFailed(f"{who.name} not ready within {timeout:.0f}s "
                                    f"({who.state.value}: {who.reason})", who.log_tail())
             await asyncio.sleep(0.05)
-
-    async def wait_ready(self, timeout: float) -> None:
-        if self.sup is None:
-            raise LayoutFailed("nothing is running", [])
-        await self._ready(self.sup, timeout)
 
     async def _stop_current(self, reason: str) -> list[int]:
         """Stop the running layout; returns the pids it had (to wait for their GPU memory)."""
