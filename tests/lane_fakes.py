@@ -50,6 +50,7 @@ from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.router import Upstreams
 from hydra_supervisor.router.gate import Gate
 from hydra_supervisor.router.routes import Route, RouteTable
+from hydra_supervisor.router.traffic import Traffic
 from hydra_supervisor.serve.clock import Clock
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
@@ -126,6 +127,7 @@ class FakeRouter:
         self.fail_start = 0  # the next N start() calls raise OSError (port taken)
         self.routes: list[FakeRoute] = []
         self.table: RouteTable | None = None
+        self.traffic = Traffic()  # nothing reports into it: every lane reads zeros
 
     def new_route(self, name: str, limit: int | None = None, queue: int = 0) -> FakeRoute:
         route = FakeRoute(name, Gate(120.0, 1024))

@@ -5,6 +5,8 @@ Routes (all on the loopback metrics address; `/metrics` passes through untouched
   GET  /static/...            its script, styles and the vendored chart library
   GET  /api/state             the published snapshot + devices' memory + heads' counters
   GET  /api/log?name=&cursor= a process's log past the cursor (polled; follows restarts)
+  GET  /api/history           every lane's last 15 minutes, one point a second (tokens/s, in
+                              flight, queued, requests; router/traffic.py `Traffic.history`)
   POST /api/switch {"profile"}   \
   POST /api/restart {"engine"}    > the control API's own handlers (control.py), on the loop
   POST /api/reload                /
@@ -88,8 +90,12 @@ class Dashboard:
     profiles a single-engine hydra can switch to."""
 
     def __init__(self, publisher: Publisher,
-                 profiles: Callable[[], list[str]] = list) -> None:
+                 profiles: Callable[[], list[str]] = list,
+                 history: Callable[[], Mapping[str, object]] | None = None) -> None:
+        """`history`: the daemon's traffic history (GET /api/history), read on the page's
+        thread (it is thread-safe)."""
         self.publisher = publisher
+        self._history = history
         self.token = secrets.token_urlsafe(32)  # per start: a page of an older hydra is stale
         self._profiles = profiles
         self._routes: dict[tuple[str, str], Handler] = {}
@@ -197,6 +203,11 @@ class Dashboard:
             return self._static(start, path[len("/static/"):])
         if path == "/api/state":
             return self._json(start, 200, self.state())
+        if path == "/api/history":
+            if self._history is None:
+                return self._json(start, 200, {"step_s": 1.0, "end": time.time(),
+                                               "series": {}})
+            return self._json(start, 200, self._history())
         if path == "/api/log":
             qs = parse_qs(environ.get("QUERY_STRING") or "")
             return self._log(start, (qs.get("name") or [""])[0], (qs.get("cursor") or [None])[0])

@@ -17,7 +17,9 @@ the work is done by collaborators it makes and wires together through their cons
   two with blocking sockets, one per direction, moving bytes with ``os.splice`` (a kernel pipe,
   no copy through Python) or, as a fallback, ``recv_into``/``sendall``. ggml-RPC is the
   per-token path: it stays a byte splice. relay.py also says why threads and not asyncio;
-- ``UpstreamPool`` (router/upstream.py): idle keep-alive connections to the HTTP upstreams.
+- ``UpstreamPool`` (router/upstream.py): idle keep-alive connections to the HTTP upstreams;
+- ``Traffic`` (router/traffic.py): what each route serves now, the tokens it generates as
+  they stream, and the last requests (the HTTP sessions report into it).
 
 The Router is also the ``SessionHost`` its HTTP sessions read their settings, route table,
 upstream pool and counters from.
@@ -47,6 +49,7 @@ from hydra_supervisor.router.ledger import FdCounts, Ledger, LedgerCounts
 from hydra_supervisor.router.relay import HTTP_MODES, PUMPS, Relay, WorkerPool
 from hydra_supervisor.router.replies import JSONValue, RequestRecord
 from hydra_supervisor.router.routes import Addr, Limiter, Route, RouteTable
+from hydra_supervisor.router.traffic import Traffic
 from hydra_supervisor.router.upstream import UpstreamPool
 
 log = logging.getLogger("hydra.router")
@@ -103,6 +106,7 @@ class Router:
         max_held: int = MAX_HELD,
         table: RouteTable | None = None,
         on_request: Callable[[RequestRecord], None] | None = None,
+        traffic: Traffic | None = None,
         retry_wait: float = 1.0,
         max_body: int = 64 << 20,
         request_timeout: float = 120.0,
@@ -141,6 +145,9 @@ class Router:
         self.max_body = max_body
         self.request_timeout = request_timeout
         self.request_defaults: dict[str, JSONValue] = {}
+        # Live load and the request table (router/traffic.py): the daemon gives every port's
+        # router its one Traffic; a router made alone keeps its own.
+        self.traffic = traffic if traffic is not None else Traffic()
         self.hold_timeout = hold_timeout
         self._max_held = max_held
         # Every HTTP request goes where the table says (router/routes.py): a Route (its own

@@ -37,6 +37,7 @@ import h11
 
 from hydra_supervisor.router import defaults as request_defaults
 from hydra_supervisor.router import head
+from hydra_supervisor.router.conn import fmt_addr
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Gate, Refusal
 from hydra_supervisor.router.replies import Record, error_body, json_response, sse_error_event
 from hydra_supervisor.router.routes import LocalReply, Route
@@ -214,14 +215,20 @@ class HttpSession:
             self.keep = b"close" not in conn_tokens
         rec = Record(ev.method.decode("latin-1"), request_defaults.path_of(ev.target),
                      time.monotonic(), port=self.r.port)
+        rec.tally = self.r.traffic.begin(rec.port, rec.method, rec.path,
+                                         fmt_addr(self.conn.peer))
         try:
             done = self._serve(ev, rec, lent_host)
         except ClientGone as e:
             self.conn.note(str(e))
             rec.outcome = "error" if rec.outcome == "ok" else rec.outcome
             rec.reason = str(e)
+            rec.ended = rec.ended or "client_gone"
             self.counts.finish_request(rec)
             return False
+        finally:
+            if not rec.done:  # every request that began ends once (a bug's exception too)
+                self.counts.finish_request(rec)
         if not done or not self.keep or self.client_eof:
             return False
         if self.h.their_state is not h11.DONE:
@@ -274,7 +281,7 @@ class HttpSession:
                               "timeout_error", close=True)
             return False
         except h11.RemoteProtocolError as e:
-            self._bad_request(getattr(e, "error_status_hint", 400), str(e))
+            self._bad_request(getattr(e, "error_status_hint", 400), str(e), rec)
             return False
         rec.bytes_in = len(body)
         if refusal is not None:
@@ -312,6 +319,8 @@ class HttpSession:
     def _routed(self, fwd: Outgoing, rec: Record, route: Route) -> bool:
         """A request the table sent to `route`: its limiter, then its gate, then upstream."""
         rec.route = route.name
+        if rec.tally is not None:
+            rec.tally.routed(route.name, rec.model)
         route.started()
         lim = route.limiter
         try:
@@ -339,6 +348,7 @@ class HttpSession:
             self.counts.count_refused(reply.counter, detail=msg)
         rec.status = reply.status
         rec.outcome = "ok" if reply.status < 400 else "error"
+        rec.ended = "ok" if reply.status < 400 else "refused"
         self._send_json(rec, reply.status, json.dumps(reply.body).encode(), [])
 
     def _send_json(self, rec: Record, status: int, body: bytes,
@@ -391,10 +401,12 @@ class HttpSession:
         except OSError:
             pass
 
-    def _bad_request(self, status: int, message: str) -> None:
+    def _bad_request(self, status: int, message: str, rec: Record | None = None) -> None:
         """A request the router could not parse: answer with llama-server's error shape and
-        close (its framing cannot be trusted)."""
+        close (its framing cannot be trusted). `rec`: its record, when its head was read."""
         self.conn.note(f"bad request: {message}")
+        if rec is not None:
+            rec.status, rec.outcome, rec.ended, rec.reason = status, "error", "refused", message
         self.counts.count_refused("bad_request", message)
         body = error_body(status, f"hydra router: bad request: {message}",
                           "invalid_request_error")
@@ -412,6 +424,8 @@ class HttpSession:
         if close:
             extra.append((b"Connection", b"close"))
         rec.status, rec.outcome, rec.reason = status, outcome, message
+        if outcome != "cut":
+            rec.ended = "refused"  # the router answered it instead of llama-server
         self._send_json(rec, status, error_body(status, message, kind), extra)
 
     def _refuse(self, rec: Record, refusal: Refusal, close: bool = False,
@@ -435,6 +449,8 @@ class HttpSession:
                                           DEFAULT_RETRY_AFTER, "error", "upstream_down"))
                 return True
             flight = gate.begin()
+            if rec.tally is not None:
+                rec.tally.upstream()
             try:
                 return self._exchange(gate, flight, target, fwd, rec)
             except _NotStarted as e:
@@ -565,6 +581,7 @@ class HttpSession:
         in the upstream's framing, each piece as it arrives (an SSE stream token by token)."""
         resp = _Framing()
         recv = sock.recv
+        tally = rec.tally
         # What h11 already has parsed goes out in one write: a token chunk that arrived with
         # the terminal chunk leaves together with it (fewer syscalls, and the client sees the
         # response complete at once).
@@ -584,9 +601,13 @@ class HttpSession:
                     continue
                 if isinstance(ev, h11.Data):
                     out.append(head.chunk(ev.data) if resp.kind == "chunked" else ev.data)
+                    if tally is not None:
+                        tally.data(ev.data)  # tokens counted as they stream
                 elif isinstance(ev, h11.Response):
                     rec.status = ev.status_code
                     resp.start(ev, rec.method == "HEAD")
+                    if tally is not None:
+                        tally.head(ev.status_code, resp.sse)
                     if resp.kind == "eof":
                         self.keep = False  # the body ends with the connection
                     out.append(head.response_head(ev.http_version, ev.status_code, ev.reason,

@@ -240,8 +240,14 @@ class Ledger:
             self._http["retried"] += 1
 
     def finish_request(self, rec: Record) -> None:
-        """One HTTP request done: counted, logged (DEBUG), and given to ``on_request``."""
+        """One HTTP request done: counted, logged (DEBUG), and given to ``on_request``; its
+        entry in the router's Traffic ends. Once per request (a second call does nothing)."""
+        if rec.done:
+            return
+        rec.done = True
         now = time.monotonic()
+        if rec.tally is not None:
+            rec.tally.end(rec.status, rec.ending())
         with self._lock:
             self._http["requests"] += 1
             cls = f"{rec.status // 100}xx"

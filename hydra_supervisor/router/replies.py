@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TypedDict
 
+from hydra_supervisor.router.traffic import Tally
+
 # A JSON value as the router is given it (a LocalReply's body, T1 request defaults): read-only
 # containers, so that a `dict[str, str]` or a `list[str]` is one too.
 JSONValue = None | bool | int | float | str | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
@@ -65,6 +67,16 @@ class Record:
     reason: str = ""
     route: str | None = None  # the route (profile) the router's table chose; None: no table
     port: int = 0  # the external port it came in on
+    # How it ended for the request table (router/traffic.py ENDINGS); "" takes it from
+    # `outcome`: ok, cut, else error.
+    ended: str = ""
+    tally: Tally | None = None  # its entry in the router's Traffic
+    done: bool = False  # finished (counted once: Ledger.finish_request)
+
+    def ending(self) -> str:
+        if self.ended:
+            return self.ended
+        return self.outcome if self.outcome in ("ok", "cut") else "error"
 
     def as_dict(self, now: float) -> RequestRecord:
         return {

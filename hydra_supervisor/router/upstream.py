@@ -4,7 +4,8 @@
 reused one that turned out stale is replaced by the session at once). ``Outgoing``: a request
 as it goes upstream. ``SessionHost``: what an HTTP session (router/http.py) needs of its router
 (its settings, table and pool), with ``SessionCounts``: the counters it reports into (the
-router's ``Ledger``, router/ledger.py). The Router (router/core.py) is a ``SessionHost``, and
+router's ``Ledger``, router/ledger.py) and its ``Traffic`` (router/traffic.py: live load and
+the request table). The Router (router/core.py) is a ``SessionHost``, and
 nothing here or in router/http.py imports it.
 """
 
@@ -22,6 +23,7 @@ import h11
 from hydra_supervisor.router import head
 from hydra_supervisor.router.replies import JSONValue, Record
 from hydra_supervisor.router.routes import RouteTable
+from hydra_supervisor.router.traffic import Traffic
 
 Addr = tuple[str, int]
 
@@ -146,6 +148,8 @@ class SessionHost(Protocol):
     def pool(self) -> UpstreamPool: ...
     @property
     def ledger(self) -> SessionCounts: ...
+    @property
+    def traffic(self) -> Traffic: ...
 
 
 _NO_BODY_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")

@@ -37,6 +37,7 @@ from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.proc import gpumem
 from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.router.traffic import Traffic
 from hydra_supervisor.runtime import (
     control,
     control_client,
@@ -95,13 +96,17 @@ class Daemon:
         self.ports = ports
         self.node = node
         self.notifier = notify.Notifier.from_env()
+        # Live load and the last requests of every port (router/traffic.py): each port's
+        # router reports into it; the snapshot and the dashboard's history read it.
+        self.traffic = Traffic()
         # The dashboard (dashboard/) beside /metrics: it reads the snapshot published below.
         # Threads (metrics scrapes, the page) read snapshots taken on the loop, never the
         # loop's live objects: a scrape that walked a lane while the loop appended a switch
         # report failed with "deque mutated during iteration".
         self.publisher = Publisher(self.take)
         self.dashboard = (Dashboard(self.publisher,
-                                    profiles=lambda: list(known_profiles(opts.profiles_dir)))
+                                    profiles=lambda: list(known_profiles(opts.profiles_dir)),
+                                    history=self.traffic.history)
                           if opts.metrics_port else None)
         self.metrics = (metrics.MetricsServer("127.0.0.1", opts.metrics_port,
                                               snapshot=self._published,
@@ -109,6 +114,7 @@ class Daemon:
                                               else None)
                         if opts.metrics_port else None)
         for p in self.ports:
+            p.router_kwargs["traffic"] = self.traffic
             if self.metrics:
                 p.router_kwargs["on_request"] = self._on_request
             p.listeners.append(self._changed)
@@ -145,7 +151,8 @@ class Daemon:
         return Snapshot(daemon=DaemonInfo(pid=os.getpid(), started=self.started,
                                           state_dir=str(self.state.root), stopped=self.ended,
                                           unkillable=tuple(self.unkillable)),
-                        ports=ports, switches=tuple(switches))
+                        ports=ports, switches=tuple(switches),
+                        requests=self.traffic.requests())
 
     @property
     def unkillable(self) -> list[str]:

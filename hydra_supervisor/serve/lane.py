@@ -44,6 +44,7 @@ from hydra_supervisor.proc.seams import Moved
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
 from hydra_supervisor.router.routes import Addr, Limiter, Route
+from hydra_supervisor.router.traffic import LaneTraffic
 from hydra_supervisor.serve import keepslots, llamameta, progress, states
 from hydra_supervisor.serve.clock import MONOTONIC, Clock, wall
 from hydra_supervisor.serve.reports import (
@@ -91,6 +92,10 @@ class PortSide(Protocol):
     def lane_changed(self, lane: Lane) -> None: ...
 
     def set_rpc(self, addr: Addr | None) -> None: ...
+
+    def traffic_of(self, profile: str) -> LaneTraffic:
+        """What its router counted of `profile`'s requests (router/traffic.py)."""
+        ...
 
 
 def namespaced(dep: Deployment) -> Deployment:
@@ -162,7 +167,6 @@ class Lane:
         self.why = "not loaded yet"
         self.meta: dict[str, object] | None = None  # llama-server's own /v1/models meta
         self.meta_task: asyncio.Task[None] | None = None
-        self._samples: collections.deque[tuple[float, int]] = collections.deque()
 
     # -- who it is ------------------------------------------------------------------------------
 
@@ -872,25 +876,15 @@ class Lane:
             return ()
         return tuple(_process_status(p, gpu, sup.plan) for p in sup.procs)
 
-    def requests_last_min(self) -> int | None:
-        """Requests of this lane in about the last minute, from its route's counter sampled at
-        each snapshot (status --watch asks every second; None until two samples exist)."""
-        now = self.clock()
-        total = self.route.requests
-        if not self._samples or now - self._samples[-1][0] >= 1.0:
-            self._samples.append((now, total))
-        while self._samples and now - self._samples[0][0] > 60.0:
-            self._samples.popleft()
-        if not self._samples or now - self._samples[0][0] < 1.0:
-            return None
-        return total - self._samples[0][1]
-
     def status(self, gpu: Mapping[int, int], *, name: str, state: str, default: bool,
                standby: str | None = None) -> LaneStatus:
         """The lane in the published status (serve/snapshot.py); its port gives the label
         (`name`), the state word (`port down` while the port refuses connections), whether it
-        is the default, and the standby profile kept beside it."""
+        is the default, and the standby profile kept beside it. Its traffic (requests,
+        tokens, in flight) is what its port's router counted (router/traffic.py); `queued`
+        is its gate's and its limiter's: held there and waiting for a slot."""
         st = self.route.stats()
+        tr = self.port.traffic_of(self.name)
         dep, sup = self.dep, self.sup
         prof = self.profile
         return LaneStatus(
@@ -907,10 +901,13 @@ class Lane:
             error=self.error, why=self.why, loads=self.loads, unloads=self.unloads,
             resident_s=(round(self.clock() - self.loaded_at, 1)
                         if self.loaded_at is not None else None),
-            idle_s=st["idle_s"], requests=st["requests"],
-            requests_last_min=self.requests_last_min(), held=st["held"],
+            idle_s=st["idle_s"], requests=tr.requests,
+            requests_last_min=tr.requests_last_min, held=st["held"],
             held_reason=st["held_reason"], inflight=st["inflight"], running=st["running"],
-            waiting=st["waiting"], standby=standby, processes=self.process_status(gpu),
+            waiting=st["waiting"], queued=st["held"] + (st["waiting"] or 0),
+            tokens_per_s=tr.tokens_per_s, generated_tokens=tr.generated_tokens,
+            prompt_tokens=tr.prompt_tokens, cut=tr.cut, standby=standby,
+            processes=self.process_status(gpu),
             switches=tuple(SwitchStatus.of(r) for r in self.switches))
 
 

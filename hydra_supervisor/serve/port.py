@@ -39,6 +39,7 @@ from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.router.gate import Gate
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
+from hydra_supervisor.router.traffic import LaneTraffic
 from hydra_supervisor.serve import states
 from hydra_supervisor.serve.clock import wall
 from hydra_supervisor.serve.lane import Lane
@@ -335,6 +336,13 @@ class Port:
 
     def _upstreams(self) -> Upstreams:
         return Upstreams(rpc=self._rpc, hydra=self.hydra_upstream)
+
+    def traffic_of(self, profile: str) -> LaneTraffic:
+        """What the port's router counted of `profile`'s requests (router/traffic.py); none
+        without a router (router: false: llama-server holds the port)."""
+        if self.router is None:
+            return LaneTraffic()
+        return self.router.traffic.lane(self.port, profile)
 
     def set_rpc(self, addr: Addr | None) -> None:
         """ggml-RPC through this port (a lane that lends a device: mode: peer)."""

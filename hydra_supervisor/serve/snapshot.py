@@ -16,6 +16,7 @@ gets it over the control socket).
           processes: ProcessStatus(name, role, pid, state, ...)
           switches: SwitchStatus(seq, to, from, result, phases, ...)
       switches: SwitchStatus (every lane's last 20, oldest first)
+      requests: RequestStatus (the last 256 finished, oldest first, then those running)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from types import MappingProxyType
 from typing import ClassVar, Literal, TypedDict, TypeVar
 
 from hydra_supervisor.jsontypes import JSONObject, JSONValue
+from hydra_supervisor.router.traffic import RequestStatus as RequestStatus  # the schema's
 from hydra_supervisor.serve import states
 from hydra_supervisor.serve.reports import SwitchReport
 
@@ -156,6 +158,14 @@ class LaneStatus:
     inflight: int = 0
     running: int | None = None  # with concurrency: requests upstream now
     waiting: int | None = None
+    # Its traffic as its port's router counts it (router/traffic.py): held at the gate plus
+    # waiting for a slot; generated tokens/s over the last 5 s, counted as SSE events stream;
+    # totals since hydra started (this profile on this port); responses cut mid-way.
+    queued: int = 0
+    tokens_per_s: float = 0.0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cut: int = 0
     standby: str | None = None  # an active lane's standby profile (serve/standby.py)
     standby_of: str | None = None  # a standby lane's active profile
     warm_s: float | None = None  # a standby's warm-up request
@@ -270,6 +280,8 @@ class Snapshot:
     daemon: DaemonInfo
     ports: tuple[PortStatus, ...] = ()
     switches: tuple[SwitchStatus, ...] = ()  # every lane's last changes, oldest first
+    # The last requests through the routers (finished, oldest first), then those running.
+    requests: tuple[RequestStatus, ...] = ()
     version: int = VERSION
     taken: float = field(default_factory=time.time)
 
