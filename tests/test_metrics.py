@@ -515,3 +515,17 @@ def test_router_counted_once_per_port_with_several_lanes() -> None:
     with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
         s = scrape(ms.url)
     assert value(s, "hydra_router_connections_accepted_total", engine="port-8080") == 3
+
+
+def test_lane_traffic_series_from_the_snapshot() -> None:
+    """The lane's live load, as hydra's router counted it (router/traffic.py)."""
+    lane = {"name": "port-8080/demo", "profile": "demo", "state": "serving", "inflight": 2,
+            "queued": 3, "tokens_per_s": 12.5, "generated_tokens": 640, "prompt_tokens": 90}
+    with MetricsServer("127.0.0.1", 0, snapshot=lambda: typed(snapshot(port(lane)))) as ms:
+        s = scrape(ms.url)
+        e = {"engine": "port-8080/demo", "profile": "demo"}
+        assert value(s, "hydra_lane_inflight", **e) == 2
+        assert value(s, "hydra_lane_queued", **e) == 3
+        assert value(s, "hydra_lane_tokens_per_second", **e) == 12.5
+        assert value(s, "hydra_generated_tokens_total", **e) == 640
+        assert value(s, "hydra_prompt_tokens_total", **e) == 90

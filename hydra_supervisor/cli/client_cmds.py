@@ -19,6 +19,7 @@ from hydra_supervisor.cli.status_view import (
     daemon_renderables,
     ports_down,
     print_summary,
+    requests_table,
     serving_now,
     snapshot_of,
     status_group,
@@ -148,9 +149,15 @@ def reload(as_json: bool) -> None:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--watch", "-w", is_flag=True, help="refresh every second until Ctrl-C")
+@click.option("--requests", "show_requests", is_flag=True,
+              help="the last requests through hydra's routers (with --json: as JSON)")
 @friendly
-def status(as_json: bool, watch: bool) -> None:
+def status(as_json: bool, watch: bool, show_requests: bool) -> None:
     """Show what the running hydra serves (live, from its control API).
+
+    `--requests`: the last requests (256 finished, then those running): when, port,
+    profile, client, status, time to first token, prompt/cached/generated tokens, prefill and
+    decode speed, duration, how each ended. Nothing of a prompt or reply is kept.
 
     Exit status (docs/control.md): 0; 1 a port is down (its router accepts no connections);
     3 no hydra runs here."""
@@ -159,6 +166,16 @@ def status(as_json: bool, watch: bool) -> None:
         code, live = control_client.call(control_socket(state), "GET", "/status", timeout=10)
     except (control_client.NotRunning, OSError):
         live = None
+    if show_requests and live is not None and not watch:
+        snap = snapshot_of(live)
+        reqs = snap.requests
+        if as_json:  # the snapshot's `requests` (docs/control.md)
+            click.echo(json.dumps(snap.to_json()["requests"], indent=2))
+        elif reqs:
+            out.print(requests_table(reqs))
+        else:
+            out.print("no request has come through hydra's routers yet", markup=False)
+        return
     if as_json:
         if live is None:
             click.echo(json.dumps({"running": False, "supervisor": state.running_supervisor(),
@@ -201,7 +218,9 @@ def status(as_json: bool, watch: bool) -> None:
             except (control_client.NotRunning, OSError):
                 view.update(f"hydra is not running here (state dir {state.root})")
                 sys.exit(exits.NOT_RUNNING)
-            view.update(status_group(snapshot_of(live)))
+            snap = snapshot_of(live)
+            view.update(requests_table(snap.requests) if show_requests
+                        else status_group(snap))
             time.sleep(1.0)
 
 

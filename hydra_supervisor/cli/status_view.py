@@ -18,6 +18,7 @@ from hydra_supervisor.serve.snapshot import (
     PortStatus,
     ProcessStatus,
     RemoteLoad,
+    RequestStatus,
     RouterCounters,
     Snapshot,
     SwitchStatus,
@@ -66,11 +67,12 @@ def _port_renderables(p: PortStatus) -> list[RenderableType]:
     every running process, then the port's router counters; then its standby."""
     active = p.active()
     if len(active) == 1:
-        parts = lane_renderables(active[0], p.url, router=p.router, down=p.down)
+        parts = lane_renderables(active[0], p.url, router=p.router, down=p.down,
+                                 lanes=p.lanes)
     elif not active:
         parts = [Text(f"no profile loaded at {p.url} ({p.word()}); "
                       "`hydra switch NAME` loads one")]
-        parts += _router_line(p.router, None)
+        parts += _router_line(p.router, p.lanes)
         if p.down:
             parts.append(Text(f"PORT DOWN: {p.down}; hydra is restarting it",
                               style="bold red"))
@@ -100,7 +102,7 @@ def _several_renderables(p: PortStatus, active: tuple[LaneStatus, ...]
     r = p.router
     if r is not None:
         parts.append(Text(
-            f"router: {r.open} open; {r.http.get('requests', 0)} HTTP requests, "
+            f"router: {r.open} open; {_request_split(r, p.lanes)}, "
             f"{r.refused.get('unknown_model', 0)} for unknown models, "
             f"{r.refused.get('queue_full', 0)} refused busy (429), {r.http.get('cut', 0)} cut, "
             f"{r.http.get('retried', 0)} retried" + _router_restarts(r)))
@@ -113,7 +115,7 @@ def _several_renderables(p: PortStatus, active: tuple[LaneStatus, ...]
 def _lane_table(lanes: tuple[LaneStatus, ...]) -> Table:
     table = Table(show_edge=False, pad_edge=False)
     for col in ("profile", "state", "mode", "devices", "needs", "loaded", "idle",
-                "requests", "held", "in flight", "loads", "ttl", "note"):
+                "requests", "queued", "in flight", "tok/s", "loads", "ttl", "note"):
         table.add_column(col)
     for x in lanes:
         needs = ", ".join(f"{k} {v:,} MiB" for k, v in x.needs_mib.items())
@@ -127,8 +129,9 @@ def _lane_table(lanes: tuple[LaneStatus, ...]) -> Table:
         name = x.profile + (" *" if x.default else "") + \
             (f" ({', '.join(x.aliases)})" if x.aliases else "")
         table.add_row(name, x.state, str(x.mode), ", ".join(x.devices), needs, loaded,
-                      _fmt_age(x.idle_s or 0.0), str(x.requests), str(x.held), str(x.inflight),
-                      f"{x.loads}/{x.unloads}", f"{x.ttl:g}s" if x.ttl else "-", Text(note))
+                      _fmt_age(x.idle_s or 0.0), str(x.requests), str(x.queued),
+                      str(x.inflight), f"{x.tokens_per_s:g}", f"{x.loads}/{x.unloads}",
+                      f"{x.ttl:g}s" if x.ttl else "-", Text(note))
     return table
 
 
@@ -185,9 +188,12 @@ def print_summary(data: Mapping[str, object]) -> None:
 
 
 def lane_renderables(lane: LaneStatus, url: str, router: RouterCounters | None = None,
-                     down: str | None = None) -> list[RenderableType]:
-    """One profile on its port: what it runs, its processes, the router line, why the port is
-    down or the layout degraded or FATAL, its last switch, and a FATAL process's log lines."""
+                     down: str | None = None, lanes: tuple[LaneStatus, ...] | None = None
+                     ) -> list[RenderableType]:
+    """One profile on its port: what it runs, its processes, its load, the router line, why
+    the port is down or the layout degraded or FATAL, its last switch, and a FATAL process's
+    log lines. `lanes`: every lane of the port (its standby too), whose requests the router
+    line adds up."""
     head = f" ({lane.mode}) at {url} — {lane.state}"
     if lane.standby:
         needs = ", ".join(f"{k} {v:,} MiB" for k, v in lane.needs_mib.items())
@@ -199,7 +205,8 @@ def lane_renderables(lane: LaneStatus, url: str, router: RouterCounters | None =
         parts.append(Text(f"  {note}"))
     if lane.processes:
         parts.append(_process_table(list(lane.processes), warnings=True))
-    parts += _router_line(router, lane.requests_last_min)
+    parts += _load_line(lane)
+    parts += _router_line(router, lanes if lanes is not None else (lane,))
     if down:
         parts.append(Text(f"PORT DOWN: {down}; hydra is restarting it", style="bold red"))
     if lane.degraded:
@@ -211,14 +218,62 @@ def lane_renderables(lane: LaneStatus, url: str, router: RouterCounters | None =
     return parts
 
 
-def _router_line(r: RouterCounters | None, last: int | None) -> list[RenderableType]:
+def _load_line(lane: LaneStatus) -> list[RenderableType]:
+    """What the lane serves now, as hydra's router counts it (router/traffic.py)."""
+    if not (lane.requests or lane.inflight or lane.queued):
+        return []
+    return [Text(f"load: {lane.inflight} in flight, {lane.queued} queued, "
+                 f"{lane.tokens_per_s:g} tokens/s (last 5 s); {lane.generated_tokens:,} "
+                 f"tokens generated, {lane.prompt_tokens:,} prompt tokens since start"
+                 + (f", {lane.cut} cut" if lane.cut else ""))]
+
+
+def _request_split(r: RouterCounters, lanes: tuple[LaneStatus, ...]) -> str:
+    """The router's finished HTTP requests: those its profiles answered (each lane's
+    `requests`, counted at the same moment) and those the router answered itself
+    (/v1/models, unknown models, refusals before a profile was chosen, bad requests)."""
+    total = r.http.get("requests", 0)
+    routed = sum(x.requests for x in lanes)
+    own = max(0, total - routed)
+    return f"{total} HTTP requests ({routed} to profiles, {own} answered by the router)"
+
+
+def _router_line(r: RouterCounters | None, lanes: tuple[LaneStatus, ...]
+                 ) -> list[RenderableType]:
+    """The port's router: its connections, and its finished HTTP requests split as in
+    `_request_split` (with one lane, how many of them came in the last minute)."""
     if r is None:
         return []
+    last = lanes[0].requests_last_min if len(lanes) == 1 else None
     return [Text(f"router: {r.open} open, {r.held} held, {r.inflight} in flight; "
-                 f"{r.accepted} accepted, {r.http.get('requests', 0)} HTTP requests"
-                 + (f" ({last} in the last minute)" if last is not None else "")
+                 f"{r.accepted} accepted, {_request_split(r, lanes)}"
+                 + (f", {last} to profiles in the last minute" if last is not None else "")
                  + f", {r.http.get('cut', 0)} cut, {r.http.get('retried', 0)} retried"
                  + _router_restarts(r))]
+
+
+# -- the last requests (`hydra status --requests`) -------------------------------------------
+
+REQUEST_COLUMNS = ("time", "port", "profile", "client", "status", "TTFT",
+                   "prompt/cached/gen", "prefill/decode t/s", "duration", "ended")
+
+
+def requests_table(reqs: tuple[RequestStatus, ...]) -> Table:
+    """The last requests through hydra's routers, oldest first, the running ones last."""
+    table = Table(show_edge=False, pad_edge=False)
+    for col in REQUEST_COLUMNS:
+        table.add_column(col)
+    for r in reqs:
+        toks = "/".join("-" if n is None else str(n)
+                        for n in (r.prompt_tokens, r.cached_tokens, r.generated_tokens))
+        speed = "/".join("-" if v is None else f"{v:,.1f}" for v in (r.prefill_tps,
+                                                                     r.decode_tps))
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(r.at)), str(r.port),
+                      r.profile or "-", r.client, str(r.status or "-"),
+                      f"{r.ttft_s:.3f}s" if r.ttft_s is not None else "-",
+                      "-" if toks == "-/-/-" else toks, "-" if speed == "-/-" else speed,
+                      f"{r.duration_s:.2f}s", r.ended)
+    return table
 
 
 def _last_switch(switches: tuple[SwitchStatus, ...]) -> list[RenderableType]:

@@ -270,6 +270,10 @@ class HttpSession:
                                               DEFAULT_RETRY_AFTER, "error", "upstream_down")
         elif isinstance(early, Route):
             refusal = early.gate.refusal_now()
+            if refusal is not None:  # the profile's refusal (loading, stopped): its record
+                rec.route = early.name
+                if rec.tally is not None:
+                    rec.tally.routed(early.name, None)
         else:
             refusal = None
         try:
