@@ -18,9 +18,24 @@ acceptor and the relay share (descriptors per relay, the linger after a refusal)
 docs/router.md says why the relay is built the way it is, with the measurements.
 """
 
+from typing import TYPE_CHECKING
+
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
 from hydra_supervisor.router.conn import Upstreams
-from hydra_supervisor.router.core import Router
 from hydra_supervisor.router.limits import raise_nofile
 
+if TYPE_CHECKING:
+    from hydra_supervisor.router.core import Router
+
 __all__ = ["MAX_PREFIX", "Kind", "Router", "Upstreams", "classify", "raise_nofile"]
+
+
+def __getattr__(name: str) -> object:
+    # `Router` is imported when first asked for: a reader of one light module (the status
+    # schema reads router/traffic.py's RequestStatus) does not pull the whole router in
+    # (`hydra status` starts fast: tests/test_cli_imports.py).
+    if name == "Router":
+        from hydra_supervisor.router.core import Router
+
+        return Router
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
