@@ -536,3 +536,25 @@ def test_pool_keeps_every_routes_upstream(rig: Rig, monkeypatch: pytest.MonkeyPa
     rig.b.http = None
     rig.r.acceptor.tick(time.monotonic())
     assert rig.r.pool.idle() == 1
+
+
+def test_the_router_count_is_its_profiles_and_its_own_answers(rig: Rig) -> None:
+    """The router's finished requests are those routed to its profiles (each route's count
+    in its Traffic, counted at the same moment) plus those it answered itself; the request
+    table holds each, with the tokens the stand-in generated."""
+    port = rig.r.port
+    assert chat(port, "a", stream=True, max_tokens=5).status == 200
+    assert chat(port, "b", max_tokens=3).status == 200
+    assert chat(port, "nope").status == 404
+    assert request(port, "GET", "/v1/models").status == 200
+    tr = rig.r.traffic
+    wait_until(lambda: rig.r.stats()["http"]["requests"] == 4
+               and all(r.ended != "running" for r in tr.requests()), what="4 requests ended")
+    a, b = tr.lane(port, "a"), tr.lane(port, "b")
+    assert a.requests == 1 and b.requests == 1  # 4 = 2 to profiles + 2 the router's own
+    assert a.generated_tokens == 5 and b.generated_tokens == 3  # streamed / usage
+    assert [(r.profile, r.status, r.ended, r.stream) for r in tr.requests()] == [
+        ("a", 200, "ok", True), ("b", 200, "ok", False), (None, 404, "refused", False),
+        (None, 200, "ok", False)]
+    assert tr.requests()[0].generated_tokens == 5 and tr.requests()[0].ttft_s is not None
+    assert a.inflight == a.queued == 0

@@ -494,8 +494,8 @@ def _not_tokens(tail: bytes) -> int:
     empty delta, the usage event), when llama-server's timings did not say the exact count."""
     n = 0
     for ev in reversed(_events(tail)):
-        if (ev.endswith(b"[DONE]") or b'"delta":{}' in ev or b'"choices":[]' in ev
-                or b'"stop":true' in ev):
+        if (ev.endswith(b"[DONE]") or b'"delta":{}' in ev or b'"delta": {}' in ev
+                or b'"choices":[]' in ev or b'"stop":true' in ev):
             n += 1
         else:
             break
