@@ -81,16 +81,19 @@ class Node:
                 standby=o.standby))  # a standby layout goes first (serve/standby.py)
         return out
 
-    def why_stopped(self, lane: Lane, victim: str, room: fleetplan.Room) -> str:
-        """Why `victim` must stop for `lane`: the device it is short on beside it, what
-        `lane` needs there and what is free (a clause for a reply's message)."""
+    def why_stopped(self, lane: Lane, victim: str) -> str:
+        """Why `victim` must stop for `lane` (decided before anything stopped): the device
+        `lane` is short on beside it, what `lane` needs there and what is free (a clause for a
+        reply's message)."""
         other = self.lanes.get(victim)
+        occupants = self.occupants(lane)
+        short = fleetplan.shortfall(self.capacity, occupants, lane.needs)
         used: dict[str, int] = {}
-        for o in self.occupants(lane):
+        for o in occupants:
             for k, n in o.needs.items():
                 used[k] = used.get(k, 0) + n
-        keys = [k for k in sorted(room.short)
-                if other is None or other.needs.get(k, 0)] or sorted(room.short)
+        keys = [k for k in sorted(short)
+                if other is None or other.needs.get(k, 0)] or sorted(short)
         where = "; ".join(
             f"{lane.name} needs {lane.needs.get(k, 0) / fleetplan.MIB:,.0f} MiB of "
             f"{_device(k)}, {max(0, self.capacity.get(k, 0) - used.get(k, 0)) / fleetplan.MIB:,.0f}"
@@ -123,7 +126,7 @@ class Node:
                     f"`hydra switch {lane.name}` does, or it loads once there is room")
             if room.verdict is fleetplan.Verdict.EVICT:
                 for name in room.victims:
-                    why = self.why_stopped(lane, name, room)
+                    why = self.why_stopped(lane, name)
                     if await self.lanes[name].unload(f"making room for {lane.name}") is None:
                         break  # still busy after the drain: decide again
                     stopped.append(Stopped(name, why))
@@ -155,7 +158,7 @@ class Node:
             raise Busy(f"no room for {lane.name} now ({room.reason}); try again when it is "
                        "done")
         victims = room.victims if room.verdict is fleetplan.Verdict.EVICT else ()
-        why = {name: self.why_stopped(lane, name, room) for name in victims}
+        why = {name: self.why_stopped(lane, name) for name in victims}
         report = SwitchReport(to=lane.name, frm=", ".join(victims) or None)
         phase = Phases(report)
         stopped = []
