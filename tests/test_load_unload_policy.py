@@ -22,6 +22,7 @@ from hydra_supervisor.runtime.daemon import Daemon, Options
 from hydra_supervisor.runtime.messages import message
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import Busy
+from hydra_supervisor.serve.snapshot import DaemonInfo, Snapshot
 from hydra_supervisor.serve.states import LaneState
 from hydra_supervisor.serve.table import RouteTable
 from tests.lane_fakes import (
@@ -245,8 +246,9 @@ def test_models_of_a_port_with_no_lane_is_an_empty_list() -> None:
     assert table.select("x", "POST", "/v1/chat/completions") is none
 
 
-def test_lanes_say_stopped_once_hydra_stopped(tmp_path: Path) -> None:
-    f = make(tmp_path, (prof("a"), fdep("a", 30200, gpu0=4)))
+@pytest.mark.parametrize("names", [("a",), ("a", "b")])
+def test_status_says_stopped_once_hydra_stopped(tmp_path: Path, names: tuple[str, ...]) -> None:
+    f = make(tmp_path, *((prof(n), fdep(n, 30200 + i, gpu0=4)) for i, n in enumerate(names)))
 
     async def go() -> None:
         await f.start(["a"])
@@ -256,6 +258,10 @@ def test_lanes_say_stopped_once_hydra_stopped(tmp_path: Path) -> None:
         f.close()
         row = f.status({}).lanes[0]
         assert row.state == "stopped" and row.why == "SIGTERM"  # not "recovering"
+        snap = Snapshot(daemon=DaemonInfo(pid=1, started=0.0, state_dir="/s",
+                                          stopped="SIGTERM"), ports=(f.status({}),))
+        summary = snap.summary()  # status.json: "stopped" beside stopped:, not recovering/idle
+        assert summary["state"] == "stopped" and summary["stopped"] == "SIGTERM"
 
     asyncio.run(go())
 

@@ -162,7 +162,7 @@ class Node:
         report = SwitchReport(to=lane.name, frm=", ".join(victims) or None)
         phase = Phases(report)
         stopped = []
-        with phase("stop"):
+        with phase("stop") if victims else contextlib.nullcontext():
             for name in victims:
                 o = self.lanes[name]
                 cut = await o.unload(f"hydra switch {lane.name}: {why[name]}", cut=True)
