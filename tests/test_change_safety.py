@@ -188,7 +188,8 @@ def test_a_reload_names_the_keys_it_cannot_apply(hydra_up, hydra_env, tmp_path):
     assert f"port: the file says {p2}; hydra keeps serving on {p1}" in keys, keys
     assert "'renamed'" in keys and "keeps running as 'chg'" in keys, keys
     text = run_hydra(hydra_env, "reload", timeout=120)
-    assert "not applied: port" in text.stderr and "nothing to do" in text.stdout, text
+    # (issue 29: the result is said in one message, on stdout)
+    assert "Not applied: port" in text.stdout and "Nothing to do" in text.stdout, text
     # with a change it can apply beside them: applied, and the others still named
     prof.write_text(prof.read_text().replace("  threads: 1\n", "  threads: 2\n"))
     rep = json.loads(run_hydra(hydra_env, "reload", "--json", timeout=120).stdout)

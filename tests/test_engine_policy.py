@@ -250,7 +250,8 @@ def test_restart_names_the_engines_it_knows(engine: Port) -> None:
         with pytest.raises(Exception, match="engines: a.peer-0, a.head"):
             await lane.restart("nope")
         res = await lane.restart("peer-0")  # one report type: a SwitchReport
-        assert res.result == "ok" and res.restarted == ["a.peer-0"]
+        # a peer restarts with its head (issue 29: the report says so)
+        assert res.result == "ok" and res.restarted == ["a.peer-0", "a.head"]
         assert lane.sup is not None and lane.sup.restarted == ["a.peer-0"]  # type: ignore
         await engine.shutdown("test")
 

@@ -117,7 +117,7 @@ def test_two_profiles_one_port_routed_by_model(hydra_up, hydra_env):
     # The fleet recorded the configured plan: a reload (the file says ctx 4096) restarts the
     # head back; the MoE profile is unchanged.
     res = run_hydra(hydra_env, "reload", timeout=120)
-    assert res.returncode == 0 and "reloaded demo: restarted demo.head" in res.stdout, res
+    assert res.returncode == 0 and "Reloaded demo: restarted demo.head" in res.stdout, res
     assert "demo-moe-combine" not in res.stdout
     profiles = _profiles(hydra_env)
     assert profiles["demo"].loads == 1
@@ -151,7 +151,7 @@ def test_ttl_unloads_then_the_next_request_reloads(hydra_up, hydra_env, tmp_path
                     + "aliases: [short]\n")
     res = run_hydra(hydra_env, "reload", timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "reloaded brief: restarted brief.head" in res.stdout
+    assert "Reloaded brief: restarted brief.head" in res.stdout  # (the reply's message)
     assert "demo" not in res.stdout
     assert _ask(client, "short", False) == "brief"
     assert _models(port)["brief"]["aliases"] == ["short"]

@@ -135,6 +135,10 @@ def test_model_less_start_then_switch(hydra_env):
 
         (r,) = wait_until(answers, 30, "the model-less hydra answering")
         # ready within a second of the process being up (python start-up excluded)
+        # /v1/models with no profile: an empty list, as OpenAI and llama-server answer (issue
+        # 29: it was a 503, which clients retry); every other request: 503 naming the fix
+        assert r.status_code == 200 and r.json() == {"object": "list", "data": []}
+        r = requests.get(f"http://127.0.0.1:{port}/props", timeout=5)
         assert r.status_code == 503
         assert "hydra switch" in r.json()["error"]["message"]
         assert "demo" in r.json()["error"]["message"]

@@ -3,7 +3,8 @@ lives. Client commands import only what they use: `hydra --version` and `hydra s
 pay for the daemon's imports (tests/test_cli_imports.py).
 
     up.py           `hydra up` and what it prints while starting
-    client_cmds.py  status, switch, restart, reload, down, logs: a running hydra's client
+    client_cmds.py  status, switch, load, unload, restart, reload, down, logs: a running
+                    hydra's client
     status_view.py  what `hydra status` shows (renderers of the daemon's snapshot)
     plan_cmd.py     plan, profiles: what a profile resolves to, nothing started
     setup_cmds.py   install-llama, doctor, synth: getting binaries and models ready
@@ -53,7 +54,8 @@ def main() -> None:
     """hydra: serve GGUF models across GPUs by supervising stock llama.cpp binaries."""
 
 
-for _cmd in (up.up, client_cmds.status, client_cmds.switch, client_cmds.restart,
+for _cmd in (up.up, client_cmds.status, client_cmds.switch, client_cmds.load,
+             client_cmds.unload, client_cmds.restart,
              client_cmds.reload, client_cmds.down, client_cmds.logs, plan_cmd.plan,
              plan_cmd.profiles_cmd, setup_cmds.install_llama, setup_cmds.doctor,
              setup_cmds.synth):

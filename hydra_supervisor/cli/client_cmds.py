@@ -1,5 +1,7 @@
-"""The client commands of a running hydra: status, switch, restart, reload, down (its control
-API) and logs (its state dir). None imports the daemon: they must start fast."""
+"""The client commands of a running hydra: status, switch, load, unload, restart, reload, down
+(its control API) and logs (its state dir). None imports the daemon: they must start fast.
+An action's reply says what happened in its `message` (runtime/messages.py builds it in the
+daemon); the commands print it, then the details (phases, notes, log tails)."""
 
 from __future__ import annotations
 
@@ -76,26 +78,62 @@ def switch(profile: str, profiles_dir: str | None, as_json: bool) -> None:
 
 
 def _print_report(rep: dict[str, Any]) -> None:
+    """A switch's or load's reply: its message (what happened, what was stopped and why),
+    then its phases, notes and the failing run's log tail."""
     phases = "  ".join(f"{k} {v:.2f}s" for k, v in rep.get("phases", {}).items())
     result = rep.get("result")
+    (out if result in ("ok", "noop") else err).print(str(rep.get("message", "")),
+                                                     markup=False)
     if result == "noop":
-        out.print(f"nothing to do: {rep.get('reason', '')}", markup=False)
         for key in rep.get("not_applied") or []:
             err.print(f"  not applied: {key}", markup=False)
         return
-    if result == "ok":
-        out.print(f"switched {rep.get('from') or '(none)'} -> {rep['to']} in "
-                  f"{rep['total_s']:.2f}s", markup=False)
-    else:
-        err.print(f"switch to {rep['to']} failed in phase {rep.get('failed_phase')}: "
-                  f"{rep.get('error')}", markup=False)
-        if result == "rolled_back":
-            err.print(f"rolled back: {rep.get('from')} is serving again", markup=False)
-        for line in rep.get("log_tail") or []:
-            err.print(f"  {line}", markup=False)
+    for line in rep.get("log_tail") or []:
+        err.print(f"  {line}", markup=False)
     out.print(f"  phases: {phases}", markup=False)
     for note in rep.get("notes") or []:
         out.print(f"  note: {note}", markup=False)
+
+
+@click.command()
+@click.argument("profile")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def load(profile: str, as_json: bool) -> None:
+    """Load PROFILE beside what serves (one of this hydra's profiles).
+
+    Only what does not fit beside it stops: the least recently used first, drained (as a
+    load on request does); the reply says what stopped and why. Serving already: nothing to
+    do. A load that fails exits 1."""
+    code, reply = _control("/load", {"profile": profile})
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(exits.of_reply(code, reply.get("result")))
+    _fail_reply(code, reply)
+    _print_report(reply)
+    sys.exit(exits.of_reply(code, reply.get("result")))
+
+
+@click.command()
+@click.argument("profile", required=False)
+@click.option("--all", "every", is_flag=True, help="unload every loaded profile")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly
+def unload(profile: str | None, every: bool, as_json: bool) -> None:
+    """Unload PROFILE (or --all): hold, drain (bounded, as a switch), cut what is left, stop.
+
+    It stays routable: the next request for it loads it again (`on_demand: false`: only
+    `hydra load` or `hydra switch` does). Not loaded: nothing to do."""
+    if every == bool(profile):
+        raise HydraError("hydra unload takes a profile name or --all (not both)",
+                         hint="hydra unload demo, or hydra unload --all")
+    code, reply = _control("/unload", {"all": True} if every else {"profile": profile})
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+        sys.exit(exits.of_reply(code, reply.get("result")))
+    _fail_reply(code, reply)
+    out.print(str(reply.get("message", "")), markup=False)
+    sys.exit(exits.of_reply(code, reply.get("result")))
 
 
 @click.command()
@@ -109,8 +147,7 @@ def restart(engine: str, as_json: bool) -> None:
         click.echo(json.dumps(reply, indent=2))
         sys.exit(exits.of_reply(code, reply.get("result")))
     _fail_reply(code, reply)
-    out.print(f"restarted {reply['engine']} of {reply['profile']}; ready again after "
-              f"{reply['seconds']:.2f}s", markup=False)
+    out.print(str(reply.get("message", "")), markup=False)
 
 
 @click.command()
@@ -127,21 +164,13 @@ def reload(as_json: bool) -> None:
         click.echo(json.dumps(reply, indent=2))
         sys.exit(exits.of_reply(code, reply.get("result")))
     _fail_reply(code, reply)
-    if reply.get("result") == "noop":
-        out.print(f"nothing to do: {reply.get('reason', '')}", markup=False)
-    for name, did in (reply.get("reloaded") or {}).items():
-        (out if not did.startswith(("rolled back", "failed")) else err).print(
-            f"reloaded {name}: {did}", markup=False)
+    (out if reply.get("result") in ("ok", "noop") else err).print(
+        str(reply.get("message", "")), markup=False)
     for line in reply.get("log_tail") or []:
         err.print(f"  {line}", markup=False)
     phases = "  ".join(f"{k} {v:.2f}s" for k, v in (reply.get("phases") or {}).items())
     if phases:
         out.print(f"  phases: {phases}", markup=False)
-    for note in reply.get("notes") or []:
-        if not str(note).startswith("not applied: "):
-            out.print(f"  note: {note}", markup=False)
-    for key in reply.get("not_applied") or []:
-        err.print(f"  not applied: {key}", markup=False)
     sys.exit(exits.of_reply(code, reply.get("result")))
 
 

@@ -53,7 +53,8 @@ StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
 ACTIONS = {"/api/switch": ("POST", "/switch"), "/api/restart": ("POST", "/restart"),
-           "/api/reload": ("POST", "/reload")}
+           "/api/reload": ("POST", "/reload"), "/api/load": ("POST", "/load"),
+           "/api/unload": ("POST", "/unload")}
 TOKEN_HEADER = "HTTP_X_HYDRA_TOKEN"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")

@@ -112,6 +112,8 @@ class Route:
     last_used: float = field(default_factory=time.monotonic)  # monotonic: request start/end
     requests: int = 0
     where: str = ""
+    # The clock of last_used and idle (its owner's policy clock; tests move one).
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -148,18 +150,33 @@ class Route:
 
     def touch(self) -> None:
         with self._lock:
-            self.last_used = time.monotonic()
+            self.last_used = self.clock()
 
     def started(self) -> None:
         with self._lock:
-            self.last_used = time.monotonic()
+            self.last_used = self.clock()
             self.requests += 1
+
+    def active(self) -> bool:
+        """A request of this lane runs, is held at its gate or waits for a slot now."""
+        waiting = self.limiter.counts()[1] if self.limiter else 0
+        return bool(self.gate.inflight() or self.gate.held() or waiting)
+
+    def last_active(self) -> float:
+        """When the lane last had nothing in flight (now, while something is): what its idle
+        time, its ttl and the node's least-recently-used order count from."""
+        now = self.clock()
+        return now if self.active() else min(self.last_used, now)
+
+    def idle_for(self) -> float:
+        """Seconds since the lane last had nothing in flight (0 while a request runs)."""
+        return max(0.0, self.clock() - self.last_active())
 
     def stats(self) -> RouteStats:
         running, waiting = self.limiter.counts() if self.limiter else (None, None)
         return {"requests": self.requests, "held": self.gate.held(),
                 "inflight": self.gate.inflight(), "held_reason": self.gate.held_reason,
-                "idle_s": round(time.monotonic() - self.last_used, 3),
+                "idle_s": round(self.idle_for(), 3),
                 "running": running, "waiting": waiting}
 
 

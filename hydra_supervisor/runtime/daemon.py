@@ -47,6 +47,7 @@ from hydra_supervisor.runtime import (
     metrics,
     notify,
 )
+from hydra_supervisor.runtime.messages import message_of
 from hydra_supervisor.serve import portwatch
 from hydra_supervisor.serve.engine_wire import EngineWire
 from hydra_supervisor.serve.lane import Lane
@@ -245,6 +246,8 @@ class Daemon:
                 ("POST", "/switch"): self._r_switch,
                 ("POST", "/restart"): self._r_restart,
                 ("POST", "/reload"): self._r_reload,
+                ("POST", "/load"): self._r_load,
+                ("POST", "/unload"): self._r_unload,
                 ("POST", "/down"): self._r_down}
 
     async def _r_status(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -258,11 +261,11 @@ class Daemon:
         try:
             return 200, await coro
         except Busy as exc:
-            return 409, {"error": str(exc)}
+            return 409, {"error": str(exc), "message": message_of(exc)}
         except RestartFailed as exc:  # not bad input: it failed (exit 1), hydra serves on
-            return 500, {"error": str(exc)}
+            return 500, {"error": str(exc), "message": message_of(exc)}
         except HydraError as exc:
-            return 400, {"error": str(exc)}
+            return 400, {"error": str(exc), "message": message_of(exc)}
 
     async def _r_switch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         name = body.get("profile")
@@ -275,6 +278,20 @@ class Daemon:
 
     async def _r_reload(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return await self._guard(self.reload())
+
+    async def _r_load(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        name = body.get("profile")
+        if not isinstance(name, str) or not name:
+            return 400, {"error": "load needs a profile name ({\"profile\": NAME})"}
+        return await self._guard(self.actions.load(name))
+
+    async def _r_unload(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        name = body.get("profile")
+        every = body.get("all") is True
+        if every == (isinstance(name, str) and bool(name)):
+            return 400, {"error": "unload needs a profile name or all: "
+                                  "{\"profile\": NAME} or {\"all\": true}"}
+        return await self._guard(self.actions.unload(None if every else str(name)))
 
     async def _r_down(self, _: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         self.request_stop("hydra down")

@@ -12,7 +12,14 @@ One way for every port, whatever how many lanes it has:
 - reload: every lane re-reads its profile (its name and address fixed): a serving lane
   restarts what changed (plandiff), a stopped one takes the new plan for its next load.
 - restart NAME: the lane running that process (`demo.head`, or `head` when one lane has it).
-Planning runs in a thread (it reads files and probes ports), handed plain values only.
+- load NAME: a lane of this hydra loads beside what serves, stopping only what does not fit
+  (Port.load → Node.load: as a load on request); the port's standby profile loads beside its
+  active lane (Port.load_standby).
+- unload NAME / all: a lane drains (bounded), what is left is cut, it stops (Port.unload); it
+  stays routable: the next request for it loads it again (on_demand: false ones wait for
+  `hydra load`). A standby goes with its active lane.
+Every reply carries `message` (runtime/messages.py). Planning runs in a thread (it reads files
+and probes ports), handed plain values only.
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import deployment
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.plan import Address, Plan
+from hydra_supervisor.runtime.messages import with_message
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
-from hydra_supervisor.serve.reports import Busy, Result, SwitchReport
+from hydra_supervisor.serve.reports import Busy, Result, SwitchReport, UnloadReport
 
 log = logging.getLogger("hydra")
 Reply = dict[str, Any]
@@ -128,6 +136,9 @@ class Actions:
     # -- switch ---------------------------------------------------------------------------------
 
     async def switch(self, ref: str, profiles_dir: str | None = None) -> Reply:
+        return with_message("switch", await self._switch(ref, profiles_dir))
+
+    async def _switch(self, ref: str, profiles_dir: str | None = None) -> Reply:
         for p in self.ports:
             lane = p.names(ref)
             if lane is not None:
@@ -166,6 +177,80 @@ class Actions:
                          "with several ports the set of profiles is fixed at "
                          "`hydra up -p A -p B ...`")
 
+    # -- load and unload ----------------------------------------------------------------------
+
+    def _named(self, ref: str) -> tuple[Port, Lane] | None:
+        for p in self.ports:
+            lane = p.names(ref)
+            if lane is not None:
+                return p, lane
+        return None
+
+    def choices(self) -> list[str]:
+        """The profiles `hydra load` and `hydra unload` take: every lane, and the standby
+        profile of a port's lane."""
+        names = [x.name for x in self.lanes()]
+        for p in self.ports:
+            want = p.standby.wanted() if p.standby is not None else None
+            if want is not None and want not in names:
+                names.append(want)
+        return names
+
+    def _unknown(self, ref: str, verb: str) -> HydraError:
+        known = ", ".join(self.choices()) or "none"
+        return HydraError(
+            f"no profile '{ref}' in this hydra (its profiles: {known})",
+            hint=f"`hydra {verb}` takes one of those; `hydra switch {ref}` re-points the "
+                 "port to a profile it does not serve" if verb == "load" else
+            f"`hydra {verb}` takes one of those (`hydra status` shows what is loaded)")
+
+    async def load(self, ref: str) -> Reply:
+        """`hydra load NAME`: load it beside what serves, stopping only what does not fit
+        (least recently used first, drained, never cut); a no-op when it serves."""
+        found = self._named(ref)
+        if found is None:
+            port = next((p for p in self.ports if p.standby is not None
+                         and p.standby.lane is None and p.standby.wanted() == ref), None)
+            if port is None:
+                raise self._unknown(ref, "load")
+            report = await port.load_standby()
+        else:
+            port, lane = found
+            report = await port.load(lane)
+        self.changed()
+        return with_message("load", report.to_json())
+
+    async def unload(self, ref: str | None) -> Reply:
+        """`hydra unload NAME` (None: every loaded profile): drained (bounded), then cut, then
+        stopped; each stays routable (loaded again by its next request)."""
+        if ref is None:
+            targets = [(p, x) for p in self.ports for x in p.lanes.values()]
+        else:
+            found = self._named(ref)
+            if found is None:
+                if any(p.standby is not None and p.standby.wanted() == ref
+                       for p in self.ports):
+                    rep = UnloadReport(not_loaded={ref: "stopped: a standby not loaded now"})
+                    return with_message("unload", rep.to_json())
+                raise self._unknown(ref, "unload")
+            targets = [found]
+        out = UnloadReport()
+        results = await asyncio.gather(*(p.unload(x, "hydra unload") for p, x in targets),
+                                       return_exceptions=True)
+        errors = []
+        for res in results:
+            if isinstance(res, UnloadReport):
+                out.merge(res)
+            elif isinstance(res, HydraError):
+                errors.append(res)
+            elif isinstance(res, BaseException):
+                raise res
+        self.changed()
+        if errors and (ref is not None or not out.stopped):
+            raise errors[0]
+        out.notes += [f"not stopped: {e}" for e in errors]
+        return with_message("unload", out.to_json())
+
     # -- restart --------------------------------------------------------------------------------
 
     async def restart(self, name: str) -> Reply:
@@ -190,15 +275,16 @@ class Actions:
                 raise HydraError("no profile is running on this hydra: nothing to restart")
             raise HydraError(f"no running process '{name}'; running: {', '.join(running)}")
         report = await lane.restart(full)
-        return {**report.to_json(), "engine": full, "profile": report.to,
-                "seconds": round(report.total_s, 3)}
+        return with_message("restart", {**report.to_json(), "engine": full,
+                                        "profile": report.to,
+                                        "seconds": round(report.total_s, 3)})
 
     # -- reload ---------------------------------------------------------------------------------
 
     async def reload(self) -> Reply:
         """Re-read every lane's profile and apply the difference (none: no-op). Asked for
         while one runs: it runs once after it, for every caller who asked meanwhile."""
-        return await self.reloads.ask()
+        return with_message("reload", await self.reloads.ask())
 
     async def run_reload(self) -> Reply:
         """One reload, and what it leaves on the status line."""

@@ -53,6 +53,7 @@ from hydra_supervisor.serve.reports import (
     Phases,
     RestartFailed,
     Result,
+    Stopped,
     SwitchReport,
     SwitchTimeouts,
 )
@@ -77,7 +78,7 @@ class Room(Protocol):
 
     room_changed: asyncio.Event
 
-    async def room_for(self, lane: Lane, force: bool = False) -> None: ...
+    async def room_for(self, lane: Lane, force: bool = False) -> list[Stopped]: ...
 
 
 class PortSide(Protocol):
@@ -164,6 +165,7 @@ class Lane:
         self.loads = 0
         self.unloads = 0
         self.drains_given_up = 0  # unloads abandoned: requests still in flight after the drain
+        self.made_room: list[Stopped] = []  # what its last load stopped to make room, and why
         self.why = "not loaded yet"
         self.meta: dict[str, object] | None = None  # llama-server's own /v1/models meta
         self.meta_task: asyncio.Task[None] | None = None
@@ -660,8 +662,13 @@ class Lane:
                 await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
             except (LayoutFailed, Fatal) as exc:
                 raise RestartFailed(await self._restart_failed(name, sup, dep, exc)) from exc
+            # A peer restarts with its head (a ggml-rpc-server serves one head): both did.
+            head = sup.head
+            peer = next((p for p in sup.procs if p.name == name), None)
+            with_head = head is not None and peer is not None and peer is not head \
+                and peer.spec.role is Role.PEER
             rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, result=Result.OK,
-                               restarted=[name])
+                               restarted=[name, *([head.name] if with_head and head else [])])
             await keepslots.restore(self.head_addr, self.state, dep, dep, saved, rep)
             rep.total_s = self.clock() - t0
             return rep
@@ -700,9 +707,10 @@ class Lane:
             self.route.hold(f"loading profile {self.name} ({why})")
             self._changed()
             t0 = self.clock()
+            self.made_room = []
             try:
                 if self.node is not None:
-                    await self.node.room_for(self, force)
+                    self.made_room = await self.node.room_for(self, force)
                 self.loads += 1
                 log.info("loading profile %s (%s)", self.name, why)
                 self.route.set_unavailable(None)
@@ -849,6 +857,10 @@ class Lane:
         if self.task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
+        if self.phase is not LaneState.FAILED and not (self.sup is not None and self.sup.fatal):
+            self.switching = None
+            self._to(LaneState.STOPPED)  # hydra stopped: not "recovering" (status.json)
+            self.why = reason
 
     # -- status ---------------------------------------------------------------------------------
 

@@ -45,7 +45,15 @@ from hydra_supervisor.serve.clock import wall
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import TICK, Node
 from hydra_supervisor.serve.portwatch import PortWatch
-from hydra_supervisor.serve.reports import Busy, Result, SwitchReport, SwitchTimeouts
+from hydra_supervisor.serve.reports import (
+    Busy,
+    Phases,
+    Result,
+    Stopped,
+    SwitchReport,
+    SwitchTimeouts,
+    UnloadReport,
+)
 from hydra_supervisor.serve.snapshot import PortStatus, RouterCounters, SwitchStatus, parse
 from hydra_supervisor.serve.standby import Standby
 from hydra_supervisor.serve.states import LaneState
@@ -124,6 +132,8 @@ class Port:
             route = Route(name, Gate(),
                           limiter=Limiter(name, conc, queue) if conc else None)
         route.where = f"port {self.port}"
+        route.clock = self.clock  # its idle time and the ttl on the policy's clock
+        route.touch()
         return route
 
     def make_lane(self, profile: Profile | None, dep: Deployment, *,
@@ -268,7 +278,12 @@ class Port:
         lane = self.lanes.get(name)
         if lane is not None and lane.job is None \
                 and lane.phase in (LaneState.STOPPED, LaneState.FAILED):
-            lane.job = asyncio.create_task(lane.load("on request"))
+            lane.job = asyncio.create_task(self._load_on_request(lane))
+
+    async def _load_on_request(self, lane: Lane) -> None:
+        if await lane.load("on request") and self.standby is not None \
+                and lane is self.only():
+            self.standby.follow()  # unloaded with it (hydra unload): it comes back with it
 
     # -- the port ---------------------------------------------------------------------------------
 
@@ -400,7 +415,6 @@ class Port:
     async def _ticks(self) -> None:
         while True:
             await asyncio.sleep(TICK)
-            now = self.clock()
             for lane in list(self.lanes.values()):
                 if lane.job is not None:
                     continue
@@ -409,10 +423,8 @@ class Port:
                     self._want(lane.name)  # requests parked while it was being stopped
                 elif lane.phase is LaneState.SERVING and lane.ttl is not None \
                         and not lane.busy:
-                    st = lane.route.stats()
-                    idle = now - lane.route.last_used
-                    if idle >= lane.ttl and not st["inflight"] and not st["held"] \
-                            and not st["waiting"]:
+                    idle = lane.route.idle_for()  # from when nothing was in flight
+                    if idle >= lane.ttl and not lane.route.active():
                         task = asyncio.create_task(
                             lane.unload(f"idle {idle:.0f}s (ttl {lane.ttl:g}s)"))
                         lane.job = task
@@ -461,6 +473,110 @@ class Port:
         if self.standby is not None and lane.name == self.default:
             self.standby.follow()
         return report
+
+    async def load(self, lane: Lane) -> SwitchReport:
+        """`hydra load NAME` for a lane of this port: loaded beside what serves, stopping only
+        what does not fit (Node.load); a no-op when it serves (the loaded standby too)."""
+        sb = self.standby
+        if sb is not None and sb.lane is lane:
+            active = self.only()
+            return SwitchReport(to=lane.name, frm=None, result=Result.NOOP,
+                                reason=f"{lane.name} is already loaded as the standby of "
+                                       f"{active.name if active else 'this port'} "
+                                       f"(`hydra switch {lane.name}` flips to it)")
+        await self._settle(lane)
+        report = await self.node.load(lane)
+        if report.result == Result.OK and sb is not None and lane is self.only():
+            sb.follow()
+        return report
+
+    async def load_standby(self) -> SwitchReport:
+        """`hydra load NAME` for the standby profile of this port's lane, not loaded now
+        (unloaded, or it did not fit at start): load it beside its active lane, stopping
+        nothing."""
+        sb = self.standby
+        assert sb is not None
+        name = sb.wanted() or "?"
+        report = SwitchReport(to=name, frm=None)
+        phase = Phases(report, self.clock)
+        with phase("start"):
+            sb.follow()
+            task = sb.task
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)
+        phase.done()
+        lane = sb.lane
+        if lane is not None and lane.phase is LaneState.SERVING:
+            report.result = Result.OK
+        else:
+            report.result = Result.FAILED
+            report.failed_phase = "start"
+            report.error = f"standby {name}: {sb.why or 'not loaded'}"
+        return report
+
+    async def unload(self, lane: Lane, why: str) -> UnloadReport:
+        """`hydra unload NAME` for a lane of this port: hold, drain (bounded), cut what is
+        left, stop; it stays routable (the next request for it loads it again, unless
+        `on_demand: false`). A lane that is loading or stopping is waited for first; the
+        standby of a pair is dropped with its active lane (it comes back with it)."""
+        t0 = self.clock()
+        out = UnloadReport()
+        sb = self.standby
+        if sb is not None and sb.lane is lane:
+            active = self.only()
+            sb.why = f"unloaded ({why}); `hydra load {lane.name}` loads it again"
+            dropped = await sb.drop(why, keep_why=True)
+            out.stopped.append(Stopped(
+                lane.name, f"the standby of {active.name if active else 'this port'}; "
+                           f"`hydra load {lane.name}` loads it beside it again", dropped))
+            out.total_s = self.clock() - t0
+            return out
+        was = lane.state_now()
+        await self._settle(lane)
+        if lane.phase in (LaneState.STOPPED, LaneState.FAILED):
+            out.not_loaded[lane.name] = (
+                f"failed: {lane.error}" if lane.phase is LaneState.FAILED and lane.error
+                else f"stopped: {lane.why}")
+            return out
+        if lane.busy:
+            raise Busy(f"a change is running on profile {lane.name} (a reload or "
+                       "`hydra restart`); try again when it is done")
+        if was in (LaneState.LOADING, LaneState.UNLOADING):
+            out.notes.append(f"{lane.name} was {was.value}; it was stopped once that was over")
+        if sb is not None and sb.lane is not None and lane is self.only():
+            pair = sb.lane.name
+            pair_cut = await sb.drop(f"{why} ({lane.name}, its active layout)")
+            out.stopped.append(Stopped(pair, f"the standby of {lane.name} goes with it "
+                                             "(it comes back when it loads again)", pair_cut))
+        lane.job = asyncio.current_task()  # no ttl, eviction or on-request load meanwhile
+        try:
+            cut = await lane.unload(why, cut=True)
+        finally:
+            lane.job = None
+        if cut is None:
+            raise Busy(f"profile {lane.name} is {lane.state_now().value}; try again")
+        out.stopped.insert(0, Stopped(lane.name, why, cut))
+        out.on_demand[lane.name] = lane.on_demand
+        out.total_s = self.clock() - t0
+        return out
+
+    async def _settle(self, lane: Lane) -> None:
+        """Wait until a load or unload of `lane` in progress is over (bounded by a whole load
+        and a drain)."""
+        deadline = self.clock() + lane.dep.timeouts.load + lane.dep.timeouts.peer \
+            + self.switch_timeouts.drain + self.load_wait
+        me = asyncio.current_task()
+        while (lane.job is not None and lane.job is not me) \
+                or lane.phase in (LaneState.LOADING, LaneState.UNLOADING):
+            if self.clock() > deadline:
+                raise Busy(f"profile {lane.name} is still {lane.state_now().value}; "
+                           "try again when it is done")
+            job = lane.job
+            if job is not None and job is not me:
+                await asyncio.wait({job}, timeout=TICK)
+            else:
+                await asyncio.sleep(TICK)
 
     async def switch_in(self, dep: Deployment) -> SwitchReport:
         """`hydra switch PROFILE` for a profile this port does not serve: its default lane

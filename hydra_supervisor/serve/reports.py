@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.jsontypes import JSONObject, JSONValue
 from hydra_supervisor.serve.clock import MONOTONIC, Clock
 
 
@@ -47,6 +48,20 @@ class Result(StrEnum):
     NOOP = "noop"  # nothing to do (already serving, nothing changed)
 
 
+@dataclass(frozen=True)
+class Stopped:
+    """A profile a change (switch, load, an on-demand load) stopped, and why: `why` is a
+    clause ("it did not fit beside demo on host memory (demo needs 812 MiB, 300 MiB free)",
+    "hydra unload")."""
+
+    profile: str
+    why: str
+    cut: int = 0  # its requests cut after the drain
+
+    def to_json(self) -> JSONObject:
+        return {"profile": self.profile, "why": self.why, "cut": self.cut}
+
+
 @dataclass
 class SwitchReport:
     """What a change did, phase by phase; the API reply and hydra.log carry it."""
@@ -70,6 +85,7 @@ class SwitchReport:
     instant: bool | None = None
     not_instant: str | None = None
     at: float | None = None  # wall time it was recorded (display only)
+    stopped: list[Stopped] = field(default_factory=list)  # profiles stopped to make room
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -77,7 +93,8 @@ class SwitchReport:
             "phases": {k: round(v, 3) for k, v in self.phases.items()},
             "total_s": round(self.total_s, 3), "error": self.error,
             "failed_phase": self.failed_phase, "log_tail": self.log_tail,
-            "notes": self.notes, "cut": self.cut, "restarted": self.restarted}
+            "notes": self.notes, "cut": self.cut, "restarted": self.restarted,
+            "stopped": [x.to_json() for x in self.stopped]}
         if self.reason is not None:
             out["reason"] = self.reason
         if self.instant is not None:
@@ -87,6 +104,36 @@ class SwitchReport:
         if self.at is not None:
             out["at"] = self.at
         return out
+
+
+@dataclass
+class UnloadReport:
+    """What `hydra unload` did: the profiles it stopped (each drained, then cut) and those
+    that were not loaded (nothing to do)."""
+
+    stopped: list[Stopped] = field(default_factory=list)
+    not_loaded: dict[str, str] = field(default_factory=dict)  # profile -> its state, why
+    notes: list[str] = field(default_factory=list)
+    on_demand: dict[str, bool] = field(default_factory=dict)  # stopped profile -> loads on request
+    total_s: float = 0.0
+
+    def merge(self, other: UnloadReport) -> None:
+        self.stopped += other.stopped
+        self.not_loaded.update(other.not_loaded)
+        self.notes += other.notes
+        self.on_demand.update(other.on_demand)
+        self.total_s = max(self.total_s, other.total_s)
+
+    def to_json(self) -> JSONObject:
+        unloaded: list[JSONValue] = [x.profile for x in self.stopped]
+        stopped: list[JSONValue] = [x.to_json() for x in self.stopped]
+        notes: list[JSONValue] = list(self.notes)
+        return {"result": Result.OK.value if self.stopped else Result.NOOP.value,
+                "unloaded": unloaded, "stopped": stopped,
+                "not_loaded": dict[str, JSONValue](self.not_loaded),
+                "on_demand": dict[str, JSONValue](self.on_demand),
+                "cut": sum(x.cut for x in self.stopped), "notes": notes,
+                "total_s": round(self.total_s, 3)}
 
 
 class Phases:

@@ -319,6 +319,8 @@ class Snapshot:
             serving = [n for n, st in words.items() if st in states.UP]
             state = states.PORT_DOWN if down else states.LaneState.SERVING.value if serving \
                 else states.IDLE
+        if self.daemon.stopped and state != states.LaneState.FAILED.value:
+            state = states.LaneState.STOPPED.value  # hydra stopped: nothing serves, said so
         return Summary(
             pid=self.daemon.pid, profile=",".join(words) or None,
             source=one.source if one else None,

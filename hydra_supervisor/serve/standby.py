@@ -272,8 +272,9 @@ class Standby:
             overrides=self.overrides, external=external, slot_dir=self.slot_dir,
             reserved=reserved)
 
-    async def drop(self, why: str, keep_why: bool = False) -> None:
-        """Stop the standby (drained, then cut; an old layout may still finish streams)."""
+    async def drop(self, why: str, keep_why: bool = False) -> int:
+        """Stop the standby (drained, then cut; an old layout may still finish streams);
+        how many of its requests were cut."""
         task, lane = self.task, self.lane
         self.lane, self.warm_s = None, None
         if not keep_why:
@@ -283,13 +284,15 @@ class Standby:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if lane is None:
-            return
+            return 0
+        cut = None
         if lane.phase is LaneState.SERVING and not lane.lock.locked():
-            await lane.unload(why, cut=True)
+            cut = await lane.unload(why, cut=True)
         else:
             await lane.shutdown(why)
         self.port.node.remove(lane)
         self.port.announce()
+        return cut or 0
 
     async def shutdown(self, reason: str) -> None:
         if self.task is not None and not self.task.done():

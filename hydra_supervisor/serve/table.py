@@ -14,7 +14,7 @@ Every port works the same way, with any number of lanes: the request's `model` p
 (its name or an alias); no model picks the default lane; a port with one lane also sends it
 every other model name (llama-server on its own answers any `model`) but those another port
 of this hydra serves; one with several answers 404 naming the known ones; a port with no lane
-answers 503 naming `hydra switch NAME`.
+answers 503 naming `hydra switch NAME` (but GET /v1/models: an empty list).
 """
 
 from __future__ import annotations
@@ -70,11 +70,14 @@ class RouteTable:
         return self.select(model, method, path)
 
     def select(self, model: str | None, method: str, path: str) -> Route | LocalReply:
-        if not self.entries:  # every request, /v1/models too: 503 naming `hydra switch NAME`
+        if method == "GET" and path in MODEL_PATHS:
+            # no lane (hydra up --no-profile): an empty list, as OpenAI's API and
+            # llama-server's router mode answer with no model, not an error clients retry
+            return LocalReply(200, _copy(self.models) if self.entries
+                              else {"object": "list", "data": []})
+        if not self.entries:  # every other request: 503 naming `hydra switch NAME`
             assert self.none is not None
             return self.none
-        if method == "GET" and path in MODEL_PATHS:
-            return LocalReply(200, _copy(self.models))
         default = self.entries.get(self.default) if self.default is not None else None
         if not model and method in ("GET", "HEAD") and default is not None:
             idle = self._idle_default(default, path)
