@@ -12,15 +12,19 @@ pay for the daemon's imports (tests/test_cli_imports.py).
                     cache_cmd.py, configure_cmd.py), imported when run (_LazyGroup)
 
 Every HydraError ends the command with its message on stderr and exit status 2; nothing else
-prints a traceback for bad input.
+prints a traceback for bad input. click's own usage errors (a port out of range, an unknown
+option, a missing argument) end the same way: `error:` and `fix:` lines, exit 2.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import click
 
 from hydra_supervisor import __version__
 from hydra_supervisor.cli import client_cmds, plan_cmd, setup_cmds, up
+from hydra_supervisor.cli.clickutil import usage_errors
 
 
 class _LazyGroup(click.Group):
@@ -31,6 +35,15 @@ class _LazyGroup(click.Group):
             "systemd": "hydra_supervisor.cli.systemd_cmd:systemd",
             "cache": "hydra_supervisor.cli.cache_cmd:cache",
             "configure": "hydra_supervisor.cli.configure_cmd:configure_command"}
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        with usage_errors():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with usage_errors():
+            return super().invoke(ctx)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy])
