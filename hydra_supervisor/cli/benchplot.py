@@ -8,7 +8,8 @@ headless Chromium (the system's `chromium`, as the dashboard's tests use), so hy
 plotting library; without Chromium, write .html (the error says so).
 
 "Direct" is the profile's head at its internal address, read from the running hydra's status
-(the control socket); a profile that hydra does not serve here has no direct leg.
+(cli/running.py: the control socket); a profile that hydra does not serve here has no direct
+leg.
 """
 
 from __future__ import annotations
@@ -23,36 +24,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor.config import paths
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan.ports import client_host
-from hydra_supervisor.runtime import control_client
-from hydra_supervisor.serve.snapshot import Snapshot
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-
-
-def live_urls(profile: str) -> tuple[str | None, str | None]:
-    """(router URL, head URL) of `profile` in the hydra running on this state dir, or Nones."""
-    try:
-        code, reply = control_client.call(control_client.socket_path(paths.state_dir()), "GET",
-                                          "/status", timeout=10)
-    except (control_client.NotRunning, OSError):
-        return None, None
-    if code != 200:
-        return None, None
-    snap = Snapshot.from_json(reply.get("daemon"))
-    for port, lane in snap.lanes():
-        if lane.profile != profile or lane.role != "active":
-            continue
-        head = next((p for p in lane.processes
-                     if p.role == "head" and p.state == "READY" and p.port), None)
-        direct = None
-        if head is not None:
-            host = client_host(head.host or "127.0.0.1")
-            direct = f"http://{f'[{host}]' if ':' in host else host}:{head.port}"
-        return port.url, direct
-    return None, None
 
 
 def parse_levels(text: str) -> list[int]:
