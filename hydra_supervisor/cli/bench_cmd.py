@@ -36,6 +36,7 @@ from hydra_supervisor.config.profile import Mode
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.runtime import exits
+from hydra_supervisor.serve import states
 from hydra_supervisor.serve.snapshot import Snapshot
 
 EXPECT_KEYS = ("decode_tps", "prefill_tps", "ttft_ms")
@@ -287,6 +288,7 @@ class Target:
     url: str | None  # None: the profile's own port (nothing runs here that serves it)
     direct: str | None = None
     source: str | None = None  # the profile's file, as the running hydra read it
+    state: str | None = None  # its lane's state in the running hydra
 
 
 def resolve(snap: Snapshot | None, profile: str | None, port: int | None,
@@ -315,7 +317,8 @@ def resolve(snap: Snapshot | None, profile: str | None, port: int | None,
                               "serves (hydra bench -p NAME)")
     mine = url is None or url.rstrip("/") == served.url
     return Target(served.lane.profile, url or served.url,
-                  direct=served.head_url() if mine else None, source=served.lane.source)
+                  direct=served.head_url() if mine else None, source=served.lane.source,
+                  state=served.lane.state)
 
 
 @click.command("bench")
@@ -374,6 +377,9 @@ def bench(profile: str | None, node_file: str | None, profiles_dir: str | None,
         raise HydraError(f"profile {prof.name} is a peer (it lends a device over ggml-RPC and "
                          "serves no HTTP); bench the head's profile on its host instead")
     base = (target.url or f"http://{client_host(prof.host)}:{prof.port}").rstrip("/")
+    if target.state in states.NOT_LOADED:
+        click.echo(f"profile {target.profile} is not loaded ({target.state}): the first request "
+                   "loads it, and its time counts", err=True)
     if len(levels) > 1 or plot is not None:
         _sweep(target.profile, base, target.direct, levels, plot, n_requests=n_requests,
                max_tokens=max_tokens, prompt_words=prompt_words, ignore_eos=ignore_eos,

@@ -13,11 +13,13 @@ pay for the daemon's imports (tests/test_cli_imports.py).
 
 Every HydraError ends the command with its message on stderr and exit status 2; nothing else
 prints a traceback for bad input. click's own usage errors (a port out of range, an unknown
-option, a missing argument) end the same way: `error:` and `fix:` lines, exit 2.
+option, a missing argument) end the same way: `error:` and `fix:` lines, exit 2. Ctrl-C ends
+a command with exit 130 and no "Aborted!".
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
@@ -25,6 +27,7 @@ import click
 from hydra_supervisor import __version__
 from hydra_supervisor.cli import client_cmds, plan_cmd, setup_cmds, up
 from hydra_supervisor.cli.clickutil import usage_errors
+from hydra_supervisor.runtime import exits
 
 
 class _LazyGroup(click.Group):
@@ -42,8 +45,14 @@ class _LazyGroup(click.Group):
             return super().make_context(info_name, args, parent, **extra)
 
     def invoke(self, ctx: click.Context) -> Any:
-        with usage_errors():
-            return super().invoke(ctx)
+        try:
+            with usage_errors():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # Ctrl-C ends a command quietly, exit 130 (click would print "Aborted!", exit 1);
+            # `hydra status --watch` ends with 0: Ctrl-C is how a watch is meant to end.
+            click.echo(err=True)
+            sys.exit(exits.INTERRUPTED)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy])

@@ -92,6 +92,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
             "state dir %s: tightened %d path(s) that were looser than hydra's policy "
             "(docs/operations.md): %s%s", state.root, len(tightened), "; ".join(tightened[:5]),
             " ..." if len(tightened) > 5 else "")
+    _refuse_if_running(state)  # before the lock: its own message names only the start-up
     try:
         with state.lock():
             code = _up_locked(state, [] if idle else list(profiles or ("demo",)), node_file,
@@ -105,17 +106,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
 
 def _preflight(state: StateDir) -> None:
     """One hydra per state dir; children a killed hydra left behind are stopped first."""
-    sup = state.running_supervisor()
-    if sup:
-        # What it serves now (after a switch, not the profile it started with), from its
-        # snapshot; a hydra still starting has no control socket yet: what it starts.
-        snap = running.snapshot(state, timeout=5)
-        what = (f"serving {running.serving_words(snap)} at "
-                f"{', '.join(p.url for p in snap.ports) or 'no port'}" if snap is not None
-                else f"starting profile '{sup['profile']}'")
-        raise HydraError(f"hydra is already running here (pid {sup['pid']}, {what}; state dir "
-                         f"{state.root})",
-                         hint="`hydra down` first, or `hydra switch PROFILE` to change layout")
+    _refuse_if_running(state)
     dead = state.clear_abnormal_end()
     if dead:
         logging.getLogger("hydra").warning("the last run %s; its last state was %s",
@@ -124,6 +115,22 @@ def _preflight(state: StateDir) -> None:
     if stale:
         err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
                   markup=False)
+
+
+def _refuse_if_running(state: StateDir) -> None:
+    """Another hydra runs on this state dir: say what it serves now (after a switch, not the
+    profile it started with: its snapshot) and where; one still starting has no control
+    socket yet: what it starts."""
+    sup = state.running_supervisor()
+    if sup:
+        snap = running.snapshot(state, timeout=5)
+        what = (f"serving {running.serving_words(snap)} at "
+                f"{', '.join(p.url for p in snap.ports) or 'no port'}" if snap is not None
+                else f"starting profile '{sup['profile']}'")
+        raise HydraError(f"hydra is already running here (pid {sup['pid']}, {what}; state dir "
+                         f"{state.root})",
+                         hint="`hydra down` first, `hydra switch PROFILE` to change its layout, "
+                              "or set HYDRA_STATE_DIR for a second hydra")
 
 
 def _check_metrics_free(port: int) -> None:
