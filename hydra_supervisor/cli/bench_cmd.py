@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 import requests
@@ -366,6 +367,10 @@ def bench(profile: str | None, node_file: str | None, profiles_dir: str | None,
     With hydra running here, it benches the port that serves the profile (found through the
     state dir, whatever --port hydra was started with); progress goes to stderr."""
     levels = benchplot.parse_levels(concurrency)
+    if plot is not None:
+        benchplot.check_target(plot)
+    if url is not None:
+        url = _check_url(url)
     node = load_node(find_node_file(node_file))
     named = profile
     if profile is not None and _is_path(profile):  # a file: its name is what hydra serves
@@ -402,6 +407,20 @@ def bench(profile: str | None, node_file: str | None, profiles_dir: str | None,
     else:
         _print(report)
     sys.exit(exits.OK if report.passed else exits.FAILED)
+
+
+def _check_url(url: str) -> str:
+    """--url is http(s)://HOST[:PORT][/PATH] with a port in range (no traceback, no request)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise HydraError(f"--url {url!r} is not a base URL",
+                         hint="give http://HOST:PORT (a port from 1 to 65535), e.g. "
+                              "http://127.0.0.1:8080")
+    return url
 
 
 def _is_path(profile: str) -> bool:

@@ -102,20 +102,36 @@ def chromium() -> str | None:
     return None
 
 
-def write(path: Path, points: Sequence[dict[str, Any]], title: str) -> None:
-    """.html: the page; .png: the page rendered by headless Chromium."""
-    html = render_html(points, title)
+def check_target(path: Path) -> None:
+    """Before a sweep runs (minutes): --plot names a .html or .png in a directory that exists,
+    and a .png has a Chromium to render it."""
     suffix = path.suffix.lower()
-    if suffix in (".html", ".htm"):
-        path.write_text(html)
-        return
-    if suffix != ".png":
+    if suffix not in (".html", ".htm", ".png"):
         raise HydraError(f"--plot {path}: write .html or .png")
-    exe = chromium()
-    if exe is None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise HydraError(f"--plot {path}: directory {parent} does not exist",
+                         hint=f"mkdir -p {parent}, or write the chart elsewhere")
+    if not os.access(parent, os.W_OK):
+        raise HydraError(f"--plot {path}: directory {parent} is not writable")
+    if suffix == ".png" and chromium() is None:
         raise HydraError("--plot .png renders the chart with a headless Chromium, and none is "
                          "installed", hint="write .html instead (it opens offline), or install "
                          "chromium (Debian: apt-get install chromium)")
+
+
+def write(path: Path, points: Sequence[dict[str, Any]], title: str) -> None:
+    """.html: the page; .png: the page rendered by headless Chromium."""
+    check_target(path)
+    html = render_html(points, title)
+    if path.suffix.lower() in (".html", ".htm"):
+        try:
+            path.write_text(html)
+        except OSError as exc:
+            raise HydraError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None
+        return
+    exe = chromium()
+    assert exe is not None  # check_target
     with tempfile.TemporaryDirectory(prefix="hydra-plot-") as tmp:
         page = Path(tmp) / "plot.html"
         page.write_text(html)
@@ -135,4 +151,7 @@ def write(path: Path, points: Sequence[dict[str, Any]], title: str) -> None:
         if not shot.exists():
             raise HydraError(f"--plot: {exe} wrote no picture (exit {res.returncode}): "
                              f"{res.stderr.strip()[-300:]}", hint="write .html instead")
-        shutil.copyfile(shot, path)
+        try:
+            shutil.copyfile(shot, path)
+        except OSError as exc:
+            raise HydraError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None

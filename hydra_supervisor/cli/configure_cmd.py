@@ -133,18 +133,18 @@ def configure_command(settings: tuple[str, ...], host: str | None, port: int | N
         try:
             token = trust.read_token(token_file)
         except OSError as e:
-            click.echo(f"hydra configure: cannot read the token: {e}", err=True)
-            raise SystemExit(exits.BAD_INPUT) from None
+            raise HydraError(f"cannot read the token: {e}",
+                             hint="--token-file names a copy of STATE/wire.token") from None
     try:
         status, meta, _ = client.request(host, port, Op.CONFIGURE, slot,
                                          json.dumps(params).encode(), timeout=timeout,
                                          trace=trust.with_token(token))
     except client.NotListening as e:
-        click.echo(f"hydra configure: {e} (is hydra up on that port?)", err=True)
+        click.echo(f"error: {e}\n  fix: is hydra up on that port? (`hydra status` shows its "
+                   "ports; -p PORT names one)", err=True)
         raise SystemExit(exits.NOT_RUNNING) from None
     except client.WireError as e:
-        click.echo(f"hydra configure: {e}", err=True)
-        raise SystemExit(exits.BAD_INPUT) from None
+        raise HydraError(str(e), hint="check --host and --port") from None
     if as_json:
         click.echo(json.dumps({"status": status, **meta}, indent=2))
     else:

@@ -78,6 +78,8 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     """
     if idle and profiles:
         raise HydraError("--no-profile and --profile exclude each other")
+    if host is not None:
+        _check_host(host)
     if metrics_port and metrics_port == port:
         raise HydraError(f"--metrics-port {metrics_port} is also --port: metrics need a port "
                          "of their own", hint="pick another port: --metrics-port N")
@@ -131,6 +133,27 @@ def _refuse_if_running(state: StateDir) -> None:
                          f"{state.root})",
                          hint="`hydra down` first, `hydra switch PROFILE` to change its layout, "
                               "or set HYDRA_STATE_DIR for a second hydra")
+
+
+def _check_host(host: str) -> None:
+    """--host is an address of this host: a name that does not resolve, or an address no
+    interface has, is refused before anything starts (not reported as a port in use)."""
+    import socket
+
+    if host in ("", "*"):
+        return
+    fix = "an address of this host: 127.0.0.1, 0.0.0.0 (every interface), or one `ip addr` lists"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as exc:
+        raise HydraError(f"--host {host}: the name does not resolve "
+                         f"({getattr(exc, 'strerror', None) or exc})", hint=fix) from None
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr[0], 0))
+        except OSError as exc:
+            raise HydraError(f"--host {host}: hydra cannot listen there "
+                             f"({exc.strerror or exc})", hint=fix) from None
 
 
 def _check_metrics_free(port: int) -> None:
