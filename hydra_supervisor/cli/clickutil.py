@@ -33,21 +33,23 @@ def exits_2(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# Every port option: a TCP port, 1..65535; where 0 has a meaning (off), 0..65535. Out of range
-# or not a number is click's usage error, which cli.py prints as `error:`/`fix:` lines.
+# Every port option: a TCP port, 1..65535; where 0 has a meaning (off, pick one), 0..65535. Out
+# of range or not a number is click's usage error, which cli.py prints as `error:`/`fix:` lines.
 class PortRange(click.IntRange):
     """A TCP port option: `'abc' is not a valid port`, `99999 is not in the range
     1<=x<=65535`, and the fix says what a port is."""
 
     name = "port"
 
-    def __init__(self, off: bool = False) -> None:
-        super().__init__(0 if off else 1, 65535)
-        self.fix = ("a port is a whole number from 1 to 65535" + (" (0: off)" if off else ""))
+    def __init__(self, zero: str | None = None) -> None:
+        """`zero`: what 0 means for this option (None: 0 is refused)."""
+        super().__init__(1 if zero is None else 0, 65535)
+        self.fix = "a port is a whole number from 1 to 65535" + (f" (0: {zero})" if zero else "")
 
 
-PORT = PortRange()
-PORT_OR_OFF = PortRange(off=True)  # --metrics-port: 0 turns it off
+PORT = PortRange()  # a port to reach: bench, configure
+PORT_OR_PICK = PortRange("the kernel picks a free one")  # up/plan --port
+PORT_OR_OFF = PortRange("off")  # --metrics-port
 
 
 class InputError(click.UsageError):

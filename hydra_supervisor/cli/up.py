@@ -16,7 +16,7 @@ import click
 from rich.text import Text
 
 from hydra_supervisor.cli import running
-from hydra_supervisor.cli.clickutil import PORT, PORT_OR_OFF
+from hydra_supervisor.cli.clickutil import PORT_OR_OFF, PORT_OR_PICK
 from hydra_supervisor.cli.shared import dir_opt, err, friendly, node_opt, out, port_overrides
 from hydra_supervisor.runtime import exits
 
@@ -57,7 +57,8 @@ from hydra_supervisor.serve.states import LaneState
               help="start with no layout loaded (ready at once; `hydra switch NAME` loads one)")
 @node_opt
 @dir_opt
-@click.option("--port", type=PORT, default=None, help="external port (overrides the profile)")
+@click.option("--port", type=PORT_OR_PICK, default=None,
+              help="external port (overrides the profile; 0: the kernel picks one)")
 @click.option("--host", default=None, help="bind address (overrides the profile)")
 @click.option("-v", "--verbose", is_flag=True, help="log every state change to stderr")
 @click.option("--metrics-port", type=PORT_OR_OFF, default=None, envvar="HYDRA_METRICS_PORT",
