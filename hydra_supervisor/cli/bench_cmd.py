@@ -18,10 +18,11 @@ import functools
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -430,21 +431,35 @@ def _is_path(profile: str) -> bool:
 
 def _measure(run: Callable[[int], Sample], n: int, level: int, label: str) -> list[Sample]:
     """`n` requests, `level` at once, with progress on stderr: a bar on a terminal, the label
-    as one line otherwise (logs, pipes). Ctrl-C stops the run (exit 130), not waiting for the
-    requests in flight."""
-    pool = ThreadPoolExecutor(max_workers=level, thread_name_prefix="bench")
+    as one line otherwise (logs, pipes). The workers are daemon threads: Ctrl-C ends the run
+    at once (exit 130, cli.py), not after the requests in flight."""
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(n):
+        todo.put(i)
+    done: queue.SimpleQueue[Sample] = queue.SimpleQueue()
+
+    def work() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put(run(i))
+            except Exception as exc:  # noqa: BLE001 - one request's bug is its sample
+                done.put(Sample(i, error=f"{type(exc).__name__}: {exc}"))
+
+    for _ in range(min(level, n)):
+        threading.Thread(target=work, name="bench", daemon=True).start()
     samples: list[Sample] = []
-    try:
-        with click.progressbar(length=n, label=label, file=sys.stderr, show_pos=True,
-                               show_eta=True) as bar:
-            for fut in as_completed([pool.submit(run, i) for i in range(n)]):
-                samples.append(fut.result())
-                bar.update(1)
-    except KeyboardInterrupt:
-        pool.shutdown(wait=False, cancel_futures=True)
-        click.echo("\ninterrupted: no report", err=True)
-        os._exit(exits.INTERRUPTED)  # the requests in flight would hold a normal exit
-    pool.shutdown()
+    with click.progressbar(length=n, label=label, file=sys.stderr, show_pos=True,
+                           show_eta=True) as bar:
+        while len(samples) < n:
+            try:
+                samples.append(done.get(timeout=0.5))
+            except queue.Empty:
+                continue
+            bar.update(1)
     return sorted(samples, key=lambda s: s.index)
 
 

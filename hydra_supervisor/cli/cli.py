@@ -20,7 +20,6 @@ a command with exit 130 and no "Aborted!".
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import click
 
@@ -40,11 +39,11 @@ class _LazyGroup(click.Group):
             "configure": "hydra_supervisor.cli.configure_cmd:configure_command"}
 
     def make_context(self, info_name: str | None, args: list[str],
-                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+                     parent: click.Context | None = None, **extra: object) -> click.Context:
         with usage_errors():
             return super().make_context(info_name, args, parent, **extra)
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: click.Context) -> object:
         try:
             with usage_errors():
                 return super().invoke(ctx)
