@@ -8,6 +8,8 @@ pay for the daemon's imports (tests/test_cli_imports.py).
     plan_cmd.py     plan, profiles: what a profile resolves to, nothing started
     setup_cmds.py   install-llama, doctor, synth: getting binaries and models ready
     shared.py       consoles, styled text, HydraError -> exit 2, shared options
+    clickutil.py    port option types; click's usage errors as `error:`/`fix:` lines
+    running.py      the running hydra as client commands find it (its snapshot)
     bench, systemd, cache, configure: their own modules (bench_cmd.py, systemd_cmd.py,
                     cache_cmd.py, configure_cmd.py), imported when run (_LazyGroup)
 
