@@ -112,7 +112,7 @@ def test_nothing_serving_is_a_clear_error() -> None:
 def _bench(*args: str) -> tuple[int, dict[str, Any]]:
     res = CliRunner().invoke(bench, [*args, "--json"])
     assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.output)
+    return res.exit_code, json.loads(res.stdout)  # progress goes to stderr
 
 
 @pytest.mark.slow

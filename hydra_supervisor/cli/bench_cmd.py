@@ -17,24 +17,29 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import queue
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 import requests
 
-from hydra_supervisor.cli import benchplot
-from hydra_supervisor.cli.clickutil import exits_2
+from hydra_supervisor.cli import benchplot, running
+from hydra_supervisor.cli.clickutil import PORT, exits_2
 from hydra_supervisor.config.config import find_node_file, find_profile, load_node, load_profile
 from hydra_supervisor.config.profile import Mode
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.runtime import exits
+from hydra_supervisor.serve import states
+from hydra_supervisor.serve.snapshot import Snapshot
 
 EXPECT_KEYS = ("decode_tps", "prefill_tps", "ttft_ms")
 AT_MOST = frozenset({"ttft_ms"})  # the others are "at least"
@@ -275,13 +280,61 @@ def _print(report: Report) -> None:
     click.echo("PASS" if r.passed else "FAIL")
 
 
+@dataclass(frozen=True)
+class Target:
+    """What `hydra bench` measures: the profile (its name is the request's `model`: a port
+    serving several profiles routes by it), where requests go, and the head's own address for
+    a sweep's direct leg."""
+
+    profile: str
+    url: str | None  # None: the profile's own port (nothing runs here that serves it)
+    direct: str | None = None
+    source: str | None = None  # the profile's file, as the running hydra read it
+    state: str | None = None  # its lane's state in the running hydra
+
+
+def resolve(snap: Snapshot | None, profile: str | None, port: int | None,
+            url: str | None) -> Target:
+    """The target from the running hydra's snapshot (None: none runs here): the port that
+    serves `profile` (`--port` narrows it), or with no `--profile` the default profile of
+    `--port` (or of its only port). `--url` wins over the port; without a running hydra, the
+    profile's own port is the fallback (Target.url None)."""
+    if snap is None:
+        name = profile or "demo"
+        return Target(name, url or (f"http://127.0.0.1:{port}" if port else None))
+    served = running.find(snap, profile, port) if profile else running.default_of(snap, port)
+    if served is None:
+        if port is not None and running.port_named(snap, port) is None:
+            # not this hydra's port: another server (another state dir), taken at its word
+            return Target(profile or "demo", url or f"http://127.0.0.1:{port}")
+        if url is not None:
+            return Target(profile or "demo", url)
+        at = f" on port {port}" if port is not None else ""
+        if profile is None:
+            raise HydraError(f"the hydra running here has no default profile{at} (it serves "
+                             f"{running.where(snap)})", hint="name one: hydra bench -p NAME")
+        raise HydraError(f"the hydra running here does not serve profile {profile}{at} (it "
+                         f"serves {running.where(snap)})",
+                         hint=f"load it first (hydra switch {profile}), or bench what it "
+                              "serves (hydra bench -p NAME)")
+    mine = url is None or url.rstrip("/") == served.url
+    return Target(served.lane.profile, url or served.url,
+                  direct=served.head_url() if mine else None, source=served.lane.source,
+                  state=served.lane.state)
+
+
 @click.command("bench")
-@click.option("--profile", "-p", default="demo", show_default=True,
-              help="profile (its port is the default target; its expect: block is the gate)")
+@click.option("--profile", "-p", default=None,
+              help="profile to bench, sent as the request's model [default: what the running "
+                   "hydra serves (its default profile), else demo]; its expect: is the gate")
 @click.option("--node", "node_file", default=None, help="node file")
 @click.option("--profiles-dir", default=None, help="extra directory of profiles")
+@click.option("--port", type=PORT, default=None,
+              help="the hydra port to bench [default: the port the running hydra serves the "
+                   "profile on, else the profile's port]")
 @click.option("--url", default=None,
-              help="base URL to bench (default: the profile's external port)")
+              help="base URL to bench (default: the port the running hydra serves the profile "
+                   "on)")
 @click.option("--concurrency", "-c", default="1", show_default=True, metavar="N[,N...]",
               help="requests in flight at once (1..256); a list such as 1,4,16 runs a sweep")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -300,38 +353,54 @@ def _print(report: Report) -> None:
 @click.option("--no-expect", is_flag=True, help="report only; ignore thresholds")
 @click.option("--api-key", envvar="HYDRA_API_KEY", default=None,
               help="llama-server --api-key, if the profile sets one [$HYDRA_API_KEY]")
-@click.option("--timeout", type=float, default=600.0, show_default=True,
-              help="seconds one request may take")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="seconds one request may take")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @exits_2
-def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: str | None,
-          concurrency: str, plot: Path | None, n_requests: int, max_tokens: int,
-          prompt_words: int, ignore_eos: bool, expect_items: tuple[str, ...], no_expect: bool,
-          api_key: str | None, timeout: float, as_json: bool) -> None:
+def bench(profile: str | None, node_file: str | None, profiles_dir: str | None,
+          port: int | None, url: str | None, concurrency: str, plot: Path | None,
+          n_requests: int, max_tokens: int, prompt_words: int, ignore_eos: bool,
+          expect_items: tuple[str, ...], no_expect: bool, api_key: str | None, timeout: float,
+          as_json: bool) -> None:
     """Benchmark a serving profile: streaming chat requests, llama-server's own prefill and
-    decode speed, time to first token; fails when the profile's expect: is missed."""
+    decode speed, time to first token; fails when the profile's expect: is missed.
+
+    With hydra running here, it benches the port that serves the profile (found through the
+    state dir, whatever --port hydra was started with); progress goes to stderr."""
+    levels = benchplot.parse_levels(concurrency)
+    if plot is not None:
+        benchplot.check_target(plot)
+    if url is not None:
+        url = _check_url(url)
     node = load_node(find_node_file(node_file))
-    prof = load_profile(find_profile(profile, profiles_dir), node)
+    named = profile
+    if profile is not None and _is_path(profile):  # a file: its name is what hydra serves
+        named = load_profile(find_profile(profile, profiles_dir), node).name
+    target = resolve(running.snapshot(), named, port, url)
+    prof = load_profile(find_profile(profile if profile is not None and _is_path(profile)
+                                     else target.source or target.profile, profiles_dir), node)
     if prof.mode is Mode.PEER:
         raise HydraError(f"profile {prof.name} is a peer (it lends a device over ggml-RPC and "
                          "serves no HTTP); bench the head's profile on its host instead")
-    levels = benchplot.parse_levels(concurrency)
+    base = (target.url or f"http://{client_host(prof.host)}:{prof.port}").rstrip("/")
+    if target.state in states.NOT_LOADED:
+        click.echo(f"profile {target.profile} is not loaded ({target.state}): the first request "
+                   "loads it, and its time counts", err=True)
     if len(levels) > 1 or plot is not None:
-        _sweep(prof.name, prof.model or prof.name, url, levels, plot, n_requests=n_requests,
+        _sweep(target.profile, base, target.direct, levels, plot, n_requests=n_requests,
                max_tokens=max_tokens, prompt_words=prompt_words, ignore_eos=ignore_eos,
-               api_key=api_key, timeout=timeout, as_json=as_json,
-               fallback=f"http://{client_host(prof.host)}:{prof.port}")
+               api_key=api_key, timeout=timeout, as_json=as_json)
         return
-    target = (url or f"http://{client_host(prof.host)}:{prof.port}").rstrip("/")
     expect = {} if no_expect else {**prof.expect, **parse_expect(expect_items)}
-    _check_serving(target, prof.name, timeout=min(timeout, 10.0))
-    run = functools.partial(run_one, target, model=prof.model or prof.name,
+    _check_serving(base, target.profile, timeout=min(timeout, 10.0))
+    run = functools.partial(run_one, base, model=target.profile,
                             prompt_words=prompt_words, max_tokens=max_tokens,
                             ignore_eos=ignore_eos, timeout=timeout, api_key=api_key)
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=levels[0], thread_name_prefix="bench") as pool:
-        samples = list(pool.map(run, range(n_requests)))
-    report = summarize(samples, url=target, profile=prof.name, concurrency=levels[0],
+    samples = _measure(run, n_requests, levels[0],
+                       f"bench {target.profile} at {base}: {n_requests} requests, "
+                       f"concurrency {levels[0]}")
+    report = summarize(samples, url=base, profile=target.profile, concurrency=levels[0],
                        wall_s=time.monotonic() - t0)
     check_expect(report, expect)
     if as_json:
@@ -341,44 +410,96 @@ def bench(profile: str, node_file: str | None, profiles_dir: str | None, url: st
     sys.exit(exits.OK if report.passed else exits.FAILED)
 
 
-def _sweep(profile: str, model: str, url: str | None, levels: list[int], plot: Path | None, *,
-           n_requests: int, max_tokens: int, prompt_words: int, ignore_eos: bool,
-           api_key: str | None, timeout: float, as_json: bool, fallback: str) -> None:
+def _check_url(url: str) -> str:
+    """--url is http(s)://HOST[:PORT][/PATH] with a port in range (no traceback, no request)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise HydraError(f"--url {url!r} is not a base URL",
+                         hint="give http://HOST:PORT (a port from 1 to 65535), e.g. "
+                              "http://127.0.0.1:8080")
+    return url
+
+
+def _is_path(profile: str) -> bool:
+    """`-p` names a file, not a profile (config.find_profile's rule)."""
+    return Path(profile).suffix in (".yaml", ".yml") or os.sep in profile
+
+
+def _measure(run: Callable[[int], Sample], n: int, level: int, label: str) -> list[Sample]:
+    """`n` requests, `level` at once, with progress on stderr: a bar on a terminal, the label
+    as one line otherwise (logs, pipes). The workers are daemon threads: Ctrl-C ends the run
+    at once (exit 130, cli.py), not after the requests in flight."""
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(n):
+        todo.put(i)
+    done: queue.SimpleQueue[Sample] = queue.SimpleQueue()
+
+    def work() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put(run(i))
+            except Exception as exc:  # noqa: BLE001 - one request's bug is its sample
+                done.put(Sample(i, error=f"{type(exc).__name__}: {exc}"))
+
+    for _ in range(min(level, n)):
+        threading.Thread(target=work, name="bench", daemon=True).start()
+    samples: list[Sample] = []
+    with click.progressbar(length=n, label=label, file=sys.stderr, show_pos=True,
+                           show_eta=True) as bar:
+        while len(samples) < n:
+            try:
+                samples.append(done.get(timeout=0.5))
+            except queue.Empty:
+                continue
+            bar.update(1)
+    return sorted(samples, key=lambda s: s.index)
+
+
+def _sweep(profile: str, router: str, direct: str | None, levels: list[int],
+           plot: Path | None, *, n_requests: int, max_tokens: int, prompt_words: int,
+           ignore_eos: bool, api_key: str | None, timeout: float, as_json: bool) -> None:
     """Each concurrency level through the router and straight to the head (when hydra serves
     the profile here); a level runs max(--requests, level) requests. Report only: a sweep
-    checks no expect: (its thresholds are single-stream goals). Exit 1 when a request failed."""
-    router, direct = benchplot.live_urls(profile)
-    if router:
-        model = profile  # several profiles on a port are routed by the profile's name
-    legs = [("router", (url or router or fallback).rstrip("/"))]
+    checks no expect: (its thresholds are single-stream goals). Exit 1 when a request failed.
+    Each step says what it runs on stderr (a sweep takes minutes)."""
+    legs = [("router", router)]
     if direct:
         legs.append(("direct", direct))
     elif not as_json:
-        click.echo(f"no direct leg: hydra here does not serve {profile} (hydra up -p {profile})",
-                   err=True)
+        click.echo(f"no direct leg: hydra here does not serve {profile} at {router} "
+                   f"(hydra up -p {profile})", err=True)
     for _, target in legs:
         _check_serving(target, profile, timeout=min(timeout, 10.0))
     points, reports = [], []
-    for level in levels:
-        for leg, target in legs:
-            run = functools.partial(run_one, target, model=model, prompt_words=prompt_words,
-                                    max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                    timeout=timeout, api_key=api_key)
-            t0 = time.monotonic()
-            with ThreadPoolExecutor(max_workers=level, thread_name_prefix="bench") as pool:
-                samples = list(pool.map(run, range(max(n_requests, level))))
-            rep = summarize(samples, url=target, profile=profile, concurrency=level,
-                            wall_s=time.monotonic() - t0)
-            rep.passed = rep.failed == 0 and rep.ok > 0
-            reports.append(rep)
-            points.append(benchplot.point(rep, leg))
-            if not as_json:
-                click.echo(f"{leg:7} c={level:<4} {rep.ok}/{rep.requests} ok  "
-                           f"{rep.throughput_tps:8.1f} tokens/s  TTFT p50 "
-                           f"{_fmt(rep.ttft_ms['p50'], ' ms')}  decode p50 "
-                           f"{_fmt(rep.decode_tps['p50'], ' t/s')}")
-                for line in rep.errors:
-                    click.echo(f"  {line}", err=True)
+    steps = len(levels) * len(legs)
+    for i, (level, (leg, target)) in enumerate(
+            ((lv, lg) for lv in levels for lg in legs), start=1):
+        run = functools.partial(run_one, target, model=profile, prompt_words=prompt_words,
+                                max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                timeout=timeout, api_key=api_key)
+        n = max(n_requests, level)
+        t0 = time.monotonic()
+        samples = _measure(run, n, level, f"[{i}/{steps}] {leg} c={level}: {n} requests")
+        rep = summarize(samples, url=target, profile=profile, concurrency=level,
+                        wall_s=time.monotonic() - t0)
+        rep.passed = rep.failed == 0 and rep.ok > 0
+        reports.append(rep)
+        points.append(benchplot.point(rep, leg))
+        if not as_json:
+            click.echo(f"{leg:7} c={level:<4} {rep.ok}/{rep.requests} ok  "
+                       f"{rep.throughput_tps:8.1f} tokens/s  TTFT p50 "
+                       f"{_fmt(rep.ttft_ms['p50'], ' ms')}  decode p50 "
+                       f"{_fmt(rep.decode_tps['p50'], ' t/s')}")
+            for line in rep.errors:
+                click.echo(f"  {line}", err=True)
     if plot is not None:
         benchplot.write(plot, points, f"hydra bench {profile}: router vs direct")
         if not as_json:

@@ -8,7 +8,8 @@ headless Chromium (the system's `chromium`, as the dashboard's tests use), so hy
 plotting library; without Chromium, write .html (the error says so).
 
 "Direct" is the profile's head at its internal address, read from the running hydra's status
-(the control socket); a profile that hydra does not serve here has no direct leg.
+(cli/running.py: the control socket); a profile that hydra does not serve here has no direct
+leg.
 """
 
 from __future__ import annotations
@@ -23,36 +24,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hydra_supervisor.config import paths
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan.ports import client_host
-from hydra_supervisor.runtime import control_client
-from hydra_supervisor.serve.snapshot import Snapshot
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-
-
-def live_urls(profile: str) -> tuple[str | None, str | None]:
-    """(router URL, head URL) of `profile` in the hydra running on this state dir, or Nones."""
-    try:
-        code, reply = control_client.call(control_client.socket_path(paths.state_dir()), "GET",
-                                          "/status", timeout=10)
-    except (control_client.NotRunning, OSError):
-        return None, None
-    if code != 200:
-        return None, None
-    snap = Snapshot.from_json(reply.get("daemon"))
-    for port, lane in snap.lanes():
-        if lane.profile != profile or lane.role != "active":
-            continue
-        head = next((p for p in lane.processes
-                     if p.role == "head" and p.state == "READY" and p.port), None)
-        direct = None
-        if head is not None:
-            host = client_host(head.host or "127.0.0.1")
-            direct = f"http://{f'[{host}]' if ':' in host else host}:{head.port}"
-        return port.url, direct
-    return None, None
 
 
 def parse_levels(text: str) -> list[int]:
@@ -128,20 +102,36 @@ def chromium() -> str | None:
     return None
 
 
-def write(path: Path, points: Sequence[dict[str, Any]], title: str) -> None:
-    """.html: the page; .png: the page rendered by headless Chromium."""
-    html = render_html(points, title)
+def check_target(path: Path) -> None:
+    """Before a sweep runs (minutes): --plot names a .html or .png in a directory that exists,
+    and a .png has a Chromium to render it."""
     suffix = path.suffix.lower()
-    if suffix in (".html", ".htm"):
-        path.write_text(html)
-        return
-    if suffix != ".png":
+    if suffix not in (".html", ".htm", ".png"):
         raise HydraError(f"--plot {path}: write .html or .png")
-    exe = chromium()
-    if exe is None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise HydraError(f"--plot {path}: directory {parent} does not exist",
+                         hint=f"mkdir -p {parent}, or write the chart elsewhere")
+    if not os.access(parent, os.W_OK):
+        raise HydraError(f"--plot {path}: directory {parent} is not writable")
+    if suffix == ".png" and chromium() is None:
         raise HydraError("--plot .png renders the chart with a headless Chromium, and none is "
                          "installed", hint="write .html instead (it opens offline), or install "
                          "chromium (Debian: apt-get install chromium)")
+
+
+def write(path: Path, points: Sequence[dict[str, Any]], title: str) -> None:
+    """.html: the page; .png: the page rendered by headless Chromium."""
+    check_target(path)
+    html = render_html(points, title)
+    if path.suffix.lower() in (".html", ".htm"):
+        try:
+            path.write_text(html)
+        except OSError as exc:
+            raise HydraError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None
+        return
+    exe = chromium()
+    assert exe is not None  # check_target
     with tempfile.TemporaryDirectory(prefix="hydra-plot-") as tmp:
         page = Path(tmp) / "plot.html"
         page.write_text(html)
@@ -161,4 +151,7 @@ def write(path: Path, points: Sequence[dict[str, Any]], title: str) -> None:
         if not shot.exists():
             raise HydraError(f"--plot: {exe} wrote no picture (exit {res.returncode}): "
                              f"{res.stderr.strip()[-300:]}", hint="write .html instead")
-        shutil.copyfile(shot, path)
+        try:
+            shutil.copyfile(shot, path)
+        except OSError as exc:
+            raise HydraError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None

@@ -9,19 +9,27 @@ pay for the daemon's imports (tests/test_cli_imports.py).
     plan_cmd.py     plan, profiles: what a profile resolves to, nothing started
     setup_cmds.py   install-llama, doctor, synth: getting binaries and models ready
     shared.py       consoles, styled text, HydraError -> exit 2, shared options
+    clickutil.py    port option types; click's usage errors as `error:`/`fix:` lines
+    running.py      the running hydra as client commands find it (its snapshot)
     bench, systemd, cache, configure: their own modules (bench_cmd.py, systemd_cmd.py,
                     cache_cmd.py, configure_cmd.py), imported when run (_LazyGroup)
 
 Every HydraError ends the command with its message on stderr and exit status 2; nothing else
-prints a traceback for bad input.
+prints a traceback for bad input. click's own usage errors (a port out of range, an unknown
+option, a missing argument) end the same way: `error:` and `fix:` lines, exit 2. Ctrl-C ends
+a command with exit 130 and no "Aborted!".
 """
 
 from __future__ import annotations
+
+import sys
 
 import click
 
 from hydra_supervisor import __version__
 from hydra_supervisor.cli import client_cmds, plan_cmd, setup_cmds, up
+from hydra_supervisor.cli.clickutil import usage_errors
+from hydra_supervisor.runtime import exits
 
 
 class _LazyGroup(click.Group):
@@ -32,6 +40,21 @@ class _LazyGroup(click.Group):
             "systemd": "hydra_supervisor.cli.systemd_cmd:systemd",
             "cache": "hydra_supervisor.cli.cache_cmd:cache",
             "configure": "hydra_supervisor.cli.configure_cmd:configure_command"}
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: object) -> click.Context:
+        with usage_errors():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            with usage_errors():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # Ctrl-C ends a command quietly, exit 130 (click would print "Aborted!", exit 1);
+            # `hydra status --watch` ends with 0: Ctrl-C is how a watch is meant to end.
+            click.echo(err=True)
+            sys.exit(exits.INTERRUPTED)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy])

@@ -240,17 +240,21 @@ def status(as_json: bool, watch: bool, show_requests: bool) -> None:
         sys.exit(exits.PORT_DOWN if ports_down(snap) else 0)
     from rich.live import Live
 
-    with Live(console=out, refresh_per_second=2) as view:
-        while True:
-            try:
-                _, live = control_client.call(control_socket(state), "GET", "/status", timeout=10)
-            except (control_client.NotRunning, OSError):
-                view.update(f"hydra is not running here (state dir {state.root})")
-                sys.exit(exits.NOT_RUNNING)
-            snap = snapshot_of(live)
-            view.update(requests_table(snap.requests) if show_requests
-                        else status_group(snap))
-            time.sleep(1.0)
+    try:
+        with Live(console=out, refresh_per_second=2) as view:
+            while True:
+                try:
+                    _, live = control_client.call(control_socket(state), "GET", "/status",
+                                                  timeout=10)
+                except (control_client.NotRunning, OSError):
+                    view.update(f"hydra is not running here (state dir {state.root})")
+                    sys.exit(exits.NOT_RUNNING)
+                snap = snapshot_of(live)
+                view.update(requests_table(snap.requests) if show_requests
+                            else status_group(snap))
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        sys.exit(exits.OK)  # Ctrl-C is how a watch ends: the last view stays, no "Aborted!"
 
 
 # --------------------------------------------------------------------------------------------

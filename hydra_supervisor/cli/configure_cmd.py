@@ -20,6 +20,9 @@ from typing import Any
 
 import click
 
+from hydra_supervisor.cli.clickutil import PORT, exits_2
+from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan.ports import client_host
 from hydra_supervisor.runtime import exits
 from hydra_supervisor.wire import client, tiers, trust
 from hydra_supervisor.wire.codec import Op, Status
@@ -73,11 +76,34 @@ def keys_table() -> str:
     )
 
 
+def _address(host: str | None, port: int | None) -> tuple[str, int]:
+    """Where CONFIGURE goes: --host/--port as given; else the running hydra's port (found
+    through the state dir, whatever --port it was started with); else 127.0.0.1:8080."""
+    if port is not None and host is not None:
+        return host, port
+    from hydra_supervisor.cli import running
+
+    snap = running.snapshot() if host is None or host in ("127.0.0.1", "localhost") else None
+    ports = [p for p in running.http_ports(snap) if p.router is not None] if snap else []
+    if port is not None:
+        mine = next((p for p in ports if p.port == port), None)
+        return host or (client_host(mine.host) if mine else "127.0.0.1"), port
+    if len(ports) > 1:
+        urls = ", ".join(p.url for p in ports)
+        raise HydraError(f"the hydra running here serves several ports ({urls})",
+                         hint="name one: hydra configure -p PORT")
+    if ports:
+        return host or client_host(ports[0].host), ports[0].port
+    return host or "127.0.0.1", 8080
+
+
 @click.command("configure")
 @click.argument("settings", nargs=-1)
-@click.option("--host", default="127.0.0.1", show_default=True, help="engine host")
-@click.option("--port", "-p", type=int, default=8080, show_default=True,
-              help="the engine's external port (its router relays the Hydra protocol)")
+@click.option("--host", default=None,
+              help="engine host [default: the running hydra's, else 127.0.0.1]")
+@click.option("--port", "-p", type=PORT, default=None,
+              help="the engine's external port (its router relays the Hydra protocol) "
+                   "[default: the running hydra's port, else 8080]")
 @click.option("--slot", default="0", show_default=True, help="the request key")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="seconds to wait; a T2/T3 change restarts processes")
@@ -86,36 +112,39 @@ def keys_table() -> str:
                    "as hydra's own user on its host")
 @click.option("--json", "as_json", is_flag=True, help="print the reply meta as JSON")
 @click.option("--keys", "list_keys", is_flag=True, help="list the recognised keys and exit")
-def configure_command(settings: tuple[str, ...], host: str, port: int, slot: str,
+@exits_2
+def configure_command(settings: tuple[str, ...], host: str | None, port: int | None, slot: str,
                       timeout: float, token_file: Path | None, as_json: bool,
                       list_keys: bool) -> None:
     """Change an engine's settings at runtime: T1 (sampling, n_predict…) without a restart,
     T2 (context, KV types, batch…) and T3 (model, split, peers…) by restarting only what they
     affect; ports, host and binaries (T4) are refused. Example:
-    `hydra configure temperature=0.2 n_predict=256 -p 8080`."""
+    `hydra configure temperature=0.2 n_predict=256` (the running hydra's port; -p names
+    one)."""
     if list_keys:
         click.echo(keys_table())
         return
     if not settings:
         raise click.UsageError("give at least one KEY=VALUE (or --keys to list them)")
     params = parse_settings(settings)
+    host, port = _address(host, port)
     token = None
     if token_file is not None:
         try:
             token = trust.read_token(token_file)
         except OSError as e:
-            click.echo(f"hydra configure: cannot read the token: {e}", err=True)
-            raise SystemExit(exits.BAD_INPUT) from None
+            raise HydraError(f"cannot read the token: {e}",
+                             hint="--token-file names a copy of STATE/wire.token") from None
     try:
         status, meta, _ = client.request(host, port, Op.CONFIGURE, slot,
                                          json.dumps(params).encode(), timeout=timeout,
                                          trace=trust.with_token(token))
     except client.NotListening as e:
-        click.echo(f"hydra configure: {e} (is hydra up on that port?)", err=True)
+        click.echo(f"error: {e}\n  fix: is hydra up on that port? (`hydra status` shows its "
+                   "ports; -p PORT names one)", err=True)
         raise SystemExit(exits.NOT_RUNNING) from None
     except client.WireError as e:
-        click.echo(f"hydra configure: {e}", err=True)
-        raise SystemExit(exits.BAD_INPUT) from None
+        raise HydraError(str(e), hint="check --host and --port") from None
     if as_json:
         click.echo(json.dumps({"status": status, **meta}, indent=2))
     else:

@@ -28,6 +28,7 @@ else:
 
     config = lazy_module("hydra_supervisor.config.config")
     layout = lazy_module("hydra_supervisor.plan.layout")
+from hydra_supervisor.cli.clickutil import PORT_OR_PICK
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import host_port
 
@@ -36,7 +37,8 @@ from hydra_supervisor.plan.ports import host_port
 @profile_opt
 @node_opt
 @dir_opt
-@click.option("--port", type=int, default=None, help="external port (overrides the profile)")
+@click.option("--port", type=PORT_OR_PICK, default=None,
+              help="external port (overrides the profile)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @friendly
 def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.text import Text
 
+from hydra_supervisor.cli import running
+from hydra_supervisor.cli.clickutil import PORT_OR_OFF, PORT_OR_PICK
 from hydra_supervisor.cli.shared import dir_opt, err, friendly, node_opt, out, port_overrides
 from hydra_supervisor.runtime import exits
 
@@ -40,7 +42,7 @@ else:
     guard = lazy_module("hydra_supervisor.proc.guard")
     serve_setup = lazy_module("hydra_supervisor.serve.setup")
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan.ports import client_host, host_port
+from hydra_supervisor.plan.ports import client_host, host_port, port_free, port_holder
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.serve import states
 from hydra_supervisor.serve.states import LaneState
@@ -55,11 +57,13 @@ from hydra_supervisor.serve.states import LaneState
               help="start with no layout loaded (ready at once; `hydra switch NAME` loads one)")
 @node_opt
 @dir_opt
-@click.option("--port", type=int, default=None, help="external port (overrides the profile)")
+@click.option("--port", type=PORT_OR_PICK, default=None,
+              help="external port (overrides the profile; 0: the kernel picks one)")
 @click.option("--host", default=None, help="bind address (overrides the profile)")
 @click.option("-v", "--verbose", is_flag=True, help="log every state change to stderr")
-@click.option("--metrics-port", type=int, default=None, envvar="HYDRA_METRICS_PORT",
-              help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)")
+@click.option("--metrics-port", type=PORT_OR_OFF, default=None, envvar="HYDRA_METRICS_PORT",
+              help="serve Prometheus metrics and the dashboard on 127.0.0.1:PORT "
+                   "(default, or 0: off)")
 @friendly
 def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_dir: str | None,
        port: int | None, host: str | None, verbose: bool, metrics_port: int | None) -> None:
@@ -75,6 +79,11 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     """
     if idle and profiles:
         raise HydraError("--no-profile and --profile exclude each other")
+    if host is not None:
+        _check_host(host)
+    if metrics_port and metrics_port == port:
+        raise HydraError(f"--metrics-port {metrics_port} is also --port: metrics need a port "
+                         "of their own", hint="pick another port: --metrics-port N")
     node = config.load_node(config.find_node_file(node_file))
     if not profiles and not idle:
         profiles = node.profiles
@@ -86,6 +95,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
             "state dir %s: tightened %d path(s) that were looser than hydra's policy "
             "(docs/operations.md): %s%s", state.root, len(tightened), "; ".join(tightened[:5]),
             " ..." if len(tightened) > 5 else "")
+    _refuse_if_running(state)  # before the lock: its own message names only the start-up
     try:
         with state.lock():
             code = _up_locked(state, [] if idle else list(profiles or ("demo",)), node_file,
@@ -99,11 +109,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
 
 def _preflight(state: StateDir) -> None:
     """One hydra per state dir; children a killed hydra left behind are stopped first."""
-    running = state.running_supervisor()
-    if running:
-        raise HydraError(f"hydra is already running here (pid {running['pid']}, profile "
-                         f"'{running['profile']}', state dir {state.root})",
-                         hint="`hydra down` first, or `hydra switch PROFILE` to change layout")
+    _refuse_if_running(state)
     dead = state.clear_abnormal_end()
     if dead:
         logging.getLogger("hydra").warning("the last run %s; its last state was %s",
@@ -112,6 +118,51 @@ def _preflight(state: StateDir) -> None:
     if stale:
         err.print(f"stopped stale children of an earlier hydra: {', '.join(stale)}",
                   markup=False)
+
+
+def _refuse_if_running(state: StateDir) -> None:
+    """Another hydra runs on this state dir: say what it serves now (after a switch, not the
+    profile it started with: its snapshot) and where; one still starting has no control
+    socket yet: what it starts."""
+    sup = state.running_supervisor()
+    if sup:
+        snap = running.snapshot(state, timeout=5)
+        what = (f"serving {running.serving_words(snap)} at "
+                f"{', '.join(p.url for p in snap.ports) or 'no port'}" if snap is not None
+                else f"starting profile '{sup['profile']}'")
+        raise HydraError(f"hydra is already running here (pid {sup['pid']}, {what}; state dir "
+                         f"{state.root})",
+                         hint="`hydra down` first, `hydra switch PROFILE` to change its layout, "
+                              "or set HYDRA_STATE_DIR for a second hydra")
+
+
+def _check_host(host: str) -> None:
+    """--host is an address of this host: a name that does not resolve, or an address no
+    interface has, is refused before anything starts (not reported as a port in use)."""
+    import socket
+
+    if host in ("", "*"):
+        return
+    fix = "an address of this host: 127.0.0.1, 0.0.0.0 (every interface), or one `ip addr` lists"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as exc:
+        raise HydraError(f"--host {host}: the name does not resolve "
+                         f"({getattr(exc, 'strerror', None) or exc})", hint=fix) from None
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr[0], 0))
+        except OSError as exc:
+            raise HydraError(f"--host {host}: hydra cannot listen there "
+                             f"({exc.strerror or exc})", hint=fix) from None
+
+
+def _check_metrics_free(port: int) -> None:
+    """The metrics port is free before anything starts, with the main port's message."""
+    if not port_free("127.0.0.1", port):
+        raise HydraError(f"port {port} on 127.0.0.1 (--metrics-port) is already in use by "
+                         f"{port_holder(port)}",
+                         hint="stop that process, or pick another port: --metrics-port N")
 
 
 def _guarded(state: StateDir, name: str, source: str, run: Callable[[], int]) -> int:
@@ -135,6 +186,8 @@ def _up_locked(state: StateDir, names: list[str], node_file: str | None,
     """One profile, none (`names` empty) or several: the ports and the node serve_setup
     builds, run by one Daemon."""
     _preflight(state)
+    if metrics_port:
+        _check_metrics_free(metrics_port)
     overrides = port_overrides(port, host)
     opts = daemon.Options(profile=names[0] if len(names) == 1 else None, node_file=node_file,
                           profiles_dir=profiles_dir, overrides=overrides,
@@ -144,6 +197,9 @@ def _up_locked(state: StateDir, names: list[str], node_file: str | None,
         state, names, node_file=node_file, profiles_dir=profiles_dir, overrides=overrides,
         host=opts.host, port=opts.port,
         profiles=lambda: list(config.known_profiles(profiles_dir)))
+    if metrics_port and metrics_port in {p.port for p in ports}:
+        raise HydraError(f"--metrics-port {metrics_port} is a profile's external port: metrics "
+                         "need a port of their own", hint="pick another port: --metrics-port N")
     sources = [d.plan.source for p in ports for d in p.planned()]
     source = sources[0] if len(sources) == 1 else "-"
     return _guarded(state, ",".join(names) or "-", source,

@@ -373,7 +373,12 @@ class Daemon:
         if self.dashboard is not None:
             self.dashboard.bind(loop, self.routes())  # actions: the control API's handlers
         if self.metrics is not None:
-            self.metrics.start()
+            try:
+                self.metrics.start()
+            except OSError as exc:  # taken since `hydra up` checked it (cli/up.py)
+                raise HydraError(f"port {self.opts.metrics_port} on 127.0.0.1 (--metrics-port) "
+                                 f"cannot be bound: {exc.strerror or exc}",
+                                 hint="pick another port: --metrics-port N") from None
         # From the start: systemd's watchdog timer runs from the moment the process starts.
         watchdog = asyncio.create_task(
             notify.watchdog_loop(self.notifier, self._router_alive, self.stop_event))
