@@ -61,10 +61,15 @@ POLL = 1.0  # seconds between size checks of a running child's log
 CHUNK = 1 << 20
 
 
+def fallback_dir(state_root: Path) -> Path:
+    """Where children's logs go when the state dir's logs/ cannot be written."""
+    tag = hashlib.sha1(str(state_root).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-{tag}-logs"
+
+
 def fallback_path(state_root: Path, name: str) -> Path:
     """Where a child's log goes when the state dir's logs/ cannot be written."""
-    tag = hashlib.sha1(str(state_root).encode()).hexdigest()[:8]
-    return Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-{tag}-logs" / f"{name}.log"
+    return fallback_dir(state_root) / f"{name}.log"
 
 
 def rotated(log: Path, i: int) -> Path:
@@ -187,38 +192,45 @@ class Stamper:
 
 
 def current_logs(logs_dir: Path, hydra_pid: int | None,
-                 named: Mapping[str, Path] | None = None) -> dict[str, Path]:
+                 named: Mapping[str, Path] | None = None, *,
+                 fallback: Path | None = None) -> dict[str, Path]:
     """The logs of the hydra `hydra_pid` by name: "hydra" (its own, logs/hydra.log), every
     child log whose run marker names that hydra (processes it runs now, and those it ran and
-    stopped: an unloaded or failed profile), and `named` (the processes its status names,
-    with the file each writes: the fallback in the temp dir included). `hydra_pid` None (no
-    hydra runs): every log there is, the last run's and older ones alike. The dashboard's log
-    picker and `hydra logs` offer these, and `pick` resolves a name among them."""
-    found: dict[str, Path] = {HYDRA: logs_dir / f"{HYDRA}.log"}
-    with contextlib.suppress(OSError):
-        for path in sorted(logs_dir.glob("*.log")):
-            name = path.name.removesuffix(".log")
-            if name == HYDRA:
-                continue
-            mark = run_of(path)
-            if hydra_pid is None or (mark is not None and mark.hydra_pid == hydra_pid):
-                found[name] = path
+    stopped: an unloaded or failed profile's), in `logs_dir` and in the `fallback` dir
+    (fallback_dir: where children log when logs/ is not writable), and `named` (the processes
+    its status names, with the file each writes). `hydra_pid` None (no hydra runs): every log
+    there is, the last run's and older ones alike. The dashboard's log picker and `hydra logs`
+    offer these; `pick` resolves a name among them.
+
+    The dashboard, in the running hydra: `current_logs(state.logs, os.getpid(), {p.name:
+    Path(p.log) for _, _, p in snap.processes()}, fallback=fallback_dir(state.root))`."""
+    found: dict[str, Path] = {}
+    for where in (fallback, logs_dir):
+        if where is None:
+            continue
+        with contextlib.suppress(OSError):
+            for path in sorted(where.glob("*.log")):
+                name = path.name.removesuffix(".log")
+                mark = run_of(path)
+                if name != HYDRA and (hydra_pid is None or (
+                        mark is not None and mark.hydra_pid == hydra_pid)):
+                    found[name] = path
     found.update(named or {})
-    return found
+    return {HYDRA: logs_dir / f"{HYDRA}.log", **dict(sorted(found.items()))}
 
 
-def pick(name: str, logs: Mapping[str, Path]) -> tuple[str, Path]:
+def pick(name: str, logs: Mapping[str, Path], where: str = "here") -> tuple[str, Path]:
     """The log `name` names among `logs` (current_logs): its full name (`demo.head`), or the
     part after the profile (`head`) when one process has it. HydraError naming the choices
-    otherwise."""
+    otherwise (`where`: whose logs they are, for the message)."""
     if name in logs:
         return name, logs[name]
-    short = sorted(n for n in logs if n.split(".", 1)[-1] == name and "." in n)
+    short = sorted(n for n in logs if "." in n and n.split(".", 1)[1] == name)
     if len(short) == 1:
         return short[0], logs[short[0]]
     if short:
         raise HydraError(f"'{name}' is ambiguous: {', '.join(short)}; name one")
-    raise HydraError(f"no log '{name}' here; the logs: {', '.join(sorted(logs))}",
+    raise HydraError(f"no log '{name}' {where}; its logs: {', '.join(logs)}",
                      hint="`hydra logs NAME` with one of them (`hydra` is hydra's own log)")
 
 
