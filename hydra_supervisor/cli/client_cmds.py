@@ -270,8 +270,9 @@ def logs(engine: str, lines: int, follow: bool, raw: bool) -> None:
     if sup is None:
         run = logfiles.run_of(path)
         err.print(f"note: hydra is not running here (state dir {state.root}): this is {name}'s "
-                  "log of a stopped run" + (f" (its last run started {run.at:%Y-%m-%d %H:%M:%S})"
-                                             if run else ""), markup=False)
+                  "log of a stopped run" + (
+                      f" (its last run started {run.at.astimezone():%Y-%m-%d %H:%M:%S})"
+                      if run else ""), markup=False)
     shown, mark = logfiles.tail_at(path, lines)
     # the lines shown before a run's marker are of the run before it (in NAME.log.1)
     marked = any(logfiles.RunMark.parse(line) for line in shown)

@@ -220,8 +220,8 @@ class Actions:
         if res.get("result") in (Result.OK.value, Result.NOOP.value):
             self.emit(Event(Kind.RELOADED, "reload", what or str(res.get("reason") or "")))
         else:
-            self.emit(Event(Kind.RELOAD_FAILED, "reload", f"{res.get('result')}: "
-                            f"{res.get('error') or what}"))
+            how = str(res.get("result")).replace("_", " ")  # "rolled back", "failed"
+            self.emit(Event(Kind.RELOAD_FAILED, "reload", f"{how}: {res.get('error') or what}"))
         return res
 
     async def _reload_once(self) -> Reply:

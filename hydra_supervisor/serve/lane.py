@@ -887,10 +887,11 @@ class Lane:
         ok = report.result in (Result.OK, Result.NOOP)
         did = ("instant, nothing restarted" if report.instant else
                f"restarted {', '.join(report.restarted)}" if report.restarted else "")
+        how = str(report.result).replace("_", " ")  # "rolled back", "failed"
         cut = f"{report.cut} requests cut" if report.cut else ""
         self._emit(Kind.SWITCHED if ok else Kind.SWITCH_FAILED, report.to,
-                   "; ".join(x for x in (did if ok else f"{report.result}: {report.error}", cut)
-                             if x), seconds=report.total_s, frm=report.frm)
+                   "; ".join(x for x in (did if ok else f"{how}: {report.error}", cut) if x),
+                   seconds=report.total_s, frm=report.frm)
         self._changed()
 
     async def shutdown(self, reason: str) -> None:
