@@ -186,3 +186,35 @@ def test_hydra_logs_f_shows_the_marker_of_a_new_run_and_follows_it(hydra_env, tm
     assert lines[2] == _mark(pid=2, at=T0 + dt.timedelta(minutes=1))
     want = T0.astimezone() + dt.timedelta(minutes=1, seconds=1)
     assert lines[3] == f"{want:%Y-%m-%d %H:%M:%S}.123 I two"
+
+
+@pytest.mark.slow
+def test_a_failed_reload_quotes_only_the_failing_runs_lines(hydra_up, hydra_env, tmp_path):  # type: ignore[no-untyped-def]
+    """The head restarts under the same name (its last run's log moves to .1): the reply's
+    log tail holds the new run's error, not the lines of the run before it."""
+    import json
+
+    from hydra_supervisor.config.paths import repo_root
+    from hydra_supervisor.testing.harness import free_port
+
+    prof = tmp_path / "mine.yaml"
+    prof.write_text((repo_root() / "profiles" / "demo.yaml").read_text()
+                    .replace("profile: demo", "profile: mine"))
+    up = hydra_up("--profile", str(prof), "--port", str(free_port()))
+    up.wait_ready()
+    state = StateDir(Path(hydra_env["HYDRA_STATE_DIR"]))
+    before = state.log_path("mine.head").read_text()
+    assert "listening on" in before
+    prof.write_text(prof.read_text() + "  bogus-flag: 1\n")
+    res = run_hydra(hydra_env, "reload", "--json")
+    reply = json.loads(res.stdout)
+    assert reply["result"] == "rolled_back", reply
+    tail = reply["log_tail"]
+    assert any("--bogus-flag" in line for line in tail), tail
+    assert not any(line in before.splitlines() for line in tail if line.strip()), tail
+    assert not any(RunMark.parse(line) for line in tail), tail
+    # the run that failed is on record with its marker, between the two good ones
+    runs = [RunMark.parse(x) for p in sorted(state.logs.glob("mine.head.log*"))
+            for x in p.read_text().splitlines()[:1]]
+    assert len([r for r in runs if r is not None]) == 3, runs
+    assert up.stop() == 0
