@@ -114,8 +114,8 @@ def test_current_logs_are_hydras_own_and_those_its_runs_marked(tmp_path):
     with pytest.raises(HydraError, match="'head' is ambiguous: demo-moe.head, demo.head, "
                                          "remote.head"):
         logfiles.pick("head", found)
-    with pytest.raises(HydraError, match="no log 'nope' of the running hydra .*its logs: "
-                                         "hydra, demo-moe.head"):
+    with pytest.raises(HydraError, match="no log for engine 'nope' of the running hydra "
+                                         ".*its logs: hydra, demo-moe.head"):
         logfiles.pick("nope", found, "of the running hydra (pid 999)")
 
 
@@ -148,7 +148,7 @@ def test_hydra_logs_offers_only_the_running_hydras_logs_and_its_own(hydra_env, t
     assert "Traceback" not in res.stderr
     res = run_hydra(hydra_env, "logs", "peer-x")
     assert res.returncode == 2
-    assert f"no log 'peer-x' of the running hydra (pid {me}); its logs: hydra, " \
+    assert f"no log for engine 'peer-x' of the running hydra (pid {me}); its logs: hydra, " \
            "demo-moe.head, demo.head" in res.stderr
     res = run_hydra(hydra_env, "logs", "hydra")
     assert res.returncode == 0 and res.stdout == "2026-12-04 05:30:00,100 INFO hydra's own line\n"

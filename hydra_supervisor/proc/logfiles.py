@@ -230,7 +230,7 @@ def pick(name: str, logs: Mapping[str, Path], where: str = "here") -> tuple[str,
         return short[0], logs[short[0]]
     if short:
         raise HydraError(f"'{name}' is ambiguous: {', '.join(short)}; name one")
-    raise HydraError(f"no log '{name}' {where}; its logs: {', '.join(logs)}",
+    raise HydraError(f"no log for engine '{name}' {where}; its logs: {', '.join(logs)}",
                      hint="`hydra logs NAME` with one of them (`hydra` is hydra's own log)")
 
 
