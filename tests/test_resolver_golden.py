@@ -87,7 +87,8 @@ def test_dense_solo_gpu():
     assert head.args == ("-m", M, "--alias", "t", "--host", "127.0.0.1", "--port", "8080",
                          "-ngl", "99", "-sm", "none", "--fit", "off", "--ctx-size", "8192",
                          "--jinja")
-    assert head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", "0"))
+    assert head.env == (("GGML_NO_BACKTRACE", "1"), ("LLAMA_ARG_LOG_TIMESTAMPS", "1"),
+                        ("LLAMA_ARG_LOG_PREFIX", "1"), ("CUDA_VISIBLE_DEVICES", "0"))
 
 
 def test_dense_solo_cpu_is_the_demo_shape():
@@ -268,7 +269,8 @@ def test_demo_profile_golden(tmp_path: Path):
                               "8080", "-ngl", "0", "--ctx-size", "4096", "--parallel", "2",
                               "--chat-template", "gemma", "--no-jinja", "--n-predict", "64",
                               "--threads", "1", "--seed", "1")
-    assert plan.head.env == (("GGML_NO_BACKTRACE", "1"), ("CUDA_VISIBLE_DEVICES", ""))
+    assert plan.head.env == (("GGML_NO_BACKTRACE", "1"), ("LLAMA_ARG_LOG_TIMESTAMPS", "1"),
+                             ("LLAMA_ARG_LOG_PREFIX", "1"), ("CUDA_VISIBLE_DEVICES", ""))
 
 
 def llama_cpp_devices(ts: list[float], n_layer: int, ngl: int) -> list[int]:

@@ -309,8 +309,9 @@ def test_hydra_logs_f_follows_rotation_restart_and_the_fallback_path(hydra_env, 
     fd = os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     _write(fd, 0, 3)
     out = (tmp_path / "logs.out").open("w+")
+    errs = (tmp_path / "logs.err").open("w+")  # no hydra runs: a note says so there
     p = subprocess.Popen([*HYDRA, "logs", "demo.head", "-f", "-n", "2"], env=hydra_env, stdout=out,
-                         stderr=subprocess.STDOUT, cwd=REPO)
+                         stderr=errs, cwd=REPO)
     try:
         def seen(n: int) -> bool:
             return Path(out.name).read_text().count("\n") >= n
@@ -329,6 +330,7 @@ def test_hydra_logs_f_follows_rotation_restart_and_the_fallback_path(hydra_env, 
         p.wait(10)
         os.close(fd)
     assert Path(out.name).read_text().splitlines() == [f"n {i}" for i in range(1, 10)]
+    assert "log of a stopped run" in Path(errs.name).read_text()
     # A child that logs to the fallback (logs/ not writable): `hydra logs` finds it there.
     fb = logfiles.fallback_path(state.root, "peer-x")
     fb.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import click
 
@@ -296,45 +296,54 @@ def down(timeout: float) -> None:
 @click.argument("engine")
 @click.option("-n", "lines", default=50, show_default=True, help="lines to show")
 @click.option("-f", "follow", is_flag=True, help="keep printing new lines")
+@click.option("--raw", is_flag=True,
+              help="the lines as written (llama.cpp's times then count from each run's start)")
 @friendly
-def logs(engine: str, lines: int, follow: bool) -> None:
-    """Show an engine's log (head, peer-NAME); -f follows it across size rotations and
-    restarts (as tail -F does)."""
+def logs(engine: str, lines: int, follow: bool, raw: bool) -> None:
+    """Show a log of the running hydra: a process's (demo.head, or head when one profile has
+    one, peer-NAME) or hydra's own (`hydra`), llama.cpp's times as wall-clock times. Each run
+    of a process opens with hydra's `--- hydra: NAME started TIME pid N ---` line; -f follows
+    the log across size rotations and restarts (as tail -F does), a new run showing as that
+    line. With no hydra running, the last run's logs, said to be of a stopped run."""
     from hydra_supervisor.proc import logfiles
 
     state = StateDir.default()
-    path = _log_of(state, engine)
-    if path is None:
-        names = sorted(p.stem for p in state.logs.glob("*.log"))
-        raise HydraError(f"no log for engine '{engine}' in {state.logs}; "
-                         f"engines with logs: {', '.join(names) or '(none)'}")
+    sup = state.running_supervisor()
+    last = (state.read_status() or {}).get("pid")
+    # no hydra runs: the logs of the last one (status.json names it), else every log there is
+    pid = int(sup["pid"]) if sup else last if isinstance(last, int) else None
+    found = logfiles.current_logs(state.logs, pid, _named_logs(state, pid),
+                                  fallback=logfiles.fallback_dir(state.root))
+    where = (f"of the running hydra (pid {pid})" if sup else
+             f"of the last hydra here (pid {pid}, stopped)" if pid else f"in {state.logs}")
+    name, path = logfiles.pick(engine, found, where)
+    if not path.exists():
+        raise HydraError(f"{name} has written no log yet ({path})")
+    if sup is None:
+        run = logfiles.run_of(path)
+        err.print(f"note: hydra is not running here (state dir {state.root}): this is {name}'s "
+                  "log of a stopped run" + (
+                      f" (its last run started {run.at.astimezone():%Y-%m-%d %H:%M:%S})"
+                      if run else ""), markup=False)
     shown, mark = logfiles.tail_at(path, lines)
-    sys.stdout.writelines(line + "\n" for line in shown)
+    # the lines shown before a run's marker are of the run before it (in NAME.log.1)
+    marked = any(logfiles.RunMark.parse(line) for line in shown)
+    stamper = logfiles.Stamper(logfiles.run_of(path, start=1 if marked else 0))
+    fix = (lambda line: line) if raw else stamper.line
+    sys.stdout.writelines(fix(line) + "\n" for line in shown)
     sys.stdout.flush()
     if follow:
         for line in logfiles.follow(path, start=mark):
-            sys.stdout.write(line)
+            sys.stdout.write(fix(line))
             sys.stdout.flush()
 
 
-def _log_of(state: StateDir, engine: str) -> Path | None:
-    """The log a child of this state dir writes: the one status.json names for it (the fallback
-    in the temp dir when logs/ was not writable), else logs/ENGINE.log, else the fallback."""
-    from hydra_supervisor.proc import logfiles
-
-    rows = (state.read_status() or {}).get("engines")
-    procs = [r for r in (rows if isinstance(rows, list) else []) if isinstance(r, dict)]
-    # The role alone (`head`) names the one process of the last run with that role
-    # (processes are named PROFILE.ROLE).
-    short = [str(r.get("name")) for r in procs
-             if str(r.get("name", "")).split(".", 1)[-1] == engine and r.get("name") != engine]
-    if len(short) > 1 and not any(r.get("name") == engine for r in procs):
-        raise HydraError(f"'{engine}' is ambiguous: {', '.join(short)}; name one")
-    if len(short) == 1 and not any(r.get("name") == engine for r in procs):
-        engine = short[0]
-    named = next((Path(cast(str, r["log"])) for r in procs
-                  if r.get("name") == engine and r.get("log")), None)
-    for p in (named, state.log_path(engine), logfiles.fallback_path(state.root, engine)):
-        if p is not None and p.exists():
-            return p
-    return None
+def _named_logs(state: StateDir, pid: int | None) -> dict[str, Path]:
+    """The log each process status.json names writes (the fallback in the temp dir when
+    logs/ was not writable), when status.json is the hydra `pid`'s."""
+    st = state.read_status() or {}
+    if st.get("pid") != pid:
+        return {}
+    rows = st.get("engines")
+    return {str(r["name"]): Path(str(r["log"])) for r in (rows if isinstance(rows, list) else [])
+            if isinstance(r, dict) and r.get("name") and r.get("log")}

@@ -1,15 +1,18 @@
 """`hydra up`: start one profile, several or none under one Daemon (state dir locked, orphan
-guard up, hydra's own log), and what it prints in its terminal while starting."""
+guard up, hydra's own log), and what it prints in its terminal: progress while starting, how
+to use it once ready, then one line per lifecycle event (`EventPrinter`)."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import logging.handlers
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -45,6 +48,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import client_host, host_port, port_free, port_holder
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.serve import states
+from hydra_supervisor.serve.events import SAID, Event, Kind
 from hydra_supervisor.serve.states import LaneState
 
 
@@ -61,16 +65,24 @@ from hydra_supervisor.serve.states import LaneState
               help="external port (overrides the profile; 0: the kernel picks one)")
 @click.option("--host", default=None, help="bind address (overrides the profile)")
 @click.option("-v", "--verbose", is_flag=True, help="log every state change to stderr")
+@click.option("-q", "--quiet", is_flag=True,
+              help="after `ready:`, print only errors (no line per process restart, load, "
+                   "unload, switch)")
 @click.option("--metrics-port", type=PORT_OR_OFF, default=None, envvar="HYDRA_METRICS_PORT",
               help="serve Prometheus metrics and the dashboard on 127.0.0.1:PORT "
                    "(default, or 0: off)")
 @friendly
 def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_dir: str | None,
-       port: int | None, host: str | None, verbose: bool, metrics_port: int | None) -> None:
+       port: int | None, host: str | None, verbose: bool, quiet: bool,
+       metrics_port: int | None) -> None:
     """Start a profile's processes and keep them serving until Ctrl-C / SIGTERM.
 
     With several profiles (-p A -p B, or the node file's profiles:) one port serves them all,
     routed by the request's model and loaded on demand (docs/routing.md).
+
+    Once ready it prints one line per lifecycle event (a process died or restarted, a profile
+    loaded, unloaded or switched, the standby ready, a reload done, a failure); -q keeps only
+    the failures.
 
     Exit status (docs/control.md): 0 stopped on request, 1 FATAL (one profile; among
     several, a failed profile is marked failed and the others keep serving), 2 bad input or
@@ -89,7 +101,8 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
         profiles = node.profiles
     state = StateDir.default()
     tightened = state.secure(_file_policy(node))
-    _setup_logging(state, verbose)
+    printer = EventPrinter(quiet=quiet)
+    _setup_logging(state, verbose, printer)
     if tightened:
         logging.getLogger("hydra").warning(
             "state dir %s: tightened %d path(s) that were looser than hydra's policy "
@@ -99,7 +112,7 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     try:
         with state.lock():
             code = _up_locked(state, [] if idle else list(profiles or ("demo",)), node_file,
-                              profiles_dir, port, host, metrics_port)
+                              profiles_dir, port, host, metrics_port, printer)
     except KeyboardInterrupt:
         logging.getLogger("hydra").warning("stopped: interrupted (Ctrl-C) before serving")
         err.print("interrupted before serving; nothing left running", markup=False)
@@ -182,7 +195,7 @@ def _guarded(state: StateDir, name: str, source: str, run: Callable[[], int]) ->
 
 def _up_locked(state: StateDir, names: list[str], node_file: str | None,
                profiles_dir: str | None, port: int | None, host: str | None,
-               metrics_port: int | None) -> int:
+               metrics_port: int | None, printer: EventPrinter) -> int:
     """One profile, none (`names` empty) or several: the ports and the node serve_setup
     builds, run by one Daemon."""
     _preflight(state)
@@ -203,12 +216,19 @@ def _up_locked(state: StateDir, names: list[str], node_file: str | None,
     sources = [d.plan.source for p in ports for d in p.planned()]
     source = sources[0] if len(sources) == 1 else "-"
     return _guarded(state, ",".join(names) or "-", source,
-                    lambda: asyncio.run(_run_daemon(state, opts, ports, node)))
+                    lambda: asyncio.run(_run_daemon(state, opts, ports, node, printer)))
 
 
-async def _run_daemon(state: StateDir, opts: daemon.Options, ports: Any, node: Any) -> int:
+async def _run_daemon(state: StateDir, opts: daemon.Options, ports: Any, node: Any,
+                      printer: EventPrinter) -> int:
     d = daemon.Daemon(state, opts, ports, node)
-    code = await d.run(on_start=_present)
+    d.sinks.append(printer)
+
+    async def present(d: daemon.Daemon) -> None:
+        await _present(d)
+        printer.live = True  # (no await since the last line: no event falls in between)
+
+    code = await d.run(on_start=present)
     if d.unkillable:
         err.print(f"stopped, but could not kill: {'; '.join(d.unkillable)}", markup=False)
         return exits.UNKILLABLE
@@ -305,9 +325,15 @@ def _present_one(p: Port, lane: Lane) -> None:
     out.print("  (Ctrl-C stops it; `hydra status`, `hydra switch PROFILE`, `hydra down` from "
               "another terminal)", markup=False)
     sb = p.standby.wanted() if p.standby is not None else None
-    if sb:
-        out.print(f"  standby {sb}: loading beside it when both fit (`hydra status` says; "
-                  f"`hydra switch {sb}` is then instant, no restart)", markup=False)
+    if p.standby is not None and sb:
+        if p.standby.ready():
+            out.print(f"  standby {sb}: ready beside it (`hydra switch {sb}` is instant, no "
+                      "restart)", markup=False)
+        elif p.standby.why:
+            out.print(f"  standby {sb}: {p.standby.why}", markup=False)
+        else:  # an event line says when it is ready, or why not
+            out.print(f"  standby {sb}: loading beside it when both fit (`hydra switch {sb}` "
+                      "is then instant, no restart)", markup=False)
 
 
 def _load_bar(pid: int | None, model_bytes: int, width: int = 20) -> str:
@@ -339,14 +365,17 @@ def _file_policy(node: Any) -> Any:
                             log_keep=node.log_keep)
 
 
-def _setup_logging(state: StateDir, verbose: bool) -> None:
-    """hydra's own log: every state change once, with its reason, in logs/hydra.log."""
+def _setup_logging(state: StateDir, verbose: bool, printer: EventPrinter) -> None:
+    """hydra's own log: every state change once, with its reason, in logs/hydra.log; on
+    stderr its warnings (-v: everything), less what an event line already says."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
     root = logging.getLogger("hydra")
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.INFO if verbose else logging.WARNING)
     console.setFormatter(fmt)
+    if not verbose:
+        console.addFilter(printer.unsaid)
     root.addHandler(console)
     try:
         handler = logging.handlers.RotatingFileHandler(
@@ -357,3 +386,76 @@ def _setup_logging(state: StateDir, verbose: bool) -> None:
     handler.setFormatter(fmt)
     root.addHandler(handler)
 
+
+
+# -- after `ready:`: one line per lifecycle event --------------------------------------------
+
+
+def event_line(ev: Event) -> str:
+    """One short line for a lifecycle event (serve/events.py), with its local time."""
+    at = dt.datetime.fromtimestamp(ev.at).strftime("%H:%M:%S")
+    what = " ".join(ev.detail.split())  # one line, whatever llama.cpp's error held
+    took = f"{ev.seconds:.1f}s" if ev.seconds is not None else ""
+    k, who = ev.kind, ev.subject
+    if k is Kind.DIED:
+        text = f"{who} died: {what}"
+    elif k in (Kind.STOPPED, Kind.UNHEALTHY):
+        text = f"{who} {k.value}: {what}"
+    elif k is Kind.RESTARTED:
+        text = f"{who} restarted{f' ({what})' if what else ''}, ready again after {took}"
+    elif k is Kind.HEALTHY:
+        text = f"{who} healthy again after {took}"
+    elif k is Kind.LOADED:
+        how = "on demand" if what == "on request" else f"({what})"
+        text = f"{who} loaded {how} in {took}"
+    elif k is Kind.LOAD_FAILED:
+        text = f"{who} failed to load: {what}"
+    elif k is Kind.UNLOADED:
+        text = f"{who} unloaded: {what}"
+    elif k is Kind.SWITCHED:
+        text = (f"{who} changed in {took}" if ev.frm == who else
+                f"switched {ev.frm or 'nothing'} -> {who} in {took}") + (
+                    f" ({what})" if what else "")
+    elif k is Kind.SWITCH_FAILED:
+        text = (f"change of {who}" if ev.frm == who else
+                f"switch {ev.frm or 'nothing'} -> {who}") + f" failed after {took}: {what}"
+    elif k is Kind.STANDBY_READY:
+        text = f"standby {who} ready {what}"
+    elif k is Kind.STANDBY_FAILED:
+        text = f"standby {who} {what}"
+    elif k is Kind.RELOADED:
+        text = f"reload done: {what}"
+    elif k is Kind.RELOAD_FAILED:
+        text = f"reload failed: {what}"
+    else:  # Kind.FATAL
+        text = f"{who} FATAL: {what}"
+    return f"{at} {text}"
+
+
+def _print_out(line: str) -> None:
+    out.print(line, markup=False)
+
+
+def _print_err(line: str) -> None:
+    err.print(line, markup=False)
+
+
+@dataclass
+class EventPrinter:
+    """`hydra up`'s terminal after `ready:`: one line per lifecycle event, on stdout (errors
+    on stderr). Before `live` (the start-up: its spinner and `ready:` say it) nothing;
+    `quiet` (-q): errors only. A log record an event line says again (events.SAID) is left
+    off the terminal while it prints them (`unsaid`, the console handler's filter)."""
+
+    quiet: bool = False
+    live: bool = False
+    write_out: Callable[[str], None] = field(default=_print_out)
+    write_err: Callable[[str], None] = field(default=_print_err)
+
+    def __call__(self, ev: Event) -> None:
+        if not self.live or (self.quiet and not ev.error):
+            return
+        (self.write_err if ev.error else self.write_out)(event_line(ev))
+
+    def unsaid(self, record: logging.LogRecord) -> bool:
+        return not (self.live and getattr(record, next(iter(SAID)), False))

@@ -23,9 +23,16 @@ def pin_env(dev: Device | Sequence[Device]) -> tuple[tuple[str, str], ...]:
     return (("CUDA_VISIBLE_DEVICES", ",".join(cuda)),)
 
 
+# llama-server stamps each log line with its time since start and its level (its own
+# --log-timestamps --log-prefix, as environment so the argv stays the profile's); hydra's run
+# marker turns the stamps into wall-clock times (proc/logfiles.py). ggml-rpc-server has no such
+# option and ignores them. A profile's env: may turn them off (LLAMA_ARG_LOG_TIMESTAMPS=0).
+LOG_ENV = {"LLAMA_ARG_LOG_TIMESTAMPS": "1", "LLAMA_ARG_LOG_PREFIX": "1"}
+
+
 def base_env(profile: Profile) -> tuple[tuple[str, str], ...]:
     # ggml runs gdb for a backtrace on abort when gdb exists; that delays a dead head's exit.
-    env = {"GGML_NO_BACKTRACE": "1", **profile.env}
+    env = {"GGML_NO_BACKTRACE": "1", **LOG_ENV, **profile.env}
     return tuple(env.items())
 
 

@@ -22,30 +22,54 @@ way).
 `follow` is `tail -F` for these files: it notices a new file under the name (a restart: new
 inode) and a truncation (a size rotation: it reads the rest of what it had not yet shown from
 the fresh NAME.log.1 first), and waits for a file that is not there yet.
+
+Wall-clock times. Every spawn starts with one line hydra writes into the file itself, between
+fork and exec (so it comes before anything the child prints, and carries the child's own pid):
+
+    --- hydra: demo.head started 2026-12-04T05:30:00.123+00:00 pid 1234 (hydra pid 999) ---
+
+It delimits each run (a failed start's reply quotes only that run's lines: `tail`), says which
+hydra started it (`hydra logs` and the dashboard offer only the running hydra's logs:
+`current_logs`), and anchors the run in wall-clock time: llama-server runs with
+`--log-timestamps` (plan/argv.py), whose stamps count from its own start ("0.02.740.058" =
+minutes.seconds.ms.us), and `Stamper` turns them into wall-clock times from the marker. Why a
+marker and not hydra's own prefix on every line: the child writes its file directly (no pipe,
+see above), so hydra never sees the lines as they are written; and llama.cpp has no
+wall-clock option. ggml-rpc-server prints no times at all: its marker is all there is.
+hydra's own log (`hydra`, logs/hydra.log) has wall-clock times on every line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import os
+import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from hydra_supervisor.errors import HydraError
 from hydra_supervisor.proc import filemodes
 
 POLL = 1.0  # seconds between size checks of a running child's log
 CHUNK = 1 << 20
 
 
+def fallback_dir(state_root: Path) -> Path:
+    """Where children's logs go when the state dir's logs/ cannot be written."""
+    tag = hashlib.sha1(str(state_root).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-{tag}-logs"
+
+
 def fallback_path(state_root: Path, name: str) -> Path:
     """Where a child's log goes when the state dir's logs/ cannot be written."""
-    tag = hashlib.sha1(str(state_root).encode()).hexdigest()[:8]
-    return Path(tempfile.gettempdir()) / f"hydra-{os.getuid()}-{tag}-logs" / f"{name}.log"
+    return fallback_dir(state_root) / f"{name}.log"
 
 
 def rotated(log: Path, i: int) -> Path:
@@ -72,6 +96,142 @@ def open_for_child(log: Path) -> int:
     if log.exists() and log.stat().st_size > 0:
         shift(log, pol.log_keep)
     return os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, pol.file_mode)
+
+
+# -- run markers --------------------------------------------------------------------------------
+
+HYDRA = "hydra"  # the name of hydra's own log (logs/hydra.log) beside its children's
+_MARK = re.compile(r"^--- hydra: (?P<name>\S+) started (?P<at>\S+) pid (?P<pid>\d+) "
+                   r"\(hydra pid (?P<hydra>\d+)\) ---$")
+
+
+@dataclass(frozen=True)
+class RunMark:
+    """The line that opens one run of a child in its log (the module doc)."""
+
+    name: str
+    at: dt.datetime  # wall-clock time of the spawn, with its UTC offset
+    pid: int
+    hydra_pid: int
+
+    def line(self) -> str:
+        return (f"--- hydra: {self.name} started {self.at.isoformat(timespec='milliseconds')} "
+                f"pid {self.pid} (hydra pid {self.hydra_pid}) ---")
+
+    @classmethod
+    def parse(cls, line: str) -> RunMark | None:
+        m = _MARK.match(line.rstrip("\n"))
+        if m is None:
+            return None
+        try:
+            at = dt.datetime.fromisoformat(m["at"])
+        except ValueError:
+            return None
+        return cls(m["name"], at, int(m["pid"]), int(m["hydra"]))
+
+
+def mark_parts(log: Path, hydra_pid: int, now: float | None = None) -> tuple[bytes, bytes]:
+    """The marker of a run about to start, as the bytes before and after the child's pid (the
+    child writes it between fork and exec, when its pid is known: process.spawn)."""
+    at = dt.datetime.fromtimestamp(time.time() if now is None else now).astimezone()
+    head = RunMark(log.name.removesuffix(".log"), at, 0, hydra_pid).line()
+    before, _, after = head.partition(" pid 0 ")
+    return f"{before} pid ".encode(), f" {after}\n".encode()
+
+
+def _first_line(path: Path) -> str | None:
+    try:
+        with path.open("rb") as fh:
+            return fh.readline(512).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def run_of(log: Path, start: int = 0, keep: int = 16) -> RunMark | None:
+    """The marker of the run the file `log` (or, `start` > 0, NAME.log.{start}) belongs to: its
+    first line, or after a size rotation the first line of the nearest older file that opens a
+    run. None: no marker (a log older than markers, or not there)."""
+    for i in range(start, keep + 1):
+        path = log if i == 0 else rotated(log, i)
+        first = _first_line(path)
+        if first is None:
+            return None
+        mark = RunMark.parse(first)
+        if mark is not None:
+            return mark
+    return None
+
+
+# llama.cpp's --log-timestamps: minutes.seconds.ms.us since the process started
+_STAMP = re.compile(r"^(\d+)\.(\d\d)\.(\d\d\d)\.(\d\d\d) ")
+
+
+class Stamper:
+    """Rewrites llama.cpp's relative stamps as wall-clock times (local, as hydra.log writes
+    them), from the run marker before them; a marker line passes through and starts the next
+    run's clock. Lines without a stamp, or before any marker, pass through unchanged."""
+
+    def __init__(self, start: RunMark | None = None) -> None:
+        self.start = start
+
+    def line(self, text: str) -> str:
+        mark = RunMark.parse(text)
+        if mark is not None:
+            self.start = mark
+            return text
+        m = _STAMP.match(text)
+        if m is None or self.start is None:
+            return text
+        us = ((int(m[1]) * 60 + int(m[2])) * 1000 + int(m[3])) * 1000 + int(m[4])
+        at = self.start.at + dt.timedelta(microseconds=us)
+        wall = at.astimezone().strftime("%Y-%m-%d %H:%M:%S.") + f"{at.microsecond // 1000:03d} "
+        return wall + text[m.end():]
+
+
+# -- which logs there are ---------------------------------------------------------------------
+
+
+def current_logs(logs_dir: Path, hydra_pid: int | None,
+                 named: Mapping[str, Path] | None = None, *,
+                 fallback: Path | None = None) -> dict[str, Path]:
+    """The logs of the hydra `hydra_pid` by name: "hydra" (its own, logs/hydra.log), every
+    child log whose run marker names that hydra (processes it runs now, and those it ran and
+    stopped: an unloaded or failed profile's), in `logs_dir` and in the `fallback` dir
+    (fallback_dir: where children log when logs/ is not writable), and `named` (the processes
+    its status names, with the file each writes). `hydra_pid` None (no hydra runs): every log
+    there is, the last run's and older ones alike. The dashboard's log picker and `hydra logs`
+    offer these; `pick` resolves a name among them.
+
+    The dashboard, in the running hydra: `current_logs(state.logs, os.getpid(), {p.name:
+    Path(p.log) for _, _, p in snap.processes()}, fallback=fallback_dir(state.root))`."""
+    found: dict[str, Path] = {}
+    for where in (fallback, logs_dir):
+        if where is None:
+            continue
+        with contextlib.suppress(OSError):
+            for path in sorted(where.glob("*.log")):
+                name = path.name.removesuffix(".log")
+                mark = run_of(path)
+                if name != HYDRA and (hydra_pid is None or (
+                        mark is not None and mark.hydra_pid == hydra_pid)):
+                    found[name] = path
+    found.update(named or {})
+    return {HYDRA: logs_dir / f"{HYDRA}.log", **dict(sorted(found.items()))}
+
+
+def pick(name: str, logs: Mapping[str, Path], where: str = "here") -> tuple[str, Path]:
+    """The log `name` names among `logs` (current_logs): its full name (`demo.head`), or the
+    part after the profile (`head`) when one process has it. HydraError naming the choices
+    otherwise (`where`: whose logs they are, for the message)."""
+    if name in logs:
+        return name, logs[name]
+    short = sorted(n for n in logs if "." in n and n.split(".", 1)[1] == name)
+    if len(short) == 1:
+        return short[0], logs[short[0]]
+    if short:
+        raise HydraError(f"'{name}' is ambiguous: {', '.join(short)}; name one")
+    raise HydraError(f"no log for engine '{name}' {where}; its logs: {', '.join(logs)}",
+                     hint="`hydra logs NAME` with one of them (`hydra` is hydra's own log)")
 
 
 def copytruncate(fd: int, log: Path, keep: int) -> int:
@@ -163,9 +323,16 @@ def _last_lines(path: Path, n: int, upto: int | None = None) -> list[str]:
 
 
 def tail(log: Path, n: int) -> list[str]:
-    """The last `n` lines of a child's output: the live file, topped up from NAME.log.1 when a
-    rotation has just emptied it."""
-    return tail_at(log, n)[0]
+    """The last `n` lines of the current run of a child (what a failed start or change
+    quotes): the live file, topped up from NAME.log.1 when a size rotation has just emptied
+    it; never a line of an earlier run (the run's marker, which is not shown, ends it)."""
+    lines = _last_lines(log, n + 1)
+    if len(lines) <= n and not (lines and RunMark.parse(lines[0])):
+        # the whole live file, and it does not open a run: a size rotation moved the run's
+        # start to NAME.log.1
+        lines = _last_lines(rotated(log, 1), n + 1 - len(lines)) + lines
+    cut = max((i + 1 for i, ln in enumerate(lines) if RunMark.parse(ln)), default=0)
+    return lines[cut:][-n:]
 
 
 Mark = tuple[int, int, int]  # (st_dev, st_ino, offset): where a reader of a file stopped

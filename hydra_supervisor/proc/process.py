@@ -75,12 +75,18 @@ class RealChild:
         kill_group(self.proc.pid, sig)
 
 
-def _child_setup(parent: int) -> Callable[[], None]:
+def _child_setup(parent: int, mark: tuple[bytes, bytes] | None = None) -> Callable[[], None]:
+    """Runs in the child between fork and exec. `mark`: the run marker's bytes around the pid
+    (logfiles.mark_parts), written to its stdout (the log) before the program's first line."""
+
     def setup() -> None:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # hydra may have died between fork and prctl: then nobody would ever signal us.
         if os.getppid() != parent:
             os._exit(1)
+        if mark is not None:
+            with contextlib.suppress(OSError):  # a full disk: the child runs all the same
+                os.write(1, mark[0] + str(os.getpid()).encode() + mark[1])
 
     return setup
 
@@ -91,7 +97,8 @@ class LogUnavailable(OSError):
 
 async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path) -> Child:
     """Start a child writing to `log` (O_APPEND; a new run shifts the last one's file to
-    NAME.log.1), bounded by size beside it without a pipe (logfiles.py says why)."""
+    NAME.log.1), bounded by size beside it without a pipe (logfiles.py says why). The file
+    opens with the run's marker (logfiles.RunMark: wall-clock time, pid, hydra's pid)."""
     pol = filemodes.current()
     try:
         fd = logfiles.open_for_child(log)
@@ -100,7 +107,8 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path) -> Child
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **env}, process_group=0, preexec_fn=_child_setup(os.getpid()))
+            env={**os.environ, **env}, process_group=0,
+            preexec_fn=_child_setup(os.getpid(), logfiles.mark_parts(log, os.getpid())))
     except BaseException:
         os.close(fd)
         raise

@@ -50,6 +50,7 @@ from hydra_supervisor.runtime import (
 from hydra_supervisor.runtime.messages import message_of
 from hydra_supervisor.serve import portwatch
 from hydra_supervisor.serve.engine_wire import EngineWire
+from hydra_supervisor.serve.events import SAID, Event, Sink
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
@@ -119,6 +120,7 @@ class Daemon:
             if self.metrics:
                 p.router_kwargs["on_request"] = self._on_request
             p.listeners.append(self._changed)
+            p.sinks.append(self.emit)
         self.stop_event = asyncio.Event()
         self.stop_reason = "stop requested"
         self.ended: str | None = None  # why the run ended, once it has (the crash record)
@@ -127,11 +129,13 @@ class Daemon:
         self.wires: list[EngineWire] = []  # one per port with a router
         self._ints = 0
         self.fatal: str | None = None  # why a lane under `exit_on_fatal` ended hydra
+        # who hears the lifecycle events (serve/events.py): `hydra up` prints them
+        self.sinks: list[Sink] = []
         self.actions = daemon_actions.Actions(
             ports, node, daemon_actions.Planning(
                 node_file=opts.node_file, profiles_dir=opts.profiles_dir,
                 overrides=tuple(opts.overrides.items()), slot_dir=state.slots()),
-            changed=self._changed)
+            changed=self._changed, emit=self.emit)
 
     # -- what it serves ---------------------------------------------------------------------------
 
@@ -178,6 +182,14 @@ class Daemon:
                 if why is not None:
                     self.fatal = why
                     self.request_stop(f"FATAL: {why}")
+
+    def emit(self, event: Event) -> None:
+        """A lifecycle event of a port's lane, its standby or a reload (the loop)."""
+        for fn in self.sinks:
+            try:
+                fn(event)
+            except Exception:  # printing it must never break what it tells
+                log.exception("event sink failed on %s", event)
 
     def _status_line(self, snap: Snapshot) -> str:
         """systemd's STATUS=: the snapshot, and the last change that failed (until one works;
@@ -340,9 +352,10 @@ class Daemon:
                 if res.get("result") in ("ok", "noop"):
                     log.info("reload: %s", res.get("result"))
                 else:
-                    log.error("reload failed (%s): %s", res.get("result"), res.get("error"))
+                    log.error("reload failed (%s): %s", res.get("result"), res.get("error"),
+                              extra=SAID)
             except HydraError as exc:
-                log.error("reload failed: %s", exc)
+                log.error("reload failed: %s", exc, extra=SAID)
             except Exception:  # a bug here must not end hydra
                 log.exception("reload failed")
             finally:

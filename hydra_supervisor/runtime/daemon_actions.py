@@ -44,6 +44,7 @@ from hydra_supervisor.plan import deployment
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.plan import Address, Plan
 from hydra_supervisor.runtime.messages import with_message
+from hydra_supervisor.serve.events import Event, Kind, Sink
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
@@ -120,11 +121,13 @@ class Actions:
     """switch, restart, reload over a hydra's ports; `changed` publishes after each."""
 
     def __init__(self, ports: list[Port], node: Node, planning: Planning,
-                 changed: Callable[[], None]) -> None:
+                 changed: Callable[[], None], emit: Sink | None = None) -> None:
+        """`emit`: where a reload's lifecycle event goes (serve/events.py)."""
         self.ports = ports
         self.node = node
         self.planning = planning
         self.changed = changed
+        self.emit: Sink = emit or (lambda _: None)
         self.last_change_error: str | None = None  # a reload refused before it ran (STATUS=)
         # Reloads: one runs at a time; those asked for meanwhile share one run after it.
         self.reloads = Reloads(self.run_reload)
@@ -293,9 +296,18 @@ class Actions:
         except HydraError as exc:
             self.last_change_error = f"reload: {exc}"
             self.changed()
+            self.emit(Event(Kind.RELOAD_FAILED, "reload", str(exc)))
             raise
         self.last_change_error = None  # planned: a failed start is in the lane's report
         self.changed()
+        done = res.get("reloaded") or {}
+        what = "; ".join(f"{k}: {v}" for k, v in done.items()) if isinstance(done, dict) \
+            else ""
+        if res.get("result") in (Result.OK.value, Result.NOOP.value):
+            self.emit(Event(Kind.RELOADED, "reload", what or str(res.get("reason") or "")))
+        else:
+            how = str(res.get("result")).replace("_", " ")  # "rolled back", "failed"
+            self.emit(Event(Kind.RELOAD_FAILED, "reload", f"{how}: {res.get('error') or what}"))
         return res
 
     async def _reload_once(self) -> Reply:

@@ -47,6 +47,7 @@ from hydra_supervisor.router.routes import Addr, Limiter, Route
 from hydra_supervisor.router.traffic import LaneTraffic
 from hydra_supervisor.serve import keepslots, llamameta, progress, states
 from hydra_supervisor.serve.clock import MONOTONIC, Clock, wall
+from hydra_supervisor.serve.events import SAID, Event, Kind
 from hydra_supervisor.serve.reports import (
     Busy,
     LayoutFailed,
@@ -91,6 +92,8 @@ class PortSide(Protocol):
     def url(self) -> str: ...
 
     def lane_changed(self, lane: Lane) -> None: ...
+
+    def emit(self, event: Event) -> None: ...
 
     def set_rpc(self, addr: Addr | None) -> None: ...
 
@@ -169,6 +172,10 @@ class Lane:
         self.why = "not loaded yet"
         self.meta: dict[str, object] | None = None  # llama-server's own /v1/models meta
         self.meta_task: asyncio.Task[None] | None = None
+        # its processes' last states, and those down since when (and whether one died): what
+        # their lifecycle events say (`_tell`)
+        self._seen: dict[str, State] = {}
+        self._down: dict[str, tuple[float, bool]] = {}
 
     # -- who it is ------------------------------------------------------------------------------
 
@@ -285,6 +292,36 @@ class Lane:
         if sup is None or mp not in sup.procs:
             return
         self.sync_gate()
+        self._tell(mp, sup)
+
+    def _emit(self, kind: Kind, subject: str, detail: str = "", *,
+              seconds: float | None = None, frm: str | None = None) -> None:
+        self.port.emit(Event(kind, subject, detail, seconds=seconds, frm=frm))
+
+    def _tell(self, mp: ManagedProcess, sup: Runner) -> None:
+        """A process's lifecycle event (serve/events.py) from its transition: it died or was
+        stopped, went unhealthy, came back. Only while the lane serves and no change of it
+        runs (a load, switch, restart or stop says what it did itself)."""
+        name, st = mp.name, mp.state
+        prev, self._seen[name] = self._seen.get(name), st
+        if self.phase is not LaneState.SERVING or self.lock.locked() or sup.stopping.is_set():
+            self._down.pop(name, None)
+            return
+        down = self._down.get(name)
+        if st in (State.BACKOFF, State.FATAL) and (down is None or prev is State.STARTING):
+            # a loss, or a restart of it that failed again (each attempt says why)
+            self._down[name] = (down[0] if down else self.clock(), True)
+            self._emit(Kind.DIED, name, mp.reason)
+        elif st is State.STOPPING and down is None:
+            self._down[name] = (self.clock(), True)
+            self._emit(Kind.STOPPED, name, mp.reason)
+        elif st is State.UNHEALTHY and down is None:
+            self._down[name] = (self.clock(), False)
+            self._emit(Kind.UNHEALTHY, name, mp.reason)
+        elif st is State.READY and down is not None:
+            del self._down[name]
+            self._emit(Kind.RESTARTED if down[1] else Kind.HEALTHY, name,
+                       seconds=self.clock() - down[0])
 
     def _on_upstream_moved(self, kind: Moved, old: Addr, new_port: int) -> None:
         """The supervisor moved a process whose port another process took."""
@@ -370,6 +407,7 @@ class Lane:
         sup.on_publish = self._changed
         sup.before_head_swap = self._before_head_swap
         self.sup = sup
+        self._seen, self._down = {}, {}
         self.dep = dep
         self._set_upstream(dep)
         self.task = asyncio.create_task(self._run(sup))
@@ -492,7 +530,8 @@ class Lane:
             report.failed_phase = phase.current
             report.error = str(exc)
             report.log_tail = getattr(exc, "tail", [])
-            log.error("switch to %s failed in phase %s: %s", dep.profile, phase.current, exc)
+            log.error("switch to %s failed in phase %s: %s", dep.profile, phase.current, exc,
+                      extra=SAID)
             await self._rollback(old, report, phase, started_new)
         except asyncio.CancelledError:
             # hydra is stopping mid-switch: whatever runs is stopped by the caller's shutdown.
@@ -557,7 +596,7 @@ class Lane:
             report.error = str(exc)
             report.log_tail = getattr(exc, "tail", []) or _tail_of(sup, names[0])
             log.error("restart of %s with new settings failed in phase %s: %s",
-                      dep.profile, phase.current, exc)
+                      dep.profile, phase.current, exc, extra=SAID)
             try:
                 with phase("rollback"):
                     sup.adopt_head(old)
@@ -671,6 +710,7 @@ class Lane:
                                restarted=[name, *([head.name] if with_head and head else [])])
             await keepslots.restore(self.head_addr, self.state, dep, dep, saved, rep)
             rep.total_s = self.clock() - t0
+            self._emit(Kind.RESTARTED, name, "hydra restart", seconds=rep.total_s)
             return rep
 
 
@@ -684,7 +724,7 @@ class Lane:
         phase = Phases(rep)
         self.switching = sup.plan.profile
         self._to(LaneState.SWITCHING)
-        log.error("restart of %s failed: %s", name, exc)
+        log.error("restart of %s failed: %s", name, exc, extra=SAID)
         try:
             await self._rollback(dep, rep, phase, started_new=True)
         finally:
@@ -728,6 +768,8 @@ class Lane:
             self.last_good = self.dep
             self.route.touch()  # a fresh load counts as a use (LRU)
             log.info("profile %s serving after %.2fs (%s)", self.name, self.clock() - t0, why)
+            if not self.standby:  # (the standby says when it is ready: warmed up too)
+                self._emit(Kind.LOADED, self.name, why, seconds=self.clock() - t0)
             self.sync_gate()
             if self.node is not None:
                 self.node.room_changed.set()  # a loader waiting on this one may decide now
@@ -744,7 +786,10 @@ class Lane:
         why = llamaerr.error_line(tail) or next(
             (line.strip() for line in reversed(tail) if line.strip()), None)
         error = llamaerr.with_line(error, why)
-        log.error("profile %s failed to load: %s", self.name, error)
+        log.error("profile %s failed to load: %s", self.name, error,
+                  extra=None if self.standby else SAID)
+        if not self.standby:  # (the standby says it failed)
+            self._emit(Kind.LOAD_FAILED, self.name, error)
         sup = self.sup
         if self.exit_on_fatal and sup is not None and sup.fatal:
             # hydra ends on this (exit 1): the failed run (its FATAL reason, its processes'
@@ -777,7 +822,8 @@ class Lane:
         self.error = sup.fatal
         self._to(LaneState.FAILED)
         self.unkillable.extend(u for u in sup.unkillable if u not in self.unkillable)
-        log.error("profile %s failed: %s", self.name, sup.fatal)
+        log.error("profile %s failed: %s", self.name, sup.fatal, extra=SAID)
+        self._emit(Kind.FATAL, self.name, sup.fatal)
         if self.node is not None:
             self.node.room_changed.set()
         return True
@@ -813,6 +859,9 @@ class Lane:
         self.why = why
         self.stopped_gate()
         log.info("profile %s stopped (%s)", self.name, why)
+        if not self.standby:
+            self._emit(Kind.UNLOADED, self.name, why + (f"; {cut_n} requests cut" if cut_n
+                                                        else ""))
         if self.node is not None:
             self.node.room_changed.set()
         self._changed()
@@ -847,6 +896,14 @@ class Lane:
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in report.phases.items())
         log.info("switch %s -> %s: %s in %.2fs (%s)%s", report.frm, report.to, report.result,
                  report.total_s, phases, f"; {report.error}" if report.error else "")
+        ok = report.result in (Result.OK, Result.NOOP)
+        did = ("instant, nothing restarted" if report.instant else
+               f"restarted {', '.join(report.restarted)}" if report.restarted else "")
+        how = str(report.result).replace("_", " ")  # "rolled back", "failed"
+        cut = f"{report.cut} requests cut" if report.cut else ""
+        self._emit(Kind.SWITCHED if ok else Kind.SWITCH_FAILED, report.to,
+                   "; ".join(x for x in (did if ok else f"{how}: {report.error}", cut) if x),
+                   seconds=report.total_s, frm=report.frm)
         self._changed()
 
     async def shutdown(self, reason: str) -> None:

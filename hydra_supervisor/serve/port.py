@@ -42,6 +42,7 @@ from hydra_supervisor.router.routes import Limiter, LocalReply, Route
 from hydra_supervisor.router.traffic import LaneTraffic
 from hydra_supervisor.serve import states
 from hydra_supervisor.serve.clock import wall
+from hydra_supervisor.serve.events import Event, Sink
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import TICK, Node
 from hydra_supervisor.serve.portwatch import PortWatch
@@ -99,6 +100,7 @@ class Port:
         self.started = asyncio.Event()  # the start-up loads are over (served or not)
         self.ticks = 0  # policy passes done (ttl, parked requests): tests wait on it
         self.listeners: list[Callable[[], None]] = []
+        self.sinks: list[Sink] = []  # who hears its lanes' lifecycle events (serve/events.py)
         self.table = RouteTable()
         self._tick_task: asyncio.Task[None] | None = None
         self._boot: asyncio.Task[None] | None = None
@@ -202,6 +204,14 @@ class Port:
         self._publish()
         for fn in self.listeners:
             fn()
+
+    def emit(self, event: Event) -> None:
+        """A lifecycle event of one of its lanes or its standby (the loop): to every sink."""
+        for fn in self.sinks:
+            try:
+                fn(event)
+            except Exception:  # a sink's bug must not break the change that said it
+                log.exception("event sink failed on %s", event)
 
     # -- the routing table (built here, read by router threads) ---------------------------------
 

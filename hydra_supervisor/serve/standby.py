@@ -43,6 +43,7 @@ from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.plan import Address
 from hydra_supervisor.serve import keepslots, states
 from hydra_supervisor.serve.clock import Clock
+from hydra_supervisor.serve.events import SAID, Event, Kind
 from hydra_supervisor.serve.lane import Lane
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.reports import Busy, Phases, Result, SwitchReport
@@ -79,6 +80,8 @@ class StandbyPort(Protocol):
                   standby: bool = False) -> Lane: ...
 
     def announce(self) -> None: ...
+
+    def emit(self, event: Event) -> None: ...
 
 
 class Standby:
@@ -175,6 +178,7 @@ class Standby:
         except Exception as exc:  # a bug here must not end hydra; the active lane serves
             log.exception("standby: %s", exc)
             self.why = f"internal error: {exc}"
+            self.port.emit(Event(Kind.STANDBY_FAILED, self.name or "?", self.why))
             self.port.announce()
 
     async def _ensure_now(self) -> None:
@@ -229,11 +233,14 @@ class Standby:
             return
         self.lane = lane
         self.port.node.add(lane)
+        started = clock()
         ok = await lane.load(f"standby of {active.name}")
         if not ok:
             self.why = f"failed to load: {lane.error}"
+            self.port.emit(Event(Kind.STANDBY_FAILED, lane.name, self.why))
             await self.drop("its load failed", keep_why=True)
             return
+        warm = ""
         try:
             self.warm_s = await self._warm(lane)
             log.info("standby %s of %s loaded and warm (warm-up %.2fs); a switch to it is "
@@ -242,11 +249,16 @@ class Standby:
             self.warm_s = 0.0  # it serves; the first request after a flip warms it instead
             log.warning("standby %s: warm-up request failed (%s); it serves anyway",
                         lane.name, exc)
+            warm = f"; its warm-up request failed ({exc})"
+        self.port.emit(Event(Kind.STANDBY_READY, lane.name,
+                             f"beside {active.name}: `hydra switch {lane.name}` is instant{warm}",
+                             seconds=clock() - started))
         self.port.announce()
 
     def _not_loaded(self, why: str) -> None:
         self.why = why
-        log.warning("standby %s not loaded: %s", self.name, why)
+        log.warning("standby %s not loaded: %s", self.name, why, extra=SAID)
+        self.port.emit(Event(Kind.STANDBY_FAILED, self.name or "?", f"not loaded: {why}"))
         self.port.announce()
 
     def shortfall(self, lane: Lane) -> str | None:
