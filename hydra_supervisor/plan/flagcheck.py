@@ -106,6 +106,7 @@ def check(profile: Profile, node: Node, plan: Plan) -> FlagCheck:
     flag of llama-server, or a peer's ggml-rpc-server does not know a flag hydra gives it."""
     checked: list[str] = []
     skipped: list[str] = []
+    server = "llama-server"
     problems: list[str] = []
     programs = {e.program for e in plan.engines if e.managed}
     for program in sorted(programs):
@@ -120,6 +121,7 @@ def check(profile: Profile, node: Node, plan: Plan) -> FlagCheck:
             continue
         checked.append(str(found.path))
         if program == "llama-server":
+            server = str(found.path)
             problems += [f"{line_of(profile, node, u.key)}: server_args.{u.key}: {u.text()}"
                          for u in unknown_args(profile.server_args, help_)]
         else:
@@ -131,7 +133,7 @@ def check(profile: Profile, node: Node, plan: Plan) -> FlagCheck:
         raise UnknownFlag(
             "\n".join(problems),
             hint="server_args are llama-server's own flags without dashes "
-                 f"(`{checked[0] if checked else 'llama-server'} --help` lists them)")
+                 f"(`{server} --help` lists them)")
     return FlagCheck(tuple(checked), tuple(skipped))
 
 
