@@ -74,12 +74,13 @@ def test_unknown_server_args_with_suggestions() -> None:
 # ------------------------------------------------------------- a stand-in binary behind it
 
 
-def _stand_in(tmp: Path, name: str, calls: Path) -> Path:
-    """A binary whose --help prints the captured text (and counts its calls)."""
+def _stand_in(tmp: Path, name: str, calls: Path, text: Path | None = None) -> Path:
+    """A binary whose --help prints the captured text (or `text`) and counts its calls."""
     path = tmp / "bin" / name
     path.parent.mkdir(exist_ok=True)
+    text = text or HELP / f"{name}.txt"
     path.write_text(f"#!/bin/sh\necho \"$@\" >> {shlex.quote(str(calls))}\n"
-                    f"[ \"$1\" = --help ] && exec cat {shlex.quote(str(HELP / f'{name}.txt'))}\n"
+                    f"[ \"$1\" = --help ] && exec cat {shlex.quote(str(text))}\n"
                     "exit 97\n")
     path.chmod(0o755)
     return path
@@ -158,9 +159,24 @@ def test_peer_argv_is_checked_against_ggml_rpc_server(env: dict[str, str],
     the plan says which binaries it was checked against."""
     res = run_hydra(env, "plan", "-p", "demo-combine", "--json")
     assert res.returncode == 0, res.stderr
-    check = json.loads(res.stdout)["server_args_check"]
+    check = json.loads(res.stdout)["flag_check"]
     assert check == {"checked": [env["HYDRA_RPC_SERVER"], env["HYDRA_LLAMA_SERVER"]],
                      "skipped": []}
+
+
+def test_a_peer_binary_without_a_flag_hydra_gives_it_is_refused(env: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    """A ggml-rpc-server of another llama.cpp version, without -c (its tensor cache)."""
+    older = tmp_path / "older-rpc-help.txt"
+    older.write_text("\n".join(line for line in (HELP / "ggml-rpc-server.txt").read_text()
+                               .splitlines() if "--cache" not in line))
+    (tmp_path / "older").mkdir()
+    rpc = _stand_in(tmp_path / "older", "ggml-rpc-server", tmp_path / "calls2", older)
+    env["HYDRA_RPC_SERVER"] = str(rpc)
+    res = run_hydra(env, "plan", "-p", "demo-combine")
+    assert res.returncode == 2, res.stdout
+    assert (f"demo-combine.yaml: peer-cpu-peer: ggml-rpc-server ({rpc}) has no flag -c, which "
+            "hydra gives it: another llama.cpp version than hydra's?") in res.stderr
 
 
 def test_a_missing_binary_skips_the_check_and_says_so(env: dict[str, str],
@@ -169,8 +185,7 @@ def test_a_missing_binary_skips_the_check_and_says_so(env: dict[str, str],
     prof = _profile(tmp_path, "typo", "model: gemma3-270m\nserver_args: {no-such-flag: 1}\n")
     res = run_hydra(env, "plan", "-p", str(prof))
     assert res.returncode == 0, res.stderr
-    assert "server_args: not checked against llama-server: llama-server: $HYDRA_LLAMA_SERVER=" \
-        in res.stdout
+    assert "flags not checked: llama-server: $HYDRA_LLAMA_SERVER=" in res.stdout
     assert "(llama-server is not found on this host: hydra up would stop here)" in res.stdout
 
 
@@ -182,7 +197,7 @@ def test_a_binary_that_lists_no_flags_skips_the_check(env: dict[str, str],
     env["HYDRA_LLAMA_SERVER"] = str(fake)
     res = run_hydra(env, "plan", "-p", "demo", "--json")
     assert res.returncode == 0, res.stderr
-    (why,) = json.loads(res.stdout)["server_args_check"]["skipped"]
+    (why,) = json.loads(res.stdout)["flag_check"]["skipped"]
     assert why == f"llama-server: `{fake} --help` listed no flags (exit 3: not llama.cpp)"
     assert not (tmp_path / "cache" / "flags").exists()  # a failure is not cached
 

@@ -93,9 +93,9 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
     for note in p.notes:
         out.print(f"  note: {note}")
     for path in lay.flags.checked:
-        out.print(f"  server_args: checked against `{path} --help`", markup=False)
+        out.print(f"  flags checked against `{path} --help`", markup=False)
     for why in lay.flags.skipped:
-        out.print(f"  server_args: not checked against {why}", markup=False)
+        out.print(f"  flags not checked: {why}", markup=False)
     if both:
         _print_standby_plan(both)
 
@@ -128,8 +128,8 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
     it was planned for (the profile's host and port, or --port) as `host`/`port` and in
     `router` beside what the router relays to; a plan carries no external address of its own.
     Each managed engine's `argv` is its command line as it runs (`bins`: the binaries' paths;
-    `binary` null and the program's name first where it is not found); `server_args_check`
-    says which binaries' --help the profile's flags were checked against, or why not."""
+    `binary` null and the program's name first where it is not found); `flag_check` says
+    which binaries' --help the command lines were checked against, or why not."""
     ext = lay.external
     plan = plan or lay.plan
     bins = bins or {}
@@ -144,7 +144,7 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
         if key == "router" and isinstance(value, dict):
             value = {"host": ext.host, "port": ext.port, **value}
         out[key] = value
-    out["server_args_check"] = lay.flags.to_json()
+    out["flag_check"] = lay.flags.to_json()
     return out
 
 

@@ -113,7 +113,8 @@ def check(profile: Profile, node: Node, plan: Plan) -> FlagCheck:
         try:
             found = binaries.find(program, dict(node.binaries))
         except HydraError as exc:
-            skipped.append(f"{program}: {exc.message}")
+            why = exc.message
+            skipped.append(why if why.startswith(program) else f"{program}: {why}")
             continue
         help_ = helpflags.flags_of(found.path)
         if not help_.known:
