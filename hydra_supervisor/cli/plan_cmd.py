@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 
@@ -20,13 +20,14 @@ from hydra_supervisor.cli.shared import (
 )
 
 if TYPE_CHECKING:
-    from hydra_supervisor.config import config
-    from hydra_supervisor.plan import layout
+    from hydra_supervisor.plan import catalog, deployment, layout
+    from hydra_supervisor.plan.plan import Plan
 else:
     # Imported on first use (cli.py: client commands stay fast).
     from hydra_supervisor.cli.lazy import lazy_module
 
-    config = lazy_module("hydra_supervisor.config.config")
+    catalog = lazy_module("hydra_supervisor.plan.catalog")
+    deployment = lazy_module("hydra_supervisor.plan.deployment")
     layout = lazy_module("hydra_supervisor.plan.layout")
 from hydra_supervisor.cli.clickutil import PORT_OR_PICK
 from hydra_supervisor.errors import HydraError
@@ -43,15 +44,17 @@ from hydra_supervisor.plan.ports import host_port
 @friendly
 def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: int | None,
          as_json: bool) -> None:
-    """Print the processes a profile resolves to, without starting anything."""
+    """Print the processes a profile resolves to, without starting anything: each one's
+    command line exactly as `hydra up` would run it (its binary, hydra's state dir)."""
     lay = layout.build(profile, node_file=node_file, profiles_dir=profiles_dir,
                        overrides=port_overrides(port, None), check_ports=False)
-    p = lay.plan
+    p = runs(lay)
+    bins = _binaries(lay)
     ext = lay.external  # the profile's host and port (--port overrides it); not in the plan
     both = _standby_plan(lay, node_file, profiles_dir, port)
     if as_json:
-        click.echo(json.dumps({**plan_json(lay), **({"standby": both} if both else {})},
-                              indent=2))
+        click.echo(json.dumps({**plan_json(lay, p, bins),
+                               **({"standby": both} if both else {})}, indent=2))
         return
     m = lay.model
     out.print(styled("profile ", (p.profile, "bold"), f" ({p.source})"))
@@ -63,7 +66,8 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         out.print(f"  mode peer: serves {p.engines[0].device} over ggml-RPC, devices from "
                   f"{lay.inventory.source}")
     else:
-        out.print(f"  mode {p.mode} ({p.model_kind}), transport {p.transport}, "
+        transport = f", transport {p.transport}" if p.mode == "combine" else ""
+        out.print(f"  mode {p.mode} ({p.model_kind}){transport}, "
                   f"ctx {p.meta.get('ctx')}, devices from {lay.inventory.source}")
     for pl in p.placements:
         free = f"{pl.free_bytes / 2**20:,.0f} MiB usable" if pl.free_bytes else "free unknown"
@@ -76,8 +80,11 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
                          f" ({e.role.value}, {where}) listens {e.endpoint}"))
         if e.managed:
             env = " ".join(f"{k}={v}" for k, v in e.env)
-            argv = " ".join(shlex.quote(a) for a in e.args)
-            out.print(f"   {env} {e.program} {argv}", soft_wrap=True)
+            argv = " ".join(shlex.quote(a) for a in e.argv(bins.get(e.program, e.program)))
+            out.print(f"   {env} {argv}", soft_wrap=True)
+            if e.program not in bins:
+                out.print(f"   ({e.program} is not found on this host: hydra up would stop "
+                          "here)", markup=False)
     if p.router:
         r = p.router
         rpc = (f", ggml-RPC -> {host_port(*r.rpc)} (from {', '.join(r.allow)})"
@@ -87,22 +94,59 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
                          f" listens {host_port(ext.host, ext.port)}: {http}{rpc}"))
     for note in p.notes:
         out.print(f"  note: {note}")
+    for path in lay.flags.checked:
+        out.print(f"  flags checked against `{path} --help`", markup=False)
+    for why in lay.flags.skipped:
+        out.print(f"  flags not checked: {why}", markup=False)
     if both:
         _print_standby_plan(both)
 
 
-def plan_json(lay: layout.Layout) -> dict[str, object]:
-    """`hydra plan --json`: the plan, with the external address it was planned for (the
-    profile's host and port, or --port) as `host`/`port` and in `router` beside what the
-    router relays to; a plan carries no external address of its own."""
+def runs(lay: layout.Layout) -> Plan:
+    """The plan as `hydra up` would run it: with the state dir's slot dir (not made here)."""
+    from hydra_supervisor.proc.state import StateDir
+
+    return deployment.final_plan(lay, StateDir.default().slots(make=False))
+
+
+def _binaries(lay: layout.Layout) -> dict[str, str]:
+    """The path each program of the plan runs from (hydra up's lookup); a missing one is
+    left out (and said)."""
+    from hydra_supervisor.tools import binaries
+
+    found: dict[str, str] = {}
+    for e in lay.plan.engines:
+        if e.managed and e.program not in found:
+            try:
+                found[e.program] = str(binaries.find(e.program, dict(lay.node.binaries)).path)
+            except HydraError:
+                pass
+    return found
+
+
+def plan_json(lay: layout.Layout, plan: Plan | None = None,
+              bins: dict[str, str] | None = None) -> dict[str, object]:
+    """`hydra plan --json`: the plan (`plan`, default the layout's), with the external address
+    it was planned for (the profile's host and port, or --port) as `host`/`port` and in
+    `router` beside what the router relays to; a plan carries no external address of its own.
+    Each managed engine's `argv` is its command line as it runs (`bins`: the binaries' paths;
+    `binary` null and the program's name first where it is not found); `flag_check` says
+    which binaries' --help the command lines were checked against, or why not."""
     ext = lay.external
+    plan = plan or lay.plan
+    bins = bins or {}
     out: dict[str, object] = {}
-    for key, value in lay.plan.to_json().items():
+    for key, value in plan.to_json().items():
         if key == "engines":  # (where the plan's JSON said them before the engines)
             out.update(host=ext.host, port=ext.port)
+            value = [{**eng, "binary": bins.get(e.program) if e.managed else None,
+                      "argv": e.argv(bins.get(e.program, e.program)) if e.managed else None}
+                     for eng, e in zip(cast("list[dict[str, object]]", value), plan.engines,
+                                       strict=True)]
         if key == "router" and isinstance(value, dict):
             value = {"host": ext.host, "port": ext.port, **value}
         out[key] = value
+    out["flag_check"] = lay.flags.to_json()
     return out
 
 
@@ -146,7 +190,32 @@ def _print_standby_plan(both: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 @click.command("profiles")
 @dir_opt
-def profiles_cmd(profiles_dir: str | None) -> None:
-    """List the profiles hydra can find."""
-    for name, path in config.known_profiles(profiles_dir).items():
-        out.print(f"{name:24} {path}")
+@node_opt
+@click.option("--json", "as_json", is_flag=True,
+              help="machine-readable: a list of objects (docs/profiles.md)")
+@friendly
+def profiles_cmd(profiles_dir: str | None, node_file: str | None, as_json: bool) -> None:
+    """List the profiles hydra can find: description, mode, model, devices, and whether each
+    can run on this node (read and planned as `hydra plan` does; nothing is started)."""
+    rows = catalog.survey(profiles_dir, node_file)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        out.print("no profiles found (looked in --profiles-dir, $HYDRA_PROFILE_PATH, "
+                  "~/.config/hydra/profiles and this checkout's profiles/)", markup=False)
+        return
+    width = max(len(r["name"]) for r in rows)
+    out.print(styled((f"{'NAME':{width}}  {'MODE':7}  {'MODEL':20}  {'DEVICES':16}  "
+                      f"{'CHECK':13}  DESCRIPTION", "dim")))
+    for r in rows:
+        check = "usable" if r["usable"] else (r["problem"] or "unusable")
+        devs = ",".join(r["devices"]) or "-"
+        model = r["model"] or "-"
+        out.print(styled((f"{r['name']:{width}}", "bold"),
+                         f"  {r['mode'] or '-':7}  {model:20}  {devs:16}  ",
+                         (f"{check:13}", "green" if r["usable"] else "red"),
+                         f"  {r['description']}"))
+        if not r["usable"]:
+            reason = (r["reason"] or "").splitlines()
+            out.print("    " + "\n    ".join(reason[:6]), markup=False)

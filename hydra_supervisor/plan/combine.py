@@ -15,6 +15,7 @@ from hydra_supervisor.plan.devices import MIB, Device, Kind
 from hydra_supervisor.plan.peers import base_env, pin_env
 from hydra_supervisor.plan.placement import (
     CPU_OVERHEAD,
+    DoesNotFit,
     Model,
     available_bytes,
     check_fit,
@@ -156,7 +157,7 @@ def moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buft
         while chosen and sum(expert_bytes[i] for i in chosen) + peer_over > peer_avail:
             chosen.pop(0)
         if not chosen:
-            raise HydraError(
+            raise DoesNotFit(
                 f"{profile.source}: not even one layer's experts "
                 f"({max(expert_bytes) / MIB:,.0f} MiB) fit on peer '{peer.name}' "
                 f"({peer_avail / MIB:,.0f} MiB usable)")

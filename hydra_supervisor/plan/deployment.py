@@ -82,8 +82,7 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     layout.check_ports(lay.plan, lay.external, ours)
     layout.check_remote_peers(lay.plan, node=lay.node)
     prof = lay.profile
-    plan = lay.plan if slot_dir is None else with_slot_dir(lay.plan, slot_dir,
-                                                           swa_full=prof.keep_slots)
+    plan = final_plan(lay, slot_dir)
     # mode: peer has no model; its `prefill:` GGUFs are hashed and copied before its
     # rpc-server starts (rpccache.py), within the same budget (60 s + 15 s per GiB).
     model_bytes = lay.model.file_size if lay.model else sum(
@@ -98,6 +97,16 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
                       pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports,
                                                             avoid=avoid),
                       layout=lay, keep_slots=prof.keep_slots)
+
+
+def final_plan(lay: layout.Layout, slot_dir: Path | None) -> Plan:
+    """The layout's plan exactly as its processes run: with what every started head gets
+    from the state dir (`--slot-save-path`, and `--swa-full` with keep_slots). `prepare` runs
+    this and `hydra plan` prints it (one function: the plan shown is what runs; a head's argv
+    is `EngineSpec.argv`). `slot_dir` None: the layout's plan as resolved."""
+    if slot_dir is None:
+        return lay.plan
+    return with_slot_dir(lay.plan, slot_dir, swa_full=lay.profile.keep_slots)
 
 
 def with_slot_dir(plan: Plan, slot_dir: Path, swa_full: bool = False) -> Plan:

@@ -25,7 +25,7 @@ from hydra_supervisor.config.config import (
     load_profile,
 )
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan import devices, resolver
+from hydra_supervisor.plan import devices, flagcheck, resolver
 from hydra_supervisor.plan.devices import Device, Inventory
 from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
 from hydra_supervisor.plan.plan import Address, EngineSpec, Plan
@@ -46,6 +46,8 @@ class Layout:
     inventory: Inventory
     plan: Plan
     external: Address  # the address it serves on (the Port's, else the profile's); not in `plan`
+    # server_args checked against which binaries' --help, or why not (plan/flagcheck.py)
+    flags: flagcheck.FlagCheck = flagcheck.FlagCheck()
 
 
 def free_rpc_ports(node: Node, count: int, exclude: set[int],
@@ -65,7 +67,8 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
           overrides: Mapping[str, object] | None = None, check_ports: bool = True,
           keep: Plan | None = None, profile: Profile | None = None,
           reserved: frozenset[int] = frozenset(), need_binaries: bool = False,
-          external: Address | None = None) -> Layout:
+          external: Address | None = None, read_node: Node | None = None,
+          inventory: Inventory | None = None) -> Layout:
     """`keep`: the plan of the layout running on this engine now; its internal and peer ports
     are reused (they are ours: the old processes free them before the new ones start), so an
     engine's ports stay put across switches and reloads. `profile`: an already loaded (and
@@ -77,8 +80,13 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     there (its host and port are that address: a `mode: peer` trust check reads the host).
     None: the profile's own host and port (`hydra up` and `hydra plan`, before any port is
     bound). No process is given its port; a `router: false` head binds it. The Plan does
-    not carry it: the Layout's `external` says what it was."""
-    node = load_node(find_node_file(node_file))
+    not carry it: the Layout's `external` says what it was.
+    `read_node`, `inventory`: the node file and device inventory, read once by a caller that
+    plans many profiles (`hydra profiles`); None: read here.
+
+    Every `server_args` key is checked against llama-server's own `--help` (flagcheck.py):
+    an unknown flag is refused here, before anything starts."""
+    node = read_node if read_node is not None else load_node(find_node_file(node_file))
     at = {"host": external.host, "port": external.port} if external is not None else {}
     if profile is None:
         path = find_profile(profile_ref, profiles_dir)
@@ -91,7 +99,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     if need_binaries:
         binaries.find("ggml-rpc-server" if profile.mode is Mode.PEER else "llama-server",
                       dict(node.binaries))
-    inv = devices.inventory()
+    inv = inventory if inventory is not None else devices.inventory()
     devs = devices.devices(node, inv)
 
     def pick(n: int, exclude: set[int], span: tuple[int, int],
@@ -125,6 +133,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
                              f"{node.internal_ports[0]}-{node.internal_ports[1]}")
         plan = resolver.resolve(profile, info, str(model_path), devs, ports,
                                 internal[0] if profile.router else None, external=ext)
+    flags = flagcheck.check(profile, node, plan)
     plan = replace(plan, notes=(*plan.notes, *port_range_notes(node, ext.port)))
     lo, hi = ephemeral_range()
     overlap = [name for name, (a, b) in (("rpc_ports", node.rpc_ports),
@@ -134,7 +143,7 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
         plan = replace(plan, notes=(*plan.notes, (
             f"{node.source}: {', '.join(overlap)} overlap the kernel's ephemeral port range "
             f"{lo}-{hi}; outgoing connections may take those ports: prefer ports below {lo}")))
-    return Layout(node, profile, model_path, info, devs, inv, plan, ext)
+    return Layout(node, profile, model_path, info, devs, inv, plan, ext, flags)
 
 
 def port_range_notes(node: Node, external: int) -> list[str]:

@@ -228,6 +228,10 @@ def fits(placements: Sequence[Placement]) -> bool:
     return not any(p.free_bytes and p.need_bytes > p.free_bytes for p in placements)
 
 
+class DoesNotFit(HydraError):
+    """The layout needs more memory than its devices have (`hydra profiles`: "does not fit")."""
+
+
 def check_fit(placements: Sequence[Placement], profile: Profile) -> None:
     if fits(placements):
         return
@@ -236,7 +240,7 @@ def check_fit(placements: Sequence[Placement], profile: Profile) -> None:
         f"{p.weight_bytes / MIB:,.0f} + KV {p.kv_bytes / MIB:,.0f} + buffers "
         f"{p.overhead_bytes / MIB:,.0f}), has {p.free_bytes / MIB:,.0f} MiB usable"
         for p in placements)
-    raise HydraError(
+    raise DoesNotFit(
         f"{profile.source}: model does not fit the devices of profile '{profile.name}':\n{rows}",
         hint="add a peer, lower ctx-size / use a quantized KV cache (cache-type-k/v: q8_0), "
              "or pick a smaller quant")

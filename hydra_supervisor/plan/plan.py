@@ -30,6 +30,7 @@ class PlanMode(StrEnum):
 class PlanTransport(StrEnum):
     RPC = "rpc"  # per-device processes joined by ggml-RPC (the only one across hosts)
     LOCAL = "local"  # one llama-server over the profile's GPUs of this host
+    NONE = "none"  # SOLO: one process, no device to reach
 
 
 class ModelKind(StrEnum):
@@ -57,6 +58,11 @@ class EngineSpec:
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
+
+    def argv(self, binary: str) -> list[str]:
+        """The command line it runs as, with `binary` the path `program` was found at (the
+        supervisor spawns this; `hydra plan` prints it)."""
+        return [binary, *self.args]
 
     def with_port(self, port: int) -> EngineSpec:
         """A managed peer moved to another port (its `-p` argument follows)."""

@@ -208,6 +208,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
                             allow=tuple(profile.rpc_allow))
     return Plan(
         profile=profile.name, source=profile.source, model_path=model_path, model_kind=kind,
-        mode=PlanMode(profile.mode.value), transport=PlanTransport(transport.value),
+        mode=PlanMode(profile.mode.value),
+        transport=PlanTransport(transport.value) if combine else PlanTransport.NONE,
         engines=tuple(engines), placements=tuple(placements), notes=tuple(notes),
         meta=meta, router=router)

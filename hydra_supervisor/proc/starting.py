@@ -113,7 +113,7 @@ class Starter:
             await self._prefill_rpc_cache(mp)  # a peer profile's `prefill:` (rpccache.py)
         self._free_port(mp)
         mp.to(State.STARTING, "spawning")
-        argv = [mp.binary, *mp.spec.args]
+        argv = mp.spec.argv(mp.binary)
         env = mp.spec.env_dict()
         try:
             mp.child = await self._spawn_safely(argv, env, mp.log_path)

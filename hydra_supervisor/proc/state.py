@@ -90,11 +90,12 @@ class StateDir:
     def log_path(self, engine: str) -> Path:
         return self.logs / f"{engine}.log"
 
-    def slots(self) -> Path:
+    def slots(self, make: bool = True) -> Path:
         """Where heads save KV slots (--slot-save-path): keep_slots and the wire protocol's
-        STATE_* ops; made on first use."""
+        STATE_* ops; made on first use (`make`; `hydra plan` only names it)."""
         path = self.root / "slots"
-        path.mkdir(parents=True, exist_ok=True)
+        if make:
+            path.mkdir(parents=True, exist_ok=True)
         return path
 
     def ensure_writable(self) -> None:

@@ -177,7 +177,7 @@ _cache: dict[tuple[str, ...], BuildIdentity] = {}
 _cache_lock = threading.Lock()
 
 
-def _file_key(path: Path) -> str:
+def file_key(path: Path) -> str:
     try:
         st = path.stat()
     except OSError:
@@ -220,7 +220,7 @@ def binary_identity(llama_server: Path, rpc_server: Path | None = None,
     ggml-rpc-server beside it (a HELLO) and the backends (hydra's build stamp, else
     --list-devices). Cached per binary file (path, mtime, size). HydraError when the binary
     does not say what it is."""
-    key = (_file_key(llama_server), _file_key(rpc_server) if rpc_server else "")
+    key = (file_key(llama_server), file_key(rpc_server) if rpc_server else "")
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
