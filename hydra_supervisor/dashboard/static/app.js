@@ -101,7 +101,7 @@ function sentence(text) {
   return !t || /[.!?]$/.test(t) ? t : `${t}.`;
 }
 
-const GOOD = new Set(["READY", "serving", "ok", "alive"]);
+const GOOD = new Set(["READY", "serving", "ok", "alive", "warm"]);
 const BUSY = new Set(["STARTING", "STOPPING", "loading", "unloading", "switching", "starting",
   "recovering", "pending", "noop", "draining", "client gone"]);
 const BAD = new Set(["FATAL", "BACKOFF", "UNHEALTHY", "failed", "fatal", "degraded", "port down",
@@ -124,6 +124,7 @@ let failures = 0;
 let dead = null;       // why the data is no longer live (hydra stopped or gone); null: it is
 let busy = false;      // an action from this page runs: the other buttons wait for it
 let firstPid = null;   // the hydra this page was served by (its token is that one's)
+let deadSince = null;
 
 function off() { return busy || !!dead; }
 
@@ -136,8 +137,9 @@ async function poll() {
   } catch (e) {
     failures++;
     if (failures >= 2) {
-      dead = `hydra does not answer (${e.message}): it stopped, or restarted on another port`;
-      setBanner(`${dead}. The page shows its last data, greyed.`);
+      if (!dead) deadSince = Date.now() / 1000;
+      dead = `not answering since ${fmtTime(deadSince)}`;
+      setBanner(`hydra does not answer (${e.message}): it stopped, or restarted on another port. The page shows its last data, greyed.`);
       render(lastState);
     }
     return;
@@ -149,12 +151,11 @@ async function poll() {
   dead = null;
   if (snap) {
     if (firstPid === null) firstPid = snap.daemon.pid;
-    if (snap.daemon.stopped) dead = `hydra stopped: ${snap.daemon.stopped}`;
-    else if (snap.daemon.pid !== firstPid) {
-      dead = `another hydra (pid ${snap.daemon.pid}) answers here now: reload the page (its buttons carry the old one's token)`;
-    }
+    if (snap.daemon.stopped) dead = snap.daemon.stopped;
+    else if (snap.daemon.pid !== firstPid) dead = `another hydra (pid ${snap.daemon.pid}) answers here now`;
   }
-  setBanner(dead);
+  setBanner(!dead ? null : snap.daemon.stopped ? `hydra stopped: ${dead}`
+    : `${dead}: reload the page (its buttons carry the old one's token)`);
   if (!dead) feedCharts(st);
   render(st);
 }
@@ -204,7 +205,7 @@ function render(st) {
 
 function renderHeader(st) {
   const snap = st.snapshot;
-  const [word, detail] = dead ? ["hydra stopped", dead.replace(/^hydra stopped: /, "")] : headline(snap);
+  const [word, detail] = dead ? ["hydra stopped", dead] : headline(snap);
   const up = st.now - snap.daemon.started;
   $("summary").replaceChildren(badge(word, { id: "state-word" }),
     el("span", { class: "detail", id: "state-detail", text: ` ${detail}` }),
@@ -496,7 +497,7 @@ function renderPorts(st) {
     const http = (p.router && p.router.http) || {};
     let what = act.length > 1 ? `${act.length} profiles, routed by the request's "model"`
       : act.length ? `${act[0].profile}` : "no profile loaded (switch one in below)";
-    if (sb.length) what += `; standby ${sb.map((l) => l.profile).join(", ")} loaded beside it (a switch to it is instant)`;
+    if (sb.length) what += `, standby ${sb.map((l) => l.profile).join(", ")}`;
     const counts = p.router ? ` · ${plural(http.requests || 0, "request")}${http.cut ? ` · ${http.cut} cut` : ""}` : "";
     const head = el("div", { class: "port-head" },
       el("a", { href: p.url, text: `port ${p.port}` }),
@@ -538,14 +539,17 @@ function laneRow(st, r) {
     buttons.push(button("switch", "Switch to", `Make ${name} serve, stopping the profiles that share its devices`,
       off() || moving, () => act("switch", { profile: name }, `switch to ${name}`), name));
   }
+  const restarting = (r.processes || []).filter((x) => x.state !== "READY").map((x) => `${x.name}: ${x.reason || x.state}`);
   const note = r.switching ? `switching to ${r.switching}` : r.error || r.fatal || r.degraded ||
-    (standby && r.state === "serving" ? `warm: a switch to it is instant${r.flips ? ` (${plural(r.flips, "flip")} so far)` : ""}` : "") ||
+    (standby && r.state === "serving" ? `loaded and warm: a switch to it is instant${r.flips ? ` (${plural(r.flips, "flip")} so far)` : ""}` : "") ||
+    (r.state === "recovering" ? restarting.join("; ") : "") ||
     (r.state !== "serving" ? r.held_reason || r.why : "") || "";
   const num = (key, v, text) => el("td", { class: "num", [`data-${key}`]: v ?? "", text: text ?? fmtNum(v) });
   return el("tr", { "data-profile": name, "data-role": r.role, class: standby ? "standby" : null },
     el("td", {}, el("b", { text: name }), r.default && !standby ? el("span", { class: "muted", text: " (default)" }) : null),
     el("td", {}, el("span", { class: `role role-${r.role}`, text: standby ? `standby of ${r.standby_of}` : "active", "data-lane-role": r.role })),
-    el("td", {}, badge(r.state)),
+    // a standby answers no request until a switch flips it: "warm", not "serving"
+    el("td", {}, badge(standby && r.state === "serving" ? "warm" : r.state)),
     el("td", { class: "layout" }, `${r.mode || DASH} · ${r.model || DASH}`, el("div", { class: "muted", text: (r.devices || []).join(", ") || DASH })),
     num("inflight", r.inflight),
     num("queued", r.queued),
