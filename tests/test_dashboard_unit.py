@@ -129,6 +129,62 @@ def test_an_allowed_action_runs_the_control_handler_on_the_loop():
         loop.close()
 
 
+def test_load_and_unload_reach_the_control_handlers_with_their_bodies():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def handler(what: str) -> Any:
+        async def run(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            calls.append((what, body))
+            return 200, {"result": "ok", "message": f"{what} done."}
+        return run
+
+    try:
+        d = _dash()
+        d.bind(loop, {("POST", "/load"): handler("load"), ("POST", "/unload"): handler("unload")})
+        for path, body in (("/api/load", {"profile": "demo"}), ("/api/unload", {"all": True})):
+            env = _environ("POST", path, ORIGIN=f"http://127.0.0.1:{PORT}",
+                           X_HYDRA_TOKEN=d.token)
+            raw = json.dumps(body).encode()
+            env.update({"wsgi.input": io.BytesIO(raw), "CONTENT_LENGTH": str(len(raw))})
+            status, _, reply = _call(d, env)
+            assert status.startswith("200"), reply
+        assert calls == [("load", {"profile": "demo"}), ("unload", {"all": True})]
+        assert [(a["action"], a["arg"], a["message"]) for a in d.actions] == [
+            ("load", "demo", "load done."), ("unload", "all", "unload done.")]
+        # the same checks as every action: no token, no action
+        env = _environ("POST", "/api/unload", ORIGIN=f"http://127.0.0.1:{PORT}")
+        assert _call(d, env)[0].startswith("403") and len(calls) == 2
+        # a hydra without the route says so (not "not ready")
+        d.bind(loop, {})
+        env = _environ("POST", "/api/load", ORIGIN=f"http://127.0.0.1:{PORT}",
+                       X_HYDRA_TOKEN=d.token)
+        status, _, reply = _call(d, env)
+        assert status.startswith("404") and b"no load action" in reply
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_hydras_own_log_is_in_the_picker_and_readable(tmp_path: Path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "hydra.log").write_text("2026-01-01 00:00:00 INFO ready\n")
+    snap = Snapshot(daemon=DaemonInfo(pid=4321, started=0.0, state_dir=str(tmp_path)),
+                    taken=0.0)
+    d = Dashboard(Publisher(lambda: snap))
+    d.publisher.put(snap)
+    status, _, body = _call(d, _environ("GET", "/api/log") | {"QUERY_STRING": "name=hydra"})
+    reply = json.loads(body)
+    assert status.startswith("200") and not reply.get("gone"), reply
+    assert reply["pid"] == 4321 and "INFO ready" in reply["text"]
+    status, _, body = _call(d, _environ("GET", "/api/log") | {"QUERY_STRING": "name=nope"})
+    assert json.loads(body)["gone"] and json.loads(body)["known"] == ["hydra"]
+
+
 def test_the_publisher_takes_a_fresh_snapshot_on_the_loop_and_serves_it():
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

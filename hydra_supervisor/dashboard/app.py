@@ -3,13 +3,16 @@
 Routes (all on the loopback metrics address; `/metrics` passes through untouched):
   GET  /                      the page (the per-start token in a <meta>)
   GET  /static/...            its script, styles and the vendored chart library
-  GET  /api/state             the published snapshot + devices' memory + heads' counters
-  GET  /api/log?name=&cursor= a process's log past the cursor (polled; follows restarts)
+  GET  /api/state             the published snapshot + devices' memory + recent actions
+  GET  /api/log?name=&cursor= hydra's or a process's log past the cursor (polled; follows
+                              restarts)
   GET  /api/history           every lane's last 15 minutes, one point a second (tokens/s, in
                               flight, queued, requests; router/traffic.py `Traffic.history`)
-  POST /api/switch {"profile"}   \
-  POST /api/restart {"engine"}    > the control API's own handlers (control.py), on the loop
-  POST /api/reload                /
+  POST /api/switch {"profile"}       \
+  POST /api/restart {"engine"}        |
+  POST /api/reload                     > the control API's own handlers (control.py), on the loop
+  POST /api/load {"profile"}          |
+  POST /api/unload {"profile"|"all"} /
 
 Security (docs/dashboard.md): served on loopback only (MetricsServer refuses anything else);
 every route checks Host is this loopback address (DNS rebinding) and that the connecting
@@ -39,11 +42,11 @@ from urllib.parse import parse_qs
 
 from hydra_supervisor.dashboard.feed import (
     DeviceMemory,
-    HeadTokens,
     Publisher,
     process_logs,
     read_log,
 )
+from hydra_supervisor.proc import logfiles
 from hydra_supervisor.wire.trust import peer_uid
 
 log = logging.getLogger("hydra.dashboard")
@@ -102,7 +105,6 @@ class Dashboard:
         self._routes: dict[tuple[str, str], Handler] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._devices = DeviceMemory()
-        self._heads = HeadTokens()
         self.port: int | None = None  # the metrics server's, once it listens
         self.actions: list[dict[str, Any]] = []  # the last actions and their results
         self.refused = 0  # requests refused by the checks below (the page shows the count)
@@ -241,7 +243,7 @@ class Dashboard:
         if snap is None:
             return {"snapshot": None, "age_s": None, "now": time.time()}
         return {"snapshot": snap.to_json(), "age_s": round(age, 3), "now": time.time(),
-                "devices": self._devices.get(), "heads": self._heads.get(snap),
+                "devices": self._devices.get(),
                 "profiles": self._safe_profiles(), "actions": self.actions[-20:],
                 "refused": self.refused}
 
@@ -258,7 +260,11 @@ class Dashboard:
             return self._json(start, 200, {"name": name, "gone": True, "known": sorted(logs),
                                            "error": f"no process {name!r} runs now"})
         path, pid = logs[name]
-        reply = {**read_log(path, cursor), "name": name, "pid": pid, "path": str(path)}
+        chunk = read_log(path, cursor)
+        # llama.cpp's relative stamps as wall-clock times, as `hydra logs` prints them
+        stamper = logfiles.Stamper(logfiles.run_of(path))
+        chunk["text"] = "".join(stamper.line(ln) for ln in chunk["text"].splitlines(True))
+        reply = {**chunk, "name": name, "pid": pid, "path": str(path)}
         return self._json(start, 200, reply)
 
     def _action(self, environ: dict[str, Any], start: StartResponse,
@@ -276,14 +282,16 @@ class Dashboard:
             return self._json(start, 400, {"error": "request body is not JSON"})
         if not isinstance(body, dict):
             return self._json(start, 400, {"error": "request body must be a JSON object"})
+        what = path.rsplit("/", 1)[-1]
         handler = self._routes.get(ACTIONS[path])
         loop = self._loop
-        if handler is None or loop is None or loop.is_closed():
+        if loop is None or loop.is_closed():
             return self._json(start, 503, {"error": "hydra is not ready for actions yet"})
-        what = path.rsplit("/", 1)[-1]
-        arg = body.get("profile") or body.get("engine") or ""
+        if handler is None:
+            return self._json(start, 404, {"error": f"this hydra has no {what} action"})
+        arg = body.get("profile") or body.get("engine") or ("all" if body.get("all") else "")
         rec: dict[str, Any] = {"action": what, "arg": arg, "at": time.time(), "code": None,
-                               "result": None, "error": None}
+                               "result": None, "error": None, "message": None}
         self.actions.append(rec)
         del self.actions[:-50]
         log.info("dashboard: %s %s", what, arg)
@@ -297,6 +305,7 @@ class Dashboard:
             log.exception("dashboard action %s failed", path)
             code, reply = 500, {"error": f"internal error: {exc}"}
         rec.update(code=code, done=time.time(), error=reply.get("error"),
+                   message=reply.get("message"),
                    result=reply.get("result") or ("ok" if code == 200 else "failed"))
         return self._json(start, code, reply)
 

@@ -1,12 +1,12 @@
 """What the dashboard shows, gathered off the event loop: the daemon's published snapshot, the
-devices' memory, the heads' own token counters, and process logs read by offset.
+devices' memory, and logs (hydra's own and its processes') read by offset.
 
 Threads here never touch a Port, a Lane or a Supervisor. The snapshot is the frozen, typed
 value the daemon publishes on every status change (serve/snapshot.py: the one status.json and
 `hydra status --json` are built from); when the page asks for something fresher than
 `max_age`, a new one is taken *on the loop* (asyncio.run_coroutine_threadsafe) and published,
 so the HTTP thread only ever reads a finished, immutable value. Everything else read here is
-outside hydra's objects: /proc/meminfo, NVML, a head's `/metrics` over HTTP, a log file.
+outside hydra's objects: /proc/meminfo, NVML, a log file.
 """
 
 from __future__ import annotations
@@ -21,22 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict
 
-import requests
-
 from hydra_supervisor.jsontypes import JSONList, JSONObject
 from hydra_supervisor.plan import devices
-from hydra_supervisor.runtime.metrics_heads import heads_from_snapshot
+from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.serve.snapshot import Snapshot
 
 log = logging.getLogger("hydra.dashboard")
-
-# A head's llama-server counters the page turns into rates (its `/metrics`, with --metrics).
-HEAD_COUNTERS = {
-    "llamacpp:tokens_predicted_total": "predicted",
-    "llamacpp:prompt_tokens_total": "prompt",
-    "llamacpp:requests_processing": "processing",
-}
-
 
 class Publisher:
     """The last published snapshot, and a fresh one on request (taken on the loop)."""
@@ -137,75 +127,22 @@ class DeviceMemory:
 
 
 # ---------------------------------------------------------------------------------------------
-# The heads' own counters
-
-
-class HeadTokens:
-    """Each READY head's token counters from its own `/metrics` (llama-server --metrics).
-    A head that answers 501 (no --metrics) is asked again only after a while."""
-
-    def __init__(self, timeout: float = 1.0, retry_s: float = 30.0, every_s: float = 2.0
-                 ) -> None:
-        self._timeout = timeout
-        self._retry_s = retry_s
-        self._every_s = every_s  # a head logs every /metrics request: not at every poll
-        self._last: tuple[float, dict[str, JSONObject]] = (-1e9, {})
-        self._off: dict[str, float] = {}  # url -> when it said "no metrics"
-        self._session = requests.Session()
-        self._lock = threading.Lock()
-
-    def get(self, snap: Snapshot) -> dict[str, JSONObject]:
-        """{profile: {"metrics": bool, "predicted": n, "prompt": n, "processing": n}}"""
-        out: dict[str, JSONObject] = {}
-        with self._lock:
-            heads = heads_from_snapshot(snap)
-            at, last = self._last
-            if time.monotonic() - at < self._every_s and set(last) == {
-                    h.profile or h.engine for h in heads}:
-                return last
-            for head in heads:
-                key = head.profile or head.engine
-                off = self._off.get(head.url)
-                if off is not None and time.monotonic() - off < self._retry_s:
-                    out[key] = {"metrics": False}
-                    continue
-                out[key] = self._scrape(head.url, head.api_key)
-            self._last = (time.monotonic(), out)
-        return out
-
-    def _scrape(self, url: str, api_key: str | None) -> JSONObject:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        try:
-            r = self._session.get(f"{url}/metrics", timeout=self._timeout, headers=headers)
-        except requests.RequestException as exc:
-            return {"metrics": None, "error": type(exc).__name__}
-        if r.status_code != 200:
-            if r.status_code in (404, 501):
-                self._off[url] = time.monotonic()
-            return {"metrics": False, "error": f"HTTP {r.status_code}"}
-        row: JSONObject = {"metrics": True}
-        for line in r.text.splitlines():
-            if not line or line[0] == "#":
-                continue
-            name, _, rest = line.partition(" ")
-            name = name.split("{", 1)[0]
-            if name in HEAD_COUNTERS:
-                try:
-                    row[HEAD_COUNTERS[name]] = float(rest.split()[0])
-                except (ValueError, IndexError):
-                    pass
-        return row
-
-
-# ---------------------------------------------------------------------------------------------
 # Logs
 
 
+HYDRA_LOG = "hydra"  # hydra's own log's name in the picker (`hydra logs hydra`)
+
+
 def process_logs(snap: Snapshot | None) -> dict[str, tuple[Path, int | None]]:
-    """Every process the snapshot names: its log file and pid (only these can be read)."""
+    """Every log the page may read, by name: hydra's own (logs/hydra.log in its state dir,
+    its pid hydra's) and every process the snapshot names (its log file and pid). Nothing
+    else can be read."""
     if snap is None:
         return {}
-    return {p.name: (Path(p.log), p.pid) for _, _, p in snap.processes() if p.name and p.log}
+    own = StateDir(Path(snap.daemon.state_dir)).log_path(HYDRA_LOG)
+    return {HYDRA_LOG: (own, snap.daemon.pid),
+            **{p.name: (Path(p.log), p.pid) for _, _, p in snap.processes()
+               if p.name and p.log}}
 
 
 class LogChunk(TypedDict):

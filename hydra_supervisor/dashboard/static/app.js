@@ -1,13 +1,15 @@
 // hydra's dashboard: polls /api/state (the daemon's published snapshot) every second, draws
 // it with plain DOM calls (textContent only: nothing from the server is parsed as HTML), and
-// charts rates with uPlot. Actions POST to /api/* with the page's per-start token.
+// charts hydra's own per-lane counts (tokens/s, in flight, queued, requests) with uPlot: the
+// daemon's last 15 minutes (/api/history) when the page opens, then one point per poll.
+// Actions POST to /api/* with the page's per-start token; their replies are shown as sentences.
 "use strict";
 
 const TOKEN = document.querySelector('meta[name="hydra-token"]').content;
 const POLL_MS = 1000;
-const WINDOW_S = 180;           // the charts' span (since the page opened)
+const KEEP_S = 900;             // the charts keep what the daemon keeps: 15 minutes
 const LOG_MAX_CHARS = 200000;   // the log view keeps this much
-const RATE_S = 5;               // rates are averages over this many seconds
+const DASH = "\u2014";          // a figure this hydra does not publish (an older version)
 
 const $ = (id) => document.getElementById(id);
 
@@ -62,7 +64,7 @@ function patchNode(o, n) {
 }
 
 function fmtBytes(n) {
-  if (n === null || n === undefined || isNaN(n)) return "–";
+  if (n === null || n === undefined || isNaN(n)) return DASH;
   const u = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
   while (Math.abs(n) >= 1024 && i < u.length - 1) { n /= 1024; i++; }
@@ -70,7 +72,7 @@ function fmtBytes(n) {
 }
 
 function fmtDur(s) {
-  if (s === null || s === undefined || isNaN(s)) return "–";
+  if (s === null || s === undefined || isNaN(s)) return DASH;
   s = Math.max(0, s);
   if (s < 60) return `${s.toFixed(s < 10 ? 1 : 0)} s`;
   if (s < 3600) return `${Math.floor(s / 60)} min ${Math.floor(s % 60)} s`;
@@ -82,26 +84,192 @@ function fmtTime(t) {
   return new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 }
 
-const GOOD = new Set(["READY", "serving", "ok", "alive"]);
-const BUSY = new Set(["STARTING", "STOPPING", "loading", "unloading", "switching", "starting",
-  "recovering", "pending", "noop"]);
-const BAD = new Set(["FATAL", "BACKOFF", "UNHEALTHY", "failed", "fatal", "degraded", "port down",
-  "rolled_back", "refused"]);
+function fmtNum(n, digits = 0) {
+  if (n === null || n === undefined || typeof n !== "number" || isNaN(n)) return DASH;
+  return n.toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: digits });
+}
 
-function badge(word) {
-  const w = String(word ?? "–");
-  const cls = GOOD.has(w) ? "b-ok" : BUSY.has(w) ? "b-warn" : BAD.has(w) ? "b-bad" : "b-idle";
-  return el("span", { class: `badge ${cls}`, text: w, "data-state": w });
+function fmtSecs(s) {  // a latency: 312 ms, 1.4 s
+  if (s === null || s === undefined || isNaN(s)) return DASH;
+  return s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(s < 20 ? 1 : 0)} s`;
+}
+
+function plural(n, one, many) { return `${n} ${n === 1 ? one : (many || `${one}s`)}`; }
+
+function sentence(text) {
+  const t = String(text || "").trim();
+  return !t || /[.!?]$/.test(t) ? t : `${t}.`;
+}
+
+const GOOD = new Set(["READY", "serving", "ok", "alive", "warm"]);
+const BUSY = new Set(["STARTING", "STOPPING", "loading", "unloading", "switching", "starting",
+  "recovering", "pending", "noop", "draining", "client gone"]);
+const BAD = new Set(["FATAL", "BACKOFF", "UNHEALTHY", "failed", "fatal", "degraded", "port down",
+  "rolled_back", "refused", "cut", "error", "hydra stopped"]);
+const RUN = new Set(["running"]);
+const ANSWERING = new Set(["serving", "degraded"]);  // serve/states.py
+const NOT_LOADED = new Set(["stopped", "failed"]);
+const MOVING = new Set(["loading", "switching", "unloading"]);
+
+function badge(word, attrs) {
+  const w = String(word ?? DASH);
+  const cls = GOOD.has(w) ? "b-ok" : BUSY.has(w) ? "b-warn" : BAD.has(w) ? "b-bad" : RUN.has(w) ? "b-run" : "b-idle";
+  return el("span", { class: `badge ${cls}`, text: w, "data-state": w, ...(attrs || {}) });
+}
+
+// -- state ------------------------------------------------------------------------------------
+
+let lastState = null;
+let failures = 0;
+let dead = null;       // why the data is no longer live (hydra stopped or gone); null: it is
+let busy = false;      // an action from this page runs: the other buttons wait for it
+let firstPid = null;   // the hydra this page was served by (its token is that one's)
+let deadSince = null;
+
+function off() { return busy || !!dead; }
+
+async function poll() {
+  let st;
+  try {
+    const r = await fetch("/api/state", { cache: "no-store" });
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    st = await r.json();
+  } catch (e) {
+    failures++;
+    if (failures >= 2) {
+      if (!dead) deadSince = Date.now() / 1000;
+      dead = `not answering since ${fmtTime(deadSince)}`;
+      setBanner(`hydra does not answer (${e.message}): it stopped, or restarted on another port. The page shows its last data, greyed.`);
+      render(lastState);
+    }
+    return;
+  }
+  // drawn outside the try: a bug in drawing is the console's, not "hydra does not answer"
+  failures = 0;
+  lastState = st;
+  const snap = st.snapshot;
+  dead = null;
+  if (snap) {
+    if (firstPid === null) firstPid = snap.daemon.pid;
+    if (snap.daemon.stopped) dead = snap.daemon.stopped;
+    else if (snap.daemon.pid !== firstPid) dead = `another hydra (pid ${snap.daemon.pid}) answers here now`;
+  }
+  setBanner(!dead ? null : snap.daemon.stopped ? `hydra stopped: ${dead}`
+    : `${dead}: reload the page (its buttons carry the old one's token)`);
+  if (!dead) feedCharts(st);
+  render(st);
+}
+
+function setBanner(text) {
+  $("banner").textContent = text ? sentence(text) : "";
+  $("banner").classList.toggle("hidden", !text);
+}
+
+// The snapshot's JSON (docs/control.md, "The status schema"): ports, each with its lanes.
+function ports(st) { return (st && st.snapshot && st.snapshot.ports) || []; }
+function lanes(st) { return ports(st).flatMap((p) => p.lanes || []); }
+
+// One block per port number (a port is one external address; its lanes — the profiles it
+// routes to, and a standby — belong to that one block), active lanes first.
+function portGroups(st) {
+  const by = new Map();
+  for (const p of ports(st)) {
+    let g = by.get(p.port);
+    if (!g) { g = { ...p, lanes: [] }; by.set(p.port, g); }
+    for (const l of p.lanes || []) {
+      if (!g.lanes.some((x) => x.name === l.name && x.profile === l.profile)) g.lanes.push({ ...l, portName: p.name });
+    }
+  }
+  for (const g of by.values()) g.lanes.sort((a, b) => (a.role === "standby") - (b.role === "standby"));
+  return [...by.values()];
+}
+
+function render(st) {
+  document.body.classList.toggle("dead", !!dead);
+  if (!st) return;
+  if (!st.snapshot) {
+    $("summary").replaceChildren(badge("starting"), " hydra has not published its state yet");
+    return;
+  }
+  const snap = st.snapshot;
+  const rows = lanes(st);
+  renderHeader(st);
+  renderPorts(st);
+  renderLoadNote(st);
+  renderRequests(st);
+  renderDevices(st, rows);
+  renderProcesses(st, rows);
+  renderSwitches(snap);
+  updateLogChoices(rows);
+}
+
+function renderHeader(st) {
+  const snap = st.snapshot;
+  const [word, detail] = dead ? ["hydra stopped", dead] : headline(snap);
+  const up = st.now - snap.daemon.started;
+  $("summary").replaceChildren(badge(word, { id: "state-word" }),
+    el("span", { class: "detail", id: "state-detail", text: ` ${detail}` }),
+    el("span", { class: "muted", text: ` · pid ${snap.daemon.pid} · ${dead ? "ran" : "up"} ${fmtDur(up)} · ${snap.daemon.state_dir}` }));
+  const fresh = $("freshness");
+  fresh.textContent = dead ? `data from ${fmtTime(st.now)}, not live` : `data ${st.age_s < 1 ? "live" : `${st.age_s.toFixed(0)} s old`}`;
+  fresh.classList.toggle("stale", !!dead || st.age_s > 5);
+  $("reload").disabled = off();
+  const loaded = lanes(st).some((l) => !NOT_LOADED.has(l.state));
+  $("unload-all").disabled = off() || !loaded;
+}
+
+function sum(xs, key) { return xs.reduce((a, l) => a + (Number(l[key]) || 0), 0); }
+function has(xs, key) { return xs.some((l) => typeof l[key] === "number"); }
+
+// What the whole hydra is doing, in one word and a line: the most pressing thing first.
+function headline(snap) {
+  const ps = snap.ports || [];
+  const all = ps.flatMap((p) => p.lanes || []);
+  const act = all.filter((l) => l.role !== "standby");
+  const names = (xs) => [...new Set(xs.map((l) => l.profile))].join(", ");
+  const down = ps.filter((p) => p.down);
+  if (down.length) return ["port down", down.map((p) => `port ${p.port}: ${p.down}`).join("; ")];
+  const load = loadLine(all, ps);
+  const draining = all.filter((l) => (l.state === "unloading" || l.state === "switching" || l.switching) && (l.inflight || 0) + (l.queued || 0) > 0);
+  if (draining.length) {
+    return ["draining", draining.map((l) => `${l.profile} finishes ${plural(l.inflight || 0, "request")} in flight` +
+      (l.switching ? ` before the switch to ${l.switching}` : l.state === "unloading" ? " before it stops" : "")).join("; ")];
+  }
+  const switching = all.filter((l) => l.state === "switching" || l.switching);
+  if (switching.length) return ["switching", switching.map((l) => (l.switching ? `${l.profile} → ${l.switching}` : l.profile)).join("; ")];
+  const unloading = all.filter((l) => l.state === "unloading");
+  if (unloading.length) return ["unloading", `${names(unloading)} stops`];
+  const loading = act.filter((l) => l.state === "loading");
+  if (loading.length) return ["loading", `${names(loading)}: its requests wait until it serves · ${load}`];
+  const rec = all.filter((l) => l.state === "recovering");
+  if (rec.length) return ["recovering", `${names(rec)}: a process restarts; requests wait · ${load}`];
+  const failed = act.filter((l) => l.state === "failed"), degraded = act.filter((l) => l.state === "degraded");
+  const serving = act.filter((l) => ANSWERING.has(l.state));
+  if (failed.length || degraded.length) {
+    const why = [failed.length ? `${names(failed)} failed` : "", degraded.length ? `${names(degraded)} degraded` : ""].filter(Boolean).join(", ");
+    return [serving.length ? "degraded" : "failed", `${why} · ${load}`];
+  }
+  if (serving.length) return ["serving", `${names(serving)} · ${load}`];
+  return ["idle", act.length ? "no profile loaded (a request for one loads it)" : "no profile on any port"];
+}
+
+function loadLine(all, ps) {
+  const act = all.filter((l) => l.role !== "standby");
+  const inflight = sum(all, "inflight"), queued = sum(all, "queued");
+  const parts = [inflight || queued ? `${inflight} in flight` : "no request in flight"];
+  if (queued) parts.push(`${queued} queued`);
+  if (has(all, "tokens_per_s")) parts.push(`${fmtNum(sum(all, "tokens_per_s"), 1)} tok/s`);
+  const cut = has(act, "cut") ? sum(all, "cut") : ps.reduce((a, p) => a + ((p.router && p.router.http && p.router.http.cut) || 0), 0);
+  if (cut) parts.push(`${cut} cut since start`);
+  return parts.join(" · ");
 }
 
 // -- actions ----------------------------------------------------------------------------------
 
-let busy = false;
-
 async function act(what, body, label) {
   const li = el("li", {}, el("b", { text: label }), " ", badge("pending"));
   const list = $("actions");
-  if (list.firstElementChild && list.firstElementChild.classList.contains("muted")) list.innerHTML = "";
+  if (list.firstElementChild && list.firstElementChild.classList.contains("muted")) list.replaceChildren();
   list.prepend(li);
   busy = true;
   render(lastState);
@@ -113,249 +281,339 @@ async function act(what, body, label) {
       body: JSON.stringify(body), credentials: "same-origin",
     });
     code = r.status;
-    reply = await r.json().catch(() => ({ error: `HTTP ${r.status}` }));
+    reply = await r.json().catch(() => ({ error: `hydra answered HTTP ${r.status} with no reply` }));
   } catch (e) {
-    reply = { error: String(e) };
+    reply = { error: `the request did not reach hydra (${e.message})` };
   }
   busy = false;
   const took = ((performance.now() - t0) / 1000).toFixed(1);
-  const ok = code === 200 && (!reply.result || reply.result === "ok" || reply.result === "noop");
-  const result = code === 200 ? (reply.result || "ok") : "failed";
+  const ok = code === 200 && (!reply.result || ["ok", "noop"].includes(reply.result));
+  const result = code === 200 ? (reply.result || "ok") : code === 409 ? "refused" : "failed";
   li.replaceChildren(el("b", { text: label }), " ", badge(result),
     el("span", { class: "muted", text: ` ${fmtTime(Date.now() / 1000)}, ${took} s` }));
   li.dataset.result = ok ? "ok" : "failed";
-  const detail = describeReply(what, code, reply);
-  if (detail) li.append(el("div", { class: ok ? "ph-text" : "err", text: detail }));
+  const detail = describeReply(what, body, code, reply);
+  if (detail) li.append(el("div", { class: ok ? "said" : "err", text: detail }));
   poll();
 }
 
-function describeReply(what, code, reply) {
-  if (reply.error) return (code ? `HTTP ${code}: ` : "") + reply.error;
-  if (reply.phases) {
-    const ph = Object.entries(reply.phases).map(([k, v]) => `${k} ${v.toFixed(1)} s`).join(" · ");
-    return `${reply.from || "–"} → ${reply.to || "–"}: ${ph}` + (reply.notes && reply.notes.length ? ` (${reply.notes.join("; ")})` : "");
+// The reply as sentences: hydra's own `message` (every action reply has one), else sentences
+// made here from its result and error (an older hydra) — never the raw JSON.
+function describeReply(what, body, code, reply) {
+  if (reply.message) return String(reply.message);
+  const say = [];
+  const target = body.profile || body.engine || (body.all ? "every profile" : "");
+  const res = reply.result;
+  if (reply.error && !res) return sentence(code && code !== 200 ? `${reply.error} (HTTP ${code})` : reply.error);
+  const phases = Object.entries(reply.phases || {}).map(([k, v]) => `${k} ${Number(v).toFixed(1)} s`).join(", ");
+  const took = reply.total_s !== undefined ? ` in ${Number(reply.total_s).toFixed(1)} s` : "";
+  if (what === "switch") {
+    if (res === "noop") say.push(`${reply.to || target} already serves`);
+    else if (res === "ok") say.push(`${reply.to || target} serves${reply.from ? ` instead of ${reply.from}` : ""}${took}${phases ? ` (${phases})` : ""}`);
+    else say.push(`The switch to ${reply.to || target} ${res === "rolled_back" ? "was rolled back" : "failed"}${reply.failed_phase ? ` in ${reply.failed_phase}` : ""}: ${reply.error || "hydra.log says why"}`);
+    if (res === "rolled_back" && reply.from) say.push(`${reply.from} serves again`);
+  } else if (what === "restart") {
+    say.push(res === "ok" || !res ? `Restarted ${reply.engine || target}: ready again in ${Number(reply.seconds ?? reply.total_s ?? 0).toFixed(1)} s`
+      : `Restarting ${reply.engine || target} failed: ${reply.error || res}`);
+  } else if (what === "reload") {
+    const done = Object.entries(reply.reloaded || {});
+    if (res === "noop") say.push(`Nothing to reload: ${reply.reason || "the profiles are unchanged"}`);
+    else if (done.length) say.push(`Reloaded ${done.map(([k, v]) => `${k}: ${v}`).join("; ")}`);
+    if (reply.error) say.push(reply.error);
+  } else if (what === "load") {
+    say.push(res === "ok" || !res ? `${target} is loaded${took}` : `Loading ${target} failed: ${reply.error || res}`);
+  } else if (what === "unload") {
+    say.push(res === "ok" || !res ? `Unloaded ${target}${took}` : `Unloading ${target} failed: ${reply.error || res}`);
+  } else {
+    say.push(reply.error || `Done (${res || "ok"})`);
   }
-  if (reply.message) return reply.message;
-  const keys = Object.keys(reply);
-  return keys.length ? JSON.stringify(reply).slice(0, 300) : "";
+  for (const n of reply.notes || []) say.push(n);
+  if (reply.cut) say.push(`${plural(reply.cut, "request was", "requests were")} cut`);
+  return say.map(sentence).join(" ");
 }
 
 $("reload").addEventListener("click", () => act("reload", {}, "reload"));
+$("unload-all").addEventListener("click", () => act("unload", { all: true }, "unload all"));
 
-// -- charts -----------------------------------------------------------------------------------
+// -- load: charts of hydra's own counts --------------------------------------------------------
 
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
+const laneColor = {};
+function colorFor(key) {
+  if (!laneColor[key]) laneColor[key] = COLORS[Object.keys(laneColor).length % COLORS.length];
+  return laneColor[key];
+}
 
-class RateChart {
-  constructor(node, unit) {
-    this.node = node; this.unit = unit; this.names = []; this.plot = null;
-    this.xs = []; this.ys = {}; this.prev = {};
+// The page's copy of the daemon's per-second history (/api/history), then one point per poll:
+// xs (wall times) and, per lane key (port-N/PROFILE, as the daemon names it), one array per
+// metric, all as long as xs (null where the lane had no value).
+const METRICS = ["tokens_per_s", "inflight", "queued", "requests"];
+const hist = { xs: [], lanes: new Map() };
+const lastCount = {};  // lane key -> {t, v}: its finished-requests counter at the last poll
+
+function histPush(t, values) {
+  if (hist.xs.length && t <= hist.xs[hist.xs.length - 1]) return;
+  for (const key of Object.keys(values)) {
+    if (!hist.lanes.has(key)) hist.lanes.set(key, Object.fromEntries(METRICS.map((m) => [m, hist.xs.map(() => null)])));
   }
-  // counters: {name: cumulative value or null}; t: seconds
-  push(t, counters) {
-    const names = Object.keys(counters).sort();
-    if (names.join("\u0000") !== this.names.join("\u0000")) {
-      for (const n of names) if (!this.ys[n]) this.ys[n] = this.xs.map(() => null);
-      this.names = names;
-      this.build();
-    }
-    for (const n of this.names) {
-      // the rate over the last RATE_S seconds (one poll's difference is 0 or 1 request)
-      const v = counters[n];
-      let rate = null;
-      if (v === null || v === undefined) {
-        this.prev[n] = [];
-      } else {
-        const hist = (this.prev[n] || []).filter((h) => h.t >= t - RATE_S && h.v <= v);
-        if (hist.length && t > hist[0].t) rate = (v - hist[0].v) / (t - hist[0].t);
-        hist.push({ t, v });
-        this.prev[n] = hist;
-      }
-      this.ys[n].push(rate);
-    }
-    this.xs.push(t);
-    while (this.xs.length && this.xs[0] < t - WINDOW_S) {
-      this.xs.shift();
-      for (const n of this.names) this.ys[n].shift();
-    }
-    if (this.plot) this.plot.setData([this.xs, ...this.names.map((n) => this.ys[n])]);
-  }
-  build() {
-    if (this.plot) this.plot.destroy();
-    const width = Math.max(280, this.node.clientWidth || 500);
-    const opts = {
-      width, height: 150, legend: { show: true, live: false },
-      cursor: { drag: { x: false, y: false } },
-      scales: {
-        // always the last WINDOW_S seconds: the axis reads as clock times from the start
-        // from the first sample (at least a minute) to now, at most WINDOW_S
-        x: { time: true, range: () => {
-          const t = this.xs.length ? this.xs[this.xs.length - 1] : Date.now() / 1000;
-          const first = this.xs.length ? this.xs[0] : t;
-          return [Math.min(t - 60, Math.max(first, t - WINDOW_S)), t];
-        } },
-        y: { range: (u, lo, hi) => [0, Math.max(1, (hi || 0) * 1.15)] },
-      },
-      axes: [{ stroke: "#6b7280", grid: { stroke: "#eef1f4" }, space: 60,
-          values: (u, v) => v.map((x) => new Date(x * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false })) },
-        { stroke: "#6b7280", grid: { stroke: "#eef1f4" }, size: 46,
-          values: (u, v) => v.map((x) => (x >= 10 ? x.toFixed(0) : x.toFixed(1))) }],
-      series: [{}, ...this.names.map((n, i) => ({
-        label: n, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: false, points: { show: false },
-        value: (u, v) => (v === null ? "–" : `${v.toFixed(2)} ${this.unit}`),
-      }))],
-    };
-    this.plot = new uPlot(opts, [this.xs, ...this.names.map((n) => this.ys[n])], this.node);
-  }
-  resize() {
-    if (this.plot) this.plot.setSize({ width: Math.max(280, this.node.clientWidth), height: 150 });
+  hist.xs.push(t);
+  for (const [key, s] of hist.lanes) for (const m of METRICS) s[m].push(values[key] ? values[key][m] ?? null : null);
+  let drop = 0;
+  while (drop < hist.xs.length && hist.xs[drop] < t - KEEP_S) drop++;
+  if (drop) {
+    hist.xs.splice(0, drop);
+    for (const s of hist.lanes.values()) for (const m of METRICS) s[m].splice(0, drop);
   }
 }
 
-const reqChart = new RateChart($("chart-requests"), "req/s");
-const tokChart = new RateChart($("chart-tokens"), "tok/s");
-window.addEventListener("resize", () => { reqChart.resize(); tokChart.resize(); });
-
-// -- state ------------------------------------------------------------------------------------
-
-let lastState = null;
-let failures = 0;
-
-async function poll() {
+async function loadHistory() {
   try {
-    const r = await fetch("/api/state", { cache: "no-store" });
-    if (!r.ok) throw new Error(`HTTP ${r.status}`);
-    const st = await r.json();
-    failures = 0;
-    $("banner").classList.add("hidden");
-    lastState = st;
-    render(st);
-    feedCharts(st);
-  } catch (e) {
-    failures++;
-    if (failures >= 2) {
-      $("banner").textContent = `hydra does not answer (${e.message}): it stopped, or restarted on another port.`;
-      $("banner").classList.remove("hidden");
+    const r = await fetch("/api/history", { cache: "no-store" });
+    if (!r.ok) return;
+    const h = await r.json();
+    const step = h.step_s || 1;
+    const series = Object.entries(h.series || {});
+    const len = (s) => Math.max(0, ...METRICS.map((m) => (s[m] || []).length));
+    const n = Math.max(0, ...series.map(([, s]) => len(s)));
+    for (let i = 0; i < n; i++) {
+      const values = {};
+      for (const [key, s] of series) {
+        const row = {};
+        for (const m of METRICS) {
+          const a = s[m] || [];
+          const v = a[i - (n - a.length)];
+          row[m] = v === undefined || v === null ? null : m === "requests" ? v / step : v;
+        }
+        values[key] = row;
+      }
+      histPush(h.end - (n - 1 - i) * step, values);
     }
+  } catch (e) {
+    // no history (an older hydra): the charts start with the page
   }
 }
-
-// The snapshot's JSON (docs/control.md, "The status schema"): ports, each with its lanes.
-function ports(st) { return (st && st.snapshot && st.snapshot.ports) || []; }
-function lanes(st) { return ports(st).flatMap((p) => p.lanes || []); }
 
 function feedCharts(st) {
   const t = st.now;
-  const reqs = {}, toks = {};
-  let anyMetrics = false, heads = 0;
+  const values = {};
   for (const p of ports(st)) {
-    if (!(p.lanes || []).length && p.router) reqs[p.name] = p.router.http.requests ?? null;
-  }
-  for (const e of lanes(st)) {
-    const name = e.profile;
-    reqs[name] = e.requests ?? null;
-    const h = (st.heads || {})[name];
-    if (h) {
-      heads++;
-      if (h.metrics) anyMetrics = true;
-      toks[name] = h.metrics ? (h.predicted ?? null) : null;
-    } else {
-      toks[name] = null;
+    for (const l of p.lanes || []) {
+      const key = `${p.name}/${l.profile}`;
+      const num = (v) => (typeof v === "number" ? v : null);
+      let rate = null;
+      const prev = lastCount[key];
+      if (typeof l.requests === "number") {
+        if (prev && t > prev.t && l.requests >= prev.v) rate = (l.requests - prev.v) / (t - prev.t);
+        lastCount[key] = { t, v: l.requests };
+      }
+      values[key] = { tokens_per_s: num(l.tokens_per_s), inflight: num(l.inflight), queued: num(l.queued), requests: rate };
     }
   }
-  reqChart.push(t, reqs);
-  tokChart.push(t, toks);
-  const note = $("tokens-note");
-  if (heads && !anyMetrics) {
-    note.textContent = "No head serves /metrics: start llama-server with --metrics (server_args: {metrics: true} in the profile) to chart tokens per second.";
+  histPush(t, values);
+  drawCharts();
+}
+
+class Chart {
+  constructor(node, unit) { this.node = node; this.unit = unit; this.plot = null; this.key = null; }
+  draw(series) {
+    const key = series.map((s) => `${s.label}${s.dash ? "~" : ""}`).join("\u0000");
+    const data = [hist.xs, ...series.map((s) => s.values)];
+    if (key !== this.key || !this.plot) {
+      this.key = key;
+      if (this.plot) this.plot.destroy();
+      this.plot = new uPlot(this.options(series), data, this.node);
+    } else {
+      this.plot.setData(data);
+    }
+  }
+  options(series) {
+    return {
+      width: this.width(), height: 150, legend: { show: true, live: false },
+      cursor: { drag: { x: false, y: false } },
+      scales: {
+        // the chosen span up to the last point (at least a minute; at most what there is)
+        x: { time: true, range: () => {
+          const t = hist.xs.length ? hist.xs[hist.xs.length - 1] : Date.now() / 1000;
+          const first = hist.xs.length ? hist.xs[0] : t;
+          return [Math.min(t - 60, Math.max(first, t - spanS())), t];
+        } },
+        y: { range: (u, lo, hi) => [0, Math.max(1, (hi || 0) * 1.15)] },
+      },
+      axes: [{ stroke: "#6b7280", grid: { stroke: "#eef1f4" }, space: 70,
+          values: (u, v) => v.map((x) => new Date(x * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false })) },
+        { stroke: "#6b7280", grid: { stroke: "#eef1f4" }, size: 46,
+          values: (u, v) => v.map((x) => (x >= 10 || Number.isInteger(x) ? x.toFixed(0) : x.toFixed(1))) }],
+      series: [{}, ...series.map((s) => ({
+        label: s.label, stroke: s.color, width: s.dash ? 1.5 : 2, dash: s.dash ? [5, 4] : undefined,
+        spanGaps: false, points: { show: false },
+        value: (u, v) => (v === null ? DASH : `${v.toFixed(2)} ${this.unit}`),
+      }))],
+    };
+  }
+  width() { return Math.max(260, this.node.clientWidth || 400); }
+  resize() { if (this.plot) this.plot.setSize({ width: this.width(), height: 150 }); }
+}
+
+const charts = {
+  tokens: new Chart($("chart-tokens"), "tok/s"),
+  inflight: new Chart($("chart-inflight"), ""),
+  requests: new Chart($("chart-requests"), "req/s"),
+};
+window.addEventListener("resize", () => Object.values(charts).forEach((c) => c.resize()));
+function spanS() { return Number($("span").value) || 300; }
+$("span").addEventListener("change", () => Object.values(charts).forEach((c) => c.plot && c.plot.redraw()));
+
+function laneLabel(key) {
+  // port-8080/demo -> demo (the port only when there are several)
+  const portsSeen = new Set([...hist.lanes.keys()].map((k) => k.split("/")[0]));
+  return portsSeen.size > 1 ? key.replace(/^port-/, "") : key.split("/").slice(1).join("/");
+}
+
+function drawCharts() {
+  const keys = [...hist.lanes.keys()].filter((k) => METRICS.some((m) => hist.lanes.get(k)[m].some((v) => v !== null))).sort();
+  const of = (m, dash, suffix) => keys.map((k) => ({ label: laneLabel(k) + (suffix || ""), color: colorFor(k), dash, values: hist.lanes.get(k)[m] }));
+  charts.tokens.draw(of("tokens_per_s"));
+  charts.inflight.draw([...of("inflight"), ...of("queued", true, " queued")]);
+  charts.requests.draw(of("requests"));
+}
+
+function renderLoadNote(st) {
+  const all = lanes(st);
+  const note = $("load-note");
+  if (all.length && !has(all, "tokens_per_s")) {
+    note.textContent = "This hydra does not publish tokens/s, in-flight or queued counts (an older version): those charts stay empty.";
     note.classList.remove("hidden");
   } else note.classList.add("hidden");
 }
 
-function render(st) {
-  if (!st || !st.snapshot) return;
-  const snap = st.snapshot;
-  const rows = lanes(st);
-  const up = st.now - snap.daemon.started;
-  const word = summaryWord(snap);
-  $("summary").replaceChildren(badge(word), ` pid ${snap.daemon.pid} · up ${fmtDur(up)} · ${snap.daemon.state_dir}`);
-  const fresh = $("freshness");
-  fresh.textContent = `data ${st.age_s < 1 ? "live" : `${st.age_s.toFixed(0)} s old`}`;
-  fresh.classList.toggle("stale", st.age_s > 5);
-  $("reload").disabled = busy;
-  renderPorts(st);
-  renderDevices(st, rows);
-  renderProcesses(st, rows);
-  renderSwitches(snap);
-  updateLogChoices(rows);
-}
-
-function summaryWord(snap) {
-  const ps = snap.ports || [];
-  const rows = ps.flatMap((p) => (p.lanes || []).filter((l) => l.role === "active"));
-  if (ps.some((p) => p.down)) return "port down";
-  if (rows.some((r) => r.state === "failed")) return "degraded";
-  return rows.some((r) => r.state === "serving") ? "serving" : "idle";
-}
+// -- ports and profiles -----------------------------------------------------------------------
 
 function renderPorts(st) {
-  const box = $("ports");
   const out = [];
-  for (const p of ports(st)) {
-    const mine = p.lanes || [];
-    const n = mine.filter((l) => l.role === "active").length;
+  for (const p of portGroups(st)) {
+    const mine = p.lanes;
+    const act = mine.filter((l) => l.role !== "standby");
+    const sb = mine.filter((l) => l.role === "standby");
+    const http = (p.router && p.router.http) || {};
+    let what = act.length > 1 ? `${act.length} profiles, routed by the request's "model"`
+      : act.length ? `${act[0].profile}` : "no profile loaded (switch one in below)";
+    if (sb.length) what += `, standby ${sb.map((l) => l.profile).join(", ")}`;
+    const counts = p.router ? ` · ${plural(http.requests || 0, "request")}${http.cut ? ` · ${http.cut} cut` : ""}` : "";
     const head = el("div", { class: "port-head" },
       el("a", { href: p.url, text: `port ${p.port}` }),
       p.down ? badge("port down") : badge("alive"),
-      el("span", { class: "muted", text: p.down || (n
-        ? `${p.url}  ·  ${n} profile${n === 1 ? "" : "s"}, routed by the request's "model"`
-        : `${p.url}  ·  no profile loaded (switch one in below)`) }));
+      el("span", { class: "muted", text: p.down || `${p.url} · ${what}${counts}` }));
     const tbody = el("tbody");
-    for (const r of mine) tbody.append(profileRow(st, r));
-    const table = el("table", { class: "grid" },
-      el("thead", {}, el("tr", {}, ...["profile", "state", "mode", "model", "devices", "requests", "loads", "why / note", ""]
-        .map((h) => el("th", { text: h })))), tbody);
-    out.push(el("div", { class: "port", "data-port": p.port }, head, table,
+    for (const r of mine) tbody.append(laneRow(st, r));
+    const table = el("table", { class: "grid lanes" },
+      el("thead", {}, el("tr", {}, ...[["profile"], ["role"], ["state"], ["layout"], ["in flight", "num"], ["queued", "num"],
+        ["tok/s", "num"], ["generated", "num"], ["requests", "num"], ["cut", "num"], ["loads", "num"], ["why / note"], [""]]
+        .map(([h, cls]) => el("th", { class: cls, text: h })))), tbody);
+    out.push(el("div", { class: "port", "data-port": p.port }, head, mine.length ? table : null,
       mine.length ? null : singleSwitch(st)));
   }
-  patchChildren(box, out);
+  patchChildren($("ports"), out);
 }
 
-function profileRow(st, r) {
+function button(action, text, title, disabled, onclick, profile) {
+  return el("button", { type: "button", "data-action": action, "data-profile": profile, title, disabled, text, onclick });
+}
+
+function laneRow(st, r) {
   const name = r.profile;
-  const running = r.state === "serving";
   const standby = r.role === "standby";
-  const button = el("button", {
-    type: "button", "data-action": "switch", "data-profile": name, disabled: busy || (running && !standby) || r.phase === "loading",
-    title: standby ? "Flip the port to this standby layout (it is loaded and warm)" : "Load this profile (profiles sharing its devices are stopped first)",
-    text: running && !standby ? "serving" : "Switch to",
-    onclick: () => act("switch", { profile: name }, `switch to ${name}`),
-  });
+  const loaded = !NOT_LOADED.has(r.state);
+  const moving = MOVING.has(r.state) || !!r.switching;
+  const buttons = [];
+  const unload = () => button("unload", "Unload", `Stop ${name} once its requests finish (a request for it loads it again)`,
+    off() || moving || !loaded, () => act("unload", { profile: name }, `unload ${name}`), name);
+  if (standby) {
+    buttons.push(button("switch", "Switch to", `Make ${name} serve this port now: it is loaded and warm, so the flip is instant and ${r.standby_of} stands by`,
+      off() || r.state !== "serving", () => act("switch", { profile: name }, `switch to ${name}`), name));
+    buttons.push(unload());
+  } else if (loaded) {
+    buttons.push(unload());
+  } else {
+    buttons.push(button("load", "Load", `Load ${name} beside what serves (what does not fit beside it is stopped first)`,
+      off() || moving, () => act("load", { profile: name }, `load ${name}`), name));
+    buttons.push(button("switch", "Switch to", `Make ${name} serve, stopping the profiles that share its devices`,
+      off() || moving, () => act("switch", { profile: name }, `switch to ${name}`), name));
+  }
+  const restarting = (r.processes || []).filter((x) => x.state !== "READY").map((x) => `${x.name}: ${x.reason || x.state}`);
   const note = r.switching ? `switching to ${r.switching}` : r.error || r.fatal || r.degraded ||
+    (standby && r.state === "serving" ? `loaded and warm: a switch to it is instant${r.flips ? ` (${plural(r.flips, "flip")} so far)` : ""}` : "") ||
+    (r.state === "recovering" ? restarting.join("; ") : "") ||
     (r.state !== "serving" ? r.held_reason || r.why : "") || "";
-  const req = r.requests;
-  return el("tr", { "data-profile": name },
-    el("td", {}, el("b", { text: name }), r.default ? el("span", { class: "muted", text: " (default)" }) : null,
-      standby ? el("span", { class: "muted", text: ` (standby of ${r.standby_of})` }) : null),
-    el("td", {}, badge(r.state)),
-    el("td", { text: r.mode || "–" }),
-    el("td", { text: r.model || "–" }),
-    el("td", { text: (r.devices || []).join(", ") || "–" }),
-    el("td", { class: "num", "data-requests": req ?? "", text: req ?? "–" }),
-    el("td", { class: "num", text: r.loads ?? "–" }),
+  const num = (key, v, text) => el("td", { class: "num", [`data-${key}`]: v ?? "", text: text ?? fmtNum(v) });
+  return el("tr", { "data-profile": name, "data-role": r.role, class: standby ? "standby" : null },
+    el("td", {}, el("b", { text: name }), r.default && !standby ? el("span", { class: "muted", text: " (default)" }) : null),
+    el("td", {}, el("span", { class: `role role-${r.role}`, text: standby ? `standby of ${r.standby_of}` : "active", "data-lane-role": r.role })),
+    // a standby answers no request until a switch flips it: "warm", not "serving"
+    el("td", {}, badge(standby && r.state === "serving" ? "warm" : r.state)),
+    el("td", { class: "layout" }, `${r.mode || DASH} · ${r.model || DASH}`, el("div", { class: "muted", text: (r.devices || []).join(", ") || DASH })),
+    num("inflight", r.inflight),
+    num("queued", r.queued),
+    num("tps", r.tokens_per_s, fmtNum(r.tokens_per_s, 1)),
+    num("generated", r.generated_tokens),
+    num("requests", r.requests, r.requests ?? DASH),
+    num("cut", r.cut),
+    num("loads", r.loads),
     el("td", { class: "reason", text: note }),
-    el("td", {}, button));
+    el("td", { class: "buttons" }, ...buttons));
 }
 
 let singleChoice = null;
 function singleSwitch(st) {
-  const sel = el("select", { "aria-label": "profile to switch to" });
+  const sel = el("select", { "aria-label": "profile to load" });
   for (const p of st.profiles || []) sel.append(el("option", { value: p, text: p, selected: p === singleChoice }));
   sel.addEventListener("change", () => { singleChoice = sel.value; });
-  return el("div", { class: "port-head" }, el("span", { text: "Switch this port to" }), sel,
-    el("button", { type: "button", "data-action": "switch", disabled: busy,
-      onclick: () => act("switch", { profile: sel.value }, `switch to ${sel.value}`), text: "Switch" }));
+  return el("div", { class: "port-head" }, el("span", { text: "Load on this port" }), sel,
+    button("load", "Load", "Load this profile", off(), () => act("load", { profile: sel.value }, `load ${sel.value}`)),
+    button("switch", "Switch", "Make this profile serve this port", off(), () => act("switch", { profile: sel.value }, `switch to ${sel.value}`)));
 }
+
+// -- requests ---------------------------------------------------------------------------------
+
+const ENDED = { client_gone: "client gone" };
+const SHOWN_REQUESTS = 200;
+
+function renderRequests(st) {
+  const snap = st.snapshot;
+  const info = $("requests-info");
+  const tb = document.querySelector("#requests tbody");
+  if (!Array.isArray(snap.requests)) {
+    info.textContent = "";
+    patchChildren(tb, [el("tr", {}, el("td", { colspan: 14, class: "muted", text: "This hydra does not record requests (an older version)." }))]);
+    return;
+  }
+  const all = snap.requests;
+  const n = (e) => all.filter((r) => r.ended === e).length;
+  info.textContent = `the last ${all.length}, newest first · ${n("running")} running · ${n("cut")} cut · ${n("refused")} refused · ${n("client_gone")} client gone · ${n("error")} error`;
+  const out = [];
+  for (let i = all.length - 1; i >= 0 && out.length < SHOWN_REQUESTS; i--) {
+    const r = all[i];
+    const running = r.ended === "running";
+    out.push(el("tr", { "data-request": r.id, "data-ended": r.ended, class: running ? "running" : null },
+      el("td", { class: "num", text: fmtTime(r.at) }),
+      el("td", { class: "num", text: r.port }),
+      el("td", {}, r.profile ? el("b", { text: r.profile }) : el("span", { class: "muted", text: r.model ? `(${r.model})` : DASH })),
+      el("td", { class: "num muted", text: r.client }),
+      el("td", { text: `${r.method} ${r.path}${r.stream ? " · stream" : ""}` }),
+      el("td", { class: "num", text: r.status || DASH }),
+      el("td", { class: "num", "data-ttft": r.ttft_s ?? "", text: fmtSecs(r.ttft_s) }),
+      el("td", { class: "num", text: fmtNum(r.prompt_tokens) }),
+      el("td", { class: "num", text: fmtNum(r.cached_tokens) }),
+      el("td", { class: "num", "data-generated": r.generated_tokens ?? "", text: fmtNum(r.generated_tokens) }),
+      el("td", { class: "num", text: fmtNum(r.prefill_tps, 1) }),
+      el("td", { class: "num", text: fmtNum(r.decode_tps, 1) }),
+      el("td", { class: "num", text: fmtDur(r.duration_s) }),
+      el("td", {}, badge(ENDED[r.ended] || r.ended))));
+  }
+  if (!out.length) out.push(el("tr", {}, el("td", { colspan: 14, class: "muted", text: "No request yet." })));
+  patchChildren(tb, out);
+}
+
+// -- devices and processes ----------------------------------------------------------------------
 
 function renderDevices(st, rows) {
   const d = st.devices || {};
@@ -406,7 +664,7 @@ function memBlock(title, total, used, hydra, plan, note, procs, val, what) {
   const legend = el("div", { class: "legend" },
     `${fmtBytes(used)} used of ${fmtBytes(total)}`,
     el("i", { class: "hydra" }), `hydra's processes ${fmtBytes(hydra)} (${what})`,
-    el("i", { class: "plan" }), `planned by hydra ${plan ? fmtBytes(plan) : "–"}`);
+    el("i", { class: "plan" }), `planned by hydra ${plan ? fmtBytes(plan) : DASH}`);
   const per = procs.filter((p) => val(p)).map((p) => `${p.name} ${fmtBytes(val(p))}`).join(" · ");
   return el("div", { class: "dev" }, el("div", { class: "dev-name", text: title }), bar, legend,
     el("div", { class: "note", text: note + (per ? ` — ${per}` : "") }));
@@ -414,7 +672,7 @@ function memBlock(title, total, used, hydra, plan, note, procs, val, what) {
 
 const SIGNALS = { 1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM" };
 function lastExit(x) {
-  if (x === null || x === undefined) return "–";
+  if (x === null || x === undefined) return DASH;
   if (typeof x === "number") return x < 0 ? `killed by ${SIGNALS[-x] || `signal ${-x}`}` : `exit code ${x}`;
   if (typeof x !== "object") return String(x);
   const parts = [];
@@ -433,11 +691,11 @@ function renderProcesses(st, rows) {
       const up = p.started && p.state !== "STOPPED" ? st.now - p.started : null;
       out.push(el("tr", { "data-process": p.name },
         el("td", {}, el("b", { text: p.name })),
-        el("td", { text: r.profile || "–" }),
+        el("td", { text: r.profile || DASH }),
         el("td", { text: p.role }),
-        el("td", { text: p.device || "–" }),
+        el("td", { text: p.device || DASH }),
         el("td", {}, badge(p.state)),
-        el("td", { class: "num", "data-pid": p.pid ?? "", text: p.pid ?? "–" }),
+        el("td", { class: "num", "data-pid": p.pid ?? "", text: p.pid ?? DASH }),
         el("td", { class: "num", text: fmtDur(up) }),
         el("td", { class: "num", "data-restarts": p.restarts, text: p.restarts }),
         el("td", { text: lastExit(p.last_exit) }),
@@ -445,7 +703,7 @@ function renderProcesses(st, rows) {
         el("td", { class: "num", text: p.gpu_bytes ? `${fmtBytes(p.gpu_bytes)} GPU` : fmtBytes(p.rss_bytes) }),
         el("td", {},
           el("button", { type: "button", "data-action": "log", onclick: () => chooseLog(p.name), text: "Log" }), " ",
-          el("button", { type: "button", "data-action": "restart", disabled: busy || !p.managed,
+          el("button", { type: "button", "data-action": "restart", disabled: off() || !p.managed,
             title: p.managed ? "A planned restart of this process" : "not managed by this hydra",
             onclick: () => act("restart", { engine: p.name }, `restart ${p.name}`), text: "Restart" }))));
     }
@@ -454,6 +712,7 @@ function renderProcesses(st, rows) {
   patchChildren(tb, out);
 }
 
+
 const PHASE_COLORS = ["#60a5fa", "#f59e0b", "#34d399", "#a78bfa", "#f472b6", "#22d3ee", "#fb923c", "#94a3b8"];
 const phaseColor = {};
 function colorOf(name) {
@@ -461,11 +720,27 @@ function colorOf(name) {
   return phaseColor[name];
 }
 
+// Every change once: the snapshot lists each lane's changes under the lane and all of them
+// merged at the top (and a port's that left it without a lane under the port). A change is
+// the same one wherever it is listed: same seq, time, source and target.
+function switchesOf(snap) {
+  const seen = new Set(), all = [];
+  const add = (s) => {
+    const key = [s.seq, s.at, s.from, s.to, s.result].join("\u0000");
+    if (seen.has(key)) return;
+    seen.add(key);
+    all.push(s);
+  };
+  for (const p of snap.ports || []) {
+    for (const l of p.lanes || []) (l.switches || []).forEach(add);
+    (p.switches || []).forEach(add);
+  }
+  (snap.switches || []).forEach(add);
+  return all.sort((a, b) => (a.at || 0) - (b.at || 0));
+}
+
 function renderSwitches(snap) {
-  // every lane's last changes (with times), and a port's whose first switch failed; newest last
-  const all = [...(snap.switches || [])];
-  for (const p of snap.ports || []) if (!(p.lanes || []).length) all.push(...(p.switches || []));
-  all.sort((a, b) => (a.at || 0) - (b.at || 0));
+  const all = switchesOf(snap);
   const box = $("switches");
   if (!all.length) { box.replaceChildren(el("p", { class: "muted", text: "No switch yet." })); return; }
   const out = all.slice(-8).reverse().map((s) => {
@@ -484,11 +759,12 @@ function renderSwitches(snap) {
       dot.style.cssText = `display:inline-block;width:8px;height:8px;border-radius:2px;margin:0 4px 0 8px;background:${colorOf(k)}`;
       text.append(dot, `${k} ${v.toFixed(2)} s`);
     }
-    return el("div", { class: "sw" },
-      el("div", {}, el("b", { text: `${s.from || "–"} → ${s.to || "–"}` }), " ", badge(s.result),
+    return el("div", { class: "sw", "data-switch": `${s.seq}@${s.at}` },
+      el("div", {}, el("b", { text: `${s.from || DASH} → ${s.to || DASH}` }), " ", badge(s.result),
         el("span", { class: "muted", text: ` ${Number(s.total_s || 0).toFixed(1)} s${s.at ? ` · ${fmtTime(s.at)}` : ""}` }),
         s.cut ? el("span", { class: "muted", text: ` · ${s.cut} request${s.cut === 1 ? "" : "s"} cut` }) : null),
       bar, text,
+      (s.notes || []).length ? el("div", { class: "ph-text", text: s.notes.map(sentence).join(" ") }) : null,
       s.error ? el("div", { class: "err", text: `${s.failed_phase ? s.failed_phase + ": " : ""}${s.error}` }) : null);
   });
   patchChildren(box, out);
@@ -496,11 +772,14 @@ function renderSwitches(snap) {
 
 // -- logs -------------------------------------------------------------------------------------
 
+
 const logState = { name: null, cursor: null, pid: null, gone: false, timer: null };
 
+// hydra's own log (logs/hydra.log: every state change with its reason), then each process's
+const HYDRA_LOG = "hydra";
 let logNames = [];
 function updateLogChoices(rows) {
-  const names = rows.flatMap((r) => (r.processes || []).map((p) => p.name));
+  const names = [HYDRA_LOG, ...rows.flatMap((r) => (r.processes || []).map((p) => p.name))];
   logNames = names;
   const sel = $("log-select");
   const have = [...sel.options].map((o) => o.value);
@@ -508,7 +787,7 @@ function updateLogChoices(rows) {
     sel.replaceChildren(...names.map((n) => el("option", { value: n, text: n })));
     if (logState.name && names.includes(logState.name)) sel.value = logState.name;
   }
-  if (!logState.name && names.length) chooseLog(names[0]);
+  if (!logState.name) chooseLog(HYDRA_LOG);
 }
 
 $("log-select").addEventListener("change", (e) => chooseLog(e.target.value));
@@ -589,5 +868,7 @@ function showLog(name, d) {
   $("log-info").dataset.pid = d.pid ?? "";
 }
 
-poll();
-setInterval(poll, POLL_MS);
+loadHistory().finally(() => {
+  poll();
+  setInterval(poll, POLL_MS);
+});
