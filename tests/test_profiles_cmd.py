@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hydra_supervisor.config.config import load_node
+from hydra_supervisor.config.models import SYNTH_SHAPES, resolve_model
 from hydra_supervisor.config.paths import cache_dir, repo_root
 from hydra_supervisor.plan import flagcheck
 from hydra_supervisor.testing.harness import HYDRA, REPO, make_env, run_hydra, status_json
@@ -99,7 +101,12 @@ def env(tmp_path: Path) -> dict[str, str]:
     cache = tmp_path / "cache"
     cache.mkdir()
     for part in ("modelinfo", "models"):
+        (cache_dir() / part).mkdir(parents=True, exist_ok=True)  # a fresh machine has neither
         (cache / part).symlink_to(cache_dir() / part, target_is_directory=True)
+    # the synthetic models written into the real cache (they need its llama.cpp source's
+    # tokenizer, which the private cache lacks)
+    for alias in SYNTH_SHAPES:
+        resolve_model(alias, load_node(None), tmp_path)
     e["HYDRA_CACHE_DIR"] = str(cache)
     e["XDG_CONFIG_HOME"] = str(tmp_path / "config")
     e.pop("HYDRA_PROFILE_PATH", None)
