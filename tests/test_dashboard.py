@@ -144,7 +144,7 @@ def test_dashboard_in_a_real_browser(hydra_up, hydra_env, tmp_path):
             expect.set_options(timeout=DEADLINE_MS)
 
             # Idle: both profiles, one port block, their states; hydra's own log to read.
-            assert page.locator("#ports .port").count() == 1
+            expect(page.locator("#ports .port")).to_have_count(1)
             demo = page.locator('#ports tr[data-profile="demo"]')
             moe = page.locator('#ports tr[data-profile="demo-moe-combine"]')
             expect(demo.locator("[data-state]")).to_have_text("serving")
