@@ -159,6 +159,13 @@ def test_without_a_hydra_the_profile_port_is_the_fallback() -> None:
 
 # -- a real hydra on a non-default port, two profiles ------------------------------------------
 
+def _sigint_as_in_a_terminal() -> None:
+    """Ctrl-C's SIGINT handled as in a terminal's foreground job: a suite started in the
+    background by a non-interactive shell (`./scripts/test &`) has SIGINT ignored, and its
+    children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_client_commands_find_the_running_hydra(hydra_up: Any,
                                                 hydra_env: dict[str, str]) -> None:
@@ -194,6 +201,7 @@ def test_client_commands_find_the_running_hydra(hydra_up: Any,
 
     # Ctrl-C ends `status --watch` quietly, exit 0
     watch = subprocess.Popen([*HYDRA, "status", "--watch"], env=hydra_env, cwd=REPO,
+                             preexec_fn=_sigint_as_in_a_terminal,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(3)
     watch.send_signal(signal.SIGINT)
@@ -210,6 +218,7 @@ def test_ctrl_c_ends_a_command_with_130_and_no_aborted(hydra_env: dict[str, str]
         srv.settimeout(60)
         port = srv.getsockname()[1]
         bench = subprocess.Popen([*HYDRA, "bench", "--url", f"http://127.0.0.1:{port}"],
+                                 preexec_fn=_sigint_as_in_a_terminal,
                                  env=hydra_env, cwd=REPO, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
         try:

@@ -205,12 +205,13 @@ def test_a_failed_reload_quotes_only_the_failing_runs_lines(hydra_up, hydra_env,
     state = StateDir(Path(hydra_env["HYDRA_STATE_DIR"]))
     before = state.log_path("mine.head").read_text()
     assert "listening on" in before
-    prof.write_text(prof.read_text() + "  bogus-flag: 1\n")
+    # a value llama-server refuses when it starts (an unknown flag is refused at plan time)
+    prof.write_text(prof.read_text() + "  cache-type-k: nonsense\n")
     res = run_hydra(hydra_env, "reload", "--json")
     reply = json.loads(res.stdout)
     assert reply["result"] == "rolled_back", reply
     tail = reply["log_tail"]
-    assert any("--bogus-flag" in line for line in tail), tail
+    assert any("Unsupported cache type: nonsense" in line for line in tail), tail
     assert not any(line in before.splitlines() for line in tail if line.strip()), tail
     assert not any(RunMark.parse(line) for line in tail), tail
     # the run that failed is on record with its marker, between the two good ones
