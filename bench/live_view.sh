@@ -31,44 +31,54 @@ chat() {  # chat PORT MODEL MAX_TOKENS STREAM
     -d "{\"model\":\"$2\",\"max_tokens\":$3,\"stream\":$4,\"messages\":[{\"role\":\"user\",\"content\":\"Tell me a long story about the sea.\"}]}"
 }
 
+show() {  # show WHAT < JSON: one line per item (the readings this script prints)
+  "$py" - "$1" 3<&0 <<'PY'
+import json, os, sys
+what = sys.argv[1]
+d = json.load(os.fdopen(3))
+if what == "lanes":
+    for p in d["daemon"]["ports"]:
+        for l in p["lanes"]:
+            print(f"   status --json: port {p['port']} lane {l['profile']}: state={l['state']} "
+                  f"inflight={l['inflight']} queued={l['queued']} "
+                  f"tokens_per_s={l['tokens_per_s']} generated_tokens={l['generated_tokens']}")
+elif what == "history":
+    for name, s in d["series"].items():
+        print(f"   /api/history {name}: last 5 points tokens/s {s['tokens_per_s'][-5:]}, "
+              f"in flight {s['inflight'][-5:]}")
+elif what == "request":
+    for r in d[-1:]:
+        print(f"   the request on record: {r['profile']} status {r['status']} ended {r['ended']} "
+              f"ttft_s={r['ttft_s']} prompt={r['prompt_tokens']} "
+              f"generated={r['generated_tokens']} decode_tps={r['decode_tps']} "
+              f"duration_s={r['duration_s']}")
+elif what == "reply":
+    print("   a request for demo after: " + (
+        "finish_reason " + d["choices"][0]["finish_reason"] if "choices" in d else str(d)))
+PY
+}
+
 echo "== 1. live load while one stream decodes (hydra up -p demo --metrics-port M)"
 port=$(free); mport=$(free)
 start -p demo --port "$port" --metrics-port "$mport"
 chat "$port" demo 400 true > /dev/null &
 cpid=$!
 sleep 3
-hydra status --json | "$py" -c '
-import json, sys
-d = json.load(sys.stdin)["daemon"]
-for p in d["ports"]:
-    for l in p["lanes"]:
-        print(f"   status --json, mid-stream: port {p[\"port\"]} lane {l[\"profile\"]}: inflight={l[\"inflight\"]}"
-              f" queued={l[\"queued\"]} tokens_per_s={l[\"tokens_per_s\"]} generated_tokens={l[\"generated_tokens\"]}")'
-curl -s "http://127.0.0.1:$mport/api/history" -H "Host: 127.0.0.1:$mport" | "$py" -c '
-import json, sys
-h = json.load(sys.stdin)
-for name, s in h["series"].items():
-    print(f"   /api/history {name}: last 5 tokens/s points {s[\"tokens_per_s\"][-5:]}, in flight {s[\"inflight\"][-5:]}")'
+hydra status --json | show lanes
+curl -s "http://127.0.0.1:$mport/api/history" | show history
 wait $cpid
-hydra status --requests --json | "$py" -c '
-import json, sys
-for r in json.load(sys.stdin)[-1:]:
-    print(f"   the request on record: {r[\"profile\"]} status {r[\"status\"]} ended {r[\"ended\"]} ttft_s={r[\"ttft_s\"]}"
-          f" prompt={r[\"prompt_tokens\"]} generated={r[\"generated_tokens\"]} decode_tps={r[\"decode_tps\"]} duration_s={r[\"duration_s\"]}")'
+hydra status --requests --json | show request
 stop
 
 echo "== 2. hydra unload demo on hydra up -p demo -p demo-moe"
 port=$(free)
 start -p demo -p demo-moe --port "$port"
 chat "$port" demo-moe 4 false > /dev/null
-states() { hydra status --json | "$py" -c '
-import json, sys
-d = json.load(sys.stdin)["daemon"]
-print("   " + ", ".join(f"{l[\"profile\"]}: {l[\"state\"]}" for p in d["ports"] for l in p["lanes"]))'; }
+states() { hydra status --json | show lanes; }
 states
 echo "   \$ hydra unload demo"; hydra unload demo | sed 's/^/   /'; echo "   (exit $?)"
 states
-chat "$port" demo 4 false | "$py" -c 'import json,sys; d=json.load(sys.stdin); print("   a request for demo after:", d["choices"][0]["finish_reason"] if "choices" in d else d)'
+chat "$port" demo 4 false | show reply
 states
 stop
 
