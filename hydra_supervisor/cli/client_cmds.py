@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +69,24 @@ def switch(profile: str, profiles_dir: str | None, as_json: bool) -> None:
     body: dict[str, Any] = {"profile": profile}
     if profiles_dir:
         body["profiles_dir"] = str(Path(profiles_dir).resolve())
-    code, reply = _control("/switch", body)
+    _act("/switch", body, as_json, _print_report)
+
+
+def _act(path: str, body: dict[str, Any], as_json: bool,
+         show: Callable[[dict[str, Any]], None]) -> None:
+    """One action through the control API: its reply as JSON, or shown (`show`) after a
+    refusal is said; exits with the reply's status (docs/control.md)."""
+    code, reply = _control(path, body)
     if as_json:
         click.echo(json.dumps(reply, indent=2))
         sys.exit(exits.of_reply(code, reply.get("result")))
     _fail_reply(code, reply)
-    _print_report(reply)
+    show(reply)
     sys.exit(exits.of_reply(code, reply.get("result")))
+
+
+def _print_message(rep: dict[str, Any]) -> None:
+    out.print(str(rep.get("message", "")), markup=False)
 
 
 def _print_report(rep: dict[str, Any]) -> None:
@@ -105,13 +117,7 @@ def load(profile: str, as_json: bool) -> None:
     Only what does not fit beside it stops: the least recently used first, drained (as a
     load on request does); the reply says what stopped and why. Serving already: nothing to
     do. A load that fails exits 1."""
-    code, reply = _control("/load", {"profile": profile})
-    if as_json:
-        click.echo(json.dumps(reply, indent=2))
-        sys.exit(exits.of_reply(code, reply.get("result")))
-    _fail_reply(code, reply)
-    _print_report(reply)
-    sys.exit(exits.of_reply(code, reply.get("result")))
+    _act("/load", {"profile": profile}, as_json, _print_report)
 
 
 @click.command()
@@ -127,13 +133,7 @@ def unload(profile: str | None, every: bool, as_json: bool) -> None:
     if every == bool(profile):
         raise HydraError("hydra unload takes a profile name or --all (not both)",
                          hint="hydra unload demo, or hydra unload --all")
-    code, reply = _control("/unload", {"all": True} if every else {"profile": profile})
-    if as_json:
-        click.echo(json.dumps(reply, indent=2))
-        sys.exit(exits.of_reply(code, reply.get("result")))
-    _fail_reply(code, reply)
-    out.print(str(reply.get("message", "")), markup=False)
-    sys.exit(exits.of_reply(code, reply.get("result")))
+    _act("/unload", {"all": True} if every else {"profile": profile}, as_json, _print_message)
 
 
 @click.command()
