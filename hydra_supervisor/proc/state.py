@@ -133,7 +133,7 @@ class StateDir:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                holder = _holder_pid(fd)
                 running = self.running_supervisor()
                 what = f", profile '{running['profile']}'" if running and \
                     str(running.get("pid")) == holder else ""
@@ -384,3 +384,16 @@ def _process_groups() -> dict[int, list[psutil.Process]]:
         except (psutil.Error, OSError):
             continue
     return groups
+
+
+def _holder_pid(fd: int, wait_s: float = 2.0) -> str:
+    """The pid the lock's holder wrote into the lock file. A hydra that has just taken the
+    lock writes it a moment later (two started in the same instant): read again for up to
+    `wait_s` before saying "?"."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if holder or time.monotonic() >= deadline:
+            return holder or "?"
+        time.sleep(0.02)
+
