@@ -150,3 +150,11 @@ def test_final_decisions_are_stable_under_more_bytes() -> None:
 def test_pure_same_input_same_output() -> None:
     inputs = [b"", b"G", b"GET ", b"\x0e", b"YH", b"\xff"]
     assert [classify(i) for i in inputs] == [classify(i) for i in inputs]
+
+
+@pytest.mark.parametrize("magic", [0x4858, 0x5948, 0x0000, 0xFFFF])
+def test_a_first_frame_with_a_bad_magic_is_no_wire_client(magic: int) -> None:
+    """docs/protocol.md: a first frame without the magic never reaches the wire server (the
+    router cannot answer in a protocol the client did not speak; it closes without a byte)."""
+    frame = struct.pack("<HBBHQH", magic, 0x41, 0, 0, 0, 0)
+    assert classify(frame) is Kind.REJECT

@@ -57,6 +57,11 @@ def test_info_configure_tiers_and_expert_mode(hydra_up, hydra_env):
         assert [p["name"] for p in m["peers"]] == ["peer-cpu-peer"] or m["peers"]
         assert {p["name"] for p in m["processes"]} == set(before)
         assert m["build"].get("version")
+        # capabilities: the list of words docs/protocol.md names (the fork's clients parse a
+        # list); per op, served or not; the expert modes this layout offers
+        assert m["capabilities"] == ["state_transfer", "prefill", "configure", "expert_mode"]
+        assert m["ops"]["STATE_GET"] == "served" and m["ops"]["DECODE"] == "not_implemented"
+        assert m["expert_modes"] and set(m["expert_modes"]) <= {"solo", "combined"}
         # T1: no process restarts
         r = c.configure({"temperature": 0.3, "n_predict": 16})
         assert r.status == OK, r.meta

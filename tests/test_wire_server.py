@@ -109,6 +109,11 @@ def test_busy_and_no_head(server: WireServer, control: StubControl) -> None:
                             (wc.STATE_PUT, b"x" * 10),
                             (wc.SET_EXPERT_MODE, b"solo"), (wc.PREFILL, b"{}")):
             assert c.request(op, "0", payload).status == wc.BUSY, op
+        # an op hydra never serves says so even now (BUSY would ask for a retry that cannot
+        # help: docs/protocol.md's status table)
+        for op in (wc.DECODE, wc.SWAP_QUANT, wc.PIPELINE_ATTACH):
+            assert c.request(op, "0", b"x" * 10).status == wc.NOT_IMPLEMENTED, op
+        assert c.info().meta["busy"] is True  # INFO answers, and says so
         # what changes nothing is still answered: Hydra.Core's state_chunk_size greeting
         r = c.configure({"state_chunk_size": 1 << 20, "model": "gemma3-270m"})
         assert r.status == wc.OK and r.meta["state_chunk_size_applied"] == 1 << 20

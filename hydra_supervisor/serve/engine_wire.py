@@ -168,10 +168,9 @@ class EngineWire:
             "build": self.build(),
             # this host's build identity; on a mode: peer host the free memory it lends
             **buildid.info_section(getattr(dep, "layout", None)),
-            "capabilities": {"ops": ["STATE_GET", "STATE_PUT", "STATE_META", "CONFIGURE",
-                                     "INFO", "PREFILL", "SET_EXPERT_MODE"],
-                             "not_implemented": ["DECODE", "SWAP_QUANT", "PIPELINE_ATTACH"],
-                             "expert_modes": self._expert_modes()},
+            # the wire server's `capabilities` (a list of words, as the fork's clients parse
+            # it) and `ops` (served / not_implemented per op) say the rest
+            "expert_modes": self._expert_modes(),
             "settings": tier_diff.current_settings(prof, self.defaults) if prof else {},
             "request_defaults": dict(self.defaults),
         }
