@@ -99,7 +99,8 @@ def test_start_leaves_only_owner_readable_files_and_tightens_old_ones(hydra_up, 
     root = Path(hydra_env["HYDRA_STATE_DIR"])
     (root / "logs").mkdir(parents=True)
     root.chmod(0o755)
-    (root / "logs").chmod(0o777)
+    (root / "logs").chmod(0o755)  # readable by others: tightened (writable: refused,
+    # tests/test_state_private.py)
     old = root / "logs" / "chatty.head.log"
     old.write_text("a line of an earlier run\n")
     old.chmod(0o644)

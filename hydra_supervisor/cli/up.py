@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import logging.handlers
 import subprocess
 import sys
 import time
@@ -377,11 +376,13 @@ def _setup_logging(state: StateDir, verbose: bool, printer: EventPrinter) -> Non
     if not verbose:
         console.addFilter(printer.unsaid)
     root.addHandler(console)
+    from hydra_supervisor.proc.logfiles import OwnLog
+
     try:
-        handler = logging.handlers.RotatingFileHandler(
-            state.log_path("hydra"), maxBytes=10 << 20, backupCount=3)
+        handler = OwnLog(state.log_path("hydra"))
     except OSError as exc:
-        err.print(f"warning: cannot write {state.log_path('hydra')}: {exc.strerror}")
+        err.print(f"warning: cannot write {state.log_path('hydra')}: {exc.strerror}",
+                  markup=False)
         return
     handler.setFormatter(fmt)
     root.addHandler(handler)

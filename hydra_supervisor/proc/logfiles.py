@@ -45,8 +45,12 @@ import asyncio
 import contextlib
 import datetime as dt
 import hashlib
+import io
+import logging
+import logging.handlers
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -95,7 +99,31 @@ def open_for_child(log: Path) -> int:
     filemodes.secure_dir(log.parent)
     if log.exists() and log.stat().st_size > 0:
         shift(log, pol.log_keep)
-    return os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, pol.file_mode)
+    return filemodes.open_private(log, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+
+
+class OwnLog(logging.handlers.RotatingFileHandler):
+    """hydra's own log (logs/hydra.log), rotated by size: opened as a state file (never
+    through a link: filemodes.open_private), and a write that fails (a full disk) is one
+    warning line on stderr, once, never the logging module's traceback; hydra goes on."""
+
+    def __init__(self, path: Path, max_bytes: int = 10 << 20, keep: int = 3) -> None:
+        self._warned = False
+        super().__init__(path, maxBytes=max_bytes, backupCount=keep)
+
+    def _open(self) -> io.TextIOWrapper:
+        fd = filemodes.open_private(Path(self.baseFilename), os.O_WRONLY | os.O_APPEND
+                                    | os.O_CREAT)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)  # noqa: SIM115
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        exc = sys.exc_info()[1]
+        if self._warned:
+            return
+        self._warned = True
+        why = getattr(exc, "strerror", None) or exc
+        sys.stderr.write(f"warning: cannot write {self.baseFilename}: {why} (hydra goes on; "
+                         "its log lines reach stderr only)\n")
 
 
 # -- run markers --------------------------------------------------------------------------------
@@ -251,8 +279,8 @@ def copytruncate(fd: int, log: Path, keep: int) -> int:
             older.replace(rotated(log, i))
     tmp = log.with_name(f".{log.name}.rotating")
     done = 0
-    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                  filemodes.current().file_mode)
+    tmp.unlink(missing_ok=True)
+    out = filemodes.open_private(tmp, os.O_WRONLY | os.O_CREAT)
     try:
         while True:  # catch up with the writer, then truncate right after the last read
             chunk = os.pread(fd, CHUNK, done)

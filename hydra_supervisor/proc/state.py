@@ -18,10 +18,12 @@ names in `state_group:` (filemodes.py); `hydra up` tightens what it finds looser
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import signal
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -58,19 +60,32 @@ class ChildRecord(TypedDict):
 
 
 def _write_json(path: Path, data: object) -> None:
+    """Write `path` whole (a new file renamed over it), never through a link (filemodes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                 filemodes.current().file_mode)
+    tmp.unlink(missing_ok=True)  # one a killed run with this pid left
+    fd = filemodes.open_private(tmp, os.O_WRONLY | os.O_CREAT)
     with os.fdopen(fd, "w") as fh:
         fh.write(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
 
 
+_READ_CAP = 16 << 20  # a state file is a few KiB; nothing hydra wrote is near this
+
+
 def _read_json(path: Path) -> JSONValue:
+    """A state file's JSON, or None (missing, unreadable, not hydra's regular file, bad JSON).
+    Never through a link, never blocking on a FIFO, never more than _READ_CAP bytes."""
     try:
-        data: JSONValue = json.loads(path.read_text())
-        return data
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return None
+            data: JSONValue = json.loads(fh.read(_READ_CAP + 1)[:_READ_CAP])
+            return data
     except (OSError, ValueError):
         return None
 
@@ -101,7 +116,9 @@ class StateDir:
     def ensure_writable(self) -> None:
         for d in (self.root, self.logs, self.root / "pids"):
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                if not d.is_dir():  # made with the policy's mode (setgid too), not tightened
+                    d.mkdir(parents=True, exist_ok=True)
+                    os.chmod(d, filemodes.current().dir_mode)
             except OSError as exc:
                 raise HydraError(f"state dir {d} cannot be created: {exc.strerror}",
                                  hint="set HYDRA_STATE_DIR to a writable directory") from exc
@@ -110,9 +127,17 @@ class StateDir:
                                  hint="set HYDRA_STATE_DIR to a writable directory")
 
     def secure(self, policy: filemodes.Policy) -> list[str]:
-        """`hydra up`, before it writes anything: the umask of the policy (children inherit
-        it), the dirs created, and whatever an earlier run left looser tightened. Returns what
-        was changed (for one log line)."""
+        """`hydra up`, before it writes anything: a state dir that is not hydra's own (another
+        user's, or writable by others: filemodes.foreign) refused, the umask of the policy
+        (children inherit it), the dirs created, and whatever an earlier run left looser
+        tightened. Returns what was changed (for one log line)."""
+        why = filemodes.foreign(self.root)
+        if why:
+            raise HydraError(
+                f"state dir {self.root} is not hydra's own: {why}",
+                hint="give hydra a state dir only its user can write (HYDRA_STATE_DIR): "
+                     "`chmod go-w` and `chown` what is yours after checking it, or remove it "
+                     "and let hydra create it")
         filemodes.configure(policy)
         os.umask(policy.umask)
         self.ensure_writable()
@@ -128,7 +153,8 @@ class StateDir:
         outlives hydra cannot keep the lock either."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / "hydra.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, filemodes.current().file_mode)
+        with self.writing(path):
+            fd = filemodes.open_private(path, os.O_RDWR | os.O_CREAT)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -162,10 +188,14 @@ class StateDir:
         try:
             yield
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EPERM):  # filemodes.open_private: not ours
+                raise HydraError(f"state dir {self.root}: {path} is {exc.strerror}",
+                                 hint=f"remove {path} after checking what it is; hydra makes "
+                                      "its own") from None
             raise HydraError(f"state dir {self.root}: cannot write {path}: "
                              f"{exc.strerror or exc}",
                              hint="free space on its filesystem, or set HYDRA_STATE_DIR to a "
-                                  "writable directory") from exc
+                                  "writable directory") from None
 
     def write_supervisor(self, profile: str, source: str) -> None:
         me = psutil.Process()

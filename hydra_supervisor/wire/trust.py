@@ -36,9 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from hydra_supervisor.proc import filemodes
+
 log = logging.getLogger("hydra.wire")
 
-TOKEN_FILE = "wire.token"
+TOKEN_FILE = filemodes.TOKEN_FILE  # "wire.token"
 TOKEN_PREFIX = "hydra-token:"
 TOKEN_BYTES = 32  # 64 hex digits
 
@@ -129,25 +131,34 @@ def socket_peer_uid(sock: socket.socket, peer: object = None) -> int | None:
 
 
 def ensure_token(state_dir: Path) -> tuple[Path, str]:
-    """The token file in `state_dir` (mode 0600, ours), created when missing; a file that is
-    not a private regular file of ours, or not a token, is replaced by a fresh one."""
+    """The token file in `state_dir` (mode 0600, ours, whatever `state_group` opens: it drives
+    hydra), read when it is one, else created once with its final mode (a new file renamed into
+    place): a file that is not a private regular file of ours, or not a token, is replaced by a
+    fresh one. The same token across restarts while the file stays so."""
     path = state_dir / TOKEN_FILE
     try:
-        st = os.lstat(path)
-        if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
-                and stat.S_IMODE(st.st_mode) & 0o077 == 0):
-            token = path.read_text().strip()
-            if len(token) == 2 * TOKEN_BYTES and all(c in "0123456789abcdef" for c in token):
-                return path, token
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+                    and stat.S_IMODE(st.st_mode) & 0o077 == 0):
+                token = f.read(4 * TOKEN_BYTES).decode(errors="replace").strip()
+                if len(token) == 2 * TOKEN_BYTES and all(c in "0123456789abcdef"
+                                                         for c in token):
+                    return path, token
         log.warning("wire: %s is not a private token file of this user; writing a new one",
                     path)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # a link (ELOOP), unreadable: replaced below
+        log.warning("wire: %s cannot be read (%s); writing a new one", path,
+                    exc.strerror or exc)
     token = secrets.token_hex(TOKEN_BYTES)
     state_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
     tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     os.replace(tmp, path)
