@@ -31,6 +31,7 @@ from hydra_supervisor.config.profile import Profile as Profile
 from hydra_supervisor.config.profile import RestartPolicy as RestartPolicy
 from hydra_supervisor.config.profile import Transport as Transport
 from hydra_supervisor.config.profile import WireReads as WireReads
+from hydra_supervisor.config.profile import name_problem
 from hydra_supervisor.config.schema import (
     DEVICE_SCHEMA,
     NODE_SCHEMA,
@@ -92,6 +93,11 @@ def load_node(path: Path | None) -> Node:
     devices: dict[str, DeviceDecl] = dict(BUILTIN_DEVICES)
     for name, spec in (checked.get("devices") or {}).items():
         p: PathKey = ("devices", name)
+        bad = name_problem(str(name))
+        if bad:
+            problems.append((p, f"device {bad} (device names go into process and log file "
+                                "names)"))
+            continue
         if not isinstance(spec, dict):
             problems.append((p, "expected {cuda: N}, {cpu: true} or {endpoint: host:port}"))
             continue
@@ -206,6 +212,10 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, object] | None 
         problems.append((("prefill",), "used only with mode: peer (it fills this host's "
                          "ggml-rpc-server cache so a head elsewhere need not send the weights); "
                          "remove it, or put it in the peer host's profile"))
+    if "profile" not in data and name_problem(path.stem):
+        problems.append(((), f"this profile is named by its file name, and "
+                         f"{name_problem(path.stem)}: rename the file, or give it "
+                         "`profile: NAME`"))
     standby = data.get("standby")
     if isinstance(standby, str) and standby in (data.get("profile", path.stem), path.stem):
         problems.append((("standby",), "names this profile itself: give the profile of the "

@@ -7,9 +7,24 @@ docs/profiles.md for the keys.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+
+# A profile's or a device's name becomes part of file names in the state dir (logs/NAME.log,
+# pids/NAME.json) and of process names: letters, digits, '.', '_' and '-', 1 to 64 of them, not
+# starting with '.' or '-' (no '..', no hidden file, no option look-alike).
+NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter, digit or '_'"
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a profile or a device, or None."""
+    if _NAME.fullmatch(name):
+        return None
+    shown = repr(name) if len(name) <= 80 else f"{name[:40]!r}... ({len(name):,} characters)"
+    return f"{shown} is not a valid name: {NAME_RULE}"
 
 
 class Mode(Enum):

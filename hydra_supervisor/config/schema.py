@@ -13,7 +13,14 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import TypedDict
 
-from hydra_supervisor.config.profile import Mode, MoeSplit, PeerLoss, Transport, WireReads
+from hydra_supervisor.config.profile import (
+    Mode,
+    MoeSplit,
+    PeerLoss,
+    Transport,
+    WireReads,
+    name_problem,
+)
 from hydra_supervisor.config.yamlsrc import PathKey, Sourced
 from hydra_supervisor.errors import ConfigError
 
@@ -36,6 +43,14 @@ def _type(kind: type | tuple[type, ...], label: str) -> Checker:
         return v, []
 
     return check
+
+
+def _name(v: object, p: PathKey) -> Checked:
+    """A profile's name: it is used in file names (logs/NAME.log), so bounded (profile.py)."""
+    if not isinstance(v, str):
+        return None, [(p, f"expected a name, got {v!r}")]
+    why = name_problem(v)
+    return (None, [(p, why)]) if why else (v, [])
 
 
 def _enum(enum: type[Enum]) -> Checker:
@@ -232,7 +247,7 @@ EXPECT_SCHEMA: dict[str, Checker] = {
 }
 
 PROFILE_SCHEMA: dict[str, Checker] = {
-    "profile": _type(str, "a name"),
+    "profile": _name,
     "description": _type(str, "text"),
     "model": _type(str, "a model alias or a .gguf path"),
     "mode": _enum(Mode),

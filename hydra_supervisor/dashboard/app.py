@@ -65,6 +65,7 @@ SECURITY_HEADERS = [("Content-Security-Policy", CSP), ("X-Frame-Options", "DENY"
                     ("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "same-origin"),
                     ("Cache-Control", "no-store")]
 ACTION_TIMEOUT_S = 1800.0  # a switch loads a model: minutes on a big one
+MAX_BODY = 64 << 10  # bytes: the largest action body read (a switch's is ~50)
 
 
 def allowed_uids() -> frozenset[int]:
@@ -276,6 +277,12 @@ class Dashboard:
             return self._json(start, 403, {"error": why})
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return self._json(start, 400, {"error": "Content-Length is not a number"})
+        if not 0 <= length <= MAX_BODY:  # an action's body is a few bytes: never read more
+            return self._json(start, 413, {"error": f"request body of {length} bytes: an "
+                                           f"action takes at most {MAX_BODY}"})
+        try:
             raw = environ["wsgi.input"].read(length) if length else b""
             body = json.loads(raw or b"{}")
         except ValueError:
@@ -313,7 +320,8 @@ class Dashboard:
     def _json(start: StartResponse, code: int, body: Mapping[str, object]) -> Iterable[bytes]:
         data = json.dumps(body, default=str).encode()
         reason = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
-                  405: "Method Not Allowed", 409: "Conflict", 500: "Internal Server Error",
+                  405: "Method Not Allowed", 409: "Conflict", 413: "Content Too Large",
+                  500: "Internal Server Error",
                   503: "Service Unavailable", 504: "Gateway Timeout"}.get(code, "Error")
         start(f"{code} {reason}", [("Content-Type", "application/json"),
                                    ("Content-Length", str(len(data))), *SECURITY_HEADERS])

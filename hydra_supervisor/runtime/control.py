@@ -40,6 +40,8 @@ __all__ = ["ControlServer", "NotRunning", "call"]
 
 log = logging.getLogger("hydra")
 
+MAX_BODY = 64 << 10  # bytes: the largest request body read (a switch's is ~100)
+
 Handler = Callable[[dict[str, Any]], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
 
 
@@ -74,11 +76,23 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
         if handler is None:
             self._reply(404, {"error": f"no such control route: {method} {path}"})
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self._reply(400, {"error": "Content-Length is not a number"})
+            return
+        if not 0 <= length <= MAX_BODY:  # a request here is a few bytes: never read more
+            self.close_connection = True
+            self._reply(413, {"error": f"request body of {length} bytes: the control API "
+                                       f"takes at most {MAX_BODY}"})
+            return
         try:
             body = json.loads(self.rfile.read(length) or b"{}") if length else {}
         except ValueError:
             self._reply(400, {"error": "request body is not JSON"})
+            return
+        if not isinstance(body, dict):
+            self._reply(400, {"error": "request body must be a JSON object"})
             return
         fut = asyncio.run_coroutine_threadsafe(handler(body), self.server.loop)
         try:

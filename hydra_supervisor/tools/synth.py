@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import stat
+import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -36,7 +40,13 @@ import numpy as np
 
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.tools.install import source_dir
-from hydra_supervisor.tools.synth_gguf import add_model_kv, plan_tensors, write_header, write_tensor
+from hydra_supervisor.tools.synth_gguf import (
+    CHUNK_ELEMS,
+    add_model_kv,
+    plan_tensors,
+    write_header,
+    write_tensor,
+)
 
 ARCH = "llama"
 # progress(bytes of tensor data written so far, bytes in all): called after every chunk.
@@ -145,6 +155,99 @@ def _check_shape(n_layers: int, n_embd: int, n_head: int, n_head_kv: int, ctx: i
         raise HydraError(f"synthetic model: head dim {n_embd // n_head} must be even (RoPE)")
 
 
+# llama.cpp's own bounds (src/llama-hparams.h of the pinned build): a model past them does not
+# load, so writing one only fills a disk.
+MAX_LAYERS = 512  # LLAMA_MAX_LAYERS
+MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
+_TENSOR_INFO_RAM = 2048  # bytes of Python objects per tensor while the header is built (generous)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+@dataclass(frozen=True)
+class Size:
+    """What writing a shape costs, planned before a byte is written (plan_bytes)."""
+
+    data: int  # bytes of tensor data in the file
+    chunk: int  # peak memory for the random rows of one chunk and their quantized copy
+    table: int  # memory for the tensor table while the header is built
+
+    def ram(self, *, writes_data: bool = True) -> int:
+        return self.table + (self.chunk if writes_data else 0)
+
+
+def plan_bytes(*, n_layers: int, n_embd: int, n_head: int, n_head_kv: int, n_vocab: int,
+               qtype: gguf.GGMLQuantizationType, n_ff: int, n_expert: int) -> Size:
+    """The bytes a shape needs, by arithmetic: one layer's tensors are planned and multiplied,
+    so refusing a shape of 10^8 layers costs nothing."""
+    one = plan_tensors(n_layers=1, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                       n_vocab=n_vocab, qtype=qtype, n_ff=n_ff, n_expert=n_expert)
+    layer = [t for t in one if t.name.startswith("blk.0.")]
+    outside = [t for t in one if not t.name.startswith("blk.0.")]
+    widest = max(t.shape[-1] for t in one)  # write_tensor's chunk: at least one whole row
+    return Size(data=sum(t.n_bytes for t in outside) + n_layers * sum(t.n_bytes for t in layer),
+                chunk=3 * max(CHUNK_ELEMS, widest) * 4,  # float32 rows, temporaries, output
+                table=(len(outside) + n_layers * len(layer)) * _TENSOR_INFO_RAM)
+
+
+def check_fits(size: Size, *, n_layers: int, n_expert: int, out_dir: Path,
+               writes_data: bool = True) -> None:
+    """Refuse, before a byte is written, a shape llama.cpp cannot load or this host cannot
+    write: more layers or experts than llama.cpp takes, more memory than half of what is
+    available, more data than the target's filesystem has free (not `writes_data`: a
+    shape-only model, whose data is a sparse hole)."""
+    import psutil
+
+    what = f"synthetic model of {n_layers:,} layers: {size.data:,} bytes of tensors " \
+        f"({_gb(size.data)})"
+    if n_layers > MAX_LAYERS:
+        raise HydraError(f"{what}; llama.cpp loads at most {MAX_LAYERS} layers "
+                         "(LLAMA_MAX_LAYERS)", hint=f"--layers 1 to {MAX_LAYERS}")
+    if n_expert > MAX_EXPERTS:
+        raise HydraError(f"{what}; llama.cpp loads at most {MAX_EXPERTS} experts "
+                         "(LLAMA_MAX_EXPERTS)", hint=f"--experts 1 to {MAX_EXPERTS}")
+    ram, avail = size.ram(writes_data=writes_data), psutil.virtual_memory().available
+    if ram > avail // 2:
+        raise HydraError(f"{what}; writing it needs about {ram:,} bytes of memory "
+                         f"({_gb(ram)}), and {_gb(avail)} is available",
+                         hint="a narrower shape (--embd, --ff)")
+    if writes_data:
+        probe = out_dir
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:  # writable at all (root passes os.access even on a read-only /proc)
+            with tempfile.TemporaryFile(dir=probe):
+                pass
+        except OSError as exc:
+            raise HydraError(f"cannot write in {probe}: {exc.strerror or exc}",
+                             hint="write the model to a directory you can write") from None
+        free = shutil.disk_usage(probe).free
+        if size.data > free:
+            raise HydraError(f"{what}; {probe} has {free:,} bytes free ({_gb(free)})",
+                             hint="a smaller shape, or write it where there is room")
+
+
+def _target(out: Path) -> Path:
+    """OUT as a file to create or replace: a directory, FIFO, device or socket there is refused
+    (the model is renamed over OUT at the end: over /dev/zero that would replace the device)."""
+    try:
+        st = os.stat(out)
+    except FileNotFoundError:
+        return out
+    except OSError as exc:
+        raise HydraError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else
+                "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
+                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                "not a regular file")
+        raise HydraError(f"{out} is {kind}: the model is written as a new file there",
+                         hint="give a file name, e.g. model.gguf") from None
+    return out
+
+
 def _write(
     path: str | os.PathLike[str],
     *,
@@ -169,8 +272,10 @@ def _write(
         raise HydraError(f"synthetic model: unknown ftype {ftype!r}; one of {', '.join(FTYPES)}")
     qtype, file_type = FTYPES[ftype]
     tok_entries, n_vocab = _read_tokenizer(vocab)
-
-    out = Path(path)
+    out = _target(Path(path))
+    size = plan_bytes(n_layers=n_layers, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      n_vocab=n_vocab, qtype=qtype, n_ff=n_ff, n_expert=n_expert)
+    check_fits(size, n_layers=n_layers, n_expert=n_expert, out_dir=out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename at the end: a crash never leaves a truncated model there.
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
@@ -356,8 +461,12 @@ def write_shape_only(
             f"one of {', '.join(SHAPE_TYPES)}"
         )
     qtype, file_type = SHAPE_TYPES[weight_type]
-
-    out = Path(path)
+    out = _target(Path(path))
+    size = plan_bytes(n_layers=n_layers, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      n_vocab=vocab_size, qtype=qtype, n_ff=ff,
+                      n_expert=n_expert if kind == "moe" else 0)
+    check_fits(size, n_layers=n_layers, n_expert=n_expert, out_dir=out.parent,
+               writes_data=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(tmp, ARCH)

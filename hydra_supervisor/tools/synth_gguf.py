@@ -15,7 +15,7 @@ import numpy as np
 
 WEIGHT_STD = 0.02
 # Elements generated per chunk: bounds peak RAM (float32 source + quantized copy) to ~100 MB.
-_CHUNK_ELEMS = 8 * 1024 * 1024
+CHUNK_ELEMS = 8 * 1024 * 1024
 
 QT = gguf.GGMLQuantizationType
 
@@ -144,7 +144,7 @@ def write_tensor(fout: BinaryIO, t: _TensorPlan, rng: np.random.Generator,
                   advance: Callable[[int], None]) -> None:
     cols = t.shape[-1]
     rows = math.prod(t.shape[:-1])
-    chunk_rows = max(1, _CHUNK_ELEMS // cols)
+    chunk_rows = max(1, CHUNK_ELEMS // cols)
     written = 0
     for start in range(0, rows, chunk_rows):
         n = min(chunk_rows, rows - start)
