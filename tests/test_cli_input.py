@@ -9,6 +9,8 @@ snapshot (cli/running.py) and, marked slow, against a real `hydra up` on a non-d
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +50,32 @@ def _profile_on(tmp: Path, port: int) -> str:
     return str(path)
 
 
+def _fifo(tmp: Path, name: str = "fifo.yaml") -> str:
+    path = tmp / name
+    if not path.exists():
+        os.mkfifo(path)
+    return str(path)
+
+
+def _dir(tmp: Path, name: str = "dir.yaml") -> str:
+    (tmp / name).mkdir(exist_ok=True)
+    return str(tmp / name)
+
+
+def _with(tmp: Path, text: str, name: str = "p.yaml") -> str:
+    """A profile file holding `text`."""
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+def _dangling(tmp: Path) -> str:
+    link = tmp / "gone.yaml"
+    if not link.is_symlink():
+        link.symlink_to(tmp / "nothing-here.yaml")
+    return str(link)
+
+
 Args = Callable[[Path, int], list[str]]
 
 # (id, arguments given a tmp dir and a held port, a word the error line must carry)
@@ -78,6 +106,43 @@ BAD: list[tuple[str, Args, str]] = [
     ("configure-host", lambda t, h: ["configure", "--host", "nosuch.invalid", "-p", "9",
                                      "temp=1"], "nosuch.invalid"),
     ("switch-no-profile", lambda t, h: ["switch"], "missing argument"),
+    # issue 31: each kind of path with its own cause, never "does not exist" for what exists
+    ("profile-is-a-device", lambda t, h: ["plan", "-p", "/dev/zero"], "is a device"),
+    ("profile-is-a-fifo", lambda t, h: ["up", "-p", _fifo(t)], "is a FIFO"),
+    ("profile-is-a-directory", lambda t, h: ["plan", "-p", _dir(t)], "is a directory"),
+    ("profile-dangling-link", lambda t, h: ["plan", "-p", _dangling(t)],
+     "symbolic link to"),
+    ("profile-under-a-file", lambda t, h: ["plan", "-p", "/etc/hostname/x.yaml"],
+     "a part of its path is a file"),
+    ("profile-missing", lambda t, h: ["plan", "-p", str(t / "none.yaml")], "does not exist"),
+    ("node-is-a-device", lambda t, h: ["plan", "--node", "/dev/zero", "-p", "demo"],
+     "node file /dev/zero is a device"),
+    ("model-is-a-device", lambda t, h: ["plan", "-p", _with(t, "model: /dev/zero\n")],
+     "is a device"),
+    ("model-is-a-fifo", lambda t, h: ["up", "-p", _with(t, f"model: {_fifo(t, 'm.gguf')}\n")],
+     "is a FIFO"),
+    ("model-is-a-directory", lambda t, h: ["plan", "-p",
+                                           _with(t, f"model: {_dir(t, 'm')}\n")],
+     "is a directory"),
+    ("profile-host-does-not-resolve",
+     lambda t, h: ["up", "-p", _with(t, "model: synth-dense\nhost: nosuch.invalid\nport: 0\n")],
+     "host nosuch.invalid does not resolve"),
+    ("profile-name-escapes", lambda t, h: ["up", "-p", _with(t, "profile: ../../escape\n"
+                                                                "model: synth-dense\n")],
+     "not a valid name"),
+    ("token-file-is-a-device",
+     lambda t, h: ["configure", "-p", "9", "--token-file", "/dev/zero", "temp=1"],
+     "is a device"),
+    ("token-file-is-a-fifo",
+     lambda t, h: ["configure", "-p", "9", "--token-file", _fifo(t, "tok"), "temp=1"],
+     "is a FIFO"),
+    ("token-file-is-no-token",
+     lambda t, h: ["configure", "-p", "9", "--token-file", "/etc/hostname", "temp=1"],
+     "holds no hydra token"),
+    ("synth-unwritable", lambda t, h: ["synth", "dense", "/proc/x.gguf"], "cannot write"),
+    ("synth-over-a-device", lambda t, h: ["synth", "dense", "/dev/null"], "is a device"),
+    ("synth-huge", lambda t, h: ["synth", "dense", str(t / "x.gguf"), "--layers", "100000000"],
+     "at most 512 layers"),
 ]
 
 
@@ -93,6 +158,24 @@ def test_bad_input_is_one_error_line(hydra_env: dict[str, str], tmp_path: Path, 
     # nothing started: no child log, no hydra record left behind
     state = Path(hydra_env["HYDRA_STATE_DIR"])
     assert not list(state.glob("logs/*.head.log")) and not (state / "supervisor.json").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="root drops its capabilities with setpriv to meet a file it cannot "
+                           "read")
+def test_an_unreadable_profile_says_so(hydra_env: dict[str, str], tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    prof = tmp_path / "theirs.yaml"
+    prof.write_text("model: synth-dense\n")
+    prof.chmod(0o600)
+    os.chown(prof, 65534, 65534)
+    res = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all",
+                          "--securebits=+noroot,+noroot_locked", *HYDRA, "plan", "-p",
+                          str(prof)], env=hydra_env, capture_output=True, text=True,
+                         timeout=60, cwd=REPO, check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res
+    assert res.stderr.startswith(f"error: profile file {prof} cannot be read: permission "
+                                 "denied"), res.stderr
 
 
 def test_a_bad_environment_port_is_one_error_line(hydra_env: dict[str, str]) -> None:

@@ -71,4 +71,4 @@ def test_nothing_listening_is_not_running() -> None:
 
 def test_a_bad_token_file_is_bad_input(tmp_path: Path) -> None:
     code, out = run("top_k=3", "-p", "1", "--token-file", str(tmp_path / "missing"))
-    assert code == exits.BAD_INPUT and "cannot read the token" in out, out
+    assert code == exits.BAD_INPUT and "missing does not exist" in out, out

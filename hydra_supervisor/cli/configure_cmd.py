@@ -97,6 +97,27 @@ def _address(host: str | None, port: int | None) -> tuple[str, int]:
     return host or "127.0.0.1", 8080
 
 
+def _token_from(path: Path) -> str:
+    """--token-file's token: a readable regular file holding one token and nothing else
+    (what `hydra up` writes to STATE/wire.token); anything else is refused, never sent."""
+    from hydra_supervisor.config import infile
+
+    hint = "--token-file names a copy of STATE/wire.token (64 hex digits)"
+    infile.check(path, "--token-file", hint=hint)
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(4 * trust.TOKEN_BYTES + 1)
+    except OSError as e:
+        raise HydraError(f"--token-file {path} cannot be read: {e.strerror or e}",
+                         hint=hint) from None
+    token = raw.decode(errors="replace").strip()
+    if not trust.is_token(token):
+        shown = f"{len(raw):,} bytes" if len(raw) <= 4 * trust.TOKEN_BYTES else "more bytes"
+        raise HydraError(f"--token-file {path} holds no hydra token ({shown}; a token is "
+                         f"{2 * trust.TOKEN_BYTES} hex digits): nothing was sent", hint=hint)
+    return token
+
+
 @click.command("configure")
 @click.argument("settings", nargs=-1)
 @click.option("--host", default=None,
@@ -130,11 +151,7 @@ def configure_command(settings: tuple[str, ...], host: str | None, port: int | N
     host, port = _address(host, port)
     token = None
     if token_file is not None:
-        try:
-            token = trust.read_token(token_file)
-        except OSError as e:
-            raise HydraError(f"cannot read the token: {e}",
-                             hint="--token-file names a copy of STATE/wire.token") from None
+        token = _token_from(token_file)
     try:
         status, meta, _ = client.request(host, port, Op.CONFIGURE, slot,
                                          json.dumps(params).encode(), timeout=timeout,

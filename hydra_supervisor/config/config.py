@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
+from hydra_supervisor.config import infile
 from hydra_supervisor.config.paths import repo_root
 
 # The dataclasses and enums live in profile.py. Re-exported (`X as X`) because they are imported
@@ -66,16 +67,10 @@ def default_node() -> Node:
 
 def find_node_file(explicit: str | None) -> Path | None:
     if explicit:
-        path = Path(explicit)
-        if not path.is_file():
-            raise HydraError(f"node file {path} does not exist")
-        return path
+        return infile.check(Path(explicit), "node file")
     env = os.environ.get("HYDRA_NODE")
     if env:
-        path = Path(env)
-        if not path.is_file():
-            raise HydraError(f"node file {path} (from $HYDRA_NODE) does not exist")
-        return path
+        return infile.check(Path(env), "node file ($HYDRA_NODE)")
     config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     home = config / "hydra" / "node.yaml"
     return home if home.is_file() else None
@@ -162,9 +157,7 @@ def known_profiles(extra: str | None = None) -> dict[str, Path]:
 def find_profile(name_or_path: str, extra: str | None = None) -> Path:
     as_path = Path(name_or_path)
     if as_path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
-        if as_path.is_file():
-            return as_path
-        raise HydraError(f"profile file {as_path} does not exist")
+        return infile.check(as_path, "profile file")
     known = known_profiles(extra)
     if name_or_path in known:
         return known[name_or_path]

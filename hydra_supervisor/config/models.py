@@ -11,6 +11,7 @@ import importlib
 from pathlib import Path
 from typing import TypedDict
 
+from hydra_supervisor.config import infile
 from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
 
@@ -106,10 +107,9 @@ def resolve_model(ref: str, node: Node, profile_dir: Path | None = None) -> Path
         path = Path(node.models[ref]).expanduser()
         if path.is_dir():
             raise _is_directory(ref, path, f" (from {node.source})")
-        if not path.is_file():
-            raise HydraError(
-                f"model '{ref}' maps to {path} in {node.source}, but that file does not exist"
-            )
+        why = infile.kind_problem(path)
+        if why is not None:
+            raise HydraError(f"model '{ref}' maps to {path} in {node.source}, which {why}")
         return path
     tried: list[Path] = []
     candidate = Path(ref).expanduser()
@@ -122,9 +122,13 @@ def resolve_model(ref: str, node: Node, profile_dir: Path | None = None) -> Path
         tried.append(path)
         if path.is_file():
             return path
-    for path in candidates:  # a miss that is a directory says so, not "not found"
+    for path in candidates:  # a miss that is there says what it is, not "not found"
         if path.is_dir():
             raise _is_directory(ref, path, "")
+        why = infile.kind_problem(path)
+        if why is not None and why != "does not exist":
+            raise HydraError(f"model '{ref}': {path} {why}",
+                             hint="give the path of a .gguf file")
     aliases = sorted([*BUILTIN_ALIASES, *node.models])
     raise HydraError(
         f"model file not found: '{ref}' (tried {', '.join(str(p) for p in tried)})",

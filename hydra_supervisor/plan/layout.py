@@ -29,7 +29,7 @@ from hydra_supervisor.plan import devices, flagcheck, resolver
 from hydra_supervisor.plan.devices import Device, Inventory
 from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
 from hydra_supervisor.plan.plan import Address, EngineSpec, Plan
-from hydra_supervisor.plan.ports import ephemeral_range, port_free, port_holder
+from hydra_supervisor.plan.ports import bind_problem, ephemeral_range, port_free
 from hydra_supervisor.proc import rpcproto
 from hydra_supervisor.tools import binaries, buildid, install
 
@@ -205,18 +205,23 @@ def check_ports(plan: Plan, external: Address,
     """Every port the plan binds is free, and the `external` address its router will bind,
     except `ours` (held by this hydra's running layout or its router, which a switch frees or
     keeps). A `router: false` head binds the external address itself: checked as the head."""
-    if plan.router and external.port not in ours and \
-            not port_free(external.host, external.port):
-        raise HydraError(
-            f"port {external.port} on {external.host} (the profile's external port) is "
-            f"already in use by {port_holder(external.port)}",
-            hint="stop that process, or pick another port: hydra up --port N")
+    why = bind_problem(external.host, external.port) \
+        if plan.router and external.port not in ours else None
+    if why:
+        raise HydraError(f"{why} (the profile's external port {external.port})",
+                         hint=_bind_hint(why))
     for eng in plan.engines:
-        if eng.managed and eng.port not in ours and not port_free(eng.host, eng.port):
-            raise HydraError(
-                f"port {eng.port} on {eng.host} (for {eng.name}) is already in use by "
-                f"{port_holder(eng.port)}",
-                hint="stop that process, or pick another port: hydra up --port N")
+        why = bind_problem(eng.host, eng.port) \
+            if eng.managed and eng.port not in ours else None
+        if why:
+            raise HydraError(f"{why} (for {eng.name})", hint=_bind_hint(why))
+
+
+def _bind_hint(why: str) -> str:
+    if "in use" in why:
+        return "stop that process, or pick another port: hydra up --port N"
+    return ("bind an address of this host (the profile's host:, or hydra up --host): "
+            "127.0.0.1, 0.0.0.0 (every interface), or one `ip addr` lists")
 
 
 def check_remote_peers(plan: Plan, timeout: float = 5.0, node: Node | None = None) -> None:

@@ -10,21 +10,37 @@ default port ranges sit there.
 
 from __future__ import annotations
 
+import errno
 import socket
 
 import psutil
 
 
 def port_free(host: str, port: int) -> bool:
+    return bind_problem(host, port) is None
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why hydra could not listen on host:port, in words, or None when it can: in use (the
+    holder named), a name that does not resolve, an address no interface has, a port below
+    1024 without the right. A name is resolved first, so an unknown host is never called "in
+    use"."""
     bind_host = "0.0.0.0" if host in ("", "*") else host
-    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as exc:
+        return f"host {host} does not resolve ({getattr(exc, 'strerror', None) or exc})"
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((bind_host, port))
-        except OSError:
-            return False
-    return True
+            s.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is already in use by {port_holder(port)}"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"{host} is not an address of this host"
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def port_holder(port: int) -> str:

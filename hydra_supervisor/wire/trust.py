@@ -143,8 +143,7 @@ def ensure_token(state_dir: Path) -> tuple[Path, str]:
             if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
                     and stat.S_IMODE(st.st_mode) & 0o077 == 0):
                 token = f.read(4 * TOKEN_BYTES).decode(errors="replace").strip()
-                if len(token) == 2 * TOKEN_BYTES and all(c in "0123456789abcdef"
-                                                         for c in token):
+                if is_token(token):
                     return path, token
         log.warning("wire: %s is not a private token file of this user; writing a new one",
                     path)
@@ -165,8 +164,9 @@ def ensure_token(state_dir: Path) -> tuple[Path, str]:
     return path, token
 
 
-def read_token(path: Path) -> str:
-    return path.read_text().strip()
+def is_token(text: str) -> bool:
+    """`text` is a token as ensure_token writes it (64 lowercase hex digits)."""
+    return len(text) == 2 * TOKEN_BYTES and all(c in "0123456789abcdef" for c in text)
 
 
 def split_trace(trace: str) -> tuple[str | None, str]:
