@@ -422,6 +422,17 @@ def test_router_reads_model_from_json_bodies_up_to_its_cap_only():
     assert request_defaults.model_in(b'{"model":"a"}') == ("a", True)
 
 
+def test_a_model_that_is_not_a_string_counts_as_no_model():
+    """Issue 31: `"model": 42` or `null` goes where a body without `model` goes (the port's
+    default profile), as llama-server reads the field: its json_value() takes null, and a value
+    of the wrong type (with a warning), as the default, so a single-model llama-server answers
+    200 to each (checked on the pinned build: curl -d '{"model":42,"messages":[...]}' and
+    null, [1], {} all 200) and its router mode gives each the answer of a missing model."""
+    for raw in (b'{"model":42}', b'{"model":null}', b'{"model":[1]}', b'{"model":{}}',
+                b'{"model":true}', b'{"messages":[]}'):
+        assert request_defaults.model_in(raw) == (None, True), raw
+
+
 # -- 7. status after a kill -9 of hydra --------------------------------------------------------
 
 

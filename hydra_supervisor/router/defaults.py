@@ -89,7 +89,9 @@ def model_of(body: bytes) -> str | None:
 def model_in(body: bytes) -> tuple[str | None, bool]:
     """(the ``model`` of a JSON object body or None, whether the body could be read): a body
     that looks like a JSON object but does not parse here (nested past Python's recursion
-    limit, or malformed) is unreadable, and the router must not guess where it goes."""
+    limit, or malformed) is unreadable, and the router must not guess where it goes. A
+    ``model`` that is null or not a string is None, as if absent: llama-server's json_value()
+    reads it so (docs/routing.md)."""
     text = _json_object(body)
     if text is None:
         return None, True
