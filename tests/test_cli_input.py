@@ -139,6 +139,7 @@ BAD: list[tuple[str, Args, str]] = [
     ("token-file-is-no-token",
      lambda t, h: ["configure", "-p", "9", "--token-file", "/etc/hostname", "temp=1"],
      "holds no hydra token"),
+    ("bench-plot-fifo", lambda t, h: ["bench", "--plot", _fifo(t, "plot.html")], "is a FIFO"),
     ("synth-unwritable", lambda t, h: ["synth", "dense", "/proc/x.gguf"], "cannot write"),
     ("synth-over-a-device", lambda t, h: ["synth", "dense", "/dev/null"], "is a device"),
     ("synth-huge", lambda t, h: ["synth", "dense", str(t / "x.gguf"), "--layers", "100000000"],

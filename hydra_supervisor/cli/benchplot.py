@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hydra_supervisor.config import infile
 from hydra_supervisor.errors import HydraError
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -114,6 +115,13 @@ def check_target(path: Path) -> None:
                          hint=f"mkdir -p {parent}, or write the chart elsewhere")
     if not os.access(parent, os.W_OK):
         raise HydraError(f"--plot {path}: directory {parent} is not writable")
+    try:
+        kind = infile.kind_of(os.stat(path))
+    except OSError:
+        kind = None  # not there yet: written new
+    if kind is not None:  # a FIFO would block the write, a device take the page
+        raise HydraError(f"--plot {path} is {kind}, not a file",
+                         hint="name a new .html or .png file")
     if suffix == ".png" and chromium() is None:
         raise HydraError("--plot .png renders the chart with a headless Chromium, and none is "
                          "installed", hint="write .html instead (it opens offline), or install "

@@ -16,7 +16,7 @@ from pathlib import Path
 from hydra_supervisor.errors import HydraError
 
 
-def _kind(st: os.stat_result) -> str | None:
+def kind_of(st: os.stat_result) -> str | None:
     """What a non-regular file is, in words; None for a regular file."""
     mode = st.st_mode
     if stat.S_ISREG(mode):
@@ -48,7 +48,7 @@ def kind_problem(path: Path) -> str | None:
         if exc.errno == errno.ELOOP:
             return "is a loop of symbolic links"
         return f"cannot be read: {exc.strerror or exc}"
-    kind = _kind(st)
+    kind = kind_of(st)
     if kind is not None:
         return f"is {kind}, not a file"
     if not os.access(path, os.R_OK):
