@@ -252,3 +252,4 @@ def test_restart_head_lets_a_stream_finish_and_holds_a_request_meanwhile(hydra_u
     assert status == 200 and text, got["held"]
     head = up.engine("head")
     assert head["pid"] != old_head and head["restarts"] == 1, head
+    print("hydra restart head during a stream:", reply["phases"], reply["total_s"])
