@@ -725,6 +725,9 @@ class Lane:
             with phase("restart"):
                 await sup.restart(name, fail_fast=True)
                 await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
+            rep.result = Result.OK
+            # before the release: a held request finds its cached prompt
+            await keepslots.restore(self.head_addr, self.state, dep, dep, saved, rep)
         except (LayoutFailed, Fatal) as exc:
             raise RestartFailed(await self._restart_failed(name, sup, dep, exc, rep, phase)
                                 ) from exc
@@ -735,8 +738,6 @@ class Lane:
                 self._to(LaneState.SERVING)
                 self.sync_gate()  # releases the held requests to the READY head
                 self._changed()
-        rep.result = Result.OK
-        await keepslots.restore(self.head_addr, self.state, dep, dep, saved, rep)
         phase.done()
         self._emit(Kind.RESTARTED, name, "hydra restart", seconds=rep.total_s)
         return rep
