@@ -1,10 +1,10 @@
 """The Supervisor's restart policy: its answer to each failure the watching saw. A head that
 exited (its peers checked first: their loss explains it, and the status names whichever of them
 ended first) or hung restarts alone, after its backoff, and reuses its running peers (a
-ggml-rpc-server outlives its head: process.py); a spent budget is FATAL. A lost peer takes its head down, then on_peer_loss says:
-restart the pair (peers first, after their backoff), degrade the head to SOLO meanwhile (the
-peers come back in the background; back to COMBINE once SOLO and the peers have been stable as
-long), or fail (FATAL)."""
+ggml-rpc-server outlives its head: process.py); a spent budget is FATAL. A lost peer takes
+its head down, then on_peer_loss says: restart the pair (peers first, after their backoff),
+degrade the head to SOLO meanwhile (the peers come back in the background; back to COMBINE once
+SOLO and the peers have been stable as long), or fail (FATAL)."""
 
 from __future__ import annotations
 
