@@ -59,6 +59,8 @@ class FakeChild:
         self.world, self.name, self.pid, self.port, self.argv, self.b = \
             world, name, pid, port, list(argv), b
         self.returncode: int | None = None
+        self.exited_at: float | None = None  # policy time of the exit
+        self.outlive_client = False  # spawned with SIGPIPE ignored (a ggml-rpc-server)
         self.ready = False
         self.frozen = False
         self.busy = False  # /health silent, CPU advancing (a burst)
@@ -94,6 +96,7 @@ class FakeChild:
     def exit(self, code: int) -> None:
         if self.returncode is None:
             self.returncode = code
+            self.exited_at = self.world.clock()
             self.ready = False
             self._exited.set()
             self._life.cancel()
@@ -173,8 +176,8 @@ class FakeWorld:
         raise AssertionError(f"timed out after {timeout} policy seconds")
 
     # -- seams ----------------------------------------------------------------------------
-    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], log: Path
-                    ) -> process.Child:
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], log: Path, *,
+                    outlive_client: bool = False) -> process.Child:
         name = Path(log).stem
         args = list(argv)
         flag = "--port" if "--port" in args else "-p"
@@ -185,6 +188,7 @@ class FakeWorld:
         b = queue.pop(0) if queue else self.default
         self._pid += 1
         child = FakeChild(self, name, self._pid, port, args, b)
+        child.outlive_client = outlive_client
         self.children.append(child)
         if self.on_spawn is not None:
             self.on_spawn(child)

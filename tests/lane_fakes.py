@@ -106,6 +106,7 @@ class FakeRoute(Route):
         self.calls.append(("unavailable", reason))
 
     def wait_idle(self, timeout: float) -> int:
+        self.calls.append(("drain", timeout))
         return self.inflight_left
 
     def cut_inflight(self, reason: str, requeue: bool = False) -> int:
@@ -174,6 +175,7 @@ class FakePid:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self.exited_at: float | None = None
 
     async def wait(self) -> int:
         raise NotImplementedError("a fake supervisor never waits on its children")

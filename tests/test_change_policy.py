@@ -70,8 +70,8 @@ async def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]], first
     usage text) to its log."""
     counts: dict[str, int] = {}
 
-    async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path
-                    ) -> process.Child:
+    async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path, *,
+                    outlive_client: bool = False) -> process.Child:
         name = Path(log).stem.split(".", 1)[-1]  # the role: a lane names it PROFILE.ROLE
         counts[name] = counts.get(name, 0) + 1
         Path(log).parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ async def _engine(tmp: Path, w: FakeWorld, bad_logs: dict[str, list[int]], first
             text = f"{BAD_ARG}\n\nusage:\n  -h, --help   print usage and exit\n\n" \
                 "to show complete usage, run with -h\n"
         Path(log).write_text(text)
-        return await w.spawn(argv, env, log)
+        return await w.spawn(argv, env, log, outlive_client=outlive_client)
 
     seams = dataclasses.replace(w.seams(), spawn=spawn)
     eng = Port(StateDir(tmp / "state"), "127.0.0.1", 8080, node=Node({}),

@@ -164,3 +164,63 @@ def test_rpc_protocol_mismatch_is_refused(hydra_env, tmp_path):
         srv.close()
     assert res.returncode == 2
     assert "speaks ggml-RPC protocol 6.1.0" in res.stderr and "7.0.x" in res.stderr
+
+
+def test_head_killed_under_traffic_keeps_its_peer(hydra_up, hydra_env):
+    """kill -9 of a COMBINE head while requests stream through it: its ggml-rpc-server (which
+    used to die of SIGPIPE writing to the dead head, 5 of 8 kills) keeps its pid, the head
+    alone restarts and reuses it, no request that had not started fails. Prints kill → READY
+    and kill → the next answer (docs/supervision.md)."""
+    import time
+
+    from hydra_supervisor.testing.harness import snapshot
+    from hydra_supervisor.testing.load import Load
+
+    up = hydra_up("--profile", "demo-combine", "--port", "0")
+    up.wait_ready()
+    port = snapshot(hydra_env).ports[0].port
+    peer_pid = up.engine("peer-cpu-peer")["pid"]
+    took = []
+    with Load(port) as load:
+        wait_until(lambda: load.ok >= 2, 60, "first requests served")
+        for phase in (0.8, 0.5, 0.2):
+            head_pid = up.engine("head")["pid"]
+            # kill it mid-token of a long stream: while its peer computes the next token and
+            # is about to send the logits (the write that used to die of SIGPIPE)
+            chunks = threading.Semaphore(0)
+            times: list[float] = []
+
+            def stream(chunks: threading.Semaphore = chunks, times: list[float] = times
+                       ) -> None:
+                client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                timeout=60, max_retries=0)
+                try:
+                    for _ in client.chat.completions.create(
+                            model="x", messages=[{"role": "user", "content": "Tell a story"}],
+                            max_tokens=200, stream=True):
+                        times.append(time.monotonic())
+                        chunks.release()
+                except Exception:  # noqa: BLE001 - cut by the kill: expected
+                    chunks.release()
+            threading.Thread(target=stream, daemon=True).start()
+            for _ in range(4):
+                assert chunks.acquire(timeout=60), "the stream's first tokens"
+            assert len(times) >= 4, "the stream ended early"
+            time.sleep((times[3] - times[2]) * phase)  # into the next token, at its pace
+            n = load.ok
+            os.kill(head_pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_until(lambda p=head_pid: (e := up.engine("head"))["state"] == "READY"
+                       and e["pid"] not in (None, p), 120, "head restarted", interval=0.05)
+            ready = time.monotonic() - t0
+            wait_until(lambda n=n: load.ok > n, 120, "a request served after the kill",
+                       interval=0.05)
+            took.append((ready, time.monotonic() - t0))
+            peer = up.engine("peer-cpu-peer")
+            assert peer["pid"] == peer_pid and peer["state"] == "READY", peer
+            assert peer["restarts"] == 0 and psutil.pid_exists(peer_pid)
+    assert load.failures == [], load.failures
+    head = up.engine("head")
+    assert head["restarts"] == 3 and head["last_exit"] == -signal.SIGKILL, head
+    print("kill -9 head -> READY / next answer (s):",
+          ", ".join(f"{r:.2f} / {a:.2f}" for r, a in took))

@@ -320,3 +320,58 @@ def test_a_switch_to_what_serves_is_a_no_op_that_says_so(engine: Port) -> None:
         await engine.shutdown("test")
 
     asyncio.run(go())
+
+
+def test_restart_holds_drains_restarts_then_releases(engine: Port) -> None:
+    """`hydra restart` is planned as a switch is: new requests held first, those in flight
+    drained (bounded by the switch drain), then the restart, then the release to the READY
+    head; the lane says `switching` meanwhile."""
+    async def go() -> None:
+        await started(engine, dep("a", peers=1))
+        lane = lane_of(engine)
+        sup = lane.sup
+        assert isinstance(sup, FakeSupervisor)
+        r = route(engine)
+        seen: dict[str, object] = {}
+
+        async def restart(name: str, fail_fast: bool = False) -> None:
+            r.calls.append(("restart", name))
+            seen.update(held=r.held, state=lane.state_now().value, fail_fast=fail_fast)
+            sup.head.to(State.STOPPING, "planned restart")  # the gate stays the change's
+            seen["held_while_stopping"] = r.held
+            sup.head.to(State.STARTING, "spawning")
+            sup.head.to(State.READY, "health check passed")
+        sup.restart = restart  # type: ignore[method-assign]
+        r.calls.clear()
+        rep = await lane.restart("head")
+        assert rep.result == "ok" and rep.restarted == ["a.head"], rep
+        assert list(rep.phases) == ["hold", "drain", "restart"], rep.phases
+        calls = [c for c, _ in r.calls]
+        assert calls.index("hold") < calls.index("drain") < calls.index("restart") \
+            < calls.index("release"), r.calls
+        assert ("drain", 0.1) in r.calls  # the switch's drain bound
+        assert seen["held"] == "restarting a.head (hydra restart)"
+        assert seen["held_while_stopping"] == "restarting a.head (hydra restart)"
+        assert seen["state"] == "switching" and seen["fail_fast"] is True
+        assert r.held is None and lane.state_now().value == "serving"
+        assert rep.cut == 0 and rep.notes == []
+        await engine.shutdown("test")
+
+    asyncio.run(go())
+
+
+def test_restart_whose_drain_runs_out_cuts_only_partial_answers(engine: Port) -> None:
+    async def go() -> None:
+        await started(engine, dep("a"))
+        lane = lane_of(engine)
+        r = route(engine)
+        r.inflight_left, r.unanswered = 3, 2  # 2 without a response byte: sent again
+        rep = await lane.restart("head")
+        assert rep.result == "ok" and rep.cut == 1, rep
+        assert ("cut", True) in r.calls
+        assert any("3 requests still in flight" in n and "2 without a response byte sent "
+                   "again to the restarted head" in n for n in rep.notes), rep.notes
+        assert r.held is None
+        await engine.shutdown("test")
+
+    asyncio.run(go())

@@ -219,3 +219,23 @@ def test_a_failed_reload_quotes_only_the_failing_runs_lines(hydra_up, hydra_env,
             for x in p.read_text().splitlines()[:1]]
     assert len([r for r in runs if r is not None]) == 3, runs
     assert up.stop() == 0
+
+
+def test_a_peer_is_spawned_with_sigpipe_ignored_and_a_head_is_not(tmp_path):
+    """A ggml-rpc-server child (`outlive_client`) keeps SIGPIPE ignored across exec — a head
+    killed mid-answer must not kill it (process.py) — though Python's subprocess resets it to
+    the default for children; any other child gets the default."""
+    def sigign(outlive: bool) -> int:
+        log = tmp_path / "logs" / f"x{outlive}.log"
+
+        async def go() -> int:
+            child = await process.spawn(["cat", "/proc/self/status"], {}, log,
+                                        outlive_client=outlive)
+            return await child.wait()
+
+        assert asyncio.run(go()) == 0
+        line = next(x for x in log.read_text().splitlines() if x.startswith("SigIgn:"))
+        return int(line.split()[1], 16)
+
+    assert sigign(True) & (1 << (13 - 1))  # SIGPIPE is signal 13: bit 12
+    assert not sigign(False) & (1 << (13 - 1))

@@ -132,6 +132,69 @@ def test_head_exit_with_healthy_peer_restarts_head_only(tmp_path: Path) -> None:
     go(tmp_path, body)
 
 
+def test_a_peer_is_spawned_to_outlive_its_head(tmp_path: Path) -> None:
+    """A ggml-rpc-server is started with SIGPIPE ignored (a head killed mid-answer must not
+    take it down); a llama-server is not."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1), tmp).start()
+        await r.all_ready()
+        assert w.live("peer-0").outlive_client  # type: ignore[union-attr]
+        assert not w.live("head").outlive_client  # type: ignore[union-attr]
+        peer = w.live("peer-0")
+        w.live("head").kill()  # type: ignore[union-attr]  # kill -9 of the head
+        await r.until(lambda: len(w.spawned("head")) == 2)
+        await r.all_ready()
+        assert w.live("peer-0") is peer and r.mp("peer-0").restarts == 0  # reused
+        assert r.mp("head").last_exit == -signal.SIGKILL
+        died = [why for n, st, why in r.transitions if n == "head" and st == "BACKOFF"]
+        assert died == ["head killed by SIGKILL; restart 1 in 1.0s"], died
+        await r.stop()
+    go(tmp_path, body)
+
+
+def test_a_head_that_died_before_its_peer_is_named_as_the_cause(tmp_path: Path) -> None:
+    """The head killed, its peer dying after it (an rpc-server that still dies of SIGPIPE):
+    the pair restarts, and the status says the head died first — not that it was killed
+    "after its peer was lost"."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1), tmp).start()
+        await r.all_ready()
+        w.live("head").kill()  # type: ignore[union-attr]
+        await w.sleep(0.05)
+        w.live("peer-0").kill(-signal.SIGPIPE)  # type: ignore[union-attr]
+        await r.until(lambda: len(w.spawned()) == 4)
+        await r.all_ready()
+        assert w.spawned() == ["peer-0", "head", "peer-0", "head"]
+        head_why = [why for n, st, why in r.transitions if n == "head" and st == "STOPPED"]
+        assert head_why == ["killed by SIGKILL (it died first; its peer was lost after it)"], \
+            head_why
+        peer_why = [why for n, st, why in r.transitions if n == "peer-0" and st == "BACKOFF"]
+        assert peer_why and peer_why[0].startswith(
+            "peer peer-0 killed by SIGPIPE after its head died (head killed by SIGKILL)"), \
+            peer_why
+        assert r.mp("head").backoff.consecutive == 0  # counted as the pair's restart
+        await r.stop()
+    go(tmp_path, body)
+
+
+def test_a_peer_that_died_before_its_head_is_named_as_the_cause(tmp_path: Path) -> None:
+    """The other order (a peer killed, its head aborting at its next request): the head
+    "exit 134 after its peer was lost"."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1), tmp).start()
+        await r.all_ready()
+        w.live("peer-0").kill()  # type: ignore[union-attr]
+        w.live("head").kill(134)  # type: ignore[union-attr]
+        await r.until(lambda: len(w.spawned()) == 4)
+        await r.all_ready()
+        head_why = [why for n, st, why in r.transitions if n == "head" and st == "STOPPED"]
+        assert len(head_why) == 1 and head_why[0].startswith(
+            "exit 134 (SIGABRT: llama.cpp aborted) after its peer was lost (peer peer-0 "
+            "killed by SIGKILL"), head_why
+        await r.stop()
+    go(tmp_path, body)
+
+
 def test_frozen_peer_is_lost_and_pair_restarts(tmp_path: Path) -> None:
     async def body(w: FakeWorld, tmp: Path) -> None:
         r = Run(w, deployment(1), tmp).start()

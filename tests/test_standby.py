@@ -209,3 +209,25 @@ def test_keep_slots_carries_the_prompt_cache_across_a_flip(hydra_up, hydra_env, 
     again = requests.post(url, json={"prompt": prompt, "n_predict": 2}, timeout=120).json()
     assert again["model"] == "demo-moe"
     assert again["timings"]["cache_n"] >= first["timings"]["prompt_n"] - 1, again["timings"]
+
+
+def test_restart_head_restarts_the_serving_layouts_head_before_and_after_a_flip(hydra_up,
+                                                                               hydra_env):
+    """Both layouts of a standby pair have a head: `hydra restart head` restarts the serving
+    one's (never the standby's), before and after a flip, and the reply says which."""
+    _up(hydra_up, hydra_env)
+    for active, standby in (("demo-moe-combine", "demo-moe"), ("demo-moe", "demo-moe-combine")):
+        if _rows(hydra_env)[0].profile != active:
+            rep = _switch(hydra_env, active)
+            assert rep["_rc"] == 0 and rep["instant"], rep
+        wait_until(lambda: _standby_ready(hydra_env), 180, "the pair loaded")
+        pids = _pids(_rows(hydra_env))
+        res = run_hydra(hydra_env, "restart", "head", "--json", timeout=240)
+        reply = json.loads(res.stdout)
+        assert res.returncode == 0 and reply["engine"] == f"{active}.head", reply
+        assert f"the serving layout's {active}.head" in reply["message"], reply["message"]
+        assert f"the standby's {standby}.head was not touched" in reply["message"]
+        now = _pids(_rows(hydra_env))
+        assert now[f"{active}.head"] != pids[f"{active}.head"]  # restarted
+        assert now[f"{standby}.head"] == pids[f"{standby}.head"]  # untouched
+        assert _rows(hydra_env)[0].profile == active

@@ -340,3 +340,36 @@ def test_metrics_say_which_layout_stands_by() -> None:
     line = next(x for x in text.splitlines() if x.startswith("hydra_engine_info")
                 and 'profile="moe-s"' in x)
     assert 'engine="port-8080/standby"' in line and 'role="standby"' in line, line
+
+
+def test_restart_head_of_a_standby_pair_addresses_the_serving_layout(tmp_path: Path) -> None:
+    """`hydra restart head` with a standby pair loaded (both layouts have a head): the
+    serving layout's head, before and after a flip, and the reply says which."""
+    from hydra_supervisor.runtime.daemon_actions import Actions, Planning
+
+    port = make(tmp_path)
+    acts = Actions([port], port.node, Planning(None, None, (), tmp_path), lambda: None)
+
+    async def body() -> None:
+        await until(lambda: sb(port).ready())
+        for want in ("moe-c.head", "moe-s.head", "moe-c.head"):
+            if active(port).name != want.split(".")[0]:
+                await port.switch_in(SOLO if want.startswith("moe-s") else COMBINE)
+                await until(lambda: sb(port).ready())
+            serving, standing = active(port), sb(port).lane
+            assert serving.sup is not None and standing is not None and \
+                standing.sup is not None
+            reply = await acts.restart("head")
+            assert reply["engine"] == want, reply
+            assert serving.sup.restarted[-1:] == [want]  # type: ignore[attr-defined]
+            assert want not in standing.sup.restarted  # type: ignore[attr-defined]
+            assert f"the serving layout's {want}" in reply["message"], reply["message"]
+            assert f"the standby's {standing.name}.head was not touched" in reply["message"]
+        # the standby's own, named in full
+        stand = sb(port).lane
+        assert stand is not None
+        reply = await acts.restart(f"{stand.name}.head")
+        assert reply["engine"] == f"{stand.name}.head" and "serving layout" not in \
+            reply["message"]
+
+    run(port, body)

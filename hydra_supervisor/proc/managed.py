@@ -66,10 +66,15 @@ class ChangeFailed(Fatal):
 class PeerLost(Exception):
     """A peer was lost (exited, frozen, stalled, unreachable) while something else ran."""
 
-    def __init__(self, peers: list[ManagedProcess], reason: str) -> None:
+    def __init__(self, peers: list[ManagedProcess], reason: str, *,
+                 head_first: str | None = None) -> None:
+        """`head_first`: how the head ended, when it died before its peers were lost (the
+        head's end is then the cause, not their loss)."""
         super().__init__(reason)
         self.peers = peers
         self.reason = reason
+        self.head_first = head_first
+
 
 @dataclass
 class ManagedProcess:

@@ -12,6 +12,13 @@ style (logfiles.py). Stop = SIGTERM (+SIGCONT, so a stopped process acts on it) 
 group, a second SIGTERM, SIGKILL, every wait bounded; a child that survives SIGKILL (stuck in
 uninterruptible sleep) is reported, never waited for forever.
 
+A ggml-rpc-server is spawned with SIGPIPE ignored (`outlive_client`): it writes its answers with
+plain send(), so a head killed while its peer computes made the peer die of SIGPIPE on its next
+write (5 of 8 head kills under traffic on this machine); with SIGPIPE ignored that write fails
+with EPIPE, the rpc-server closes that client and accepts the next head. (Python's subprocess
+resets SIGPIPE to SIG_DFL in a child, restore_signals; the child setup below ignores it again
+after that, and an ignored signal stays ignored across exec.)
+
 The supervisor reaches all of this through its Seams (seams.py), so its policy tests run
 on fake children that implement the small `Child` protocol below.
 """
@@ -23,6 +30,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +60,19 @@ class Child(Protocol):
 
     def signal_group(self, sig: int) -> None: ...
 
+    @property
+    def exited_at(self) -> float | None:
+        """When hydra saw it exit (its clock, monotonic), None while it runs: which of two
+        processes died first (status names the first as the cause)."""
+        ...
+
+
+class Spawn(Protocol):
+    """How the supervisor starts a child (`spawn` below, or a test's fake)."""
+
+    def __call__(self, argv: Sequence[str], env: Mapping[str, str], log: Path, *,
+                 outlive_client: bool = False) -> Awaitable[Child]: ...
+
 
 class RealChild:
     """An asyncio subprocess that leads its own process group."""
@@ -59,6 +80,17 @@ class RealChild:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.rotator: asyncio.Task[None] | None = None  # bounds its log (logfiles.Rotator)
+        self._exited_at: float | None = None
+        # Stamped as soon as asyncio reports the exit, whoever waits on it (or nobody).
+        self._stamp = asyncio.ensure_future(self._note_exit())
+
+    async def _note_exit(self) -> None:
+        await self.proc.wait()
+        self._exited_at = time.monotonic()
+
+    @property
+    def exited_at(self) -> float | None:
+        return self._exited_at
 
     @property
     def pid(self) -> int:
@@ -75,15 +107,20 @@ class RealChild:
         kill_group(self.proc.pid, sig)
 
 
-def _child_setup(parent: int, mark: tuple[bytes, bytes] | None = None) -> Callable[[], None]:
-    """Runs in the child between fork and exec. `mark`: the run marker's bytes around the pid
-    (logfiles.mark_parts), written to its stdout (the log) before the program's first line."""
+def _child_setup(parent: int, mark: tuple[bytes, bytes] | None = None, *,
+                 ignore_sigpipe: bool = False) -> Callable[[], None]:
+    """Runs in the child between fork and exec (after subprocess reset the signals).
+    `mark`: the run marker's bytes around the pid (logfiles.mark_parts), written to its stdout
+    (the log) before the program's first line. `ignore_sigpipe`: SIGPIPE ignored across exec
+    (a write to a vanished client fails with EPIPE instead of killing the child)."""
 
     def setup() -> None:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # hydra may have died between fork and prctl: then nobody would ever signal us.
         if os.getppid() != parent:
             os._exit(1)
+        if ignore_sigpipe:
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         if mark is not None:
             with contextlib.suppress(OSError):  # a full disk: the child runs all the same
                 os.write(1, mark[0] + str(os.getpid()).encode() + mark[1])
@@ -95,10 +132,13 @@ class LogUnavailable(OSError):
     """The child's log file cannot be opened (the log dir is gone or not writable)."""
 
 
-async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path) -> Child:
+async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path, *,
+                outlive_client: bool = False) -> Child:
     """Start a child writing to `log` (O_APPEND; a new run shifts the last one's file to
     NAME.log.1), bounded by size beside it without a pipe (logfiles.py says why). The file
-    opens with the run's marker (logfiles.RunMark: wall-clock time, pid, hydra's pid)."""
+    opens with the run's marker (logfiles.RunMark: wall-clock time, pid, hydra's pid).
+    `outlive_client` (a ggml-rpc-server): SIGPIPE ignored, so that a client (its head) that
+    vanishes mid-answer does not take it down (the module's doc)."""
     pol = filemodes.current()
     try:
         fd = logfiles.open_for_child(log)
@@ -108,7 +148,8 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], log: Path) -> Child
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **env}, process_group=0,
-            preexec_fn=_child_setup(os.getpid(), logfiles.mark_parts(log, os.getpid())))
+            preexec_fn=_child_setup(os.getpid(), logfiles.mark_parts(log, os.getpid()),
+                                    ignore_sigpipe=outlive_client))
     except BaseException:
         os.close(fd)
         raise

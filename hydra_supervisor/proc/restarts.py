@@ -1,9 +1,10 @@
 """The Supervisor's restart policy: its answer to each failure the watching saw. A head that
-exited (its peers checked first: their loss explains it) or hung restarts alone, after its
-backoff; a spent budget is FATAL. A lost peer takes its head down, then on_peer_loss says:
-restart the pair (peers first, after their backoff), degrade the head to SOLO meanwhile (the
-peers come back in the background; back to COMBINE once SOLO and the peers have been stable as
-long), or fail (FATAL)."""
+exited (its peers checked first: their loss explains it, and the status names whichever of them
+ended first) or hung restarts alone, after its backoff, and reuses its running peers (a
+ggml-rpc-server outlives its head: process.py); a spent budget is FATAL. A lost peer takes
+its head down, then on_peer_loss says: restart the pair (peers first, after their backoff),
+degrade the head to SOLO meanwhile (the peers come back in the background; back to COMBINE once
+SOLO and the peers have been stable as long), or fail (FATAL)."""
 
 from __future__ import annotations
 
@@ -80,21 +81,29 @@ class Restarter:
         await self.stopper.kill(head)  # what it forked (a wrapper script's llama-server) goes too
         what = f"head {process.describe_exit(code)}"
         if self.lineup.peers and not self.lineup.degraded:
-            # raises PeerLost: the peer's loss, not the head's
-            await self.watcher.check_peers(what)
+            lost = await self.watcher.lost_peers()
+            if lost:  # the pair restarts (PeerLost); the status names what died first
+                named = "; ".join(f"peer {p.name} {w}" for p, w in lost)
+                if _died_first(head, [p for p, _ in lost]):
+                    raise PeerLost([p for p, _ in lost], f"{named} after its head died "
+                                   f"({what})", head_first=what)
+                raise PeerLost([p for p, _ in lost], f"{named} ({what})")
         await self._fail_and_wait(head, what)
 
-    async def peers_lost(self, peers: list[ManagedProcess], reason: str) -> None:
+    async def peers_lost(self, peers: list[ManagedProcess], reason: str,
+                         head_first: str | None = None) -> None:
         """The head cannot serve without its peers: stop it, then restart the pair (peers
-        first), degrade to SOLO, or fail — as on_peer_loss says."""
+        first), degrade to SOLO, or fail — as on_peer_loss says. `head_first`: the head died
+        before them (PeerLost.head_first): its end, not their loss, is said as the cause."""
         log.warning("peer loss: %s", reason)
         head = self.lineup.head
         for p in peers:
             p.note(f"lost: {reason}")
         if head is not None and head.state not in (State.STOPPED, State.FATAL):
             if head.child is not None and head.child.returncode is not None:
-                why = (f"{process.describe_exit(head.child.returncode)} after its peer was "
-                       f"lost ({reason})")
+                code = process.describe_exit(head.child.returncode)
+                why = (f"{code} (it died first; its peer was lost after it)" if head_first
+                       else f"{code} after its peer was lost ({reason})")
                 await self.stopper.stop(head, why, show_exit=False)
             else:
                 # Nothing to save: it cannot serve without its peer, and one blocked on a
@@ -204,3 +213,17 @@ class Restarter:
         lineup.undegrade()
         lineup.head.restarts += 1
 
+
+def _died_first(head: ManagedProcess, peers: list[ManagedProcess]) -> bool:
+    """Whether the head exited before every lost peer did (a peer that did not exit, frozen or
+    remote, was lost after it). A peer that exited first is what killed the head (a head whose
+    peer vanishes aborts at its next request)."""
+    at = head.child.exited_at if head.child is not None else None
+    if at is None:
+        return False
+    for p in peers:
+        if p.child is not None and p.spec.managed and p.child.returncode is not None:
+            pat = p.child.exited_at
+            if pat is None or pat <= at:
+                return False
+    return True

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 
 from hydra_supervisor.plan.ports import port_free
 from hydra_supervisor.proc import health, process
@@ -33,8 +32,7 @@ class Seams:
     """Everything the supervisor's policy touches outside itself; the defaults are the real ones.
     Tests pass fakes (tests/fake_children.py) and a fast clock with a matching sleep."""
 
-    spawn: Callable[[Sequence[str], Mapping[str, str], Path], Awaitable[process.Child]] = \
-        process.spawn
+    spawn: process.Spawn = process.spawn
     http_status: Callable[..., Awaitable[int | None]] = health.http_status
     hello: Callable[..., Awaitable[Version | None]] = health.hello
     completion_probe: Callable[[str, int, float], Awaitable[tuple[bool, str]]] = \

@@ -115,8 +115,11 @@ class Starter:
         mp.to(State.STARTING, "spawning")
         argv = mp.spec.argv(mp.binary)
         env = mp.spec.env_dict()
+        # A ggml-rpc-server outlives a head that vanishes mid-answer (SIGPIPE ignored), so a
+        # head's restart finds its peer running and reuses it.
+        rpc = mp.spec.program == "ggml-rpc-server"
         try:
-            mp.child = await self._spawn_safely(argv, env, mp.log_path)
+            mp.child = await self._spawn_safely(argv, env, mp.log_path, rpc)
         except process.LogUnavailable as exc:
             fallback = logfiles.fallback_path(self.state.root, mp.name)
             log.error("%s: cannot write log %s (%s); logging to %s", mp.name, mp.log_path,
@@ -124,7 +127,7 @@ class Starter:
             mp.log_path = fallback
             mp.warning = f"log dir not writable ({exc.strerror}); logging to {fallback}"
             try:
-                mp.child = await self._spawn_safely(argv, env, mp.log_path)
+                mp.child = await self._spawn_safely(argv, env, mp.log_path, rpc)
             except OSError as exc2:
                 raise StartFailed(f"cannot write its log ({exc.strerror}) nor the fallback "
                                   f"{fallback} ({exc2.strerror})") from exc2
@@ -166,10 +169,11 @@ class Starter:
         finally:
             stop.set()  # cancelled (a stop): the thread ends at its next chunk
 
-    async def _spawn_safely(self, argv: list[str], env: dict[str, str], log_path: Path
-                            ) -> process.Child:
+    async def _spawn_safely(self, argv: list[str], env: dict[str, str], log_path: Path,
+                            outlive_client: bool) -> process.Child:
         """A cancelled start (its peer was lost meanwhile) must not leave an unowned child."""
-        task = asyncio.ensure_future(self.seams.spawn(argv, env, log_path))
+        task = asyncio.ensure_future(self.seams.spawn(argv, env, log_path,
+                                                      outlive_client=outlive_client))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:

@@ -268,7 +268,7 @@ class Supervisor:
             except PeerLost as lost:
                 if self.stopping.is_set():
                     return
-                await self._restarter.peers_lost(lost.peers, lost.reason)
+                await self._restarter.peers_lost(lost.peers, lost.reason, lost.head_first)
             except StartFailed:
                 if self.stopping.is_set():
                     return

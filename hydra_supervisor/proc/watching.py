@@ -117,6 +117,13 @@ class Watcher:
         """After the head died or failed to start: a dead/frozen managed peer, or a remote one
         that no longer answers HELLO (the head let go of it, so probing is safe), is a peer
         loss (PeerLost) rather than the head's failure."""
+        lost = await self.lost_peers()
+        if lost:
+            raise PeerLost([p for p, _ in lost],
+                           "; ".join(f"peer {p.name} {w}" for p, w in lost) + f" ({context})")
+
+    async def lost_peers(self) -> list[tuple[ManagedProcess, str]]:
+        """The peers lost now, each with why (check_peers)."""
         frozen: dict[str, float] = {}
         lost = [(p, why) for p in self.lineup.peers if (why := self.peer_problem(p, frozen))]
         if lost:  # peers killed together are one incident, also when the head saw it first
@@ -137,9 +144,7 @@ class Watcher:
                 version = None
             if version is None:
                 lost.append((p, f"(remote {p.spec.endpoint}) does not answer HELLO"))
-        if lost:
-            raise PeerLost([p for p, _ in lost],
-                           "; ".join(f"peer {p.name} {w}" for p, w in lost) + f" ({context})")
+        return lost
 
     async def guarded(self, coro: Coroutine[object, object, T], watch: list[ManagedProcess]) -> T:
         """Run `coro` (a start) while watching `watch` (peers already up): a peer lost meanwhile

@@ -11,7 +11,8 @@ One way for every port, whatever how many lanes it has:
   its default lane to it (Lane.switch: hold, drain, stop, start, gate, release, rollback).
 - reload: every lane re-reads its profile (its name and address fixed): a serving lane
   restarts what changed (plandiff), a stopped one takes the new plan for its next load.
-- restart NAME: the lane running that process (`demo.head`, or `head` when one lane has it).
+- restart NAME: the lane running that process (`demo.head`, or `head` when one lane has it;
+  with a standby pair, the serving layout's, said in the reply): hold, drain, restart, release.
 - load NAME: a lane of this hydra loads beside what serves, stopping only what does not fit
   (Port.load → Node.load: as a load on request); the port's standby profile loads beside its
   active lane (Port.load_standby).
@@ -257,16 +258,25 @@ class Actions:
     # -- restart --------------------------------------------------------------------------------
 
     async def restart(self, name: str) -> Reply:
-        """`hydra restart NAME`: the lane running that process restarts it; the reply is its
-        report, with the process, its profile and the seconds until it was ready again. A
-        role alone (`head`) names the one running process of that role, when only one has
-        it."""
+        """`hydra restart NAME`: the lane running that process restarts it (held, drained,
+        restarted, released: Lane.restart); the reply is its report, with the process, its
+        profile and the seconds until it was ready again. A role alone (`head`) names the one
+        running process of that role; where a port's active layout and its standby both have
+        one, the active (serving) layout's, and the reply says so (`notes`)."""
         lanes = self.lanes()
         running = [n for x in lanes for n in x.process_names()]
         full = name
+        chose: str | None = None
         if name not in running:
             short = [n for n in running if n.split(".", 1)[-1] == name]
-            if len(short) == 1:
+            active = [n for x in lanes if not x.standby for n in x.process_names()
+                      if n in short]
+            if len(short) > 1 and len(active) == 1:
+                full = active[0]
+                others = [n for n in short if n != full]
+                chose = (f"'{name}' is the serving layout's {full}; the standby's "
+                         f"{', '.join(others)} was not touched (name it to restart it)")
+            elif len(short) == 1:
                 full = short[0]
             elif len(short) > 1:
                 raise HydraError(f"'{name}' is ambiguous: {', '.join(short)}; name one")
@@ -278,6 +288,8 @@ class Actions:
                 raise HydraError("no profile is running on this hydra: nothing to restart")
             raise HydraError(f"no running process '{name}'; running: {', '.join(running)}")
         report = await lane.restart(full)
+        if chose is not None:
+            report.notes.insert(0, chose)
         return with_message("restart", {**report.to_json(), "engine": full,
                                         "profile": report.to,
                                         "seconds": round(report.total_s, 3)})

@@ -10,7 +10,8 @@ A Lane is the whole of one profile's serving state, and the only writer of its r
   switch(dep)      re-point the lane to another layout: hold, drain, stop, wait for the GPU
                    memory, start the new layout, gate, release; a failure rolls back
   apply(dep)       a changed plan: nothing, the head alone, or everything (plandiff)
-  restart(name)    a planned restart of one process (a peer restarts its pair)
+  restart(name)    a planned restart of one process (a peer restarts its pair): hold, drain
+                   (bounded), restart, gate, release
 
 keep_slots (keepslots.py) saves the head's slots before a change stops it. While its head is
 not READY the lane holds its requests; it releases them when the head is READY again.
@@ -497,7 +498,7 @@ class Lane:
             with phase("hold"):
                 r.hold(f"switching to profile {dep.profile}")
             with phase("drain"):
-                await self._drain(report, dep.profile)
+                await self._drain(report, f"the switch to {dep.profile}")
             saved: dict[int, str] = {}
             if old is not None and old.keep_slots:
                 with phase("save_slots"):
@@ -579,7 +580,7 @@ class Lane:
             with phase("hold"):
                 r.hold(f"restarting the head of {dep.profile} with new settings")
             with phase("drain"):
-                await self._drain(report, dep.profile)
+                await self._drain(report, f"the switch to {dep.profile}")
             saved = await keepslots.save(self.head_addr, old)
             with phase("restart_head"):
                 sup.adopt_head(dep)
@@ -619,20 +620,23 @@ class Lane:
 
 
 
-    async def _drain(self, report: SwitchReport, target: str) -> None:
+    async def _drain(self, report: SwitchReport, by: str, to: str = "the new layout") -> None:
+        """Wait (bounded: switch_timeouts.drain) until nothing is in flight; the route holds
+        new requests meanwhile. `by`: the change that cuts what is left (`the switch to X`);
+        `to`: where those without a response byte are sent again."""
         r = self.route
         left = await asyncio.to_thread(r.wait_idle, self.switch_timeouts.drain)
         if left:
             # Those without a response byte are sent again to the new layout once it serves
             # (held meanwhile, as after a crash); only partial responses are cut.
-            report.cut = r.cut_inflight(f"cut by the switch to {target} after "
+            report.cut = r.cut_inflight(f"cut by {by} after "
                                         f"{self.switch_timeouts.drain:.0f}s of draining",
                                         requeue=True)
             resent = max(0, left - report.cut)
             report.notes.append(f"{left} requests still in flight after the "
                                 f"{self.switch_timeouts.drain:.0f}s drain: {report.cut} cut "
                                 f"(partly answered), {resent} without a response byte sent "
-                                "again to the new layout")
+                                f"again to {to}")
 
 
     async def _rollback(self, old: Deployment | None, report: SwitchReport, phase: Phases,
@@ -677,9 +681,13 @@ class Lane:
     # -- restart one process -------------------------------------------------------------------
 
     async def restart(self, name: str) -> SwitchReport:
-        """`hydra restart NAME`: the report says what restarted (`restarted`), how long until
-        it was ready again (`total_s`) and what keep_slots restored (`notes`); a restart that
-        fails raises RestartFailed after the rollback (its message says what serves now)."""
+        """`hydra restart NAME`, planned as a switch is: hold new requests, let those in flight
+        finish (bounded by switch_timeouts.drain; what is left then is cut, or sent again when
+        it had no response byte), restart the process (a peer with its head), wait until it
+        serves, release the held requests to it. The report says what restarted
+        (`restarted`), the phases, how long until it served again (`total_s`), what the drain
+        did and what keep_slots restored (`notes`); a restart that fails raises RestartFailed
+        after the rollback (its message says what serves now)."""
         sup = self.sup
         if sup is None:
             raise HydraError(f"profile {self.name} is not running: nothing to restart")
@@ -693,37 +701,54 @@ class Lane:
             raise Busy(f"a change is running on profile {self.name} ({self.phase.value}); "
                        "try again after it")
         async with self.lock:
-            t0 = self.clock()
-            dep = self.dep
+            return await self._restart(name, sup)
+
+    async def _restart(self, name: str, sup: Runner) -> SwitchReport:
+        dep = self.dep
+        # A peer restarts with its head (a ggml-rpc-server serves one head): both do.
+        head = sup.head
+        proc = next((p for p in sup.procs if p.name == name), None)
+        with_head = head is not None and proc is not None and proc is not head \
+            and proc.spec.role is Role.PEER
+        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile,
+                           restarted=[name, *([head.name] if with_head and head else [])])
+        phase = Phases(rep, self.clock)
+        self.switching = sup.plan.profile  # the gate is this change's until it ends
+        self._to(LaneState.SWITCHING)
+        self._changed()
+        try:
+            with phase("hold"):
+                self.route.hold(f"restarting {name} (hydra restart)")
+            with phase("drain"):
+                await self._drain(rep, f"the restart of {name}", "the restarted head")
             saved = await keepslots.save(self.head_addr, dep)
-            try:
+            with phase("restart"):
                 await sup.restart(name, fail_fast=True)
                 await self._ready(sup, sup.timeouts.load + sup.timeouts.peer)
-            except (LayoutFailed, Fatal) as exc:
-                raise RestartFailed(await self._restart_failed(name, sup, dep, exc)) from exc
-            # A peer restarts with its head (a ggml-rpc-server serves one head): both did.
-            head = sup.head
-            peer = next((p for p in sup.procs if p.name == name), None)
-            with_head = head is not None and peer is not None and peer is not head \
-                and peer.spec.role is Role.PEER
-            rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, result=Result.OK,
-                               restarted=[name, *([head.name] if with_head and head else [])])
+            rep.result = Result.OK
+            # before the release: a held request finds its cached prompt
             await keepslots.restore(self.head_addr, self.state, dep, dep, saved, rep)
-            rep.total_s = self.clock() - t0
-            self._emit(Kind.RESTARTED, name, "hydra restart", seconds=rep.total_s)
-            return rep
-
+        except (LayoutFailed, Fatal) as exc:
+            raise RestartFailed(await self._restart_failed(name, sup, dep, exc, rep, phase)
+                                ) from exc
+        finally:
+            if self.phase is LaneState.SWITCHING and self.switching is not None:
+                # done, or cancelled (hydra stops): the gate is the head's again
+                self.switching = None
+                self._to(LaneState.SERVING)
+                self.sync_gate()  # releases the held requests to the READY head
+                self._changed()
+        phase.done()
+        self._emit(Kind.RESTARTED, name, "hydra restart", seconds=rep.total_s)
+        return rep
 
     async def _restart_failed(self, name: str, sup: Runner, dep: Deployment,
-                              exc: Exception) -> str:
+                              exc: Exception, rep: SwitchReport, phase: Phases) -> str:
         """`hydra restart NAME` failed its first start: no backoff; the last good layout is
         started again from scratch (the switch's rollback). Returns the error to reply."""
-        rep = SwitchReport(to=sup.plan.profile, frm=sup.plan.profile, error=str(exc),
-                           failed_phase="restart")
+        rep.error = str(exc)
+        rep.failed_phase = "restart"
         rep.log_tail = getattr(exc, "tail", []) or _tail_of(sup, name)
-        phase = Phases(rep)
-        self.switching = sup.plan.profile
-        self._to(LaneState.SWITCHING)
         log.error("restart of %s failed: %s", name, exc, extra=SAID)
         try:
             await self._rollback(dep, rep, phase, started_new=True)
