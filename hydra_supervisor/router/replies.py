@@ -21,6 +21,12 @@ from hydra_supervisor.router.traffic import Tally
 JSONValue = None | bool | int | float | str | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
 
 
+# What llama-server (cpp-httplib) answers to a request it cannot parse, byte for byte (the
+# pinned build, recorded by tests/test_http_edges.py): no body, the connection closed.
+LLAMA_BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n"
+                     b"Content-Length: 0\r\nServer: llama.cpp\r\n\r\n")
+
+
 def error_body(status: int, message: str, kind: str = "unavailable_error") -> bytes:
     return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
 
