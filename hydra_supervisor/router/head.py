@@ -68,8 +68,8 @@ def head_end(buf: bytes | bytearray) -> int | None:
         if len(buf) - pos > MAX_LINE:
             raise HeadError(0, f"request line over {MAX_LINE} bytes")
         return None
-    if nl == pos or buf[nl - 1] != 0x0D:  # not CRLF: refused as it stands
-        return nl + 1
+    if _request_line(bytes(buf[pos:nl + 1])) is None:
+        return nl + 1  # refused as it stands (llama-server answers before any header)
     pos = nl + 1
     count = 0
     while True:
@@ -131,25 +131,33 @@ def _field_value_ok(v: bytes) -> bool:
     return True
 
 
+def _request_line(line: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(method, target, version) of a request line (its LF included), or None where
+    llama-server refuses it: not ended by CRLF, not three words, a method outside its set,
+    a version other than 1.0 and 1.1, a target with control bytes."""
+    if not line.endswith(b"\r\n"):
+        return None
+    parts = [p for p in (x.strip(_SP_HT) for x in line[:-2].split(b" ")) if p]
+    if len(parts) != 3:
+        return None
+    method, target, version = parts
+    if method not in METHODS or version not in (b"HTTP/1.1", b"HTTP/1.0"):
+        return None
+    if any(c < 0x21 or c == 0x7F for c in target):
+        return None
+    return method, target, version
+
+
 def parse_request(raw: bytes) -> RequestHead:
     """The head that ``head_end`` delimited, checked as llama-server checks it. Raises
     HeadError(400) where llama-server answers 400, and where the router is stricter on
     purpose (docs/router.md: Content-Length together with Transfer-Encoding)."""
     text = raw[2:] if raw.startswith(b"\r\n") else raw
     lines = text.split(b"\n")
-    line = lines[0]
-    if not line.endswith(b"\r"):
-        raise HeadError(400, "request line not ended by CRLF")
-    parts = [p for p in (x.strip(_SP_HT) for x in line[:-1].split(b" ")) if p]
-    if len(parts) != 3:
+    parts = _request_line(lines[0] + b"\n")
+    if parts is None:
         raise HeadError(400, "malformed request line")
     method, target, version = parts
-    if method not in METHODS:
-        raise HeadError(400, "unknown method")
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise HeadError(400, "unsupported HTTP version")
-    if any(c < 0x21 or c == 0x7F for c in target):
-        raise HeadError(400, "malformed request target")
     headers: list[Header] = []
     for ln in lines[1:]:
         if not ln.endswith(b"\r"):
