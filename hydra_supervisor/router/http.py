@@ -134,8 +134,9 @@ class HttpSession:
                 del self.buf[:end]
                 return raw
             if self.client_eof:
-                if self.buf:
-                    raise ClientGone("client closed mid-request")
+                if self.buf and self.buf != b"\r\n":
+                    # llama-server answers a head cut short by the client's close with 400.
+                    raise head.HeadError(400, "client closed mid-head")
                 return None
             if not self.buf:
                 # Marked idle while blocked here: the acceptor may close this connection to
