@@ -8,7 +8,7 @@ the decision: it never touches a socket, so it is tested exhaustively on byte li
   wire carries ``0x59 0x48`` ("YH"). Opcodes (0x30–0x46) are byte 2, never byte 0: a first
   byte of 0x44 is an HTTP ``DELETE``, not a Hydra op.
 - HTTP/1.x: a request line starts with a method token and a space (after at most two empty
-  lines). Any token, not only the methods llama-server knows: it answers an unknown or
+  lines). Every token, not only the methods llama-server knows: it answers an unknown or
   lowercase method with 400, and so must the port (the router's HTTP leg answers it as
   llama-server does). The space is required, so a binary or line protocol
   (``SSH-2.0-...\\r\\n``, TLS) is not taken for HTTP. ``PRI `` (HTTP/2 prior knowledge) is
