@@ -284,14 +284,13 @@ class HttpSession:
                 return complete
             body, complete = self._read_body(deadline, STREAM_ABOVE, held)
             if not complete and self._must_read(req, body, table):
-                more, complete = self._read_body(deadline, self.r.max_body - len(body), held)
+                # Read on up to what the router reads at all (router/defaults.py: a body
+                # over MAX_INSPECT is neither merged nor read for its model): such a body
+                # then streams too, with what was read as its head.
+                more, complete = self._read_body(
+                    deadline, min(self.r.max_body, request_defaults.MAX_INSPECT) - len(body),
+                    held)
                 body += more
-                if not complete:
-                    self.counts.count_refused("body_too_large")
-                    self._reply_error(rec, 413, "hydra router: request body over "
-                                      f"{self.r.max_body} bytes", "invalid_request_error",
-                                      close=True)
-                    return False
         except TimeoutError:
             self.conn.note("request not received in time")
             self.counts.count_refused("request_timeout")
