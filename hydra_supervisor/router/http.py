@@ -420,6 +420,8 @@ class HttpSession:
     def _drain_body(self, deadline: float, limit: int) -> bool:
         """Read the request's body and drop it; True when it ended within ``limit`` bytes."""
         size = 0
+        if self.h.their_state is h11.DONE:
+            return True
         if self.h.client_is_waiting_for_100_continue:
             self._send_client(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
@@ -429,7 +431,7 @@ class HttpSession:
                     size += len(ev.data)
                 elif isinstance(ev, h11.EndOfMessage):
                     return True
-                elif isinstance(ev, h11.ConnectionClosed):
+                else:
                     return False
         except (TimeoutError, h11.RemoteProtocolError, ClientGone):
             return False
@@ -621,9 +623,10 @@ class HttpSession:
             if early:
                 # llama-server answered before it read the whole request (a 401 from
                 # --api-key, a 404): its answer goes to the client as sent, and the rest of
-                # the body is never sent; the connection closes after (the client may still
-                # be sending: what it sends is read and dropped, so the close is no reset).
-                self.keep = False
+                # the body is never sent. Unless the client's body was all read already, its
+                # connection closes after (the client may still be sending: what it sends is
+                # read and dropped, so the close is no reset).
+                self.keep = self.keep and self.h.their_state is h11.DONE
                 self.counts.count_event("early_answer")
             done = self._relay_response(flight, target, sock, up, first, rec, fwd.poolable
                                         and not early)
