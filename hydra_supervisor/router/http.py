@@ -6,11 +6,15 @@ defaults into bodies, end a cut stream with an error the client can read, and lo
 per request. h11 (a maintained sans-IO HTTP/1.1 parser) does the framing; this module does the
 I/O with blocking sockets, like the rest of the router (docs/router.md says why threads).
 
-Per client connection: read a request (head and body, bounded by ``max_body``), ask the route
-table where it goes and that route's gate whether it may go upstream (it may park there while
-its lane is held), send it on a pooled upstream connection, and forward the response as it
-arrives: each chunk the upstream sends is written to the client at once, so SSE token streams
-are not buffered. Keep-alive on both legs is
+Per client connection: read a request's head (parsed as llama-server parses it,
+router/head.py) and its body (whole up to 1 MiB, or when the router must read it; a larger
+body streams: its first MiB is kept and the rest goes upstream as it arrives, within a
+process-wide budget of bytes held, router/budget.py), ask the route table where it goes and
+that route's gate whether it may go upstream (it may park there while its lane is held), send
+it on a pooled upstream connection while watching for an early answer, and forward the
+response as it arrives: each chunk the upstream sends is written to the client at once, so
+SSE token streams are not buffered. The client is watched all along: its half-close or close
+is passed on to llama-server at once (which stops generating). Keep-alive on both legs is
 independent: a client's idle keep-alive connection holds no upstream connection (llama-server's
 HTTP threads are a fixed pool; an idle connection would pin one).
 
