@@ -627,16 +627,15 @@ class HttpSession:
             if early:
                 # llama-server answered before it read the whole request (a 401 from
                 # --api-key, a 404): its answer goes to the client as sent, and the rest of
-                # the body is never sent. Unless the client's body was all read already, its
-                # connection closes after (the client may still be sending: what it sends is
-                # read and dropped, so the close is no reset).
-                self.keep = self.keep and self.h.their_state is h11.DONE
+                # the body is never sent upstream. The client's rest is read and dropped, as
+                # llama-server drains an unread body after such an answer, so the client
+                # reads the answer (no reset) and its connection carries the next request.
                 self.counts.count_event("early_answer")
             done = self._relay_response(flight, target, sock, up, first, rec, fwd.poolable
                                         and not early)
-            if early:
-                self._drain_body(time.monotonic() + self.r.request_timeout,
-                                 2 * self.r.max_body)
+            if early and not self._drain_body(time.monotonic() + self.r.request_timeout,
+                                              2 * self.r.max_body):
+                self.keep = False
             return done
         raise _NotStarted(f"http upstream {target[0]}:{target[1]}: closed")
 
