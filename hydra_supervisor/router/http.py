@@ -663,6 +663,7 @@ class HttpSession:
                         break
                     piece, more = self._next_body_piece(fwd)
                     if piece:
+                        fwd.sent += len(piece)  # taken from the client: never sent again
                         view, pos = memoryview(piece), 0
                         continue
                     if not more:
@@ -698,8 +699,6 @@ class HttpSession:
                                     return data
                                 raise
                             pos += n
-                            if view.obj is not fwd.wire:
-                                fwd.sent += n
                     elif fd == cfd:
                         try:
                             data = self.sock.recv(RECV, socket.MSG_DONTWAIT)

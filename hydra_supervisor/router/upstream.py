@@ -179,7 +179,7 @@ class Outgoing:
         hdrs = [(k, v) for k, v in req.headers if k.lower() not in hop]
         self.streamed = streamed
         self.chunked = streamed and req.chunked
-        self.sent = 0  # bytes of a streamed body's rest written upstream (then no re-send)
+        self.sent = 0  # bytes of a streamed body's rest taken from the client: no re-send
         if self.chunked:
             hdrs.append((b"Transfer-Encoding", b"chunked"))
             self.wire = head.request_head(req.method, req.target, req.version, hdrs,
