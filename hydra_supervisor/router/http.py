@@ -45,6 +45,7 @@ from hydra_supervisor.router.budget import STREAM_ABOVE, BodyBudget
 from hydra_supervisor.router.conn import fmt_addr
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Gate, Refusal
 from hydra_supervisor.router.replies import (
+    LLAMA_BAD_BODY,
     LLAMA_BAD_REQUEST,
     Record,
     error_body,
@@ -302,7 +303,7 @@ class HttpSession:
                               "timeout_error", close=True)
             return False
         except h11.RemoteProtocolError as e:
-            self._bad_request(400, str(e), rec)
+            self._bad_request(400, str(e), rec, LLAMA_BAD_BODY)
             return False
         except _OverBudget as e:
             self.counts.count_refused("body_budget", str(e))
@@ -460,7 +461,8 @@ class HttpSession:
         except OSError:
             pass
 
-    def _bad_request(self, status: int, message: str, rec: Record | None = None) -> None:
+    def _bad_request(self, status: int, message: str, rec: Record | None = None,
+                     answer: bytes = LLAMA_BAD_REQUEST) -> None:
         """A request llama-server would refuse as malformed (router/head.py): answered with
         the bytes llama-server answers it with (its bare 400) and closed, or, status 0,
         closed without a word as llama-server closes it. `rec`: its record, when it has one."""
@@ -472,7 +474,7 @@ class HttpSession:
         if status == 0:
             return
         try:
-            self._send_client(LLAMA_BAD_REQUEST)
+            self._send_client(answer)
         except ClientGone:
             return
         self._linger()

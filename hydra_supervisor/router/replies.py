@@ -22,9 +22,14 @@ JSONValue = None | bool | int | float | str | Sequence["JSONValue"] | Mapping[st
 
 
 # What llama-server (cpp-httplib) answers to a request it cannot parse, byte for byte (the
-# pinned build, recorded by tests/test_http_edges.py): no body, the connection closed.
-LLAMA_BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n"
-                     b"Content-Length: 0\r\nServer: llama.cpp\r\n\r\n")
+# pinned build, as tests/test_http_edges.py compares it): no body, the connection closed. A
+# head it refuses gets the first; a body it cannot read (a bad chunk) the second: its
+# middleware has added its CORS header by then.
+LLAMA_BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\n"
+                     b"Connection: close\r\nContent-Length: 0\r\n\r\n")
+LLAMA_BAD_BODY = (b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\n"
+                  b"Access-Control-Allow-Origin: \r\nConnection: close\r\n"
+                  b"Content-Length: 0\r\n\r\n")
 
 
 def error_body(status: int, message: str, kind: str = "unavailable_error") -> bytes:
