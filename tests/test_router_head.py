@@ -11,12 +11,13 @@ def test_head_end_as_llama_server_reads_it() -> None:
     assert head.head_end(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nBODY") == 27
     # One empty line before the request line is skipped (a second one is the request line).
     assert head.head_end(b"\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n") == 29
+    assert head.head_end(b"\r\n\r\nGET / HTTP/1.1\r\n\r\n") == 4  # refused at once
     assert head.head_end(b"GET / HTTP/1.1\r\nHost: x\r\n") is None
-    # A request line ended by a bare LF ends the head at once (it is refused).
-    assert head.head_end(b"GET / HTTP/1.1\nHost: x\n\n") == 15
-    # Header lines ended by a bare LF are skipped: the head ends at an empty CRLF line only.
+    # Lines end at CRLF only: a bare-LF head has not ended (llama-server waits too).
+    assert head.head_end(b"GET / HTTP/1.1\nHost: x\n\n") is None
     assert head.head_end(b"GET / HTTP/1.1\r\nHost: x\n\n") is None
-    assert head.head_end(b"GET / HTTP/1.1\r\nHost: x\n\r\n") == 26
+    # An invalid request line ends the head as soon as it is complete.
+    assert head.head_end(b"get / HTTP/1.1\r\n") == 16
 
 
 def test_head_limits() -> None:
@@ -46,6 +47,7 @@ def test_parse_refuses_what_llama_server_refuses() -> None:
     assert _refused(b"FOO / HTTP/1.1\r\n\r\n") == 400
     assert _refused(b"GET / HTTP/2.0\r\n\r\n") == 400
     assert _refused(b"GET / HTTP/1.1\n\n") == 400
+    assert _refused(b"GET / HTTP/1.1\r\nHost: x\n\r\n\r\n") == 400  # LF in a value
     assert _refused(b"\r\n\r\nGET / HTTP/1.1\r\n\r\n") == 400
     assert _refused(b"POST / HTTP/1.1\r\nContent-Length: 25, 25\r\n\r\n") == 400
     assert _refused(b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n") == 400
@@ -70,8 +72,8 @@ def test_parse_accepts_what_llama_server_accepts() -> None:
                            b"Transfer-Encoding: chunked\r\n\r\n")
     assert r.chunked
     r = head.parse_request(b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n"
-                           b"X-Bare: lf\n\r\n")
-    assert r.length == 5 and (b"X-Bare", b"lf") not in r.headers
+                           b"X-Spaces:  v  \r\n\r\n")
+    assert r.length == 5 and (b"X-Spaces", b"v") in r.headers
     r = head.parse_request(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
     assert r.keep_alive and r.version == b"1.0"
     assert not head.parse_request(b"GET / HTTP/1.0\r\n\r\n").keep_alive

@@ -3,8 +3,8 @@
 Request heads are parsed here, not by h11: the router must read a head exactly as
 llama-server's HTTP library (cpp-httplib, vendored in the pinned llama.cpp) reads it, or the
 two could disagree on what a request is and where its body ends. So this module
-- finds where a request head ends and parses it with httplib's rules: one empty line before
-  the request line skipped, header lines ended by a bare LF skipped, a method from its set
+- finds where a request head ends and parses it with httplib's rules: lines end at CRLF only
+  (a bare LF is a byte of the line), one empty line before the request line skipped, a method from its set
   (case-sensitive), the limits on line length and header count, Content-Length as one
   decimal (two different ones refused), Transfer-Encoding whose final coding is chunked;
   whatever it refuses, the router refuses as it does (a 400, or a silent close);
@@ -58,31 +58,29 @@ class HeadError(Exception):
 
 def head_end(buf: bytes | bytearray) -> int | None:
     """Offset just past the head at the start of ``buf`` (None: not complete yet), read as
-    llama-server reads it: one empty line before the request line is skipped; a request line
-    not ended by CRLF ends the head at once (it is refused); header lines ended by a bare LF
-    are skipped; the head ends at the first empty CRLF line. Raises HeadError as soon as a
-    line is past llama-server's limits, so a head held here stays under about 850 KB."""
+    llama-server reads it: lines end at CRLF only (a bare LF is a byte of the line, which a
+    request line or a header value then refuses); one empty line before the request line is
+    skipped; an invalid request line ends the head at once (it is refused before any header
+    is read); the head ends at the first empty line. Raises HeadError as soon as a line is
+    past llama-server's limits, so a head held here stays under about 850 KB."""
     pos = 2 if buf.startswith(b"\r\n") else 0
-    nl = buf.find(b"\n", pos)
-    if nl < 0 or nl + 1 - pos > MAX_LINE:
+    end = buf.find(b"\r\n", pos)
+    if end < 0 or end + 2 - pos > MAX_LINE:
         if len(buf) - pos > MAX_LINE:
             raise HeadError(0, f"request line over {MAX_LINE} bytes")
         return None
-    if _request_line(bytes(buf[pos:nl + 1])) is None:
-        return nl + 1  # refused as it stands (llama-server answers before any header)
-    pos = nl + 1
+    if _request_line(bytes(buf[pos:end + 2])) is None:
+        return end + 2  # refused as it stands (llama-server answers before any header)
+    pos = end + 2
     count = 0
     while True:
-        nl = buf.find(b"\n", pos)
-        if nl < 0:
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
             if len(buf) - pos > MAX_HEADER_LINE:
                 raise HeadError(400, f"header line over {MAX_HEADER_LINE} bytes")
             return None
-        size = nl + 1 - pos
-        crlf = size >= 2 and buf[nl - 1] == 0x0D
-        pos = nl + 1
-        if not crlf:
-            continue  # skipped, as llama-server skips it
+        size = end + 2 - pos
+        pos = end + 2
         if size == 2:
             return pos
         if size > MAX_HEADER_LINE:
@@ -153,16 +151,13 @@ def parse_request(raw: bytes) -> RequestHead:
     HeadError(400) where llama-server answers 400, and where the router is stricter on
     purpose (docs/router.md: Content-Length together with Transfer-Encoding)."""
     text = raw[2:] if raw.startswith(b"\r\n") else raw
-    lines = text.split(b"\n")
-    parts = _request_line(lines[0] + b"\n")
+    lines = text.split(b"\r\n")
+    parts = _request_line(lines[0] + b"\r\n") if len(lines) > 1 else None
     if parts is None:
         raise HeadError(400, "malformed request line")
     method, target, version = parts
     headers: list[Header] = []
     for ln in lines[1:]:
-        if not ln.endswith(b"\r"):
-            continue  # a bare-LF line (skipped), or what follows the last CRLF
-        ln = ln[:-1]
         if not ln:
             break
         ln = ln.rstrip(_SP_HT)
