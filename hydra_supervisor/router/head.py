@@ -3,10 +3,11 @@
 Request heads are parsed here, not by h11: the router must read a head exactly as
 llama-server's HTTP library (cpp-httplib, vendored in the pinned llama.cpp) reads it, or the
 two could disagree on what a request is and where its body ends. So this module
-- finds where a request head ends and parses it with httplib's rules: lines end at CRLF only
-  (a bare LF is a byte of the line), one empty line before the request line skipped, a method from its set
-  (case-sensitive), the limits on line length and header count, Content-Length as one
-  decimal (two different ones refused), Transfer-Encoding whose final coding is chunked;
+- finds where a request head ends and parses it with httplib's rules: lines end at CRLF
+  only (a bare LF is a byte of the line), one empty line before the request line skipped, a
+  method from its set (case-sensitive), the limits on line length and header count,
+  Content-Length as one decimal (two different ones refused), Transfer-Encoding whose final
+  coding is chunked;
   whatever it refuses, the router refuses as it does (a 400, or a silent close);
 - refuses, stricter than llama-server on purpose, Content-Length together with
   Transfer-Encoding even when the length is 0 (llama-server tolerates 0): behind a front
@@ -114,6 +115,8 @@ class RequestHead:
             parts.append(b"Content-Length: %d\r\n" % self.length)
         if self.expect_continue:
             parts.append(b"Expect: 100-continue\r\n")
+        if self.version == b"1.0" and self.keep_alive:
+            parts.append(b"Connection: keep-alive\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)
 

@@ -99,6 +99,7 @@ class HttpSession:
         self.client_eof = False  # the client shut its side: answer, then close
         self.keep = True  # the client's connection may carry another request
         self.upstream_shut = False  # the client's half-close was passed on upstream
+        self.origin = b""  # the request's Origin (the router's own replies echo it, as CORS)
         self._timeout: float | None = -1.0  # what the client socket has; -1: not set yet
 
     def _set_timeout(self, t: float | None) -> None:
@@ -223,6 +224,7 @@ class HttpSession:
         ev = self.h.next_event()
         assert isinstance(ev, h11.Request), ev  # the canonical head always parses
         self.keep = req.keep_alive
+        self.origin = next((v for k, v in req.headers if k.lower() == b"origin"), b"")
         rec = Record(req.method.decode("latin-1"), request_defaults.path_of(req.target),
                      time.monotonic(), port=self.r.port)
         rec.tally = self.r.traffic.begin(rec.port, rec.method, rec.path,
@@ -396,7 +398,8 @@ class HttpSession:
         if not close and (not self.keep or self.h.their_state is not h11.DONE):
             extra = [*extra, (b"Connection", b"close")]
         try:
-            out = json_response(status, body, extra, with_body=rec.method != "HEAD")
+            out = json_response(status, body, extra, with_body=rec.method != "HEAD",
+                                origin=self.origin)
             self._send_client(out)
             rec.bytes_out += len(out)
         finally:

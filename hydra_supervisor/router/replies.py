@@ -105,14 +105,17 @@ class Record:
 
 
 def json_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]],
-                   with_body: bool = True) -> bytes:
+                   with_body: bool = True, origin: bytes = b"") -> bytes:
     """A response the router writes itself, in llama-server's shape (its error JSON, its
-    header names)."""
+    header names in its order; ``origin``: the request's Origin, which llama-server's CORS
+    middleware echoes)."""
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
         phrase = "Error"
     lines = [f"HTTP/1.1 {status} {phrase}\r\n".encode(),
+             b"Server: llama.cpp\r\n",
+             b"Access-Control-Allow-Origin: " + origin + b"\r\n",
              b"Content-Type: application/json; charset=utf-8\r\n",
              b"Content-Length: %d\r\n" % len(body)]
     lines += [k + b": " + v + b"\r\n" for k, v in extra]
