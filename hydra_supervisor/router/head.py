@@ -108,15 +108,15 @@ class RequestHead:
         """The head h11 is given to read the body: the framing only (h11 reads the body; the
         head is ours, because h11 refuses heads llama-server serves: two Host lines, a
         coding list ending in chunked)."""
-        parts = [self.method, b" / HTTP/", self.version, b"\r\nHost: x\r\n"]
+        # Always 1.1: h11 ends every 1.0 connection after one request, keep-alive or not
+        # (whether the client's connection carries another is decided from `keep_alive`).
+        parts = [self.method, b" / HTTP/1.1\r\nHost: x\r\n"]
         if self.chunked:
             parts.append(b"Transfer-Encoding: chunked\r\n")
         elif self.length is not None:
             parts.append(b"Content-Length: %d\r\n" % self.length)
         if self.expect_continue:
             parts.append(b"Expect: 100-continue\r\n")
-        if self.version == b"1.0" and self.keep_alive:
-            parts.append(b"Connection: keep-alive\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)
 
