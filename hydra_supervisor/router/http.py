@@ -653,15 +653,18 @@ class HttpSession:
         or stops, as it does for that client directly). OSError when the upstream fails;
         _NotStarted when it closed without answering."""
         view = memoryview(fwd.wire)
-        pos = 0
+        # A whole request usually fits the socket's buffer: one send, no poll.
+        try:
+            pos = sock.send(view, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            pos = 0
         ufd, cfd = sock.fileno(), self.sock.fileno()
         poller = select.poll()
         more = fwd.streamed  # the client's body has more to come
         deadline = time.monotonic() + self.r.request_timeout
         umask = 0
         watching_client = False
-        sock.setblocking(False)
-        try:
+        if pos < len(view) or more:
             while True:
                 if pos == len(view):
                     if not more:
@@ -695,7 +698,7 @@ class HttpSession:
                                 return data
                         elif ev & select.POLLOUT:
                             try:
-                                n = sock.send(view[pos:])
+                                n = sock.send(view[pos:], socket.MSG_DONTWAIT)
                             except (BlockingIOError, InterruptedError):
                                 continue
                             except OSError:
@@ -715,8 +718,6 @@ class HttpSession:
                         if not data:
                             self.client_eof = True
                         self.h.receive_data(data)
-        finally:
-            sock.setblocking(True)
         rec.bytes_in += fwd.sent
         if self.client_eof:
             self._client_shut(sock)
@@ -744,7 +745,7 @@ class HttpSession:
         """What the upstream sent while the request was still going up (None: nothing yet).
         A close or reset without a byte raises _NotStarted (``quiet``: gives b"")."""
         try:
-            data = sock.recv(RECV)
+            data = sock.recv(RECV, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError as e:
