@@ -687,10 +687,16 @@ class HttpSession:
                     else:
                         poller.unregister(cfd)
                     watching_client = want_client
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ClientGone("client stopped sending its request body")
-                for fd, ev in poller.poll(left * 1000):
+                # Waiting for the client's body has its deadline; waiting for llama-server to
+                # take it has none (its HTTP threads may all be busy for minutes), as before
+                # (a cut or a stop shuts the upstream socket, which ends the wait).
+                wait_ms: float | None = None
+                if watching_client:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ClientGone("client stopped sending its request body")
+                    wait_ms = left * 1000
+                for fd, ev in poller.poll(wait_ms):
                     if fd == ufd:
                         if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
                             data = self._early_bytes(sock)
