@@ -181,6 +181,10 @@ FRAMING: list[tuple[str, bytes]] = [
     ("three-word garbage line", b"hello there world\r\nHost: x\r\n\r\n"),
     ("98 extra header lines", request("GET", "/health", headers=[
         (f"X-H{i}", "1") for i in range(98)])),
+    ("99 extra header lines", request("GET", "/health", headers=[
+        (f"X-H{i}", "1") for i in range(99)])),
+    ("100 extra header lines", request("GET", "/health", headers=[
+        (f"X-H{i}", "1") for i in range(100)])),
     ("101 extra header lines", request("GET", "/health", headers=[
         (f"X-H{i}", "1") for i in range(101)])),
     ("a 9 KB header line", request("GET", "/health", headers=[("X-Big", "a" * 9000)])),
