@@ -144,7 +144,7 @@ class HttpSession:
                     # llama-server answers a head cut short by the client's close with 400.
                     raise head.HeadError(400, "client closed mid-head")
                 return None
-            if not self.buf:
+            if not self.buf.strip(b"\r\n"):
                 # Marked idle while blocked here: the acceptor may close this connection to
                 # admit a waiting one when descriptors run short (Ledger.admit).
                 self.conn.idle_since = time.monotonic()
@@ -195,7 +195,7 @@ class HttpSession:
         try:
             raw = self._read_head()
         except TimeoutError:
-            if self.buf:
+            if self.buf.strip(b"\r\n"):
                 self.conn.note("request head not received in time")
                 self.counts.count_refused("request_timeout")
             else:
@@ -221,8 +221,13 @@ class HttpSession:
         self.buf.clear()
         if self.client_eof:
             self.h.receive_data(b"")
-        ev = self.h.next_event()
-        assert isinstance(ev, h11.Request), ev  # the canonical head always parses
+        try:
+            ev = self.h.next_event()  # the canonical head (router/head.py): always a Request
+        except h11.RemoteProtocolError as e:
+            ev = e
+        if not isinstance(ev, h11.Request):
+            self._bad_request(400, f"unexpected: h11 read {ev!r}")
+            return False
         self.keep = req.keep_alive
         self.origin = next((v for k, v in req.headers if k.lower() == b"origin"), b"")
         rec = Record(req.method.decode("latin-1"), request_defaults.path_of(req.target),
