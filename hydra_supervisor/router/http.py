@@ -224,7 +224,8 @@ class HttpSession:
         try:
             ev = self.h.next_event()  # the canonical head (router/head.py): always a Request
         except h11.RemoteProtocolError as e:
-            ev = e
+            self._bad_request(400, f"unexpected: h11 refused the head: {e}")
+            return False
         if not isinstance(ev, h11.Request):
             self._bad_request(400, f"unexpected: h11 read {ev!r}")
             return False
