@@ -414,6 +414,15 @@ def test_early_404_passes_through(ports: Ports) -> None:
     assert got == direct, f"head {direct}, hydra {got} (send: {how})"
 
 
+def test_large_chunked_body_streams_as_direct(ports: Ports) -> None:
+    """A 3 MiB chunked body (over the 1 MiB the router keeps, so it streams, re-chunked):
+    llama-server reads it all either way and answers the same."""
+    body = b"".join(b"%x\r\n%s\r\n" % (1 << 16, b"y" * (1 << 16)) for _ in range(48))
+    data = _post([("Transfer-Encoding", "chunked")], body + b"0\r\n\r\n")
+    got = same(ports, data, method="POST")
+    assert got.statuses and b" 200 " not in got.statuses[0], got  # not JSON: refused
+
+
 # --------------------------------------------------------------------------- memory
 
 

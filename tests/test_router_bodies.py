@@ -232,3 +232,21 @@ def test_half_close_mid_stream_reaches_the_upstream(upstream: Upstream,
         while reader._fill(deadline):  # noqa: SLF001 - the test's own reader: to the close
             pass
         assert b'"error"' not in reader.buf  # nothing added by the router
+
+
+def test_defaults_merged_into_a_large_body(upstream: Upstream,
+                                           make_router: Callable[..., Router]) -> None:
+    """A 2 MiB completion body while T1 defaults are set: read whole (within MAX_INSPECT)
+    and merged, as a small one is."""
+    r = make_router(upstream.addr)
+    r.set_request_defaults({"temperature": 0.5})
+    obj = {"prompt": "x" * (2 << 20)}
+    merged = json.dumps({**obj, "temperature": 0.5}, separators=(",", ":")).encode()
+    sock = connect(r.port)
+    reader = Reader(sock)
+    with sock:
+        threading.Thread(target=send_all, args=(sock, request(
+            "POST", "/completion", json.dumps(obj).encode())), daemon=True).start()
+        resp = reader.read_response("POST", DEADLINE)
+    assert resp is not None and resp.status == 200 and resp.body == str(len(merged)).encode()
+

@@ -889,6 +889,12 @@ class HttpSession:
                         tally.head(ev.status_code, resp.sse)
                     if resp.kind == "eof":
                         self.keep = False  # the body ends with the connection
+                    elif ev.status_code >= 400 and b"close" in head.tokens(
+                            ev.headers, b"connection"):
+                        # llama-server closes every connection after an error answer; so
+                        # does the client's (a close on a success is its leg's own, as
+                        # when its keep-alive count runs out: that one stays per leg).
+                        self.keep = False
                     out.append(head.response_head(ev.http_version, ev.status_code, ev.reason,
                                                   ev.headers.raw_items(),
                                                   close=not self._can_continue()))
