@@ -640,7 +640,8 @@ class HttpSession:
                 # --api-key, a 404): its answer goes to the client as sent, and the rest of
                 # the body is never sent upstream. The client's rest is read and dropped, as
                 # llama-server drains an unread body after such an answer, so the client
-                # reads the answer (no reset) and its connection carries the next request.
+                # reads the answer (no reset); then the connection closes if the answer is
+                # an error (llama-server closes after every one) or the body did not end.
                 self.counts.count_event("early_answer")
             done = self._relay_response(flight, target, sock, up, first, rec, fwd.poolable
                                         and not early)
