@@ -7,34 +7,82 @@ import pytest
 from hydra_supervisor.router import head
 
 
-def test_head_end_finds_the_blank_line_and_skips_leading_empty_lines() -> None:
+def test_head_end_as_llama_server_reads_it() -> None:
     assert head.head_end(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nBODY") == 27
-    assert head.head_end(b"\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n") == 31
+    # One empty line before the request line is skipped (a second one is the request line).
+    assert head.head_end(b"\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n") == 29
+    assert head.head_end(b"\r\n\r\nGET / HTTP/1.1\r\n\r\n") == 4  # refused at once
     assert head.head_end(b"GET / HTTP/1.1\r\nHost: x\r\n") is None
-    assert head.head_end(b"GET / HTTP/1.1\nHost: x\n\n") == 24  # bare LF, as h11 accepts
+    # Lines end at CRLF only: a bare-LF head has not ended (llama-server waits too).
+    assert head.head_end(b"GET / HTTP/1.1\nHost: x\n\n") is None
+    assert head.head_end(b"GET / HTTP/1.1\r\nHost: x\n\n") is None
+    # An invalid request line ends the head as soon as it is complete.
+    assert head.head_end(b"get / HTTP/1.1\r\n") == 16
 
 
-def test_obs_fold_is_refused_as_llama_server_refuses_it() -> None:
+def test_head_limits() -> None:
     with pytest.raises(head.HeadError) as e:
-        head.prepare_request_head(b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  folded\r\n\r\n")
+        head.head_end(b"GET /" + b"a" * head.MAX_LINE)
+    assert e.value.status == 0  # llama-server closes without a word
+    with pytest.raises(head.HeadError) as e:
+        head.head_end(b"GET / HTTP/1.1\r\nX-Big: " + b"a" * head.MAX_HEADER_LINE)
     assert e.value.status == 400
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(head.MAX_HEADERS + 1))
     with pytest.raises(head.HeadError):
-        head.prepare_request_head(b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n\tfolded\r\n\r\n")
+        head.head_end(b"GET / HTTP/1.1\r\n" + many + b"\r\n")
+    ok = b"".join(b"X-%d: 1\r\n" % i for i in range(head.MAX_HEADERS))
+    assert head.head_end(b"GET / HTTP/1.1\r\n" + ok + b"\r\n") is not None
 
 
-def test_missing_host_is_lent_for_h11_only_on_http11() -> None:
-    given, lent = head.prepare_request_head(b"GET /health HTTP/1.1\r\nAccept: */*\r\n\r\n")
-    assert lent and given == b"GET /health HTTP/1.1\r\nhost: \r\nAccept: */*\r\n\r\n"
-    raw = b"GET /health HTTP/1.0\r\n\r\n"
-    assert head.prepare_request_head(raw) == (raw, False)
-    raw = b"GET /health HTTP/1.1\r\nHOST: a\r\n\r\n"
-    assert head.prepare_request_head(raw) == (raw, False)
+def _refused(raw: bytes) -> int:
+    with pytest.raises(head.HeadError) as e:
+        head.parse_request(raw)
+    return e.value.status
 
 
-def test_framing_conflict_both_length_and_chunked() -> None:
-    assert head.framing_conflict([(b"content-length", b"5"), (b"transfer-encoding", b"chunked")])
-    assert head.framing_conflict([(b"content-length", b"5")]) is None
-    assert head.framing_conflict([(b"transfer-encoding", b"chunked")]) is None
+def test_parse_refuses_what_llama_server_refuses() -> None:
+    assert _refused(b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  folded\r\n\r\n") == 400
+    assert _refused(b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n\tfolded\r\n\r\n") == 400
+    assert _refused(b"get / HTTP/1.1\r\n\r\n") == 400
+    assert _refused(b"FOO / HTTP/1.1\r\n\r\n") == 400
+    assert _refused(b"GET / HTTP/2.0\r\n\r\n") == 400
+    assert _refused(b"GET / HTTP/1.1\n\n") == 400
+    assert _refused(b"GET / HTTP/1.1\r\nHost: x\n\r\n\r\n") == 400  # LF in a value
+    assert _refused(b"\r\n\r\nGET / HTTP/1.1\r\n\r\n") == 400
+    assert _refused(b"POST / HTTP/1.1\r\nContent-Length: 25, 25\r\n\r\n") == 400
+    assert _refused(b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n") == 400
+    assert _refused(b"POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\n") == 400
+    assert _refused(b"POST / HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n") == 400
+    assert _refused(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n") == 400
+    # Stricter than llama-server on purpose (it tolerates Content-Length: 0 here).
+    assert _refused(b"POST / HTTP/1.1\r\nContent-Length: 0\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n") == 400
+    assert _refused(b"POST / HTTP/1.1\r\nContent-Length: 4\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n") == 400
+
+
+def test_parse_accepts_what_llama_server_accepts() -> None:
+    r = head.parse_request(b"\r\nPOST /x HTTP/1.1\r\nHost: a\r\nhost: b\r\n"
+                           b"Transfer-Encoding: gzip, chunked\r\n\r\n")
+    assert r.method == b"POST" and r.target == b"/x" and r.version == b"1.1"
+    assert r.headers == ((b"Host", b"a"), (b"host", b"b"),
+                         (b"Transfer-Encoding", b"gzip, chunked"))
+    assert r.chunked and r.length is None and r.keep_alive
+    r = head.parse_request(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n")
+    assert r.chunked
+    r = head.parse_request(b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n"
+                           b"X-Spaces:  v  \r\n\r\n")
+    assert r.length == 5 and (b"X-Spaces", b"v") in r.headers
+    r = head.parse_request(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert r.keep_alive and r.version == b"1.0"
+    assert not head.parse_request(b"GET / HTTP/1.0\r\n\r\n").keep_alive
+    assert not head.parse_request(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n").keep_alive
+    r = head.parse_request(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\n"
+                           b"Content-Length: 3\r\n\r\n")
+    assert r.expect_continue
+    assert r.h11_head() == (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                            b"Expect: 100-continue\r\n\r\n")
 
 
 def test_request_head_keeps_names_and_order_and_sets_our_length() -> None:

@@ -416,7 +416,8 @@ def test_client_gone_while_waiting_aborts_upstream(make_router: RouterFactory,
 def test_bad_request_400(make_router: RouterFactory, upstream: StandIn) -> None:
     r, _ = make_router(upstream.addr)
     status, _, body = raw_exchange(r.port, b"GET /health HTTP/1.1\r\nContent-Length: x\r\n\r\n")
-    assert status.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == 400
+    # llama-server's own answer to a request it cannot parse: a bare 400 (issue 30).
+    assert status.startswith(b"HTTP/1.1 400 ") and body == b""
     assert r.stats()["refused"] == {"bad_request": 1} and upstream.requests == 0
 
 

@@ -7,8 +7,12 @@ the decision: it never touches a socket, so it is tested exhaustively on byte li
 - Hydra control: every request starts with the u16 magic 0x4859 written little-endian, so the
   wire carries ``0x59 0x48`` ("YH"). Opcodes (0x30–0x46) are byte 2, never byte 0: a first
   byte of 0x44 is an HTTP ``DELETE``, not a Hydra op.
-- HTTP/1.x: a request line starts with a method token and a space. We require the space so that
-  ``GETX`` or a bare ``GET`` followed by garbage is not routed to llama-server.
+- HTTP/1.x: a request line starts with a method token and a space (after at most two empty
+  lines). Every token, not only the methods llama-server knows: it answers an unknown or
+  lowercase method with 400, and so must the port (the router's HTTP leg answers it as
+  llama-server does). The space is required, so a binary or line protocol
+  (``SSH-2.0-...\\r\\n``, TLS) is not taken for HTTP. ``PRI `` (HTTP/2 prior knowledge) is
+  rejected: llama-server speaks HTTP/1.1 only.
 
 Anything else is rejected. A prefix that could still become one of the above asks for more.
 """
@@ -34,8 +38,13 @@ HTTP_METHODS: tuple[bytes, ...] = (
     b"PATCH ",
 )
 
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789"
+                   b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+MAX_LEADING = 4  # empty lines (CRLF CRLF) before a request line that still classify as HTTP
+MAX_METHOD = 16  # the longest method token taken for HTTP
+
 # The longest prefix classify() ever needs; a caller never has to buffer more than this.
-MAX_PREFIX = max(len(m) for m in HTTP_METHODS)
+MAX_PREFIX = MAX_LEADING + MAX_METHOD + 1
 
 
 class Kind(enum.Enum):
@@ -62,10 +71,19 @@ def classify(prefix: bytes) -> Kind:
         if len(prefix) < len(HYDRA_MAGIC):
             return Kind.NEED_MORE
         return Kind.HYDRA if prefix[1] == HYDRA_MAGIC[1] else Kind.REJECT
-    could_be_http = False
-    for method in HTTP_METHODS:
-        if prefix.startswith(method):
+    lead = 0
+    while lead < len(prefix) and prefix[lead] in b"\r\n":
+        lead += 1
+    if lead > MAX_LEADING or not b"\r\n\r\n".startswith(prefix[:lead]) or (
+            lead % 2 and lead < len(prefix)):
+        return Kind.REJECT
+    n = 0
+    for c in prefix[lead:lead + MAX_METHOD + 1]:
+        if c == 0x20:
+            if n == 0 or prefix[lead:lead + n] == b"PRI":
+                return Kind.REJECT
             return Kind.HTTP
-        if method.startswith(prefix):
-            could_be_http = True
-    return Kind.NEED_MORE if could_be_http else Kind.REJECT
+        if c not in _TCHAR:
+            return Kind.REJECT
+        n += 1
+    return Kind.NEED_MORE if n <= MAX_METHOD else Kind.REJECT

@@ -40,8 +40,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hydra_supervisor.router import limits
+from hydra_supervisor.router import budget, limits
 from hydra_supervisor.router.acceptor import Acceptor, Waker
+from hydra_supervisor.router.budget import BodyBudget
 from hydra_supervisor.router.conn import Conn, Upstreams, allow_mismatch, fmt_addr
 from hydra_supervisor.router.gate import HOLD_TIMEOUT_S, MAX_HELD, Gate
 from hydra_supervisor.router.http import HttpSession
@@ -109,6 +110,7 @@ class Router:
         traffic: Traffic | None = None,
         retry_wait: float = 1.0,
         max_body: int = 64 << 20,
+        body_budget: BodyBudget | None = None,
         request_timeout: float = 120.0,
         thread_factory: Callable[..., threading.Thread] = threading.Thread,
     ) -> None:
@@ -143,6 +145,8 @@ class Router:
         self.idle_timeout = idle_timeout
         self.retry_wait = retry_wait
         self.max_body = max_body
+        # Request bodies held in memory, all routers of the process together (router/budget.py).
+        self.body_budget = body_budget if body_budget is not None else budget.PROCESS
         self.request_timeout = request_timeout
         self.request_defaults: dict[str, JSONValue] = {}
         # Live load and the request table (router/traffic.py): the daemon gives every port's

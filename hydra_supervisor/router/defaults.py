@@ -39,6 +39,19 @@ def _json_object(body: bytes) -> bytes | None:
     return body
 
 
+def looks_like_object(head: bytes) -> bool:
+    """Whether a body that starts with ``head`` is a JSON object as far as its first bytes
+    tell (a UTF-8 BOM and whitespace skipped)."""
+    if head.startswith(_BOM):
+        head = head[len(_BOM):]
+    return head.lstrip()[:1] == b"{"
+
+
+def takes_defaults(path: str) -> bool:
+    """Whether POST bodies to ``path`` get T1 defaults (the completion endpoints)."""
+    return path in NATIVE_PATHS or path in OPENAI_PATHS
+
+
 def path_of(target: bytes) -> str:
     return target.split(b"?", 1)[0].decode("latin-1")
 

@@ -1,26 +1,29 @@
 """HTTP/1.x message heads as the router sees and writes them (sans-IO: bytes in, bytes out).
 
-h11 parses every request and response; this module does the few things a transparent proxy
-needs that h11, a strict endpoint library, does not:
-
-- find where a request head ends, and refuse what llama-server refuses before h11 would
-  quietly accept it (an obs-folded header line: h11 unfolds it, llama-server answers 400);
-- accept what llama-server accepts and h11 refuses (an HTTP/1.1 request without ``Host``:
-  llama-server answers it, h11 requires one), by lending h11 an empty ``Host`` that is not
-  forwarded;
-- write heads with the header names, order and reason phrase as the other side sent them
+Request heads are parsed here, not by h11: the router must read a head exactly as
+llama-server's HTTP library (cpp-httplib, vendored in the pinned llama.cpp) reads it, or the
+two could disagree on what a request is and where its body ends. So this module
+- finds where a request head ends and parses it with httplib's rules: lines end at CRLF
+  only (a bare LF is a byte of the line), one empty line before the request line skipped, a
+  method from its set (case-sensitive), the limits on line length and header count,
+  Content-Length as one decimal (two different ones refused), Transfer-Encoding whose final
+  coding is chunked;
+  whatever it refuses, the router refuses as it does (a 400, or a silent close);
+- refuses, stricter than llama-server on purpose, Content-Length together with
+  Transfer-Encoding even when the length is 0 (llama-server tolerates 0): behind a front
+  proxy that frames by Content-Length that is the classic request-smuggling desync;
+- gives h11 (which reads bodies: chunked decoding) a canonical head with the framing alone;
+- writes heads with the header names, order and reason phrase as the other side sent them
   (h11 lowercases the names it writes, and clients that compare header names as strings
-  break: llama.cpp's own CORS and metrics tests do);
-- refuse what would let a request be framed two ways (RFC 9112 6.1: Content-Length together
-  with Transfer-Encoding; two different Content-Lengths), which h11 would frame by
-  Transfer-Encoding and keep the connection for the next request: request smuggling behind a
-  front proxy that frames by Content-Length.
+  break: llama.cpp's own CORS and metrics tests do).
+Responses are parsed by h11 (llama-server writes well-formed ones).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 Header = tuple[bytes, bytes]
 
@@ -29,56 +32,173 @@ HOP_REQUEST = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"upgrade",
     b"transfer-encoding", b"content-length", b"expect",
 })
-INJECTED_HOST = b"host"  # the name of the Host line lent to h11 (lowercase: ours, not the client's)
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
-_FOLD = re.compile(rb"\n[ \t]")
-_HOST_LINE = re.compile(rb"\nhost[ \t]*:", re.IGNORECASE)
-_REQUEST_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ [^ \r\n]+ HTTP/(\d)\.(\d)\r?\n")
 
-
-def head_end(buf: bytes | bytearray) -> int | None:
-    """Offset just past the blank line that ends the head at the start of ``buf``, or None."""
-    # Leading empty lines before a request line are allowed (RFC 9112 2.2); skip them.
-    start = 0
-    while buf.startswith(b"\r\n", start):
-        start += 2
-    m = _HEAD_END.search(buf, start)
-    return m.end() if m else None
+# What llama-server's HTTP library (cpp-httplib 0.59, the pinned build; vendor/cpp-httplib)
+# accepts in a request head. Beyond these it answers 400 (or, for an over-long request
+# line, closes without a word), and so does the router: its own parse must frame every
+# request exactly as llama-server would, or the two could disagree on where a body ends.
+METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS",
+                     b"TRACE", b"PATCH", b"PRI"})  # case-sensitive, as httplib compares them
+MAX_LINE = 32768  # CPPHTTPLIB_MAX_LINE_LENGTH: a longer request line is closed on
+MAX_HEADER_LINE = 8192  # CPPHTTPLIB_HEADER_MAX_LENGTH, the CRLF included: 400 beyond
+MAX_HEADERS = 100  # CPPHTTPLIB_HEADER_MAX_COUNT: 400 beyond
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789"
+                   b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_SP_HT = b" \t"
+_DIGITS = frozenset(b"0123456789")
 
 
 class HeadError(Exception):
-    """A request head the router refuses: ``status`` and the client-facing message."""
+    """A request head the router refuses: ``status`` and why. Status 0: llama-server closes
+    such a connection without a word, and so does the router."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
 
 
-def prepare_request_head(head: bytes) -> tuple[bytes, bool]:
-    """(the head to give h11, whether a Host line was lent). Raises HeadError for what
-    llama-server refuses and h11 would accept (obs-fold)."""
-    body_start = head.lstrip(b"\r\n")
-    if _FOLD.search(body_start):
-        raise HeadError(400, "obsolete line folding in a header is not accepted")
-    m = _REQUEST_LINE.match(body_start)
-    if m is None or (m.group(1), m.group(2)) != (b"1", b"1") or _HOST_LINE.search(body_start):
-        return head, False
-    # HTTP/1.1 without Host: llama-server serves it; h11 needs one to parse the request.
-    line_end = m.end()
-    return body_start[:line_end] + INJECTED_HOST + b": \r\n" + body_start[line_end:], True
+def head_end(buf: bytes | bytearray) -> int | None:
+    """Offset just past the head at the start of ``buf`` (None: not complete yet), read as
+    llama-server reads it: lines end at CRLF only (a bare LF is a byte of the line, which a
+    request line or a header value then refuses); one empty line before the request line is
+    skipped; an invalid request line ends the head at once (it is refused before any header
+    is read); the head ends at the first empty line. Raises HeadError as soon as a line is
+    past llama-server's limits, so a head held here stays under about 850 KB."""
+    pos = 2 if buf.startswith(b"\r\n") else 0
+    end = buf.find(b"\r\n", pos)
+    if end < 0 or end + 2 - pos > MAX_LINE:
+        if len(buf) - pos > MAX_LINE:
+            raise HeadError(0, f"request line over {MAX_LINE} bytes")
+        return None
+    if _request_line(bytes(buf[pos:end + 2])) is None:
+        return end + 2  # refused as it stands (llama-server answers before any header)
+    pos = end + 2
+    count = 0
+    while True:
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            if len(buf) - pos > MAX_HEADER_LINE:
+                raise HeadError(400, f"header line over {MAX_HEADER_LINE} bytes")
+            return None
+        size = end + 2 - pos
+        pos = end + 2
+        if size == 2:
+            return pos
+        if size > MAX_HEADER_LINE:
+            raise HeadError(400, f"header line over {MAX_HEADER_LINE} bytes")
+        count += 1
+        if count > MAX_HEADERS:
+            raise HeadError(400, f"over {MAX_HEADERS} header lines")
 
 
-def framing_conflict(headers: Iterable[Header]) -> str | None:
-    """Why a parsed request's framing is ambiguous, or None. ``headers`` lowercase names."""
-    has_cl = has_te = False
-    for name, _ in headers:
-        if name == b"content-length":
-            has_cl = True
-        elif name == b"transfer-encoding":
-            has_te = True
-    if has_cl and has_te:
-        return "both Content-Length and Transfer-Encoding"
-    return None
+@dataclass(frozen=True)
+class RequestHead:
+    """A request head as the router parsed it (``parse_request``)."""
+
+    method: bytes
+    target: bytes
+    version: bytes  # b"1.1" or b"1.0"
+    headers: tuple[Header, ...]  # as sent: names in their case, in order; values trimmed
+    length: int | None  # Content-Length
+    chunked: bool  # framed by Transfer-Encoding (its final coding is chunked)
+    keep_alive: bool  # the client's connection may carry another request
+    expect_continue: bool
+
+    def h11_head(self) -> bytes:
+        """The head h11 is given to read the body: the framing only (h11 reads the body; the
+        head is ours, because h11 refuses heads llama-server serves: two Host lines, a
+        coding list ending in chunked)."""
+        # Always 1.1: h11 ends every 1.0 connection after one request, keep-alive or not
+        # (whether the client's connection carries another is decided from `keep_alive`).
+        parts = [self.method, b" / HTTP/1.1\r\nHost: x\r\n"]
+        if self.chunked:
+            parts.append(b"Transfer-Encoding: chunked\r\n")
+        elif self.length is not None:
+            parts.append(b"Content-Length: %d\r\n" % self.length)
+        if self.expect_continue:
+            parts.append(b"Expect: 100-continue\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+
+def _field_value_ok(v: bytes) -> bool:
+    # RFC 9110 field-content as httplib checks it: visible or obs-text bytes, inner SP/HT.
+    for i, c in enumerate(v):
+        if c in (0x20, 0x09):
+            if i == 0 or i == len(v) - 1:
+                return False
+        elif c < 0x21 or c == 0x7F:
+            return False
+    return True
+
+
+def _request_line(line: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(method, target, version) of a request line (its LF included), or None where
+    llama-server refuses it: not ended by CRLF, not three words, a method outside its set,
+    a version other than 1.0 and 1.1, a target with control bytes."""
+    if not line.endswith(b"\r\n"):
+        return None
+    parts = [p for p in (x.strip(_SP_HT) for x in line[:-2].split(b" ")) if p]
+    if len(parts) != 3:
+        return None
+    method, target, version = parts
+    if method not in METHODS or version not in (b"HTTP/1.1", b"HTTP/1.0"):
+        return None
+    if any(c < 0x21 or c == 0x7F for c in target):
+        return None
+    return method, target, version
+
+
+def parse_request(raw: bytes) -> RequestHead:
+    """The head that ``head_end`` delimited, checked as llama-server checks it. Raises
+    HeadError(400) where llama-server answers 400, and where the router is stricter on
+    purpose (docs/router.md: Content-Length together with Transfer-Encoding)."""
+    text = raw[2:] if raw.startswith(b"\r\n") else raw
+    lines = text.split(b"\r\n")
+    parts = _request_line(lines[0] + b"\r\n") if len(lines) > 1 else None
+    if parts is None:
+        raise HeadError(400, "malformed request line")
+    method, target, version = parts
+    headers: list[Header] = []
+    for ln in lines[1:]:
+        if not ln:
+            break
+        ln = ln.rstrip(_SP_HT)
+        name, sep, value = ln.partition(b":")
+        if not sep or not name or not all(c in _TCHAR for c in name):
+            raise HeadError(400, "malformed header line")
+        value = value.lstrip(_SP_HT)
+        if not _field_value_ok(value):
+            raise HeadError(400, "malformed header value")
+        headers.append((name, value))
+    lengths = [v for k, v in headers if k.lower() == b"content-length"]
+    codings = [v for k, v in headers if k.lower() == b"transfer-encoding"]
+    length: int | None = None
+    if lengths:
+        if any(v != lengths[0] for v in lengths):
+            raise HeadError(400, "different Content-Length values")
+        if not lengths[0] or not all(c in _DIGITS for c in lengths[0]) or len(lengths[0]) > 19:
+            raise HeadError(400, "malformed Content-Length")
+        length = int(lengths[0])
+    chunked = False
+    if codings:
+        if lengths:  # llama-server tolerates Content-Length: 0 here; the router does not
+            raise HeadError(400, "both Content-Length and Transfer-Encoding")
+        last = b""
+        for v in codings:
+            last = b""
+            for tok in v.split(b","):
+                tok = tok.strip(_SP_HT)
+                if tok:
+                    last = tok
+        if last.lower() != b"chunked":
+            raise HeadError(400, "Transfer-Encoding whose final coding is not chunked")
+        chunked = True
+    conn = tokens(headers, b"connection")
+    keep = b"keep-alive" in conn if version == b"HTTP/1.0" else b"close" not in conn
+    expect = version == b"HTTP/1.1" and b"100-continue" in tokens(headers, b"expect")
+    return RequestHead(method, target, version[5:], tuple(headers), length, chunked, keep,
+                       expect)
 
 
 def tokens(headers: Iterable[Header], name: bytes) -> set[bytes]:

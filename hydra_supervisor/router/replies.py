@@ -21,6 +21,17 @@ from hydra_supervisor.router.traffic import Tally
 JSONValue = None | bool | int | float | str | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
 
 
+# What llama-server (cpp-httplib) answers to a request it cannot parse, byte for byte (the
+# pinned build, as tests/test_http_edges.py compares it): no body, the connection closed. A
+# head it refuses gets the first; a body it cannot read (a bad chunk) the second: its
+# middleware has added its CORS header by then.
+LLAMA_BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\n"
+                     b"Connection: close\r\nContent-Length: 0\r\n\r\n")
+LLAMA_BAD_BODY = (b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\n"
+                  b"Access-Control-Allow-Origin: \r\nConnection: close\r\n"
+                  b"Content-Length: 0\r\n\r\n")
+
+
 def error_body(status: int, message: str, kind: str = "unavailable_error") -> bytes:
     return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
 
@@ -94,14 +105,17 @@ class Record:
 
 
 def json_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]],
-                   with_body: bool = True) -> bytes:
+                   with_body: bool = True, origin: bytes = b"") -> bytes:
     """A response the router writes itself, in llama-server's shape (its error JSON, its
-    header names)."""
+    header names in its order; ``origin``: the request's Origin, which llama-server's CORS
+    middleware echoes)."""
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
         phrase = "Error"
     lines = [f"HTTP/1.1 {status} {phrase}\r\n".encode(),
+             b"Server: llama.cpp\r\n",
+             b"Access-Control-Allow-Origin: " + origin + b"\r\n",
              b"Content-Type: application/json; charset=utf-8\r\n",
              b"Content-Length: %d\r\n" % len(body)]
     lines += [k + b": " + v + b"\r\n" for k, v in extra]

@@ -21,6 +21,7 @@ from typing import Protocol
 import h11
 
 from hydra_supervisor.router import head
+from hydra_supervisor.router.budget import BodyBudget
 from hydra_supervisor.router.replies import JSONValue, Record
 from hydra_supervisor.router.routes import RouteTable
 from hydra_supervisor.router.traffic import Traffic
@@ -44,8 +45,11 @@ class UpstreamPool:
         self._lock = threading.Lock()
         self._idle: dict[Addr, collections.deque[tuple[socket.socket, float]]] = {}
 
-    def take(self, target: Addr) -> tuple[socket.socket, bool]:
-        """(socket, reused). Raises OSError when a new connection cannot be made."""
+    def take(self, target: Addr, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """(socket, reused). Raises OSError when a new connection cannot be made. ``fresh``:
+        a new connection (a streamed body cannot be sent again on a stale one)."""
+        if fresh:
+            return self._connect(target), False
         now = time.monotonic()
         while True:
             with self._lock:
@@ -150,28 +154,46 @@ class SessionHost(Protocol):
     def ledger(self) -> SessionCounts: ...
     @property
     def traffic(self) -> Traffic: ...
+    @property
+    def body_budget(self) -> BodyBudget: ...
 
 
 _NO_BODY_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
 _POOLABLE_VERSIONS = (b"1.1",)  # upstream connections of these versions go back to the pool
+# Per leg, except that an HTTP/1.0 client's Connection / Keep-Alive go up as sent: then
+# llama-server frames and keeps (or closes) its answer as it does for that client directly.
+_HOP_10 = head.HOP_REQUEST - {b"connection", b"keep-alive"}
 
 
 class Outgoing:
     """A request as it goes upstream: the client's request line and header lines (names as
-    sent, per-leg ones dropped), our own Content-Length, the whole body."""
+    sent, per-leg ones dropped), then the body: whole with our own Content-Length, or, when
+    it streams (``streamed``), the client's framing (its Content-Length, or chunked) and the
+    part read so far (``wire``); the rest follows as the client sends it."""
 
-    __slots__ = ("method", "wire", "poolable")
+    __slots__ = ("method", "wire", "poolable", "streamed", "chunked", "sent")
 
-    def __init__(self, req: h11.Request, body: bytes, lent_host: bool) -> None:
+    def __init__(self, req: head.RequestHead, body: bytes, streamed: bool = False) -> None:
         self.method = req.method
-        hdrs = [(k, v) for k, v in req.headers.raw_items()
-                if k.lower() not in head.HOP_REQUEST and not (lent_host and k.lower() == b"host")]
-        length = len(body) if body or req.method not in _NO_BODY_METHODS else None
-        self.wire = head.request_head(req.method, req.target, req.http_version, hdrs,
-                                      length) + body
+        hop = _HOP_10 if req.version == b"1.0" else head.HOP_REQUEST
+        hdrs = [(k, v) for k, v in req.headers if k.lower() not in hop]
+        self.streamed = streamed
+        self.chunked = streamed and req.chunked
+        self.sent = 0  # bytes of a streamed body's rest taken from the client: no re-send
+        if self.chunked:
+            hdrs.append((b"Transfer-Encoding", b"chunked"))
+            self.wire = head.request_head(req.method, req.target, req.version, hdrs,
+                                          None) + head.chunk(body)
+        else:
+            if streamed:
+                length: int | None = req.length
+            else:
+                length = len(body) if body or req.method not in _NO_BODY_METHODS else None
+            self.wire = head.request_head(req.method, req.target, req.version, hdrs,
+                                          length) + body
         # An HTTP/1.0 request goes up as 1.0 (so llama-server frames its answer for a 1.0
-        # client), and llama-server then closes that connection.
-        self.poolable = req.http_version in _POOLABLE_VERSIONS
+        # client), and its upstream connection is not reused.
+        self.poolable = req.version in _POOLABLE_VERSIONS and not streamed
 
     def parser(self) -> h11.Connection:
         """An h11 client that parses the response to this request (it needs the method: the
@@ -180,4 +202,3 @@ class Outgoing:
         up.send(h11.Request(method=self.method, target=b"/", headers=[(b"Host", b"upstream")]))
         up.send(h11.EndOfMessage())
         return up
-
