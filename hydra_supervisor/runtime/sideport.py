@@ -13,11 +13,12 @@ At most `max_conns` connections are open. A connection past that takes the place
 one still silent (no complete head) for `evict_after` seconds; when none is, it is answered
 503 (at most `max_conns` such replies linger a second for the client to read them; past that
 the connection is reset). So the side port holds at most 2 x `max_conns` + 1 descriptors, and
-an idle socket costs a descriptor until its head deadline or its eviction, and no thread. Out of descriptors (EMFILE) the accept loop waits and tries again (asyncio's own
-back-off), and says so in hydra's log.
+an idle socket costs a descriptor until its head deadline or its eviction, and no thread.
+Out of descriptors (EMFILE) the accept loop waits a second and tries again (asyncio's own
+back-off), and says so in hydra's log at most once a minute.
 
 Counts (`stats()`): open, open_peak, served, refused (cap), evicted, timed_out, too_large,
-bad_request.
+bad_request, accept_failed.
 """
 
 from __future__ import annotations
