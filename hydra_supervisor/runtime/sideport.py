@@ -33,17 +33,16 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
 from wsgiref import simple_server
 from wsgiref.handlers import SimpleHandler
+from wsgiref.types import WSGIApplication, WSGIEnvironment
 
 import h11
 
 log = logging.getLogger("hydra.metrics")
 
-WsgiApp = Callable[..., Any]
 LINGER_S = 1.0  # after a reply: how long the client's last bytes are read before closing
 
 
@@ -81,8 +80,9 @@ class _Handler(SimpleHandler):
     server_software = simple_server.software_version
     http_version = "1.0"
 
-    def log_exception(self, exc_info: Any) -> None:
-        env: dict[str, Any] = getattr(self, "environ", {})
+    def log_exception(self, exc_info: tuple[type[BaseException], BaseException, TracebackType]
+                      | tuple[None, None, None]) -> None:
+        env: WSGIEnvironment = getattr(self, "environ", {})
         log.error("side port: the app failed on %s %s", env.get("REQUEST_METHOD"),
                   env.get("PATH_INFO"), exc_info=exc_info)
 
@@ -94,11 +94,21 @@ class _Conn:
     silent: bool = True  # no complete head yet: may be evicted
 
 
+@dataclass(frozen=True)
+class _Job:
+    """A complete request for a worker; the answer goes to `fut` on `loop`."""
+
+    environ: WSGIEnvironment
+    body: bytes
+    fut: asyncio.Future[bytes]
+    loop: asyncio.AbstractEventLoop
+
+
 class SidePort:
     """Serves `app` on `host:port` (see the module's doc). `start()` binds (OSError when it
     cannot) and starts the loop thread; `stop()` is bounded."""
 
-    def __init__(self, host: str, port: int, app: WsgiApp, *, limits: Limits | None = None,
+    def __init__(self, host: str, port: int, app: WSGIApplication, *, limits: Limits | None = None,
                  name: str = "hydra-metrics") -> None:
         self.host = host
         self.limits = limits or Limits()
@@ -111,7 +121,7 @@ class SidePort:
         self._server: asyncio.AbstractServer | None = None
         self._conns: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
         self._ids = 0
-        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._counts: collections.Counter[str] = collections.Counter()
         self._peak = 0
@@ -178,7 +188,8 @@ class SidePort:
                                                        return_exceptions=True))
             loop.close()
 
-    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    def _loop_error(self, loop: asyncio.AbstractEventLoop,
+                    context: dict[str, object]) -> None:
         """asyncio's own reports: out of descriptors on accept (it waits 1 s and tries again:
         counted, and logged at most once a minute), anything else logged as it says."""
         exc = context.get("exception")
@@ -310,25 +321,25 @@ class SidePort:
             return _reply(code, "Bad Request" if code == 400 else "Error", str(exc))
         environ = self._environ(req, writer)
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._jobs.put((environ, bytes(body), fut, asyncio.get_running_loop()))
+        self._jobs.put(_Job(environ, bytes(body), fut, asyncio.get_running_loop()))
         return await fut
 
     @staticmethod
-    async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> object:
         while True:
             ev = conn.next_event()
             if ev is not h11.NEED_DATA:
                 return ev
             conn.receive_data(await reader.read(8192))
 
-    def _environ(self, req: h11.Request, writer: asyncio.StreamWriter) -> dict[str, Any]:
+    def _environ(self, req: h11.Request, writer: asyncio.StreamWriter) -> WSGIEnvironment:
         """The CGI part of the environ, as wsgiref's WSGIRequestHandler.get_environ makes it
         (its handler adds os.environ and the wsgi.* keys)."""
         peer = writer.get_extra_info("peername")
         local = writer.get_extra_info("sockname")
         target = req.target.decode("latin-1")
         path, _, query = target.partition("?")
-        env: dict[str, Any] = {
+        env: WSGIEnvironment = {
             "SERVER_NAME": self.host, "GATEWAY_INTERFACE": "CGI/1.1",
             "SERVER_PORT": str(self.port), "REMOTE_HOST": "", "CONTENT_LENGTH": "",
             "SCRIPT_NAME": "", "SERVER_PROTOCOL": f"HTTP/{req.http_version.decode()}",
@@ -356,9 +367,9 @@ class SidePort:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            environ, body, fut, loop = job
+            environ, fut, loop = job.environ, job.fut, job.loop
             try:
-                data = self._call(environ, body)
+                data = self._call(environ, job.body)
             except Exception as exc:  # noqa: BLE001 - the worker lives on
                 log.exception("side port: %s %s failed", environ.get("REQUEST_METHOD"),
                               environ.get("PATH_INFO"))
@@ -366,7 +377,7 @@ class SidePort:
             with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
                 loop.call_soon_threadsafe(_settle, fut, data)
 
-    def _call(self, environ: dict[str, Any], body: bytes) -> bytes:
+    def _call(self, environ: WSGIEnvironment, body: bytes) -> bytes:
         out = io.BytesIO()
         handler = _Handler(io.BytesIO(body), out, io.StringIO(), environ,
                            multithread=True, multiprocess=False)
