@@ -11,9 +11,11 @@ request per connection). The loop writes the response within `write_timeout` and
 
 At most `max_conns` connections are open. A connection past that takes the place of the oldest
 one still silent (no complete head) for `evict_after` seconds; when none is, it is answered
-503 (at most `max_conns` such replies linger a second for the client to read them; past that
-the connection is reset). So the side port holds at most 2 x `max_conns` + 1 descriptors, and
-an idle socket costs a descriptor until its head deadline or its eviction, and no thread.
+503 (at most `max_lingering` such replies linger a second for the client to read them; past
+that the connection is reset). asyncio accepts up to `backlog` connections in one go before
+it hands them over, so the side port holds at most max_conns + max_lingering + backlog + 1
+descriptors (64 + 16 + 64 + 1 by default), and an idle socket costs a descriptor until its
+head deadline or its eviction, and no thread.
 Out of descriptors (EMFILE) the accept loop waits a second and tries again (asyncio's own
 back-off), and says so in hydra's log at most once a minute.
 
@@ -58,7 +60,8 @@ class Limits:
     max_head: int = 16 * 1024  # request line and headers
     max_body: int = 64 * 1024  # the dashboard's actions send a few bytes of JSON
     evict_after: float = 1.0  # a silent connection this old gives its place to a new one
-    backlog: int = 128
+    backlog: int = 64  # also how many asyncio accepts in one go
+    max_lingering: int = 16  # refused connections told 503 for up to LINGER_S
 
 
 def _reply(code: int, reason: str, text: str, *extra: tuple[str, str]) -> bytes:
@@ -218,7 +221,7 @@ class SidePort:
         loop = asyncio.get_running_loop()
         if len(self._conns) >= self.limits.max_conns and not self._evict(now):
             self._counts["refused"] += 1
-            if self._lingering < self.limits.max_conns:  # 503 said and heard, bounded too
+            if self._lingering < self.limits.max_lingering:  # 503 said and heard, bounded too
                 self._lingering += 1
                 loop.create_task(self._refuse(reader, writer))
             else:
