@@ -273,24 +273,29 @@ class Supervisor:
         starved = 0  # failures in a row for want of descriptors, memory or threads
         while not self.stopping.is_set():
             try:
-                await self._converge()
-                if self.stopping.is_set():
-                    return
-                await self._serve_one_event()
+                await self._round()
                 starved = 0
-            except PeerLost as lost:
-                if self.stopping.is_set():
-                    return
-                await self._restarter.peers_lost(lost.peers, lost.reason)
-            except StartFailed:
-                if self.stopping.is_set():
-                    return
-                raise
             except Exception as exc:
                 if self.stopping.is_set() or not exhausted(exc):
                     raise
                 starved += 1
                 await self._starved(exc, starved)
+
+    async def _round(self) -> None:
+        """Converge, then answer the first event (a lost peer's recovery included)."""
+        try:
+            await self._converge()
+            if self.stopping.is_set():
+                return
+            await self._serve_one_event()
+        except PeerLost as lost:
+            if self.stopping.is_set():
+                return
+            await self._restarter.peers_lost(lost.peers, lost.reason)
+        except StartFailed:
+            if self.stopping.is_set():
+                return
+            raise
 
     async def _starved(self, exc: BaseException, times: int) -> None:
         """Watching (or a restart) failed for want of a resource (EMFILE, ENOMEM, no thread):
