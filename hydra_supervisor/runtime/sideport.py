@@ -126,7 +126,10 @@ class SidePort:
         self._ids = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
-        self._counts: collections.Counter[str] = collections.Counter()
+        # every key from the start: stats() copies it from other threads while the loop counts
+        self._counts: collections.Counter[str] = collections.Counter(dict.fromkeys(
+            ("served", "refused", "evicted", "timed_out", "too_large", "bad_request",
+             "accept_failed"), 0))
         self._peak = 0
         self._accept_logged = -1e9
         self._lingering = 0  # refused connections still being told so
