@@ -35,7 +35,7 @@ _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 def exhausted(exc: BaseException) -> bool:
     """Is `exc` a resource running out (descriptors, memory, buffers, threads) rather than a
     bug or a refusal? Such a failure is waited out and said, never a reason to stop serving
-    (docs/operations.md, "Resource exhaustion")."""
+    (docs/supervision.md, "How hydra ends")."""
     if isinstance(exc, MemoryError):
         return True
     if isinstance(exc, OSError) and exc.errno in _EXHAUSTED:

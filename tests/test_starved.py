@@ -1,5 +1,5 @@
-"""Resource exhaustion never stops the serving quietly (docs/operations.md, "Resource
-exhaustion"): the Supervisor's watch failing for want of descriptors (EMFILE from /proc, as a
+"""Resource exhaustion never stops the serving quietly (docs/supervision.md, "How hydra
+ends"): the Supervisor's watch failing for want of descriptors (EMFILE from /proc, as a
 flood of sockets caused it) is said and waited out while the processes serve on, and watching
 resumes; a failure that is not exhaustion (a bug) ends the run FATAL with its real cause, never
 as a plain stop. The real Supervisor on fake children (tests/fake_children.py): a process table

@@ -20,10 +20,12 @@ serves them, and keeps their public names reachable as `metrics.NAME`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from hydra_supervisor.router.conn import is_loopback
 from hydra_supervisor.runtime.metrics_heads import (
@@ -54,11 +56,40 @@ from hydra_supervisor.serve.snapshot import Snapshot
 __all__ = [
     "DURATION_BUCKETS", "ENGINE_STATES", "KNOWN_PATHS", "PROCESS_STATES", "REQUEST_OUTCOMES",
     "SWITCH_RESULTS", "Head", "HeadCollector", "HeadsFn", "MetricsServer", "RequestMetrics",
+    "SidePortCollector",
     "Snapshot", "SnapshotCollector", "SnapshotFn", "endpoint_label", "heads_from_snapshot",
     "relabel", "status_class",
 ]
 
 log = logging.getLogger("hydra.metrics")
+
+
+class SidePortCollector(Collector):
+    """The metrics port's own connections (sideport.py's counts): how many are open, and what
+    became of the others — an alert on `refused` or `evicted` rising means someone holds the
+    port's connections."""
+
+    OUTCOMES = ("served", "refused", "evicted", "timed_out", "too_large", "bad_request")
+
+    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        if not st:
+            return
+        yield GaugeMetricFamily("hydra_metrics_port_open",
+                                "Connections open on the metrics/dashboard port",
+                                value=st.get("open", 0))
+        conns = CounterMetricFamily("hydra_metrics_port_connections",
+                                    "Connections to the metrics/dashboard port by outcome "
+                                    "(docs/dashboard.md, Limits)", labels=["outcome"])
+        for outcome in self.OUTCOMES:
+            conns.add_metric([outcome], st.get(outcome, 0))
+        yield conns
+        yield CounterMetricFamily("hydra_metrics_port_accept_failures",
+                                  "accept() on the metrics port failed (out of descriptors)",
+                                  value=st.get("accept_failed", 0))
 
 
 class MetricsServer:
@@ -96,6 +127,7 @@ class MetricsServer:
         self.registry.register(HeadCollector(
             heads or (lambda: heads_from_snapshot(snapshot())), timeout=scrape_timeout))
         self.requests = RequestMetrics(self.registry)
+        self.registry.register(SidePortCollector(self.stats))
         self._limits = limits
         self._server: SidePort | None = None
 

@@ -238,7 +238,8 @@ class SidePort:
 
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await self._send(reader, writer, BUSY, LINGER_S)
+            await self._write(writer, BUSY, LINGER_S)
+            await self._linger(reader)
         except (TimeoutError, OSError):
             pass
         finally:
@@ -246,17 +247,19 @@ class SidePort:
             writer.transport.abort()
 
     @staticmethod
-    async def _send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes,
-                    timeout: float) -> None:
-        """Send `data` and the end of the stream within `timeout`, then read what the client
-        still sends until it closes (at most LINGER_S): closing with unread bytes would reset
-        the connection and the client could lose the reply."""
+    async def _write(writer: asyncio.StreamWriter, data: bytes, timeout: float) -> None:
+        """Send `data` and the end of the stream within `timeout` (TimeoutError)."""
         writer.transport.set_write_buffer_limits(high=0)  # drain() = all of it sent
         async with asyncio.timeout(timeout):
             writer.write(data)
             if writer.can_write_eof():
                 writer.write_eof()
             await writer.drain()
+
+    @staticmethod
+    async def _linger(reader: asyncio.StreamReader) -> None:
+        """Read what the client still sends until it closes (at most LINGER_S): closing with
+        unread bytes would reset the connection, and the client could lose the reply."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(LINGER_S):
                 while await reader.read(65536):
@@ -277,10 +280,13 @@ class SidePort:
     async def _serve(self, cid: int, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         try:
-            data = await self._request(cid, reader, writer)
-            if data is not None:
-                await self._send(reader, writer, data, self.limits.write_timeout)
-                self._counts["served"] += 1
+            got = await self._request(cid, reader, writer)
+            if got is not None:
+                data, answered = got
+                await self._write(writer, data, self.limits.write_timeout)
+                if answered:
+                    self._counts["served"] += 1
+                await self._linger(reader)
         except TimeoutError:
             self._counts["timed_out"] += 1
         except (OSError, asyncio.IncompleteReadError):
@@ -290,8 +296,9 @@ class SidePort:
             writer.transport.abort()  # all sent, or a silent or stuck client
 
     async def _request(self, cid: int, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> bytes | None:
-        """The response for one request (None: the client closed before asking anything)."""
+                       writer: asyncio.StreamWriter) -> tuple[bytes, bool] | None:
+        """The response for one request, and whether the app gave it (False: the side port
+        refused the request itself); None: the client closed before asking anything."""
         lim = self.limits
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=lim.max_head)
         try:
@@ -306,7 +313,7 @@ class SidePort:
             if length is not None and length > lim.max_body:
                 self._counts["too_large"] += 1
                 return _reply(413, "Content Too Large",
-                              f"request body over {lim.max_body} bytes")
+                              f"request body over {lim.max_body} bytes"), False
             body = bytearray()
             async with asyncio.timeout(lim.body_timeout):
                 while True:
@@ -316,7 +323,7 @@ class SidePort:
                         if len(body) > lim.max_body:
                             self._counts["too_large"] += 1
                             return _reply(413, "Content Too Large",
-                                          f"request body over {lim.max_body} bytes")
+                                          f"request body over {lim.max_body} bytes"), False
                     elif isinstance(ev, h11.EndOfMessage):
                         break
                     else:
@@ -324,11 +331,11 @@ class SidePort:
         except h11.RemoteProtocolError as exc:
             self._counts["bad_request"] += 1
             code = exc.error_status_hint
-            return _reply(code, "Bad Request" if code == 400 else "Error", str(exc))
+            return _reply(code, "Bad Request" if code == 400 else "Error", str(exc)), False
         environ = self._environ(req, writer)
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._jobs.put(_Job(environ, bytes(body), fut, asyncio.get_running_loop()))
-        return await fut
+        return await fut, True
 
     @staticmethod
     async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> object:
