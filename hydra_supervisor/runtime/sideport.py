@@ -182,7 +182,8 @@ class SidePort:
         loop.set_exception_handler(self._loop_error)
         try:
             self._server = loop.run_until_complete(
-                asyncio.start_server(self._accepted, sock=sock, limit=self.limits.max_head))
+                asyncio.start_server(self._accepted, sock=sock, limit=self.limits.max_head,
+                                     backlog=self.limits.backlog))
             started.set()
             loop.run_forever()
         finally:
