@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hydra_supervisor.config.config import known_profiles
+from hydra_supervisor.errors import HydraError
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.runtime.daemon import EXIT_FATAL, EXIT_OK, Daemon, Options
 from hydra_supervisor.serve import setup
@@ -91,3 +92,18 @@ def test_a_daemon_task_that_dies_ends_hydra_with_exit_1(tmp_path: Path) -> None:
     assert asyncio.run(go()) == EXIT_FATAL
     assert d.fatal == "the port watch failed (RuntimeError: injected: the port watch died)"
     assert d.stop_reason == f"FATAL: {d.fatal}"
+
+
+def test_bad_input_found_while_starting_stays_bad_input(tmp_path: Path) -> None:
+    """A HydraError (bad input) out of the run is not turned into exit 1: it reaches `hydra
+    up`, which says `error:` and exits 2, and the log says why it stopped."""
+    d = daemon(tmp_path)
+
+    async def refused() -> int:
+        raise HydraError("profile x: no such model", hint="hydra profiles")
+
+    d._wait = refused  # type: ignore[method-assign]
+    with pytest.raises(HydraError, match="no such model"):
+        asyncio.run(asyncio.wait_for(d.run(), 30))
+    assert d.stop_reason == "error: profile x: no such model"
+    assert d.fatal is None

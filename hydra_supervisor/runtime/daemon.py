@@ -434,6 +434,9 @@ class Daemon:
                               (readiness, "the readiness report")):
                 own.add_done_callback(functools.partial(self._task_ended, what))
             code = await self._wait()
+        except HydraError as exc:  # bad input found while starting: said, and exit 2
+            self.request_stop(f"error: {exc.message}")
+            raise
         except Exception as exc:  # a failure nobody asked for: its cause, and exit 1
             self.fail(f"internal error ({type(exc).__name__}: {exc})", exc)
             code = EXIT_FATAL
