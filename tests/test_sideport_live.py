@@ -14,6 +14,7 @@ import json
 import resource
 import shutil
 import socket
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -107,6 +108,57 @@ def test_two_thousand_idle_connections_leave_hydra_serving(tmp_path: Path) -> No
         log = (Path(env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
         assert "Traceback" not in log, log[-3000:]
         assert "stopped: SIGTERM" in log
+    finally:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()
+        if up.proc.poll() is None:
+            up.stop()
+        up.kill_everything()
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="no prlimit (util-linux)")
+def test_out_of_descriptors_hydra_degrades_logs_and_serves_on(tmp_path: Path) -> None:
+    """A running hydra whose open-file limit is lowered (prlimit --pid) to a few above what
+    it holds, then run out by connections to its metrics port: its supervisor's watch (which
+    reads /proc) and both accept loops fail with EMFILE. hydra says so and waits; nothing
+    stops, nothing exits; once the limit is back, the same connections gone, it serves a chat
+    request, answers `hydra status` (serving) and stops with exit 0 when asked."""
+    env = make_env(tmp_path)
+    port, mport = free_port(), free_port()
+    up = Up(env, ["-p", "demo", "--port", str(port), "--metrics-port", str(mport)], tmp_path)
+    socks: list[socket.socket] = []
+    log = Path(env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log"
+    try:
+        up.wait_ready(180)
+        pid = up.proc.pid
+        _, fds = usage(pid)
+        subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={fds + 8}:{NOFILE}"], check=True)
+        failed = 0
+        while len(socks) < 200 and failed < 3:  # past the kernel's backlog connects time out
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", mport), timeout=1))
+            except OSError:
+                failed += 1
+        wait_until(lambda: "cannot accept connections (Too many open files)" in log.read_text(),
+                   30, "hydra to say it is out of descriptors")
+        wait_until(lambda: "watching failed" in log.read_text(), 60,
+                   "the supervisor's watch to fail for want of descriptors, and say so")
+        assert up.proc.poll() is None
+        subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={NOFILE}:{NOFILE}"], check=True)
+        for s in socks:
+            s.close()
+        socks = []
+        assert chat(port) == 200
+        st = run_hydra(env, "status", "--json", timeout=60)
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert json.loads(st.stdout)["status"]["state"] == "serving"
+        wait_until(lambda: page(mport), 30, "the dashboard page")
+        assert up.proc.poll() is None
+        assert up.stop() == 0
+        text = log.read_text()
+        assert "the processes serve on" in text and "stopped: SIGTERM" in text
+        assert "FATAL" not in text, text[-3000:]
     finally:
         for s in socks:
             with contextlib.suppress(OSError):

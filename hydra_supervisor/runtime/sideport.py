@@ -206,7 +206,7 @@ class SidePort:
             if now - self._accept_logged >= 60.0:
                 self._accept_logged = now
                 log.warning("metrics port %d: cannot accept connections (%s); trying again "
-                            "every second (%d times so far)", self.port,
+                            "every second (%d failed accept() calls so far)", self.port,
                             getattr(exc, "strerror", None) or exc, self._counts["accept_failed"])
             return
         log.error("metrics port %d: %s", self.port, context.get("message"),
