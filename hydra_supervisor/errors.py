@@ -7,6 +7,8 @@ port, binary or model involved and, where there is one, the fix. The CLI prints 
 
 from __future__ import annotations
 
+import errno
+
 
 class HydraError(Exception):
     """An error the operator can fix; str(err) is the complete message."""
@@ -24,3 +26,19 @@ class HydraError(Exception):
 
 class ConfigError(HydraError):
     """A profile or node file is malformed; the message carries file:line and the YAML path."""
+
+
+# errno values of a host (or a process) out of descriptors, memory or buffers
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def exhausted(exc: BaseException) -> bool:
+    """Is `exc` a resource running out (descriptors, memory, buffers, threads) rather than a
+    bug or a refusal? Such a failure is waited out and said, never a reason to stop serving
+    (docs/supervision.md, "How hydra ends")."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _EXHAUSTED:
+        return True
+    # threading.Thread.start(): "can't start new thread" (EAGAIN from pthread_create)
+    return isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)

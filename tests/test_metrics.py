@@ -6,6 +6,7 @@ head, and from a real llama-server started with --metrics."""
 from __future__ import annotations
 
 import copy
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -529,3 +530,20 @@ def test_lane_traffic_series_from_the_snapshot() -> None:
         assert value(s, "hydra_lane_tokens_per_second", **e) == 12.5
         assert value(s, "hydra_generated_tokens_total", **e) == 640
         assert value(s, "hydra_prompt_tokens_total", **e) == 90
+
+
+def test_the_metrics_port_counts_its_own_connections() -> None:
+    """The side port's counts (runtime/sideport.py) are series: open connections, and what
+    became of the others (here: served; a huge body refused unread)."""
+    snap = typed(snapshot(port({"name": "m", "profile": "p"})))
+    with MetricsServer(snapshot=lambda: snap, heads=lambda: []) as ms:
+        scrape(ms.url)
+        with socket.create_connection(("127.0.0.1", ms.port), timeout=30) as c:
+            c.sendall(b"POST /api/reload HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: 1000000000000\r\n\r\n{")
+            assert c.recv(100).startswith(b"HTTP/1.0 413 ")
+        s = scrape(ms.url)
+    assert value(s, "hydra_metrics_port_open") == 1  # this scrape
+    assert value(s, "hydra_metrics_port_connections_total", outcome="served") == 1
+    assert value(s, "hydra_metrics_port_connections_total", outcome="too_large") == 1
+    assert value(s, "hydra_metrics_port_accept_failures_total") == 0

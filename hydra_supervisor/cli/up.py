@@ -83,10 +83,11 @@ def up(profiles: tuple[str, ...], idle: bool, node_file: str | None, profiles_di
     loaded, unloaded or switched, the standby ready, a reload done, a failure); -q keeps only
     the failures.
 
-    Exit status (docs/control.md): 0 stopped on request, 1 FATAL (one profile; among
-    several, a failed profile is marked failed and the others keep serving), 2 bad input or
-    another hydra holds the state dir, 4 stopped but a child could not be killed, 130
-    interrupted before serving or by a second Ctrl-C.
+    Exit status (docs/control.md): 0 stopped on request (and only then), 1 FATAL (one
+    profile; among several, a failed profile is marked failed and the others keep serving) or
+    any other end nobody asked for, 2 bad input or another hydra holds the state dir, 4
+    stopped but a child could not be killed, 130 interrupted before serving or by a second
+    Ctrl-C.
     """
     if idle and profiles:
         raise HydraError("--no-profile and --profile exclude each other")

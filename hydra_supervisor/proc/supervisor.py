@@ -47,6 +47,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from hydra_supervisor.errors import exhausted
 from hydra_supervisor.plan.deployment import Deployment, Timeouts
 from hydra_supervisor.plan.plan import Plan, Role
 from hydra_supervisor.plan.ports import client_host, host_port
@@ -63,13 +64,15 @@ from hydra_supervisor.proc.managed import (
     State,
 )
 from hydra_supervisor.proc.restarts import Restarter
-from hydra_supervisor.proc.seams import Seams, UpstreamMoved, race
+from hydra_supervisor.proc.seams import Seams, UpstreamMoved, race, sleep_or_stop
 from hydra_supervisor.proc.starting import Starter
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.stopping import Stopper
 from hydra_supervisor.proc.watching import Watcher
 
 log = logging.getLogger("hydra")
+
+STARVED_MAX_S = 10.0  # out of descriptors/memory: the longest wait before watching again
 
 
 class Supervisor:
@@ -240,6 +243,10 @@ class Supervisor:
             for mp in self.procs:
                 if mp.state is not State.FATAL and mp.name in str(exc):
                     mp.state, mp.reason = State.FATAL, self.fatal  # the table itself is broken
+        except Exception as exc:  # anything else ends the run FATAL, with its real cause
+            self.fatal = f"internal error ({type(exc).__name__}: {exc}); please report"
+            self.stop_reason = f"FATAL: {self.fatal}"
+            log.exception("BUG: %s: supervising stopped: %s", self.plan.profile, exc)
         finally:
             await self.shutdown(self.stop_reason or "hydra is stopping")
             if reaper is not None:
@@ -249,7 +256,11 @@ class Supervisor:
 
     async def _reap_forever(self) -> None:
         while True:
-            process.reap_adopted(self._starter.spawned)
+            try:
+                process.reap_adopted(self._starter.spawned)
+            except Exception as exc:  # noqa: BLE001 - out of descriptors: try again next time
+                if not exhausted(exc):
+                    log.exception("reaping adopted children failed")
             await self.seams.sleep(1.0)
 
     async def _converge(self) -> None:
@@ -259,20 +270,42 @@ class Supervisor:
         self.fail_fast = False  # serving: from now on failures back off as usual
 
     async def _loop(self) -> None:
+        starved = 0  # failures in a row for want of descriptors, memory or threads
         while not self.stopping.is_set():
             try:
-                await self._converge()
-                if self.stopping.is_set():
-                    return
-                await self._serve_one_event()
-            except PeerLost as lost:
-                if self.stopping.is_set():
-                    return
-                await self._restarter.peers_lost(lost.peers, lost.reason, lost.head_first)
-            except StartFailed:
-                if self.stopping.is_set():
-                    return
-                raise
+                await self._round()
+                starved = 0
+            except Exception as exc:
+                if self.stopping.is_set() or not exhausted(exc):
+                    raise
+                starved += 1
+                await self._starved(exc, starved)
+
+    async def _round(self) -> None:
+        """Converge, then answer the first event (a lost peer's recovery included)."""
+        try:
+            await self._converge()
+            if self.stopping.is_set():
+                return
+            await self._serve_one_event()
+        except PeerLost as lost:
+            if self.stopping.is_set():
+                return
+            await self._restarter.peers_lost(lost.peers, lost.reason, lost.head_first)
+        except StartFailed:
+            if self.stopping.is_set():
+                return
+            raise
+
+    async def _starved(self, exc: BaseException, times: int) -> None:
+        """Watching (or a restart) failed for want of a resource (EMFILE, ENOMEM, no thread):
+        the processes serve on; say so, wait (1 s doubling to STARVED_MAX_S) and watch again."""
+        delay = min(STARVED_MAX_S, 2.0 ** (times - 1))
+        if times == 1 or delay < STARVED_MAX_S or times % 10 == 0:
+            log.warning("%s: watching failed (%s: %s); the processes serve on; watching again "
+                        "in %.0fs (%d time(s) in a row)", self.plan.profile,
+                        type(exc).__name__, exc, delay, times)
+        await sleep_or_stop(self.seams, self.stopping, delay)
 
     async def _serve_one_event(self) -> None:
         """Everything is READY: wait for the first thing that needs an answer, and answer it."""
@@ -303,6 +336,8 @@ class Supervisor:
         for t in done:  # a planned restart that lost the race is not dropped
             if t is not first and waits[t] == "request":
                 self._requests.put_nowait(t.result())
+            elif t is not first and not t.cancelled():
+                t.exception()  # (seen: the next round watches again)
         if event == "stop":
             return
         if event == "peer":

@@ -7,8 +7,9 @@
 - the ports (serve/port.py: each external address with its lanes) and the node (serve/node.py:
   the devices' room), and status.json as the crash record.
 
-Exit codes (docs/supervision.md): 0 stopped on request; 1 the running layout went FATAL (its
-reason is in status.json and hydra.log); 2 bad input before anything started.
+Exit codes (docs/supervision.md): 0 stopped on request (SIGTERM, SIGINT, `hydra down`); 1
+anything else that ended it: the running layout went FATAL, or hydra itself failed (its
+reason is in status.json and hydra.log: `fail`); 2 bad input before anything started.
 
 Every external port is watched on the loop (portwatch.py): a router whose acceptor is not
 running makes the port's state "port down" (status, STATUS=, metrics; `hydra status` exits 1)
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -323,6 +325,24 @@ class Daemon:
         """Re-read the running profiles and apply the difference (none: no-op)."""
         return await self.actions.reload()
 
+    def fail(self, why: str, exc: BaseException | None = None) -> None:
+        """Stop because something failed that nobody asked to stop: said with its cause in
+        hydra.log and status.json, and `hydra up` exits 1 (EXIT_FATAL), so that systemd's
+        Restart=on-failure brings it back. Never a plain stop (exit 0)."""
+        if self.fatal is None:
+            self.fatal = why
+        log.error("FATAL: %s", why, exc_info=exc)
+        self.request_stop(f"FATAL: {why}")
+
+    def _task_ended(self, what: str, task: asyncio.Task[object]) -> None:
+        """One of the daemon's own tasks ended: only a stop may end them; a failure ends
+        hydra with its cause (exit 1)."""
+        if task.cancelled() or self.stop_event.is_set():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.fail(f"{what} failed ({type(exc).__name__}: {exc})", exc)
+
     def request_stop(self, reason: str) -> None:
         if not self.stop_event.is_set():
             self.stop_reason = reason
@@ -410,7 +430,16 @@ class Daemon:
                 self.stop_event))
             if on_start is not None:
                 presenter = asyncio.create_task(on_start(self))
+            for own, what in ((watchdog, "the systemd watchdog"), (ports, "the port watch"),
+                              (readiness, "the readiness report")):
+                own.add_done_callback(functools.partial(self._task_ended, what))
             code = await self._wait()
+        except HydraError as exc:  # bad input found while starting: said, and exit 2
+            self.request_stop(f"error: {exc.message}")
+            raise
+        except Exception as exc:  # a failure nobody asked for: its cause, and exit 1
+            self.fail(f"internal error ({type(exc).__name__}: {exc})", exc)
+            code = EXIT_FATAL
         finally:
             self.notifier.stopping(f"stopping: {self.stop_reason}")
             for task in (presenter, readiness, watchdog, ports):
@@ -422,7 +451,10 @@ class Daemon:
                 self.metrics.stop()
             await asyncio.gather(*(p.shutdown(self.stop_reason) for p in self.ports))
             self.ended = self.stop_reason
-            self._changed()
+            try:
+                self._changed()  # the crash record (status.json) says why it ended
+            except Exception:  # out of descriptors, say: the stop goes on
+                log.exception("could not write the last status")
             self.ctl.stop()
             for wire in self.wires:
                 wire.stop()

@@ -20,14 +20,12 @@ serves them, and keeps their public names reachable as `metrics.NAME`.
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from socketserver import ThreadingMixIn
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from hydra_supervisor.router.conn import is_loopback
 from hydra_supervisor.runtime.metrics_heads import (
@@ -52,11 +50,13 @@ from hydra_supervisor.runtime.metrics_state import (
     SnapshotCollector,
     SnapshotFn,
 )
+from hydra_supervisor.runtime.sideport import Limits, SidePort
 from hydra_supervisor.serve.snapshot import Snapshot
 
 __all__ = [
     "DURATION_BUCKETS", "ENGINE_STATES", "KNOWN_PATHS", "PROCESS_STATES", "REQUEST_OUTCOMES",
     "SWITCH_RESULTS", "Head", "HeadCollector", "HeadsFn", "MetricsServer", "RequestMetrics",
+    "SidePortCollector",
     "Snapshot", "SnapshotCollector", "SnapshotFn", "endpoint_label", "heads_from_snapshot",
     "relabel", "status_class",
 ]
@@ -64,34 +64,38 @@ __all__ = [
 log = logging.getLogger("hydra.metrics")
 
 
-# ---------------------------------------------------------------------------------------------
-# The HTTP side
+class SidePortCollector(Collector):
+    """The metrics port's own connections (sideport.py's counts): how many are open, and what
+    became of the others — an alert on `refused` or `evicted` rising means someone holds the
+    port's connections."""
 
+    OUTCOMES = ("served", "refused", "evicted", "timed_out", "too_large", "bad_request")
 
-class _SilentHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape every 15 s would fill hydra's log
+    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        self._stats = stats
 
-    def get_environ(self) -> dict[str, Any]:
-        env = super().get_environ()
-        # both ends of the connection: the dashboard asks the kernel which user is the peer
-        env["hydra.peer"] = self.client_address
-        env["hydra.local"] = self.connection.getsockname()
-        return env
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        if not st:
+            return
+        yield GaugeMetricFamily("hydra_metrics_port_open",
+                                "Connections open on the metrics/dashboard port",
+                                value=st.get("open", 0))
+        conns = CounterMetricFamily("hydra_metrics_port_connections",
+                                    "Connections to the metrics/dashboard port by outcome "
+                                    "(docs/dashboard.md, Limits)", labels=["outcome"])
+        for outcome in self.OUTCOMES:
+            conns.add_metric([outcome], st.get(outcome, 0))
+        yield conns
+        yield CounterMetricFamily("hydra_metrics_port_accept_failures",
+                                  "accept() on the metrics port failed (out of descriptors)",
+                                  value=st.get("accept_failed", 0))
 
 
 class MetricsServer:
     """`GET /metrics` on a loopback port: hydra's state, per-request records and the heads'
-    llama-server metrics. Threads of its own; `stop()` is bounded.
+    llama-server metrics. Served by a SidePort (sideport.py): bounded connections, time-outs
+    and body, a small pool of threads; `stop()` is bounded.
 
     snapshot: the daemon's published Snapshot (read at each scrape; must be cheap and
               thread-safe).
@@ -106,7 +110,8 @@ class MetricsServer:
                  snapshot: SnapshotFn | None = None, heads: HeadsFn | None = None, *,
                  scrape_timeout: float = 3.0,
                  external_ports: Sequence[int] | None = None,
-                 wrap: Callable[[Any], Any] | None = None) -> None:
+                 wrap: Callable[[Any], Any] | None = None,
+                 limits: Limits | None = None) -> None:
         if snapshot is None:
             raise TypeError("MetricsServer needs snapshot=")
         if not is_loopback(host):
@@ -122,8 +127,9 @@ class MetricsServer:
         self.registry.register(HeadCollector(
             heads or (lambda: heads_from_snapshot(snapshot())), timeout=scrape_timeout))
         self.requests = RequestMetrics(self.registry)
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self.registry.register(SidePortCollector(self.stats))
+        self._limits = limits
+        self._server: SidePort | None = None
 
     # -- records from the router
     def observe_request(self, record: Mapping[str, Any], engine: str | None = None,
@@ -140,7 +146,7 @@ class MetricsServer:
     def port(self) -> int:
         if self._server is None:
             raise RuntimeError("metrics server not started")
-        return int(self._server.server_address[1])
+        return self._server.port
 
     @property
     def url(self) -> str:
@@ -155,27 +161,24 @@ class MetricsServer:
         if self._req_port and self._req_port in external:
             raise ValueError(f"port {self._req_port} is an engine's external port; metrics "
                              "need a port of their own")
-        cls = _Server6 if ":" in self.host else _Server
         app = make_wsgi_app(self.registry)
         if self._wrap is not None:
             app = self._wrap(app)
-        self._server = make_server(self.host, self._req_port, app, cls,
-                                   handler_class=_SilentHandler)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.25},
-                                        name="hydra-metrics", daemon=True)
-        self._thread.start()
+        server = SidePort(self.host, self._req_port, app, limits=self._limits)
+        server.start()
+        self._server = server
         log.info("metrics on %s", self.url)
 
+    def stats(self) -> dict[str, int]:
+        """The side port's counts (sideport.py): open connections, refused, evicted..."""
+        return self._server.stats() if self._server is not None else {}
+
     def stop(self, timeout: float = 5.0) -> None:
-        server, thread = self._server, self._thread
+        server = self._server
         if server is None:
             return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout)
-        self._server = self._thread = None
+        server.stop(timeout)
+        self._server = None
 
     def __enter__(self) -> MetricsServer:
         self.start()
