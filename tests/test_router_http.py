@@ -560,3 +560,53 @@ def test_slow_request_head_times_out(make_router: RouterFactory, upstream: Stand
         reply = recv_to_eof(c, timeout=5)
         assert reply.startswith(b"HTTP/1.1 200 ") and 0.4 < time.monotonic() - t0 < 4
     wait_until(lambda: r.stats()["refused"] == {"request_timeout": 1}, what="counted")
+
+
+def test_a_head_that_dies_twice_with_the_request_says_why_in_words(
+        make_router: RouterFactory) -> None:
+    """Two back-to-back deaths, each with the request in hand (its listener gone with it; the
+    engine holds the lane after the first, as it does when it sees its head exit): the
+    client's 503 says what happened in words, never a Python tuple."""
+    port = free_port()
+    r, lane = make_router((HOST, port), retry_wait=0.05)
+
+    def head(hold: bool, up: threading.Event) -> None:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind((HOST, port))
+        ls.listen(8)
+        ls.settimeout(10)
+        up.set()
+        conn, _ = ls.accept()
+        conn.recv(65536)
+        if hold:
+            lane.hold("head restarting")
+        ls.close()  # the process dies: its listener first, then its connection
+        conn.close()
+
+    replies: list[str] = []
+
+    def ask() -> None:
+        with connect(r.port) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            replies.append(recv_to_eof(s).decode(errors="replace"))
+
+    first, second = threading.Event(), threading.Event()
+    t1 = threading.Thread(target=head, args=(True, first), daemon=True)
+    t1.start()
+    assert first.wait(10)
+    caller = threading.Thread(target=ask, daemon=True)
+    caller.start()
+    wait_until(lambda: r.stats()["http"]["retried"] == 1 and lane.gate.held() == 1,
+               what="the request retried and parked while held")
+    t2 = threading.Thread(target=head, args=(False, second), daemon=True)
+    t2.start()
+    assert second.wait(10)
+    lane.release()
+    caller.join(30)
+    t1.join(10)
+    t2.join(10)
+    (reply,) = replies
+    assert reply.startswith("HTTP/1.1 503"), reply
+    body = reply.split("\r\n\r\n", 1)[1]
+    assert "closed before answering" in body and "('" not in body and ", True)" not in body, body

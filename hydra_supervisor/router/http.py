@@ -78,7 +78,16 @@ class ClientGone(Exception):
 
 
 class _NotStarted(Exception):
-    """The upstream failed before sending one response byte: the request may be sent again."""
+    """The upstream failed before sending one response byte: the request may be sent again.
+    `fresh_close`: a new connection (not a reused keep-alive one) closed without answering."""
+
+    def __init__(self, message: str, fresh_close: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fresh_close = fresh_close
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class HttpSession:
@@ -527,8 +536,8 @@ class HttpSession:
             try:
                 return self._exchange(gate, flight, target, fwd, rec)
             except _NotStarted as e:
-                why = str(e)
-                fresh_close = e.args[1] if len(e.args) > 1 else False
+                why = e.message
+                fresh_close = e.fresh_close
             finally:
                 gate.end(flight)
             if (flight.cut is not None and flight.requeue and not self.client_eof
@@ -625,7 +634,7 @@ class HttpSession:
                 sock.close()
                 if reused and flight.cut is None and not self.client_eof:
                     continue
-                raise _NotStarted(str(e), not reused) from e
+                raise _NotStarted(e.message, not reused) from e
             except OSError as e:
                 sock.close()
                 if reused and flight.cut is None and not self.client_eof and not fwd.sent:
