@@ -18,15 +18,21 @@ standby (a flip), with the standby and keep_slots (slots carried across), and wi
 standby (a reload, as before). Per row: p50 and max from the switch request (the control
 API, no CLI start-up) to the first token the target serves to a new streaming request, the
 flip phase alone, failed and cut requests of the steady client, and the memory the standby
-costs per device (measured RSS or GPU bytes of its processes) against its plan.
+costs per device (measured RSS or GPU bytes of its processes) against its plan. The flip's
+tail: after each switch, once the target serves steadily, the same request's first token
+again (the target's own TTFT); per row and way, p50/p95/p99/max of (switch -> first token)
+minus that own TTFT, the cost of the switch itself (target: p99 <= 150 ms over >= 50 flips).
+`--rows standby` runs only that row (`--switches 25`: 50 flips).
 
     .venv/bin/python bench/switch.py --resident [--pair demo-moe-combine,demo-moe] [--switches 10]
+        [--rows standby,standby+keep_slots,reload]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import statistics
 import subprocess
@@ -71,6 +77,8 @@ def main() -> int:
                     help="the profile started and its standby (--resident)")
     ap.add_argument("--profiles-dir", default=None, help="where the pair's profiles are")
     ap.add_argument("--node", default=None, help="a node file (GPUs) for --resident")
+    ap.add_argument("--rows", default="standby,standby+keep_slots,reload",
+                    help="the --resident rows to run (comma-separated)")
     args = ap.parse_args()
     if args.resident:
         return resident(args)
@@ -234,6 +242,7 @@ def _one_variant(label: str, names: list[str], pdir: Path, tmp: Path, switches: 
         memory = [_standby_memory(_rows(env))] if standby else []
         times: dict[str, list[float]] = {names[1]: [], names[0]: []}
         flips: dict[str, list[float]] = {names[1]: [], names[0]: []}
+        own: dict[str, list[float]] = {names[1]: [], names[0]: []}  # target's own TTFT
         slots: list[float] = []
         with Load(port) as load:
             wait(lambda: load.ok >= 2, 120, "the steady client")
@@ -253,16 +262,25 @@ def _one_variant(label: str, names: list[str], pdir: Path, tmp: Path, switches: 
                 print(f"  {label}: -> {target} {1000 * (t1 - t0):.1f} ms "
                       f"({rep.get('instant')}) {phases}", file=sys.stderr, flush=True)
                 time.sleep(0.3)  # the steady client runs on the new layout a moment
+                s0 = time.monotonic()  # the same request again, nothing switching
+                own[target].append(_first_token(port, target, s0 + 600) - s0)
                 if standby and i == 0:  # the other layout standing by now
                     memory.append(_standby_memory(_rows(env)))
             n = load.ok
             wait(lambda: load.ok > n, 120, "a request after the last switch")
-        return {"label": label, "times": times, "flips": flips, "slots": slots,
+        return {"label": label, "times": times, "flips": flips, "slots": slots, "own": own,
                 "failed": len(load.failures), "cut": len(load.cut), "ok": load.ok,
                 "memory": memory, "failures": load.failures[:3] + load.cut[:3]}
     finally:
         hydra.send_signal(signal.SIGTERM)
         hydra.wait(120)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    """The p-th percentile, nearest rank (of 50 samples, p99 is their max)."""
+    xs = sorted(xs)
+    return xs[max(0, min(len(xs) - 1, math.ceil(len(xs) * p / 100) - 1))] if xs else \
+        float("nan")
 
 
 def resident(args: argparse.Namespace) -> int:
@@ -271,9 +289,12 @@ def resident(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hydra-bench-resident-") as d:
         tmp = Path(d)
         results = []
+        rows = args.rows.split(",")
         for label, standby, keep in (("standby", True, False),
                                      ("standby+keep_slots", True, True),
                                      ("reload (no standby)", False, False)):
+            if label.split()[0] not in rows:
+                continue
             pdir = _variant(src, tmp / label.split()[0], names, standby, keep)  # type: ignore
             results.append(_one_variant(label.split()[0], names, pdir, tmp, args.switches,
                                         args.node, standby))
@@ -295,6 +316,24 @@ def resident(args: argparse.Namespace) -> int:
             flip = f"{statistics.median(fl) * 1000:11.2f}" if fl else f"{'-':>11}"
             print(f"{r['label']!s:20} {target:18} {p50:8.1f} {max(ts) * 1000:8.1f} {flip} "
                   f"{r['failed']!s:>6} {r['cut']!s:>4}")
+    print("\nthe switch's own cost: (switch -> first token) - the target's own TTFT (the same "
+          "request once it serves steadily), ms")
+    print(f"{'row':20} {'to':18} {'flips':>5} {'own p50':>8} {'p50':>8} {'p95':>8} "
+          f"{'p99':>8} {'max':>8}")
+    for r in results:
+        times, own = r["times"], r["own"]
+        assert isinstance(times, dict) and isinstance(own, dict)
+        every: list[float] = []
+        for target, ts in [*times.items(), ("both ways", None)]:
+            if ts is None:
+                extra, mine = every, [x for o in own.values() for x in o]
+            else:
+                extra = [(t - o) * 1000 for t, o in zip(ts, own[target], strict=True)]
+                every += extra
+                mine = own[target]
+            print(f"{r['label']!s:20} {target:18} {len(extra):5} "
+                  f"{statistics.median(mine) * 1000:8.1f} {_pct(extra, 50):8.1f} "
+                  f"{_pct(extra, 95):8.1f} {_pct(extra, 99):8.1f} {max(extra):8.1f}")
     for r in results:
         slots = r["slots"]
         assert isinstance(slots, list)

@@ -39,6 +39,7 @@ class Publisher:
         self._latest: tuple[float, Snapshot] | None = None
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[Snapshot] | None = None
+        self._expired = False  # a change not published yet: readers ask for a fresh one
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -46,6 +47,12 @@ class Publisher:
     def put(self, snap: Snapshot) -> None:
         """Publish (the loop's thread: the daemon's status change)."""
         self._latest = (time.monotonic(), snap)
+        self._expired = False
+
+    def expire(self) -> None:
+        """The status changed and its snapshot comes a moment later (the loop's thread: the
+        daemon answers a switch first): until then readers get a fresh one, not the last."""
+        self._expired = True
 
     async def _refresh(self) -> Snapshot:
         snap = self._take()
@@ -58,7 +65,7 @@ class Publisher:
         says so)."""
         latest = self._latest
         now = time.monotonic()
-        if latest is not None and now - latest[0] <= max_age:
+        if latest is not None and not self._expired and now - latest[0] <= max_age:
             return latest[1], now - latest[0]
         loop = self._loop
         if loop is not None and _running_loop() is loop:

@@ -12,7 +12,8 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -101,6 +102,58 @@ def nvml_session() -> Iterator[ModuleType | None]:
         yield pynvml
     finally:
         pynvml.nvmlShutdown()
+
+
+def _import_pynvml() -> ModuleType | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    mod: ModuleType = pynvml
+    return mod
+
+
+class Nvml:
+    """One NVML initialisation held for its owner's life (the daemon): every reading made
+    through `session()` uses it, instead of an init and a shutdown of its own (9-10 ms
+    together on an H200 host, where the query itself takes 0.01-0.03 ms). Initialised at the
+    first reading; NVML that is not there (no package, no driver) is remembered as such.
+    NVML's calls are thread-safe: the loop and worker threads share the one initialisation.
+    `load`: the pynvml module (tests pass a fake)."""
+
+    def __init__(self, load: Callable[[], ModuleType | None] = _import_pynvml) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._mod: ModuleType | None = None
+        self._tried = False
+
+    def _open(self) -> ModuleType | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                mod = self._load()
+                if mod is not None:
+                    try:
+                        mod.nvmlInit()
+                    except mod.NVMLError:
+                        mod = None
+                self._mod = mod
+            return self._mod
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[ModuleType | None]:
+        """pynvml, initialised (held), or None without NVML; like `nvml_session()` but
+        nothing is initialised or shut down per use."""
+        yield self._open()
+
+    def close(self) -> None:
+        """Shut the held initialisation down (the owner's end); a later reading opens it
+        again."""
+        with self._lock:
+            mod, self._mod, self._tried = self._mod, None, False
+        if mod is not None:
+            with contextlib.suppress(mod.NVMLError):
+                mod.nvmlShutdown()
 
 
 def _nvml() -> tuple[GpuInfo, ...] | None:

@@ -9,14 +9,22 @@ by a deadline. Without NVML (CPU machines, no driver) there is nothing to wait f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from types import ModuleType
 
 from hydra_supervisor.plan import devices
 
 
-def holders(pids: set[int]) -> set[int] | None:
+def _session(nvml: devices.Nvml | None) -> contextlib.AbstractContextManager[
+        ModuleType | None]:
+    """The owner's held NVML (the daemon's), else a session of its own for this reading."""
+    return nvml.session() if nvml is not None else devices.nvml_session()
+
+
+def holders(pids: set[int], nvml: devices.Nvml | None = None) -> set[int] | None:
     """Which of `pids` still hold memory on a GPU; None when NVML is not available."""
-    with devices.nvml_session() as pynvml:
+    with _session(nvml) as pynvml:
         if pynvml is None:
             return None
         try:
@@ -31,9 +39,10 @@ def holders(pids: set[int]) -> set[int] | None:
             return None
 
 
-def used_by_pid() -> dict[int, int]:
-    """GPU memory (bytes, all GPUs together) held by each process; empty without NVML."""
-    with devices.nvml_session() as pynvml:
+def used_by_pid(nvml: devices.Nvml | None = None) -> dict[int, int]:
+    """GPU memory (bytes, all GPUs together) held by each process; empty without NVML.
+    `nvml`: the owner's held initialisation (the daemon's snapshots), else one per call."""
+    with _session(nvml) as pynvml:
         if pynvml is None:
             return {}
         out: dict[int, int] = {}

@@ -50,6 +50,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     routes: dict[tuple[str, str], Handler]
     loop: asyncio.AbstractEventLoop
     call_timeout: float
+    replied: Callable[[], None] | None
 
 
 class _RequestHandler(http.server.BaseHTTPRequestHandler):
@@ -107,7 +108,11 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
             log.exception("control %s %s failed", method, path)
             code, reply = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"
                                          .rstrip(": ") + " (hydra.log has the traceback)"}
-        self._reply(code, reply)
+        try:
+            self._reply(code, reply)
+        finally:
+            if self.server.replied is not None:  # the daemon publishes what it held back
+                self.server.replied()
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib's name
         self._handle("GET")
@@ -117,10 +122,12 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
 
 
 class ControlServer:
-    """Serves `routes` on a unix socket; handlers run on `loop`."""
+    """Serves `routes` on a unix socket; handlers run on `loop`. `replied` is told (on the
+    request's thread) after each reply has been written."""
 
     def __init__(self, path: Path, loop: asyncio.AbstractEventLoop,
-                 routes: dict[tuple[str, str], Handler], call_timeout: float = 3600.0) -> None:
+                 routes: dict[tuple[str, str], Handler], call_timeout: float = 3600.0,
+                 replied: Callable[[], None] | None = None) -> None:
         self.path = path
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a stale socket of a dead hydra (the state-dir lock says it is)
@@ -133,6 +140,7 @@ class ControlServer:
         self._srv.routes = routes
         self._srv.loop = loop
         self._srv.call_timeout = call_timeout
+        self._srv.replied = replied
         self._thread = threading.Thread(target=self._srv.serve_forever, name="control",
                                         kwargs={"poll_interval": 0.2}, daemon=True)
 

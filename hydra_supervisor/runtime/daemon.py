@@ -37,6 +37,7 @@ from typing import Any
 from hydra_supervisor.config.config import known_profiles
 from hydra_supervisor.dashboard import Dashboard, Publisher
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan import devices
 from hydra_supervisor.proc import gpumem
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.router.traffic import Traffic
@@ -68,6 +69,9 @@ EXIT_BAD_INPUT = exits.BAD_INPUT
 EXIT_NOT_RUNNING = exits.NOT_RUNNING  # for the client commands (status, switch...)
 EXIT_PORT_DOWN = exits.PORT_DOWN  # `hydra status`: a port's router accepts no connections
 EXIT_INTERRUPTED = exits.INTERRUPTED
+# seconds a change made by a control action waits for the action's reply to be written
+# before it is published anyway (a long load publishes its progress this late at most)
+REPLY_GRACE = 0.1
 
 Presenter = Callable[['Daemon'], Coroutine[Any, Any, None]]
 
@@ -108,6 +112,15 @@ class Daemon:
         # loop's live objects: a scrape that walked a lane while the loop appended a switch
         # report failed with "deque mutated during iteration".
         self.publisher = Publisher(self.take)
+        # One NVML initialisation for the daemon's life: a snapshot reads per-process GPU
+        # memory through it (an init + shutdown per snapshot cost 9-10 ms on the loop).
+        self.nvml = devices.Nvml()
+        # A control action (switch, load, ...) answers first and publishes after: a change
+        # while one runs publishes once a reply is written (`_replied`) or, at the latest,
+        # REPLY_GRACE after it (the dashboard's actions, a long load's progress).
+        self._acting = 0
+        self._due = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # run()'s, for `_replied`
         self.dashboard = (Dashboard(self.publisher,
                                     profiles=lambda: list(known_profiles(opts.profiles_dir)),
                                     history=self.traffic.history)
@@ -151,7 +164,7 @@ class Daemon:
         """The status as one frozen, typed value (serve/snapshot.py), built here on the loop
         from the ports, their lanes and their processes."""
         running = any(lane.running for lane in self.lanes())
-        gpu = gpumem.used_by_pid() if running else {}  # one NVML session for every lane
+        gpu = gpumem.used_by_pid(self.nvml) if running else {}  # one reading, every lane
         ports = tuple(p.status(gpu) for p in self.ports)
         switches = sorted((s for p in ports for lane in p.lanes for s in lane.switches),
                           key=lambda s: s.at or 0.0)[-20:]
@@ -173,6 +186,31 @@ class Daemon:
         return snap
 
     def _changed(self) -> None:
+        """A status change (the loop): published now, or, while a control action runs,
+        once its reply is out (readers meanwhile get a fresh snapshot: Publisher.expire)."""
+        if self._acting and self.loop is not None:
+            if not self._due:
+                self._due = True
+                self.publisher.expire()
+                self.loop.call_later(REPLY_GRACE, self._flush)
+            return
+        self._due = False
+        self._publish_now()
+
+    def _flush(self) -> None:
+        """Publish the change held back for a reply (the loop)."""
+        if self._due:
+            self._due = False
+            self._publish_now()
+
+    def _replied(self) -> None:
+        """A control reply was written (its request's thread): publish what it held back."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closing meanwhile
+                loop.call_soon_threadsafe(self._flush)
+
+    def _publish_now(self) -> None:
         taken = self.take()  # one snapshot (processes, NVML) for every record
         self.publisher.put(taken)
         with contextlib.suppress(OSError):
@@ -254,6 +292,13 @@ class Daemon:
 
     # -- control routes (the actions: daemon_actions.py) --------------------------------------
 
+    def control_server(self, loop: asyncio.AbstractEventLoop) -> control.ControlServer:
+        """The control API on `STATE/control.sock` (not started): its replies go out before
+        the snapshot of what they changed (`_replied`)."""
+        self.loop = loop
+        return control.ControlServer(socket_path(self.state), loop, self.routes(),
+                                     replied=self._replied)
+
     def routes(self) -> dict[tuple[str, str], control.Handler]:
         """The control API's routes (`STATE/control.sock`; the dashboard's actions too)."""
         return {("GET", "/status"): self._r_status,
@@ -269,9 +314,11 @@ class Daemon:
         return 200, {"running": True, "supervisor": self.state.running_supervisor(),
                      "status": dict(snap.summary()), "daemon": snap.to_json()}
 
-    @staticmethod
-    async def _guard(coro: Coroutine[Any, Any, dict[str, Any]]
+    async def _guard(self, coro: Coroutine[Any, Any, dict[str, Any]]
                      ) -> tuple[int, dict[str, Any]]:
+        """An action's reply; the status changes it made are published after the reply
+        (`_changed`): a flip's answer does not wait for a snapshot."""
+        self._acting += 1
         try:
             return 200, await coro
         except Busy as exc:
@@ -280,6 +327,8 @@ class Daemon:
             return 500, {"error": str(exc), "message": message_of(exc)}
         except HydraError as exc:
             return 400, {"error": str(exc), "message": message_of(exc)}
+        finally:
+            self._acting -= 1
 
     async def _r_switch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         name = body.get("profile")
@@ -400,7 +449,7 @@ class Daemon:
                 wire = EngineWire(p, loop, self.opts.node_file, published=self._published)
                 self.wires.append(wire)
                 p.set_hydra_upstream(wire.start())
-        self.ctl = control.ControlServer(socket_path(self.state), loop, self.routes())
+        self.ctl = self.control_server(loop)
         self.ctl.start()
         self.publisher.bind(loop)
         if self.dashboard is not None:
@@ -452,9 +501,11 @@ class Daemon:
             await asyncio.gather(*(p.shutdown(self.stop_reason) for p in self.ports))
             self.ended = self.stop_reason
             try:
-                self._changed()  # the crash record (status.json) says why it ended
+                self._publish_now()  # the last status.json, whatever was held back: why it ended
             except Exception:  # out of descriptors, say: the stop goes on
                 log.exception("could not write the last status")
+            self._due = False
+            self.nvml.close()
             self.ctl.stop()
             for wire in self.wires:
                 wire.stop()
