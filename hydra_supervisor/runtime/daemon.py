@@ -189,9 +189,11 @@ class Daemon:
         """A status change (the loop): published now, or, while a control action runs,
         once its reply is out (readers meanwhile get a fresh snapshot: Publisher.expire)."""
         if self._acting and self.loop is not None:
+            # every change expires the last snapshot (a reader may have taken a fresh one
+            # since the first change of this action: it is stale again now)
+            self.publisher.expire()
             if not self._due:
                 self._due = True
-                self.publisher.expire()
                 self.loop.call_later(REPLY_GRACE, self._flush)
             return
         self._due = False
