@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from hydra_supervisor.testing.harness import Up, lanes, make_env, run_hydra, snapshot
+from hydra_supervisor.testing.harness import Up, lanes, make_env, run_hydra, snapshot, wait_until
 
 pytestmark = pytest.mark.slow  # real hydra up with llama-server processes
 
@@ -42,7 +42,9 @@ def test_unload_leaves_the_other_serving_and_a_request_loads_it_again(
         up.wait_ready()
         port = snapshot(hydra_env).ports[0].port
         assert _ask(port, "demo-moe") == "demo-moe"  # loaded on request, beside demo
-        assert _states(hydra_env) == {"demo": "serving", "demo-moe": "serving"}
+        # (the route opens when the head is READY; the lane says serving a moment later)
+        both = {"demo": "serving", "demo-moe": "serving"}
+        wait_until(lambda: _states(hydra_env) == both, 30, "both serving")
 
         res = run_hydra(hydra_env, "unload", "demo", timeout=120)
         assert res.returncode == 0, res
@@ -56,6 +58,7 @@ def test_unload_leaves_the_other_serving_and_a_request_loads_it_again(
         assert res.returncode == 0 and "Nothing to do for demo: it is not loaded" in res.stdout
 
         assert _ask(port, "demo") == "demo"  # the next request loads it again
+        wait_until(lambda: _states(hydra_env) == both, 30, "demo serving again")
         rows = {x.profile: x for x in lanes(hydra_env)}
         assert rows["demo"].state == "serving" and rows["demo"].loads == 2
         assert rows["demo-moe"].state == "serving" and rows["demo-moe"].loads == 1
