@@ -1100,6 +1100,11 @@ def report_h(args: argparse.Namespace, h: dict[str, Any]) -> list[str]:
         f"{ev['router']:.1f} us, router-raw (bytes) {ev['router-raw']:.1f} us; aware/raw "
         f"{ev['router'] / ev['router-raw'] if ev['router-raw'] else float('nan'):.2f}x"
     )
+    lines.append(
+        f"(h) one process's ceiling at that cost (one core: 1e6 / CPU us per event): router "
+        f"~{1e6 / ev['router']:,.0f} events/s, router-raw ~{1e6 / ev['router-raw']:,.0f} "
+        f"events/s" if ev['router'] and ev['router-raw'] else "(h) ceiling: no CPU measured"
+    )
     kd, fd = statistics.median(h["keep"]["direct"]), statistics.median(h["fresh"]["direct"])
     for n in ("router", "router-raw"):
         lines.append(

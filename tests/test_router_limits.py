@@ -268,7 +268,7 @@ def test_failed_thread_start_503_and_recovery(upstream: StandIn) -> None:
     fail = {"left": 2}
 
     def factory(**kw: Any) -> threading.Thread:
-        if not kw.get("name", "").endswith("-accept") and fail["left"] > 0:
+        if not kw.get("name", "").endswith(("-accept", "-pump")) and fail["left"] > 0:
             fail["left"] -= 1
             return _NoStart(**kw)
         return threading.Thread(**kw)

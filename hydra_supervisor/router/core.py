@@ -47,6 +47,7 @@ from hydra_supervisor.router.conn import Conn, Upstreams, allow_mismatch, fmt_ad
 from hydra_supervisor.router.gate import HOLD_TIMEOUT_S, MAX_HELD, Gate
 from hydra_supervisor.router.http import HttpSession
 from hydra_supervisor.router.ledger import FdCounts, Ledger, LedgerCounts
+from hydra_supervisor.router.pump import BodyPump
 from hydra_supervisor.router.relay import HTTP_MODES, PUMPS, Relay, WorkerPool
 from hydra_supervisor.router.replies import JSONValue, RequestRecord
 from hydra_supervisor.router.routes import Addr, Limiter, Route, RouteTable
@@ -172,6 +173,8 @@ class Router:
             rpc_idle_timeout=rpc_idle_timeout, session=self._http_session,
             raw_http_target=self.raw_http_target, wake=self._waker.wake)
         self.pool = UpstreamPool(self.relay.connect, self.relay.connect_once)
+        # Response bodies still streaming, moved by one thread (router/pump.py).
+        self.pump = BodyPump(name, thread_factory)
         self.acceptor = Acceptor(
             self.ledger, self.relay, self._waker, upstreams, name=name, allow=allow,
             first_byte_timeout=first_byte_timeout, queue_timeout=queue_timeout,
@@ -198,6 +201,7 @@ class Router:
         self._bound_port = int(addr[1])
         self._req_port = self._bound_port  # port 0: a restart keeps the port it got
         self.acceptor.start()
+        self.pump.start()  # never raises: without its thread, bodies move on sessions' threads
         per = limits.FDS_HTTP
         log.info(
             "router %s listening on %s (nofile %d/%d: room for ~%d HTTP connections)",
@@ -263,6 +267,7 @@ class Router:
         self._waker.wake()
         deadline = time.monotonic() + timeout
         self.acceptor.join(max(0.0, deadline - time.monotonic()))
+        self.pump.stop(max(0.0, deadline - time.monotonic()))
         self.workers.stop(deadline)
         self.pool.close()
         self.acceptor.close()

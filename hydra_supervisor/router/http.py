@@ -44,6 +44,14 @@ from hydra_supervisor.router import head
 from hydra_supervisor.router.budget import STREAM_ABOVE, BodyBudget
 from hydra_supervisor.router.conn import fmt_addr
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER, Flight, Gate, Refusal
+from hydra_supervisor.router.pump import (
+    CLIENT_GONE,
+    OK,
+    RECV,
+    BodyFraming,
+    BodyJob,
+    FramingError,
+)
 from hydra_supervisor.router.replies import (
     LLAMA_BAD_BODY,
     LLAMA_BAD_REQUEST,
@@ -53,10 +61,11 @@ from hydra_supervisor.router.replies import (
     sse_error_event,
 )
 from hydra_supervisor.router.routes import LocalReply, Route, RouteTable
-from hydra_supervisor.router.upstream import RECV, Addr, Outgoing, SessionHost
+from hydra_supervisor.router.upstream import Addr, Outgoing, SessionHost
 
 if TYPE_CHECKING:
     from hydra_supervisor.router.conn import Conn
+    from hydra_supervisor.router.traffic import Tally
 
 MAX_HEAD = 64 * 1024  # h11's bound on a chunk-size line (heads are bounded by router/head.py)
 # After a reply that ends the connection early (413 before the upload): how long and how much
@@ -859,15 +868,16 @@ class HttpSession:
 
     def _relay_response(self, flight: Flight, target: Addr, sock: socket.socket,
                         up: h11.Connection, data: bytes, rec: Record, poolable: bool) -> bool:
-        """Forward one response: the head as the upstream wrote it (router/head.py), the body
-        in the upstream's framing, each piece as it arrives (an SSE stream token by token)."""
+        """Forward one response: the head as the upstream wrote it (router/head.py), then the
+        body in the upstream's framing, each piece as it arrives (an SSE stream token by
+        token). The head and what came with it are written here; a body still coming is moved
+        by the router's body pump (router/pump.py), and this thread waits for its end."""
         resp = _Framing()
-        recv = sock.recv
         tally = rec.tally
-        # What h11 already has parsed goes out in one write: a token chunk that arrived with
-        # the terminal chunk leaves together with it (fewer syscalls, and the client sees the
-        # response complete at once).
+        # What is parsed already goes out in one write: a token chunk that arrived with the
+        # head, or with the terminal chunk, leaves together with it.
         out: list[bytes] = []
+        body: BodyFraming | None = None
         # The client is watched while the response comes: a client that shuts its side (or
         # goes) mid-response is passed on to llama-server at once, which stops generating
         # and frees its slot, as it does when its own client goes.
@@ -883,16 +893,12 @@ class HttpSession:
                         data = self._recv_watching(sock, watch)
                     else:
                         try:
-                            data = recv(RECV)
+                            data = sock.recv(RECV)
                         except OSError:
                             data = b""
                     up.receive_data(data)
                     continue
-                if isinstance(ev, h11.Data):
-                    out.append(head.chunk(ev.data) if resp.kind == "chunked" else ev.data)
-                    if tally is not None:
-                        tally.data(ev.data)  # tokens counted as they stream
-                elif isinstance(ev, h11.Response):
+                if isinstance(ev, h11.Response):
                     rec.status = ev.status_code
                     resp.start(ev, rec.method == "HEAD")
                     if tally is not None:
@@ -908,21 +914,36 @@ class HttpSession:
                     out.append(head.response_head(ev.http_version, ev.status_code, ev.reason,
                                                   ev.headers.raw_items(),
                                                   close=not self._can_continue()))
+                    if resp.kind != "none":
+                        body = BodyFraming(resp.kind, resp.length)
+                        break
                 elif isinstance(ev, h11.InformationalResponse):
                     if ev.status_code != 101:
                         out.append(head.informational_head(
                             ev.http_version, ev.status_code, ev.reason, ev.headers.raw_items()))
-                elif isinstance(ev, h11.EndOfMessage):
-                    if resp.kind == "chunked":
-                        out.append(head.last_chunk(ev.headers.raw_items()))
-                    elif resp.chunked_tail:
+                elif isinstance(ev, h11.EndOfMessage):  # a body-less answer (HEAD, 204, 304)
+                    if resp.chunked_tail:
                         out.append(self._chunked_tail(sock, up))
                         poolable = False
                     self._flush(out, rec)
                     break
                 elif isinstance(ev, h11.ConnectionClosed):
                     raise h11.RemoteProtocolError("upstream closed mid-response")
-        except h11.RemoteProtocolError as e:
+            if body is not None:
+                # The body, read by the framing here and not by h11 (it costs a fraction).
+                rest, closed = up.trailing_data
+                if rest:
+                    self._body_piece(body, bytes(rest), out, tally)
+                if not body.done and closed:
+                    if body.kind != "eof":
+                        raise h11.RemoteProtocolError("upstream closed mid-response")
+                    body.done = True
+                if out:
+                    self._flush(out, rec)
+                if not body.done:
+                    self._pump_body(sock, body, rec)
+                poolable = poolable and not body.extra and body.kind != "eof"
+        except (h11.RemoteProtocolError, FramingError) as e:
             sock.close()
             if self.upstream_shut and flight.cut is None:
                 # The client shut its side and llama-server, told so, stopped mid-response:
@@ -941,12 +962,50 @@ class HttpSession:
             sock.close()
             raise
         if (poolable and not self.client_eof and flight.cut is None
-                and up.our_state is h11.DONE and up.their_state is h11.DONE):
+                and up.our_state is h11.DONE):
             self.r.pool.give(target, sock)
         else:
             sock.close()
         self.counts.finish_request(rec)
         return True
+
+    @staticmethod
+    def _body_piece(body: BodyFraming, data: bytes, out: list[bytes],
+                    tally: Tally | None) -> None:
+        payload: list[bytes] = []
+        piece = body.feed(data, payload)
+        if piece:
+            out.append(piece)
+        if tally is not None:
+            for p in payload:
+                tally.data(p)  # tokens counted as they stream
+
+    def _pump_body(self, sock: socket.socket, body: BodyFraming, rec: Record) -> None:
+        """The rest of the body, moved by the router's pump while this thread waits.
+        Raises ClientGone (the client went or stopped reading) or RemoteProtocolError (the
+        upstream closed or was cut first)."""
+        conn = self.conn
+
+        def sent(n: int) -> None:
+            conn.down += n
+            conn.last = time.monotonic()
+
+        job = BodyJob(sock, self.sock, body, rec.tally, watch=not self.client_eof,
+                      send_timeout=self.r.idle_timeout, on_sent=sent)
+        self._set_timeout(0.0)
+        sock.setblocking(False)
+        try:
+            self.r.pump.run(job)
+        finally:
+            sock.setblocking(True)
+            rec.bytes_out += job.sent
+        if job.client_shut:
+            self.client_eof = True
+            self.upstream_shut = True
+        if job.result == CLIENT_GONE:
+            raise ClientGone(job.why)
+        if job.result != OK:
+            raise h11.RemoteProtocolError(job.why or job.result)
 
     def _cut(self, flight: Flight, resp: _Framing, out: list[bytes], rec: Record,
              why: str) -> bool:
@@ -1000,13 +1059,14 @@ class HttpSession:
 class _Framing:
     """How the response being forwarded delimits its body."""
 
-    __slots__ = ("kind", "sse", "started", "chunked_tail")
+    __slots__ = ("kind", "sse", "started", "chunked_tail", "length")
 
     def __init__(self) -> None:
         self.kind = ""  # "chunked" | "length" | "eof" | "none"
         self.sse = False
         self.started = False
         self.chunked_tail = False
+        self.length = 0  # the Content-Length of a "length" body (h11 checked it)
 
     def start(self, ev: h11.Response, head_request: bool) -> None:
         self.started = True
@@ -1016,6 +1076,7 @@ class _Framing:
                 te = True
             elif k == b"content-length":
                 cl = True
+                self.length = int(v)
             elif k == b"content-type" and v.startswith(b"text/event-stream"):
                 self.sse = True
         if head_request or ev.status_code in (204, 304):

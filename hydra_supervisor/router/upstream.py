@@ -22,13 +22,13 @@ import h11
 
 from hydra_supervisor.router import head
 from hydra_supervisor.router.budget import BodyBudget
+from hydra_supervisor.router.pump import BodyPump
 from hydra_supervisor.router.replies import JSONValue, Record
 from hydra_supervisor.router.routes import RouteTable
 from hydra_supervisor.router.traffic import Traffic
 
 Addr = tuple[str, int]
 
-RECV = 65536
 _POOL_IDLE = 16  # idle upstream connections kept per target
 # llama-server (cpp-httplib) closes an idle keep-alive connection after 5 s; reusing one near
 # that edge races its close, so pooled connections retire earlier.
@@ -156,6 +156,8 @@ class SessionHost(Protocol):
     def traffic(self) -> Traffic: ...
     @property
     def body_budget(self) -> BodyBudget: ...
+    @property
+    def pump(self) -> BodyPump: ...
 
 
 _NO_BODY_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
