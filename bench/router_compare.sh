@@ -14,7 +14,7 @@ for r in $(seq ${ROUNDS:-2}); do
       d=$([ $t = base ] && echo $base || echo .)
       echo "=== round $r, $streams streams, $t ==="
       (cd $d && PYTHONPATH=$PWD:${PYTHONPATH:-} $PY bench/router.py --parts h ${QUICK---quick} \
-          --streams $streams 2>&1 | sed -n '/=== router bench/,$p' | grep '^(h)')
+          --streams $streams 2>&1 | grep -E "^part h|^\(h\)")
     done
   done
 done
