@@ -1,6 +1,6 @@
 """The Supervisor's watching rules: is a peer still there (exited, frozen: stopped past a grace
 or in D state without CPU progress), is the head alive (progress, not one endpoint's latency),
-and the stall rule (requests in flight without a byte while nothing makes CPU progress). Each
+and the stall rule (a request owed a byte by the head while nothing makes CPU progress). Each
 rule returns or raises what it saw (PeerLost, "hung", "stall"); the Supervisor's loop and its
 restart policy (restarts.py) decide what to do about it. The Watcher changes no state of a
 process but the head's READY/UNHEALTHY and the reasons it notes."""
@@ -262,22 +262,23 @@ class Watcher:
     async def _stalled(self, head_pid: int, idle: float, stall_after: float
                        ) -> tuple[str, str, list[ManagedProcess]] | None:
         """The stall rule, judged from what hydra sees without asking the head or its peers
-        anything (a frozen process answers nothing, and /slots hangs behind it): HTTP requests
-        in flight through the router with no byte either way for `stall_after` seconds while
-        neither the head nor its local peers made CPU progress as long (a process in D state
-        counts as none) → the peers are lost (which one froze cannot be told apart: all of
-        them), or, with no peer in use, the head is hung. A remote peer, whose CPU hydra cannot
-        see, is also checked once the requests have been silent for the freeze grace: an
-        endpoint that no longer completes a TCP connect is lost at once. One such connect per
-        remote peer per head run: it waits in the rpc-server's backlog (two places) until the
-        head lets go."""
+        anything (a frozen process answers nothing, and /slots hangs behind it): the head has
+        owed a request through the router a byte for `stall_after` seconds (its oldest request
+        still waiting for one — new requests going up meanwhile change nothing; health.flights)
+        while neither the head nor its local peers made CPU progress as long (a process in D
+        state counts as none; a long prefill burns CPU) → the peers are lost (which one froze
+        cannot be told apart: all of them), or, with no peer in use, the head is hung. A remote
+        peer, whose CPU hydra cannot see, is also checked once a request has been owed for the
+        freeze grace: an endpoint that no longer completes a TCP connect is lost at once. One
+        such connect per remote peer per head run: it waits in the rpc-server's backlog (two
+        places) until the head lets go."""
         seen = self.seams.flights(self.traffic)
         if seen is None:
             return None
-        n, quiet = seen
-        if not n or quiet is None:
+        n, owed = seen
+        if not n or owed is None:
             return None
-        silent = min(quiet, idle)
+        silent = min(owed, idle)
         peers = [] if self.lineup.degraded else self.lineup.peers
         for p in peers:
             if p.spec.managed or silent < self._freeze_grace() or \
@@ -286,12 +287,13 @@ class Watcher:
             self._connect_probed[p.name] = head_pid
             why = await self.seams.connect(p.spec.host, p.spec.port, CONNECT_TIMEOUT)
             if why is not None:
-                return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while {n} "
-                                 f"request(s) waited {silent:.0f}s without a byte"), [p]
+                return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while a "
+                                 f"request waited {silent:.0f}s without a byte ({n} in "
+                                 "flight)"), [p]
         if silent < stall_after:
             return None
-        what = (f"{n} request(s) in flight without a byte for {silent:.0f}s and no CPU "
-                "progress in the head")
+        what = (f"a request in flight without a byte from the head for {silent:.0f}s ({n} in "
+                "flight) and no CPU progress in the head")
         if peers:
             return "stall", f"{what} or its local peers (a frozen peer)", list(peers)
         return "hung", f"{what} (hung)", []
