@@ -187,6 +187,11 @@ MOE = ("model: synth-moe\nmode: combine\nhead: cpu\nmoe_split: experts\n"
        "server_args: {ctx-size: 1024, parallel: 4, log-verbosity: 4, threads: 1, n-predict: 32}\n")
 
 
+def _stall_line(log: str) -> str:
+    """The stall rule's verdict in hydra.log (what it saw: how long a request was owed)."""
+    return next((ln for ln in log.splitlines() if "without a byte" in ln), "(none)")[-240:]
+
+
 def _head_log(pair: Pair) -> str:
     logs = Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs"
     return "".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.head.log")))
@@ -403,7 +408,7 @@ def test_sigstopped_remote_rpc_server_under_steady_traffic_is_noticed_at_stall_t
             wait_until(noticed, STEADY_BOUND_S + 30, "the head host to notice the stop",
                        interval=0.05)
             took = time.monotonic() - t0
-            during = steady.sent - sent0
+            during, first = steady.sent - sent0, steady.first_after(t0)
             rpc.send_signal(signal.SIGCONT)
             # Resumed, ggml-rpc-server answers the head it was serving — whose socket is gone —
             # and may die of SIGPIPE (llama.cpp's own behaviour): its service manager's restart.
@@ -427,7 +432,9 @@ def test_sigstopped_remote_rpc_server_under_steady_traffic_is_noticed_at_stall_t
         hydra_log = (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
         print(f"\nremote rpc-server SIGSTOPped under a request every {STEADY_EVERY:g}s: noticed "
               f"after {took:.1f}s (stall_timeout {STALL:g}s; {during} request(s) sent "
-              f"meanwhile); it {fate}; serving again after {back_s:.1f}s; outcomes: {outcomes}")
+              f"meanwhile, the first after {first or 0:.1f}s); it {fate}; serving again after "
+              f"{back_s:.1f}s; outcomes: {outcomes}"
+              f"\n  {_stall_line(hydra_log)}")
         assert STALL - INTERVAL <= took <= STEADY_BOUND_S, \
             f"noticed after {took:.1f}s (bound {STEADY_BOUND_S:.1f}s)"
         assert during >= 1, "no request went up during the stop: not steady traffic"

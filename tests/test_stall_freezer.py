@@ -387,7 +387,7 @@ def test_frozen_peer_under_steady_traffic_is_noticed_at_stall_timeout(
         wait_until(detected, STEADY_BOUND + 30, "hydra to notice the frozen peer",
                    interval=0.05)
         took = time.monotonic() - t0
-        during = steady.sent - sent0
+        during, first = steady.sent - sent0, steady.first_after(t0)
 
         def recovered() -> bool:
             es = engine_rows(hydra_env)
@@ -402,8 +402,10 @@ def test_frozen_peer_under_steady_traffic_is_noticed_at_stall_timeout(
         outcomes = steady.stop(STEADY_TIMEOUT + 30)
     log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
     print(f"\ncgroup v2 freeze under a request every {STEADY_EVERY:g}s: noticed after "
-          f"{took:.1f}s (stall_timeout {STALL:g}s; {during} request(s) sent meanwhile), "
-          f"serving again after {back:.1f}s; outcomes: {outcomes}")
+          f"{took:.1f}s (stall_timeout {STALL:g}s; {during} request(s) sent meanwhile, the "
+          f"first after {first or 0:.1f}s), "
+          f"serving again after {back:.1f}s; outcomes: {outcomes}\n  "
+          + next((ln for ln in log.splitlines() if "without a byte" in ln), "(none)")[-240:])
     assert STALL - INTERVAL <= took <= STEADY_BOUND, \
         f"noticed after {took:.1f}s (bound {STEADY_BOUND:.1f}s)"
     assert during >= 1, "no request went up during the freeze: not steady traffic"

@@ -102,6 +102,7 @@ class Steady:
         self.url, self.every, self.timeout = url, every, timeout
         self.spawn = spawn or self._thread
         self.sent = 0
+        self.sent_at: list[float] = []  # time.monotonic() of each request's start
         self.outcomes: list[str] = []
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -128,12 +129,18 @@ class Steady:
         while not self._stop.is_set():
             with self._lock:
                 self.sent += 1
+                self.sent_at.append(time.monotonic())
                 self._threads.append(self.spawn(self._one))
             self._stop.wait(self.every)
 
     def start(self) -> Steady:
         self._ticker = self._thread(self._tick)
         return self
+
+    def first_after(self, t0: float) -> float | None:
+        """Seconds from `t0` to the first request sent after it (None: none yet)."""
+        with self._lock:
+            return next((t - t0 for t in self.sent_at if t >= t0), None)
 
     def ok(self) -> int:
         with self._lock:
