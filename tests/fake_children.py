@@ -93,6 +93,11 @@ class FakeChild:
         self._cpu_t = now
         return self._cpu
 
+    def charge(self, seconds: float) -> None:
+        """CPU time used now, whatever the child is doing (a frozen head's HTTP thread)."""
+        self.cpu()
+        self._cpu += seconds
+
     def exit(self, code: int) -> None:
         if self.returncode is None:
             self.returncode = code

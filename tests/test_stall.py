@@ -95,6 +95,36 @@ def test_frozen_peer_with_silent_requests_is_lost_then_policy_runs(
 
 
 @pytest.mark.timeout(60)
+def test_a_frozen_pairs_request_handling_is_not_cpu_progress(tmp_path: Path) -> None:
+    """Under steady traffic a frozen pair's head still takes requests and /health on its HTTP
+    threads: /proc shows that as a 10 ms step of CPU time now and then (here one every 2 s:
+    2 % of one 0.5 s sample, which once reset the rule's no-progress clock each time). Judged
+    over 2 s it stays under 1 %: no progress, and the stall is seen within the bound."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1), tmp)
+        seen = watch_loss(w, r, "without a byte")
+        r.start()
+        peer, t0 = await freeze_peer_with_requests(w, r)
+        head = live(w, "head")
+
+        async def http_thread() -> None:
+            while True:
+                await w.sleep(2.0)
+                head.charge(0.01)
+        steps = asyncio.ensure_future(http_thread())
+        try:
+            await r.until(lambda: seen, 30)
+        finally:
+            steps.cancel()
+        assert STALL - INTERVAL <= seen[0] - t0 <= BOUND, seen[0] - t0
+        await r.until(lambda: signal.SIGKILL in peer.signals, 10)
+        w.inflight = 0
+        await r.all_ready()
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
 def test_d_state_peer_with_silent_requests_is_lost(tmp_path: Path) -> None:
     """A peer in D state (a wedged driver) with requests in flight: the stall rule or the
     D-state rule, whichever sees it first — within the bound either way."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Coroutine
 from typing import TypeVar
 
@@ -25,12 +26,21 @@ T = TypeVar("T")
 
 CONNECT_TIMEOUT = 3.0  # a remote peer's TCP connect (the stall rule): a black hole ends here
 _NO_PROGRESS = ("disk-sleep", "D")  # uninterruptible sleep: a wedged driver, a frozen cgroup
+# The stall rule's CPU progress is judged over at least this trailing window: /proc counts CPU
+# time in 10 ms steps, and a frozen head's HTTP threads taking requests and /health add one
+# now and then — over one 0.5 s sample that is 2 %, "progress"; over 2 s it stays under 1 %.
+PROGRESS_WINDOW = 2.0
 
 
 def _progressed(st: process.ProcStat, cpu_before: float, window: float) -> bool:
     """CPU time grew by 1% of the window, and the process is not in uninterruptible sleep (its
     other threads — llama-server's HTTP one answering /health — may still tick)."""
     return st.state not in _NO_PROGRESS and st.cpu - cpu_before >= 0.01 * max(window, 1e-3)
+
+
+def _work(st: process.ProcStat, cpu_before: float) -> float:
+    """CPU seconds that count as work since the last sample (none while in state D)."""
+    return 0.0 if st.state in _NO_PROGRESS else max(0.0, st.cpu - cpu_before)
 
 
 class Watcher:
@@ -191,6 +201,10 @@ class Watcher:
         st0 = self.seams.proc_stat(pid)
         last_cpu, last_t = (st0.cpu if st0 else 0.0), now
         peer_st = self._peer_stats()
+        # (time, CPU work of the head and its local peers so far): the trailing window the
+        # stall rule's "no CPU progress" is judged over (PROGRESS_WINDOW, or one interval)
+        window = max(PROGRESS_WINDOW, policy.interval)
+        work, history = 0.0, deque([(now, 0.0)])
         while True:
             await self.seams.sleep(policy.interval)
             now = self.seams.clock()
@@ -208,13 +222,17 @@ class Watcher:
             stopped_since = None
             progressed = _progressed(st, last_cpu, now - last_t)
             pst = self._peer_stats()
-            peers_progressed = any(_progressed(s, peer_st[k].cpu, now - last_t)
-                                   for k, s in pst.items() if k in peer_st)
+            work += _work(st, last_cpu) + sum(_work(s, peer_st[k].cpu)
+                                              for k, s in pst.items() if k in peer_st)
             peer_st = pst
-            if progressed or peers_progressed:
+            history.append((now, work))
+            while len(history) > 2 and history[1][0] <= now - window:
+                history.popleft()
+            since, before = history[0]  # the window: at least `window` long once it can be
+            if work - before >= 0.01 * max(now - since, 1e-3):
                 idle_since = None
             elif idle_since is None:
-                idle_since = last_t  # the window just sampled showed no progress
+                idle_since = since  # the window just sampled showed no progress
             last_cpu, last_t = st.cpu, now
             if idle_since is not None and \
                     (stalled := await self._stalled(pid, now - idle_since, stall_after)):
