@@ -1,9 +1,10 @@
-"""Every frozen peer noticed (issue 20, item 7): the stall rule judges from what hydra sees
-without asking the frozen process — the router's requests in flight and when a byte last moved
-on them, CPU progress and D state of the head and its local peers, a remote peer's TCP connect —
-then on_peer_loss runs. Fake children on the policy clock (tests/fake_children.py) for the rule;
-the router gate's kernel byte clock on real sockets; and a real ggml-rpc-server frozen with the
-cgroup freezer while requests are in flight (skipped where no freezer can be used)."""
+"""Every frozen peer noticed (issues 20 item 7, 31 item 1): the stall rule judges from what
+hydra sees without asking the frozen process — the router's requests in flight and how long the
+head has owed them a byte (the oldest one waiting, new requests going up meanwhile or not), CPU
+progress over a trailing window and D state of the head and its local peers, a remote peer's
+TCP connect — then on_peer_loss runs. Fake children on the policy clock (tests/fake_children.py)
+for the rule; the router gate's measure on real sockets and on injected clocks (Wires); the
+real binaries frozen under traffic are in tests/test_stall_freezer.py and test_multihost.py."""
 
 from __future__ import annotations
 
