@@ -197,6 +197,9 @@ class Watcher:
         next_probe = now + policy.probe_interval
         stopped_since: float | None = None
         idle_since: float | None = None  # since when neither the head nor a peer progressed
+        # the same, judged per sample (one 10 ms CPU step is progress): only for the cheap
+        # remote-peer connect probe, which should come soon after a freeze (_stalled)
+        quiet_since: float | None = None
         slots_since: float | None = None
         st0 = self.seams.proc_stat(pid)
         last_cpu, last_t = (st0.cpu if st0 else 0.0), now
@@ -222,6 +225,11 @@ class Watcher:
             stopped_since = None
             progressed = _progressed(st, last_cpu, now - last_t)
             pst = self._peer_stats()
+            if progressed or any(_progressed(s, peer_st[k].cpu, now - last_t)
+                                 for k, s in pst.items() if k in peer_st):
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = last_t
             work += _work(st, last_cpu) + sum(_work(s, peer_st[k].cpu)
                                               for k, s in pst.items() if k in peer_st)
             peer_st = pst
@@ -234,8 +242,9 @@ class Watcher:
             elif idle_since is None:
                 idle_since = since  # the window just sampled showed no progress
             last_cpu, last_t = st.cpu, now
-            if idle_since is not None and \
-                    (stalled := await self._stalled(pid, now - idle_since, stall_after)):
+            idle = None if idle_since is None else now - idle_since
+            quiet = max(idle or 0.0, 0.0 if quiet_since is None else now - quiet_since)
+            if quiet and (stalled := await self._stalled(pid, quiet, idle, stall_after)):
                 return stalled
             code = await self.seams.http_status(host, spec.port, timeout=policy.interval)
             now = self.seams.clock()
@@ -277,7 +286,7 @@ class Watcher:
                 if not ok:
                     return "hung", f"completion probe failed ({why})", []
 
-    async def _stalled(self, head_pid: int, idle: float, stall_after: float
+    async def _stalled(self, head_pid: int, quiet: float, idle: float | None, stall_after: float
                        ) -> tuple[str, str, list[ManagedProcess]] | None:
         """The stall rule, judged from what hydra sees without asking the head or its peers
         anything (a frozen process answers nothing, and /slots hangs behind it): the head has
@@ -289,26 +298,27 @@ class Watcher:
         peer, whose CPU hydra cannot see, is also checked once a request has been owed for the
         freeze grace: an endpoint that no longer completes a TCP connect is lost at once. One
         such connect per remote peer per head run: it waits in the rpc-server's backlog (two
-        places) until the head lets go."""
+        places) until the head lets go. `idle`: seconds without CPU progress over the trailing
+        window (None: progress); `quiet`: the same or, for the probe, judged per sample."""
         seen = self.seams.flights(self.traffic)
         if seen is None:
             return None
         n, owed = seen
         if not n or owed is None:
             return None
-        silent = min(owed, idle)
+        waited = min(owed, quiet)
         peers = [] if self.lineup.degraded else self.lineup.peers
         for p in peers:
-            if p.spec.managed or silent < self._freeze_grace() or \
+            if p.spec.managed or waited < self._freeze_grace() or \
                     self._connect_probed.get(p.name) == head_pid:
                 continue
             self._connect_probed[p.name] = head_pid
             why = await self.seams.connect(p.spec.host, p.spec.port, CONNECT_TIMEOUT)
             if why is not None:
                 return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while a "
-                                 f"request waited {silent:.0f}s without a byte ({n} in "
+                                 f"request waited {waited:.0f}s without a byte ({n} in "
                                  "flight)"), [p]
-        if silent < stall_after:
+        if idle is None or (silent := min(owed, idle)) < stall_after:
             return None
         what = (f"a request in flight without a byte from the head for {silent:.0f}s ({n} in "
                 "flight) and no CPU progress in the head")
