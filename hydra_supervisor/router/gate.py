@@ -28,10 +28,6 @@ from dataclasses import dataclass
 DEFAULT_RETRY_AFTER = 5
 HOLD_TIMEOUT_S = 120.0  # how long a held request waits for its release (then 503)
 MAX_HELD = 1024  # how many requests one gate holds at once (then 503 at once)
-# TCP_INFO's clocks count in jiffies (4 ms at HZ=250): a byte "received after the request was
-# attached" must be this much later than the attach to count as one (a fresh connection's
-# receive clock starts at its connect, a moment before the attach).
-_DELIVERY_SLACK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -110,11 +106,6 @@ class Gate:
         self.max_held = max_held
         self._clock = clock  # owed_for's clock (the attach times); waits use time.monotonic
         self._wire = wire
-        # Since when the upstream has owed requests that ended without a byte (their clients
-        # gave up first): a frozen head's requests come and go, the debt stays. None once a
-        # byte came, nothing is in flight, or the head was replaced (release, cut_inflight).
-        self._owed_since: float | None = None
-        self._delivered = float("-inf")  # when a byte last came, as far as the gate saw
         self._cond = threading.Condition()
         self._held_reason: str | None = None
         self._unavailable: tuple[str, int] | None = None
@@ -132,7 +123,6 @@ class Gate:
     def release(self) -> None:
         with self._cond:
             self._held_reason = None
-            self._owed_since = None  # a head ready again (a new one, or the same after a hold)
             self._cond.notify_all()
 
     def set_unavailable(self, reason: str | None, retry_after: int = DEFAULT_RETRY_AFTER) -> None:
@@ -160,30 +150,16 @@ class Gate:
         """How long the upstream has owed a byte: the longest any request in flight has waited
         for one (`owed`: since its request went up or the last byte came back, as the kernel
         saw it on its upstream socket) — the oldest request owed something, however many new
-        ones go up meanwhile — or longer, since a request that ended without any byte (its
-        client gave up) while no byte came on any other since. None when no request in flight
-        has its upstream socket yet. Read-only towards the head, and it asks the head nothing,
-        so a head frozen mid-request is seen too: the supervisor's stall rule reads it
-        (proc/watching.py, docs/supervision.md)."""
+        ones go up meanwhile. None when no request in flight has its upstream socket yet.
+        Read-only, and it asks the head nothing, so a head frozen mid-request is seen too: the
+        supervisor's stall rule reads it (proc/watching.py, docs/supervision.md)."""
         now = self._clock()
         with self._cond:
             socks = [(f.upstream, f.attached) for f in self._flights.values()
                      if f.upstream is not None and f.attached is not None]
-            since = self._owed_since
         if not socks:
             return None
-        longest, delivered = 0.0, float("-inf")
-        for sock, attached in socks:
-            wire = self._wire(sock)
-            ago = now - attached
-            longest = max(longest, owed(wire, ago))
-            if wire is not None and (wire.unread or wire.recv_ago + _DELIVERY_SLACK_S < ago):
-                delivered = max(delivered, now - wire.recv_ago)  # a byte came for it
-        with self._cond:
-            self._delivered = max(self._delivered, delivered)
-            if since is not None and delivered > since:
-                self._owed_since = since = None  # a byte came after the debt began
-        return longest if since is None else max(longest, now - since)
+        return max(owed(self._wire(sock), now - attached) for sock, attached in socks)
 
     def wait_idle(self, timeout: float) -> int:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -202,7 +178,6 @@ class Gate:
         with self._cond:
             flights = list(self._flights.values())
             cut = 0
-            self._owed_since = None  # the head is being replaced: its debts go with it
             for f in flights:
                 f.cut = reason or "cut"
                 f.requeue = requeue and not f.answered
@@ -297,16 +272,7 @@ class Gate:
             return flight.cut is None
 
     def end(self, flight: Flight) -> None:
-        now = self._clock()
         with self._cond:
-            if flight.attached is not None and flight.cut is None:
-                if flight.answered:  # a byte came (its last one by now at the latest)
-                    self._owed_since, self._delivered = None, max(self._delivered, now)
-                else:  # its client gave up before one came: owed since then, or the last byte
-                    start = max(flight.attached, self._delivered)
-                    if self._owed_since is None or start < self._owed_since:
-                        self._owed_since = start
             flight.upstream = None
             if self._flights.pop(flight.id, None) is not None and not self._flights:
-                self._owed_since = None  # nothing owed now: a later request starts afresh
                 self._cond.notify_all()
