@@ -93,6 +93,11 @@ class FakeChild:
         self._cpu_t = now
         return self._cpu
 
+    def charge(self, seconds: float) -> None:
+        """CPU time used now, whatever the child is doing (a frozen head's HTTP thread)."""
+        self.cpu()
+        self._cpu += seconds
+
     def exit(self, code: int) -> None:
         if self.returncode is None:
             self.returncode = code
@@ -137,10 +142,10 @@ class FakeWorld:
     squatters: dict[int, int] = field(default_factory=dict)  # port -> pid of someone else
     remote_up: dict[int, bool] = field(default_factory=dict)  # remote peers by port
     connect_fails: dict[int, str] = field(default_factory=dict)  # port -> "timeout"|"refused"
-    # The router's requests in flight (None: no router to ask) and the policy time of the last
-    # byte on any of them.
+    # The router's requests in flight (None: no router to ask) and the policy time since which
+    # the head has owed them a byte (its oldest request waiting for one: Gate.owed_for).
     inflight: int | None = None
-    last_byte: float = 0.0
+    owed_since: float = 0.0
     connects: list[int] = field(default_factory=list)  # ports a connect probe went to
     on_spawn: Callable[[FakeChild], None] | None = None
     t0: float = field(default_factory=time.monotonic)
@@ -237,7 +242,7 @@ class FakeWorld:
     def flights(self, traffic: Gated | None) -> tuple[int, float | None] | None:
         if self.inflight is None:
             return None
-        return (self.inflight, self.clock() - self.last_byte if self.inflight else None)
+        return (self.inflight, self.clock() - self.owed_since if self.inflight else None)
 
     async def connect(self, host: str, port: int, timeout: float) -> str | None:
         self.connects.append(port)

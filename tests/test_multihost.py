@@ -7,7 +7,10 @@
 - faults, with requests sent during each: the peer host's hydra killed and brought back, the
   peer's rpc-server alone killed, the peer's link cut, its packets dropped (a blackhole route):
   detected within BOUND_S, the head back per `on_peer_loss`, every request that had not started
-  served after recovery, nothing left running in any namespace after `hydra down` on both.
+  served after recovery, nothing left running in any namespace after `hydra down` on both;
+- a bare ggml-rpc-server on the peer host (an `endpoint:` hydra did not start) SIGSTOPped under
+  steady traffic (issue 31: a request every 2 s from the client host): the stall rule notices
+  it within stall_timeout + 5 s, and the head is back once the peer answers after SIGCONT.
 
 Skipped, with the reason printed, where namespaces cannot be made (not root, no iproute2).
 """
@@ -31,6 +34,7 @@ import pytest
 import requests
 
 from hydra_supervisor.proc import rpcproto
+from hydra_supervisor.testing.faults import Steady
 from hydra_supervisor.testing.harness import (
     HYDRA,
     REPO,
@@ -107,6 +111,25 @@ class Pair:
                          ["--profile", str(self.tmp / "peer" / "lend.yaml")], self.tmp / "peer")
         return self.peer.wait_ready(60)
 
+    def start_rpc_server(self) -> subprocess.Popen[bytes]:
+        """A bare ggml-rpc-server on the peer host at PEER_PORT (no hydra there: what a
+        `endpoint:` device may be), once it answers the head host's HELLO."""
+        from hydra_supervisor.tools import binaries
+
+        proc = self.net.popen("peer", [str(binaries.find("ggml-rpc-server").path), "-H",
+                                       "0.0.0.0", "-p", str(PEER_PORT), "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        addr = self.net.addr("peer")
+
+        def answers() -> bool:
+            try:
+                return self.net.call("head", lambda: rpcproto.probe(addr, PEER_PORT, 2.0)
+                                     ).compatible()
+            except (OSError, rpcproto.HelloError):
+                return False
+        wait_until(answers, 30, "the bare rpc-server to answer HELLO", interval=0.2)
+        return proc
+
     def start_head(self, body: str, name: str = "far", policy: str = "restart",
                    timeout: float = 240) -> dict[str, Any]:
         prof = self.tmp / "head" / f"{name}.yaml"
@@ -162,6 +185,11 @@ DENSE = ("model: gemma3-270m\nmode: combine\nhead: cpu\nsplit: [9, 9]\n"
          " chat-template: gemma, no-jinja: true, n-predict: 32}\n")
 MOE = ("model: synth-moe\nmode: combine\nhead: cpu\nmoe_split: experts\n"
        "server_args: {ctx-size: 1024, parallel: 4, log-verbosity: 4, threads: 1, n-predict: 32}\n")
+
+
+def _stall_line(log: str) -> str:
+    """The stall rule's verdict in hydra.log (what it saw: how long a request was owed)."""
+    return next((ln for ln in log.splitlines() if "without a byte" in ln), "(none)")[-240:]
 
 
 def _head_log(pair: Pair) -> str:
@@ -348,6 +376,80 @@ def test_peer_host_fault_is_detected_and_recovered(pair: Pair, fault: str, load:
     assert r.status_code == 200, r.text
     assert "peer loss" in hydra_log, hydra_log[-3000:]  # the peer's loss, not the head's
     pair.down_both()
+
+
+# Issue 31's bound under steady traffic: a frozen peer noticed within stall_timeout + 5 s.
+STEADY_EVERY, STEADY_TIMEOUT, STEADY_BOUND_S = 2.0, 30.0, STALL + 5.0
+
+
+@pytest.mark.faults
+def test_sigstopped_remote_rpc_server_under_steady_traffic_is_noticed_at_stall_timeout(
+        pair: Pair) -> None:
+    """A request every 2 s from the client host, each writing its body to the head, while the
+    remote peer's ggml-rpc-server is SIGSTOPped (its kernel still completes the stall rule's
+    one connect): the oldest request is owed a byte from the stop on, so the stall rule fires
+    at stall_timeout; after SIGCONT the head comes back (a new one) and serves."""
+    net = pair.net
+    rpc = pair.start_rpc_server()
+    try:
+        pair.start_head(DENSE, "far-steady")
+        head_pid = next(e for e in pair.engines(pair.head_env) if e["role"] == "head")["pid"]
+        steady = Steady(pair.url("/completion"), STEADY_EVERY, STEADY_TIMEOUT,
+                        spawn=lambda fn: net.thread("client", fn)).start()
+        try:
+            wait_until(lambda: steady.ok() >= 2, 60, "steady traffic served before the stop")
+            rpc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            sent0 = steady.sent
+
+            def noticed() -> bool:
+                es = pair.engines(pair.head_env)
+                return bool(es) and any(e["state"] != "READY" for e in es)
+            wait_until(noticed, STEADY_BOUND_S + 30, "the head host to notice the stop",
+                       interval=0.05)
+            took = time.monotonic() - t0
+            during, first = steady.sent - sent0, steady.first_after(t0)
+            rpc.send_signal(signal.SIGCONT)
+            # Resumed, ggml-rpc-server answers the head it was serving — whose socket is gone —
+            # and may die of SIGPIPE (llama.cpp's own behaviour): its service manager's restart.
+            try:
+                fate = f"exited {rpc.wait(5)} after SIGCONT; restarted"
+                rpc = pair.start_rpc_server()
+            except subprocess.TimeoutExpired:
+                fate = "survived SIGCONT"
+
+            def back() -> bool:
+                es = pair.engines(pair.head_env)
+                return bool(es) and all(e["state"] == "READY" for e in es) and \
+                    next(e for e in es if e["role"] == "head")["pid"] != head_pid
+            wait_until(back, 120, "the head back once the peer answers HELLO")
+            back_s = time.monotonic() - t0
+            ok_before = steady.ok()
+            wait_until(lambda: steady.ok() >= ok_before + 2, 60, "steady traffic served again")
+        finally:
+            rpc.send_signal(signal.SIGCONT)
+            outcomes = steady.stop(STEADY_TIMEOUT + 30)
+        hydra_log = (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+        print(f"\nremote rpc-server SIGSTOPped under a request every {STEADY_EVERY:g}s: noticed "
+              f"after {took:.1f}s (stall_timeout {STALL:g}s; {during} request(s) sent "
+              f"meanwhile, the first after {first or 0:.1f}s); it {fate}; serving again after "
+              f"{back_s:.1f}s; outcomes: {outcomes}"
+              f"\n  {_stall_line(hydra_log)}")
+        assert STALL - INTERVAL <= took <= STEADY_BOUND_S, \
+            f"noticed after {took:.1f}s (bound {STEADY_BOUND_S:.1f}s)"
+        assert during >= 1, "no request went up during the stop: not steady traffic"
+        assert "without a byte" in hydra_log and "peer loss" in hydra_log, hydra_log[-3000:]
+        # the head host down first, while its peer still serves it: a `hydra down` sent just
+        # after the peer's kill (its head dying of it) once exited 0 while the head host's
+        # hydra kept running (1 run in 26; not this test's subject, reported)
+        res = run_hydra(pair.head_env, "down", timeout=90)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert pair.head is not None
+        pair.head.proc.wait(30)
+    finally:
+        rpc.kill()
+        rpc.wait(10)
+    pair.down_both()  # (the bare rpc-server is gone: its host's namespace must end empty)
 
 
 # The bound on a crashed head host's session at the peer: the peer's router drops a ggml-RPC

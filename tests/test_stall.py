@@ -1,9 +1,10 @@
-"""Every frozen peer noticed (issue 20, item 7): the stall rule judges from what hydra sees
-without asking the frozen process — the router's requests in flight and when a byte last moved
-on them, CPU progress and D state of the head and its local peers, a remote peer's TCP connect —
-then on_peer_loss runs. Fake children on the policy clock (tests/fake_children.py) for the rule;
-the router gate's kernel byte clock on real sockets; and a real ggml-rpc-server frozen with the
-cgroup freezer while requests are in flight (skipped where no freezer can be used)."""
+"""Every frozen peer noticed (issues 20 item 7, 31 item 1): the stall rule judges from what
+hydra sees without asking the frozen process — the router's requests in flight and how long the
+head has owed them a byte (the oldest one waiting, new requests going up meanwhile or not), CPU
+progress over a trailing window and D state of the head and its local peers, a remote peer's
+TCP connect — then on_peer_loss runs. Fake children on the policy clock (tests/fake_children.py)
+for the rule; the router gate's measure on real sockets and on injected clocks (Wires); the
+real binaries frozen under traffic are in tests/test_stall_freezer.py and test_multihost.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 
 from hydra_supervisor.config.profile import HealthPolicy, PeerLoss
 from hydra_supervisor.proc.managed import State
-from hydra_supervisor.router.gate import Gate
+from hydra_supervisor.router.gate import Flight, Gate, Wire
+from hydra_supervisor.testing.harness import wait_until
 from tests.fake_children import Behaviour, FakeChild, FakeWorld, Run, deployment
 
 # FAST_HEALTH: interval 0.5, hang_timeout 5 → stall_timeout 5 (its default is hang_timeout).
@@ -58,7 +60,7 @@ async def freeze_peer_with_requests(w: FakeWorld, r: Run, n: int = 3) -> tuple[F
     freezer leaves it): its head waits on it, so no byte moves and no CPU is used."""
     await r.all_ready()
     peer = live(w, "peer-0")
-    w.inflight, w.last_byte = n, w.clock()
+    w.inflight, w.owed_since = n, w.clock()
     peer.hung = True
     return peer, w.clock()
 
@@ -94,6 +96,36 @@ def test_frozen_peer_with_silent_requests_is_lost_then_policy_runs(
 
 
 @pytest.mark.timeout(60)
+def test_a_frozen_pairs_request_handling_is_not_cpu_progress(tmp_path: Path) -> None:
+    """Under steady traffic a frozen pair's head still takes requests and /health on its HTTP
+    threads: /proc shows that as a 10 ms step of CPU time now and then (here one every 2 s:
+    2 % of one 0.5 s sample, which once reset the rule's no-progress clock each time). Judged
+    over 2 s it stays under 1 %: no progress, and the stall is seen within the bound."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        r = Run(w, deployment(1), tmp)
+        seen = watch_loss(w, r, "without a byte")
+        r.start()
+        peer, t0 = await freeze_peer_with_requests(w, r)
+        head = live(w, "head")
+
+        async def http_thread() -> None:
+            while True:
+                await w.sleep(2.0)
+                head.charge(0.01)
+        steps = asyncio.ensure_future(http_thread())
+        try:
+            await r.until(lambda: seen, 30)
+        finally:
+            steps.cancel()
+        assert STALL - INTERVAL <= seen[0] - t0 <= BOUND, seen[0] - t0
+        await r.until(lambda: signal.SIGKILL in peer.signals, 10)
+        w.inflight = 0
+        await r.all_ready()
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
 def test_d_state_peer_with_silent_requests_is_lost(tmp_path: Path) -> None:
     """A peer in D state (a wedged driver) with requests in flight: the stall rule or the
     D-state rule, whichever sees it first — within the bound either way."""
@@ -103,7 +135,7 @@ def test_d_state_peer_with_silent_requests_is_lost(tmp_path: Path) -> None:
         r.start()
         await r.all_ready()
         peer = live(w, "peer-0")
-        w.inflight, w.last_byte = 2, w.clock()
+        w.inflight, w.owed_since = 2, w.clock()
         peer.dsleep = True
         t0 = w.clock()
         await r.until(lambda: seen, 30)
@@ -149,7 +181,7 @@ def test_long_prefill_without_bytes_is_not_a_stall(tmp_path: Path) -> None:
         r = Run(w, deployment(1), tmp).start()
         await r.all_ready()
         head, peer = live(w, "head"), live(w, "peer-0")
-        w.inflight, w.last_byte = 1, w.clock()
+        w.inflight, w.owed_since = 1, w.clock()
         head.working = True
         await w.sleep(4 * STALL)
         head.working, peer.working = False, True
@@ -171,7 +203,7 @@ def test_bytes_flowing_or_nothing_in_flight_is_not_a_stall(tmp_path: Path) -> No
         await r.all_ready()
         w.inflight = 2
         for _ in range(int(3 * STALL / INTERVAL)):
-            w.last_byte = w.clock()
+            w.owed_since = w.clock()
             await w.sleep(INTERVAL)
         w.inflight = 0
         await w.sleep(3 * STALL)
@@ -190,7 +222,7 @@ def test_d_state_solo_head_with_silent_requests_is_hung(tmp_path: Path) -> None:
         r.start()
         await r.all_ready()
         head = live(w, "head")
-        w.inflight, w.last_byte = 1, w.clock()
+        w.inflight, w.owed_since = 1, w.clock()
         head.dsleep = True
         t0 = w.clock()
         await r.until(lambda: seen, 30)
@@ -220,7 +252,7 @@ def test_remote_peer_whose_connect_times_out_is_lost(tmp_path: Path) -> None:
         r.start()
         await r.all_ready()
         head = live(w, "head")
-        w.inflight, w.last_byte = 2, w.clock()
+        w.inflight, w.owed_since = 2, w.clock()
         w.remote_up[50100] = False
         w.connect_fails[50100] = "timeout"
         t0 = w.clock()
@@ -253,7 +285,7 @@ def test_frozen_remote_peer_is_lost_at_stall_timeout_with_one_connect(tmp_path: 
         seen = watch_loss(w, r, "without a byte")
         r.start()
         await r.all_ready()
-        w.inflight, w.last_byte = 1, w.clock()
+        w.inflight, w.owed_since = 1, w.clock()
         t0 = w.clock()
         await r.until(lambda: seen, 30)
         assert STALL - INTERVAL <= seen[0] - t0 <= BOUND, seen[0] - t0
@@ -265,29 +297,108 @@ def test_frozen_remote_peer_is_lost_at_stall_timeout_with_one_connect(tmp_path: 
     go(tmp_path, body)
 
 
-# -- the router's byte clock, from the kernel ---------------------------------------------------
+# -- the router's byte clock: what the head owes, from the kernel --------------------------------
 
 
-def test_gate_quiet_for_reads_the_kernels_byte_clock() -> None:
+def test_gate_owed_for_reads_the_kernels_clocks() -> None:
     srv = socket.create_server(("127.0.0.1", 0))
     cli = socket.create_connection(srv.getsockname())
     up, _ = srv.accept()
     try:
         g = Gate(1, 1)
-        assert g.quiet_for() is None
+        assert g.owed_for() is None
         f = g.begin()
-        assert g.quiet_for() is None  # no upstream socket yet: nothing to judge by
+        assert g.owed_for() is None  # no upstream socket yet: nothing to judge by
         g.attach(f, cli)
         cli.sendall(b"GET / HTTP/1.1\r\n\r\n")
         time.sleep(0.4)
-        q = g.quiet_for()
+        q = g.owed_for()
         assert q is not None and 0.3 <= q < 2.0, q
-        up.sendall(b"x")  # a byte from the head
-        time.sleep(0.05)
-        q = g.quiet_for()
+        up.sendall(b"x")  # a byte from the head, not read yet: owed nothing
+        wait_until(lambda: g.owed_for() == 0.0, 5, "the unread byte seen")
+        assert cli.recv(1) == b"x"
+        q = g.owed_for()
         assert q is not None and q < 0.3, q
+        time.sleep(0.4)
+        q = g.owed_for()
+        assert q is not None and q >= 0.3, q  # owed again since that byte
         g.end(f)
-        assert g.quiet_for() is None
+        assert g.owed_for() is None
     finally:
         for s in (cli, up, srv):
             s.close()
+
+
+class Wires:
+    """Injected seams for the gate: a clock the test moves, and each upstream socket's byte
+    clocks (when a byte last went up, last came back; unread bytes) as the kernel would say."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sent: dict[socket.socket, float] = {}
+        self.recv: dict[socket.socket, float] = {}
+        self.unread: dict[socket.socket, int] = {}
+        self.socks: list[socket.socket] = []
+        self.gate = Gate(1, 10, clock=lambda: self.now, wire=self.wire)
+
+    def wire(self, sock: socket.socket) -> Wire | None:
+        return Wire(self.now - self.sent[sock], self.now - self.recv[sock],
+                    self.unread.get(sock, 0))
+
+    def request(self, connected_at: float | None = None) -> tuple[Flight, socket.socket]:
+        """A request sent upstream now, on a new connection (or one made at `connected_at`
+        and last used then: a pooled one)."""
+        sock = socket.socket()
+        self.socks.append(sock)
+        f = self.gate.begin()
+        self.sent[sock] = self.recv[sock] = self.now if connected_at is None else connected_at
+        self.gate.attach(f, sock)
+        self.sent[sock] = self.now  # the request goes up
+        return f, sock
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def test_owed_for_is_the_oldest_request_owed_while_new_ones_go_up() -> None:
+    """The issue 31 case: one request every 2 s writes its body upstream, and the head answers
+    none of them. The oldest has been owed since the freeze: the new bodies going up do not
+    hide it (they did when the quietest socket, either way, was the measure)."""
+    w = Wires()
+    try:
+        w.request()
+        for _ in range(10):
+            w.now += 2.0
+            w.request()
+            w.now += 0.001
+        assert w.gate.owed_for() == pytest.approx(20.01)
+        # all of them answered (streams: a byte each just now) → owed nothing much
+        for s in w.socks:
+            w.recv[s] = w.now
+        w.now += 0.3
+        assert w.gate.owed_for() == pytest.approx(0.3)
+    finally:
+        w.close()
+
+
+def test_owed_for_requests_without_a_socket_uploads_unread_bytes_and_pooled_connections() -> None:
+    w = Wires()
+    try:
+        g = w.gate
+        g.begin()
+        assert g.owed_for() is None  # in flight, no upstream socket yet: nothing to judge by
+        w.now += 50
+        f, s = w.request(connected_at=w.now - 100)  # a pooled connection, idle 100 s
+        w.now += 1.0
+        assert g.owed_for() == pytest.approx(1.0)  # owed since its request, not the pool's
+        for _ in range(5):  # a slow upload: the request's body still going up
+            w.now += 3.0
+            w.sent[s] = w.now - 0.5
+        assert g.owed_for() == pytest.approx(0.5)
+        w.now += 10
+        w.unread[s] = 100  # the head answered; the router (a slow client) has not read it
+        assert g.owed_for() == 0.0
+        g.end(f)
+    finally:
+        w.close()

@@ -10,7 +10,11 @@ v2's stops it in S (SIGKILL works). Each is run where this machine lets the test
 a writable hierarchy) and skipped with the reason otherwise. A remote peer (`endpoint:`, a
 ggml-rpc-server hydra did not start, whose CPU it cannot see) frozen the same way is lost at
 stall_timeout too (its kernel still completes hydra's one TCP connect), and the head comes
-back once it answers HELLO again after the thaw."""
+back once it answers HELLO again after the thaw.
+
+Under steady traffic (issue 31: one request every 2 s, each writing its body upstream, which
+once hid the freeze for 80 s) a peer frozen by cgroup v2 is noticed within stall_timeout + 5 s:
+the stall rule judges by the oldest request the head owes a byte."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import psutil
 import pytest
 import requests
 
-from hydra_supervisor.testing.faults import engine_rows, serving
+from hydra_supervisor.testing.faults import Steady, engine_rows, serving
 from hydra_supervisor.testing.harness import free_port, free_port_range, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -40,6 +44,8 @@ health: {{interval: {INTERVAL}, hang_timeout: 10, stall_timeout: {STALL}}}
 # The bound in docs/supervision.md: stall_timeout + 2 × (interval + /health's timeout), plus
 # what status.json and this test's polling add on a busy machine.
 BOUND = STALL + 4 * INTERVAL + 2.0
+# Issue 31's bound under steady traffic (one request every 2 s, a client timeout of 30 s each).
+STEADY_EVERY, STEADY_TIMEOUT, STEADY_BOUND = 2.0, 30.0, STALL + 5.0
 
 
 class Freezer:
@@ -339,3 +345,68 @@ def test_idle_pair_with_a_peer_in_d_state_restarts_the_pair(
     assert "frozen (state D, no CPU progress" in log, log[-3000:]
     print(f"\nidle pair, peer in D: noticed after {took:.1f}s, serving again after "
           f"{time.monotonic() - t0:.1f}s")
+
+
+@pytest.fixture
+def v2_freezer() -> Iterator[Freezer]:
+    fz = _freezer("v2")
+    if isinstance(fz, str):
+        print(f"\nSKIP cgroup v2 freezer: {fz}", file=sys.__stderr__)
+        pytest.skip(fz)
+    try:
+        yield fz
+    finally:
+        fz.remove()
+
+
+def test_frozen_peer_under_steady_traffic_is_noticed_at_stall_timeout(
+        hydra_up, hydra_env, tmp_path: Path, v2_freezer: Freezer) -> None:
+    """Issue 31: a request every 2 s through hydra's port, each writing its body to the head,
+    while the head's peer is frozen (cgroup v2: state S, no CPU): the oldest request is owed a
+    byte from the freeze on, so the stall rule fires at stall_timeout, and the pair restarts."""
+    from hydra_supervisor.config.paths import repo_root
+
+    prof = tmp_path / "demo-combine-steady.yaml"
+    prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)
+    port = free_port()
+    up = hydra_up("--profile", str(prof), "--port", str(port))
+    up.wait_ready(180)
+    peer, head = engine_rows(hydra_env)
+    assert peer["role"] == "peer" and head["role"] == "head"
+    steady = Steady(f"http://127.0.0.1:{port}/completion", STEADY_EVERY, STEADY_TIMEOUT).start()
+    try:
+        wait_until(lambda: steady.ok() >= 2, 60, "steady traffic served before the freeze")
+        v2_freezer.add(peer["pid"])
+        v2_freezer.freeze(True)
+        t0 = time.monotonic()
+        wait_until(v2_freezer.frozen, 5, "the peer frozen")
+        sent0 = steady.sent
+
+        def detected() -> bool:
+            return any(e["state"] != "READY" for e in engine_rows(hydra_env))
+        wait_until(detected, STEADY_BOUND + 30, "hydra to notice the frozen peer",
+                   interval=0.05)
+        took = time.monotonic() - t0
+        during, first = steady.sent - sent0, steady.first_after(t0)
+
+        def recovered() -> bool:
+            es = engine_rows(hydra_env)
+            return bool(es) and all(e["state"] == "READY" for e in es) and \
+                not {peer["pid"], head["pid"]} & {e["pid"] for e in es}
+        wait_until(recovered, 120, "the pair restarted")
+        back = time.monotonic() - t0
+        ok_before = steady.ok()
+        wait_until(lambda: steady.ok() >= ok_before + 2, 60, "steady traffic served again")
+    finally:
+        v2_freezer.freeze(False)
+        outcomes = steady.stop(STEADY_TIMEOUT + 30)
+    log = (Path(hydra_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+    print(f"\ncgroup v2 freeze under a request every {STEADY_EVERY:g}s: noticed after "
+          f"{took:.1f}s (stall_timeout {STALL:g}s; {during} request(s) sent meanwhile, the "
+          f"first after {first or 0:.1f}s), "
+          f"serving again after {back:.1f}s; outcomes: {outcomes}\n  "
+          + next((ln for ln in log.splitlines() if "without a byte" in ln), "(none)")[-240:])
+    assert STALL - INTERVAL <= took <= STEADY_BOUND, \
+        f"noticed after {took:.1f}s (bound {STEADY_BOUND:.1f}s)"
+    assert during >= 1, "no request went up during the freeze: not steady traffic"
+    assert "without a byte" in log and "frozen peer" in log, log[-3000:]

@@ -79,8 +79,8 @@ class RestartPolicy:
 class HealthPolicy:
     interval: float = 2.0  # /health poll of a READY head
     hang_timeout: float = 30.0  # /health silent this long → the head is killed and restarted
-    # requests in flight without a byte and no CPU progress this long → stalled (default:
-    # hang_timeout); see docs/supervision.md "the stall rule"
+    # a request in flight owed a byte by the head and no CPU progress this long → stalled
+    # (default: hang_timeout); see docs/supervision.md "the stall rule"
     stall_timeout: float | None = None
     probe: bool = False  # also send a 1-token completion every probe_interval
     probe_interval: float = 30.0

@@ -1,7 +1,7 @@
 """Readiness and liveness probes, async and bounded: llama-server /health and /slots, ggml-RPC
 HELLO, and a 1-token completion; and what hydra sees without asking a process anything: the
-router's requests in flight and when a byte last moved on them, and whether a remote peer's
-endpoint still completes a TCP connect.
+router's requests in flight and how long the head has owed them a byte, and whether a remote
+peer's endpoint still completes a TCP connect.
 
 /health is 503 while llama-server loads and 200 when it serves. The probe speaks minimal HTTP/1.0
 over asyncio streams so it never blocks the supervisor's loop. The HELLO probe runs the blocking
@@ -89,14 +89,15 @@ class Gated(Protocol):
 
 
 def flights(traffic: Gated | None) -> tuple[int, float | None] | None:
-    """The head's HTTP requests as its route sees them: how many are in flight and the seconds
-    since a byte last moved on any of them (the kernel's count, router/gate.py `quiet_for`;
-    None while none has its upstream socket yet). None: no router to ask (router: false)."""
+    """The head's HTTP requests as its route sees them: how many are in flight and how long the
+    head has owed them a byte — the oldest request still waiting for one, new requests going up
+    meanwhile or not (the kernel's clocks, router/gate.py `owed_for`; None while none has its
+    upstream socket yet). None: no router to ask (router: false)."""
     if traffic is None:
         return None
     gate = traffic.gate
     n = gate.inflight()
-    return (n, gate.quiet_for() if n else None)
+    return (n, gate.owed_for() if n else None)
 
 
 async def tcp_connect(host: str, port: int, timeout: float) -> str | None:

@@ -10,8 +10,8 @@ head up and /health 200 from hydra's own child), then wait for the first event a
   head exits            its peers are checked first (a dead, frozen or unreachable peer makes it
                         a peer loss); otherwise restart the head only
   peer lost             exited, frozen (process stopped; or in state D without CPU progress
-                        for stall_timeout while its head serves), or stalled (requests in flight
-                        get no byte while neither the head nor its local peers make CPU
+                        for stall_timeout while its head serves), or stalled (a request in flight
+                        gets no byte while neither the head nor its local peers make CPU
                         progress, D state included; a remote peer that no longer completes a
                         TCP connect then) — noticed in every state of the head
                         (loading, backing off, serving): on_peer_loss restart: stop the head,

@@ -1,6 +1,6 @@
 """The Supervisor's watching rules: is a peer still there (exited, frozen: stopped past a grace
 or in D state without CPU progress), is the head alive (progress, not one endpoint's latency),
-and the stall rule (requests in flight without a byte while nothing makes CPU progress). Each
+and the stall rule (a request owed a byte by the head while nothing makes CPU progress). Each
 rule returns or raises what it saw (PeerLost, "hung", "stall"); the Supervisor's loop and its
 restart policy (restarts.py) decide what to do about it. The Watcher changes no state of a
 process but the head's READY/UNHEALTHY and the reasons it notes."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Coroutine
 from typing import TypeVar
 
@@ -25,12 +26,21 @@ T = TypeVar("T")
 
 CONNECT_TIMEOUT = 3.0  # a remote peer's TCP connect (the stall rule): a black hole ends here
 _NO_PROGRESS = ("disk-sleep", "D")  # uninterruptible sleep: a wedged driver, a frozen cgroup
+# The stall rule's CPU progress is judged over at least this trailing window: /proc counts CPU
+# time in 10 ms steps, and a frozen head's HTTP threads taking requests and /health add one
+# now and then — over one 0.5 s sample that is 2 %, "progress"; over 2 s it stays under 1 %.
+PROGRESS_WINDOW = 2.0
 
 
 def _progressed(st: process.ProcStat, cpu_before: float, window: float) -> bool:
     """CPU time grew by 1% of the window, and the process is not in uninterruptible sleep (its
     other threads — llama-server's HTTP one answering /health — may still tick)."""
     return st.state not in _NO_PROGRESS and st.cpu - cpu_before >= 0.01 * max(window, 1e-3)
+
+
+def _work(st: process.ProcStat, cpu_before: float) -> float:
+    """CPU seconds that count as work since the last sample (none while in state D)."""
+    return 0.0 if st.state in _NO_PROGRESS else max(0.0, st.cpu - cpu_before)
 
 
 class Watcher:
@@ -187,10 +197,17 @@ class Watcher:
         next_probe = now + policy.probe_interval
         stopped_since: float | None = None
         idle_since: float | None = None  # since when neither the head nor a peer progressed
+        # the same, judged per sample (one 10 ms CPU step is progress): only for the cheap
+        # remote-peer connect probe, which should come soon after a freeze (_stalled)
+        quiet_since: float | None = None
         slots_since: float | None = None
         st0 = self.seams.proc_stat(pid)
         last_cpu, last_t = (st0.cpu if st0 else 0.0), now
         peer_st = self._peer_stats()
+        # (time, CPU work of the head and its local peers so far): the trailing window the
+        # stall rule's "no CPU progress" is judged over (PROGRESS_WINDOW, or one interval)
+        window = max(PROGRESS_WINDOW, policy.interval)
+        work, history = 0.0, deque([(now, 0.0)])
         while True:
             await self.seams.sleep(policy.interval)
             now = self.seams.clock()
@@ -208,16 +225,26 @@ class Watcher:
             stopped_since = None
             progressed = _progressed(st, last_cpu, now - last_t)
             pst = self._peer_stats()
-            peers_progressed = any(_progressed(s, peer_st[k].cpu, now - last_t)
-                                   for k, s in pst.items() if k in peer_st)
+            if progressed or any(_progressed(s, peer_st[k].cpu, now - last_t)
+                                 for k, s in pst.items() if k in peer_st):
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = last_t
+            work += _work(st, last_cpu) + sum(_work(s, peer_st[k].cpu)
+                                              for k, s in pst.items() if k in peer_st)
             peer_st = pst
-            if progressed or peers_progressed:
+            history.append((now, work))
+            while len(history) > 2 and history[1][0] <= now - window:
+                history.popleft()
+            since, before = history[0]  # the window: at least `window` long once it can be
+            if work - before >= 0.01 * max(now - since, 1e-3):
                 idle_since = None
             elif idle_since is None:
-                idle_since = last_t  # the window just sampled showed no progress
+                idle_since = since  # the window just sampled showed no progress
             last_cpu, last_t = st.cpu, now
-            if idle_since is not None and \
-                    (stalled := await self._stalled(pid, now - idle_since, stall_after)):
+            idle = None if idle_since is None else now - idle_since
+            quiet = max(idle or 0.0, 0.0 if quiet_since is None else now - quiet_since)
+            if quiet and (stalled := await self._stalled(pid, quiet, idle, stall_after)):
                 return stalled
             code = await self.seams.http_status(host, spec.port, timeout=policy.interval)
             now = self.seams.clock()
@@ -259,39 +286,42 @@ class Watcher:
                 if not ok:
                     return "hung", f"completion probe failed ({why})", []
 
-    async def _stalled(self, head_pid: int, idle: float, stall_after: float
+    async def _stalled(self, head_pid: int, quiet: float, idle: float | None, stall_after: float
                        ) -> tuple[str, str, list[ManagedProcess]] | None:
         """The stall rule, judged from what hydra sees without asking the head or its peers
-        anything (a frozen process answers nothing, and /slots hangs behind it): HTTP requests
-        in flight through the router with no byte either way for `stall_after` seconds while
-        neither the head nor its local peers made CPU progress as long (a process in D state
-        counts as none) → the peers are lost (which one froze cannot be told apart: all of
-        them), or, with no peer in use, the head is hung. A remote peer, whose CPU hydra cannot
-        see, is also checked once the requests have been silent for the freeze grace: an
-        endpoint that no longer completes a TCP connect is lost at once. One such connect per
-        remote peer per head run: it waits in the rpc-server's backlog (two places) until the
-        head lets go."""
+        anything (a frozen process answers nothing, and /slots hangs behind it): the head has
+        owed a request through the router a byte for `stall_after` seconds (its oldest request
+        still waiting for one — new requests going up meanwhile change nothing; health.flights)
+        while neither the head nor its local peers made CPU progress as long (a process in D
+        state counts as none; a long prefill burns CPU) → the peers are lost (which one froze
+        cannot be told apart: all of them), or, with no peer in use, the head is hung. A remote
+        peer, whose CPU hydra cannot see, is also checked once a request has been owed for the
+        freeze grace: an endpoint that no longer completes a TCP connect is lost at once. One
+        such connect per remote peer per head run: it waits in the rpc-server's backlog (two
+        places) until the head lets go. `idle`: seconds without CPU progress over the trailing
+        window (None: progress); `quiet`: the same or, for the probe, judged per sample."""
         seen = self.seams.flights(self.traffic)
         if seen is None:
             return None
-        n, quiet = seen
-        if not n or quiet is None:
+        n, owed = seen
+        if not n or owed is None:
             return None
-        silent = min(quiet, idle)
+        waited = min(owed, quiet)
         peers = [] if self.lineup.degraded else self.lineup.peers
         for p in peers:
-            if p.spec.managed or silent < self._freeze_grace() or \
+            if p.spec.managed or waited < self._freeze_grace() or \
                     self._connect_probed.get(p.name) == head_pid:
                 continue
             self._connect_probed[p.name] = head_pid
             why = await self.seams.connect(p.spec.host, p.spec.port, CONNECT_TIMEOUT)
             if why is not None:
-                return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while {n} "
-                                 f"request(s) waited {silent:.0f}s without a byte"), [p]
-        if silent < stall_after:
+                return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while a "
+                                 f"request waited {waited:.0f}s without a byte ({n} in "
+                                 "flight)"), [p]
+        if idle is None or (silent := min(owed, idle)) < stall_after:
             return None
-        what = (f"{n} request(s) in flight without a byte for {silent:.0f}s and no CPU "
-                "progress in the head")
+        what = (f"a request in flight without a byte from the head for {silent:.0f}s ({n} in "
+                "flight) and no CPU progress in the head")
         if peers:
             return "stall", f"{what} or its local peers (a frozen peer)", list(peers)
         return "hung", f"{what} (hung)", []

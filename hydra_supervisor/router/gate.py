@@ -7,17 +7,22 @@ model loaded, say). Requests sent upstream are registered as *flights*, so the e
 for them to drain (``wait_idle``) or abort them (``cut_inflight``).
 
 No sockets are read or written here; a flight only knows how to shut its upstream socket down
-(which wakes the session thread blocked on it). One ``threading.Condition`` guards everything, so
-every method is safe from any thread, and the non-blocking ones return in microseconds.
+(which wakes the session thread blocked on it), and ``owed_for`` asks the kernel about those
+sockets (TCP_INFO, FIONREAD) for the supervisor's stall rule. One ``threading.Condition`` guards
+everything, so every method is safe from any thread, and the non-blocking ones return in
+microseconds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import socket
 import struct
+import termios
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DEFAULT_RETRY_AFTER = 5
@@ -39,11 +44,12 @@ class Refusal:
 class Flight:
     """One HTTP request sent upstream whose response has not completed."""
 
-    __slots__ = ("id", "upstream", "cut", "answered", "requeue")
+    __slots__ = ("id", "upstream", "attached", "cut", "answered", "requeue")
 
     def __init__(self, fid: int) -> None:
         self.id = fid
         self.upstream: socket.socket | None = None
+        self.attached: float | None = None  # the gate's clock when the upstream socket came
         self.cut: str | None = None  # set by cut_inflight: why it was aborted
         self.answered = False  # the upstream sent a response byte (set by the session)
         self.requeue = False  # cut by a planned change before any response byte: send again
@@ -57,23 +63,49 @@ class Flight:
                 pass
 
 
-def _silent_for(sock: socket.socket) -> float:
-    """Seconds without a byte either way on `sock`, from the kernel (TCP_INFO)."""
+@dataclass(frozen=True)
+class Wire:
+    """What the kernel says of one upstream socket, without touching its bytes."""
+
+    sent_ago: float  # seconds since a data byte last went to the upstream (TCP_INFO)
+    recv_ago: float  # seconds since a data byte last came from the upstream (TCP_INFO)
+    unread: int  # bytes the upstream sent that the router has not read yet (FIONREAD)
+
+
+def read_wire(sock: socket.socket) -> Wire | None:
+    """`sock`'s Wire from the kernel; None when it is closed or closing this instant."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
         # struct tcp_info: tcpi_last_data_sent at byte 44, tcpi_last_data_recv at 52 (in ms)
         sent, recv = struct.unpack_from("=I4xI", info, 44)
-    except (OSError, struct.error):
-        return 0.0  # closed or closing this instant: not a silent request
-    return float(min(sent, recv)) / 1000.0
+        (unread,) = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))
+    except (OSError, ValueError, struct.error):
+        return None
+    return Wire(sent / 1000.0, recv / 1000.0, unread)
+
+
+def owed(wire: Wire | None, attached_ago: float) -> float:
+    """Seconds one request in flight has been owed a byte by its upstream: since the later of
+    the last byte of its request going up (nothing is owed while the request itself is still
+    being sent: a slow upload) and the last byte that came back — and at most since the
+    request got its socket (a pooled connection's clocks are older than the request). Bytes
+    the upstream sent that wait unread (a slow client holding the router back) mean it owes
+    nothing; a socket closing this instant neither."""
+    if wire is None or wire.unread:
+        return 0.0
+    return max(0.0, min(attached_ago, wire.sent_ago, wire.recv_ago))
 
 
 class Gate:
-    def __init__(self, hold_timeout: float = HOLD_TIMEOUT_S, max_held: int = MAX_HELD) -> None:
+    def __init__(self, hold_timeout: float = HOLD_TIMEOUT_S, max_held: int = MAX_HELD, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 wire: Callable[[socket.socket], Wire | None] = read_wire) -> None:
         if hold_timeout <= 0 or max_held < 1:
             raise ValueError("hold_timeout must be positive and max_held at least 1")
         self.hold_timeout = hold_timeout
         self.max_held = max_held
+        self._clock = clock  # owed_for's clock (the attach times); waits use time.monotonic
+        self._wire = wire
         self._cond = threading.Condition()
         self._held_reason: str | None = None
         self._unavailable: tuple[str, int] | None = None
@@ -114,15 +146,20 @@ class Gate:
         with self._cond:
             return len(self._flights)
 
-    def quiet_for(self) -> float | None:
-        """Seconds since a byte last moved, either way, on any request in flight, as the kernel
-        saw it on each upstream socket (TCP_INFO: last data sent, last data received); None
-        when no request in flight has its upstream socket yet. Read-only, and it asks the head
-        nothing, so a head frozen mid-request is seen too: the supervisor's stall rule reads
-        it (proc/watching.py, docs/supervision.md)."""
+    def owed_for(self) -> float | None:
+        """How long the upstream has owed a byte: the longest any request in flight has waited
+        for one (`owed`: since its request went up or the last byte came back, as the kernel
+        saw it on its upstream socket) — the oldest request owed something, however many new
+        ones go up meanwhile. None when no request in flight has its upstream socket yet.
+        Read-only, and it asks the head nothing, so a head frozen mid-request is seen too: the
+        supervisor's stall rule reads it (proc/watching.py, docs/supervision.md)."""
+        now = self._clock()
         with self._cond:
-            socks = [f.upstream for f in self._flights.values() if f.upstream is not None]
-        return min((_silent_for(s) for s in socks), default=None)
+            socks = [(f.upstream, f.attached) for f in self._flights.values()
+                     if f.upstream is not None and f.attached is not None]
+        if not socks:
+            return None
+        return max(owed(self._wire(sock), now - attached) for sock, attached in socks)
 
     def wait_idle(self, timeout: float) -> int:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -228,8 +265,10 @@ class Gate:
 
     def attach(self, flight: Flight, upstream: socket.socket) -> bool:
         """Give the flight its upstream socket; False if it was cut meanwhile."""
+        now = self._clock()
         with self._cond:
             flight.upstream = upstream
+            flight.attached = now
             return flight.cut is None
 
     def end(self, flight: Flight) -> None:

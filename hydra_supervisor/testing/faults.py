@@ -90,6 +90,75 @@ class Client:
         self._thread.join(15)
 
 
+class Steady:
+    """Steady traffic (issue 31): a short completion every `every` seconds, each on a thread of
+    its own whatever became of the earlier ones (a frozen pair holds them all), each with a
+    client `timeout`. `spawn` starts fn on a daemon thread (default: here; Hosts.thread for
+    another host's namespace). `outcomes` says, in order of ending: "ok", "HTTP <code>", or
+    the client's exception."""
+
+    def __init__(self, url: str, every: float = 2.0, timeout: float = 30.0,
+                 spawn: Callable[[Callable[[], None]], threading.Thread] | None = None) -> None:
+        self.url, self.every, self.timeout = url, every, timeout
+        self.spawn = spawn or self._thread
+        self.sent = 0
+        self.sent_at: list[float] = []  # time.monotonic() of each request's start
+        self.outcomes: list[str] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    @staticmethod
+    def _thread(fn: Callable[[], None]) -> threading.Thread:
+        t = threading.Thread(target=fn, daemon=True)
+        t.start()
+        return t
+
+    def _one(self) -> None:
+        try:
+            r = requests.post(self.url, json={"prompt": "Hello", "n_predict": 4},
+                              timeout=self.timeout)
+            out = "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+        except requests.RequestException as exc:
+            out = type(exc).__name__
+        with self._lock:
+            self.outcomes.append(out)
+
+    def _tick(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self.sent += 1
+                self.sent_at.append(time.monotonic())
+                self._threads.append(self.spawn(self._one))
+            self._stop.wait(self.every)
+
+    def start(self) -> Steady:
+        self._ticker = self._thread(self._tick)
+        return self
+
+    def first_after(self, t0: float) -> float | None:
+        """Seconds from `t0` to the first request sent after it (None: none yet)."""
+        with self._lock:
+            return next((t - t0 for t in self.sent_at if t >= t0), None)
+
+    def ok(self) -> int:
+        with self._lock:
+            return self.outcomes.count("ok")
+
+    def stop(self, timeout: float) -> list[str]:
+        """Stop sending; the outcomes once every request sent has ended (within `timeout`)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        if self._ticker is not None:
+            self._ticker.join(max(0.0, deadline - time.monotonic()))
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a request never ended"
+        with self._lock:
+            return list(self.outcomes)
+
+
 def _profile(tmp: Path, base: str, extra: str = "") -> Path:
     """A copy of a shipped profile with fast restart/health policies (and extra keys)."""
     text = (repo_root() / "profiles" / f"{base}.yaml").read_text()
