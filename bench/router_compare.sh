@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30 item 3: bench/router.py part h (SSE streams through the request-aware leg, the byte
+# Issue 30 item 3: this tree's bench/router.py part h (SSE streams through the request-aware leg, the byte
 # relay and direct, a stand-in upstream) on the code before the body pump and on this tree,
 # alternated in one run, at 1, 32 and 64 concurrent streams.
 #   staged (ignored): build/r30/base = `git archive c31cf50 hydra_supervisor bench`
@@ -8,6 +8,7 @@ set -u
 PY=${PY:-$PWD/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 base=build/r30/base
+cp bench/router.py $base/bench/router.py  # one bench for both trees: only the router differs
 for r in $(seq ${ROUNDS:-2}); do
   for streams in 1 32 64; do
     for t in base after; do
