@@ -10,6 +10,7 @@ fast head-side test. tests/test_peer_hold.py runs the same with real binaries.""
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import struct
@@ -19,13 +20,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from rich.console import Console
 
+from hydra_supervisor.cli import doctor, status_view
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import layout
 from hydra_supervisor.proc import rpcproto
 from hydra_supervisor.router import Router, Upstreams
 from hydra_supervisor.router.acceptor import RPC_HOLD_GRACE_S
 from hydra_supervisor.router.classify import announced_build
+from hydra_supervisor.serve.snapshot import LaneStatus, RouterCounters, parse
 from hydra_supervisor.testing.routerhelp import (
     DEADLINE,
     HOST,
@@ -212,3 +216,50 @@ def test_hydra_up_on_a_second_head_names_the_holder(router: Router,
     finally:
         info.close()
         rpc.close()
+
+
+def test_doctor_names_the_holder_without_a_hello(router: Router) -> None:
+    """`hydra doctor --peers`: INFO names the holder, so no HELLO is sent (it would be
+    refused); the report is the `hydra up` line."""
+    def answer(c: socket.socket) -> None:
+        _, _, _, klen, plen, tlen = struct.unpack("<HBBHQH", recv_exact(c, 16))
+        recv_exact(c, klen + plen + tlen)
+        c.sendall(codec.encode_response(codec.Status.OK, {
+            "identity": HERE.to_json(), "lent": [],
+            "rpc_holder": dict(router.counters()["rpc_holder"] or {}) or None}))
+
+    info, rpc = FuncServer(answer), FuncServer(_rpc_server)
+    try:
+        router.set_upstreams(Upstreams(rpc=rpc.addr, hydra=info.addr))
+        endpoint = f"{HOST}:{router.port}"
+        held = connect(router.port)
+        held.sendall(rpcproto.HELLO_REQUEST)
+        recv_exact(held, rpcproto.HELLO_RESPONSE_SIZE)
+        rep = doctor.probe_peer("p100", endpoint, timeout=DEADLINE)
+        assert rep.error is not None and rep.error.startswith(
+            f"remote peer p100 at {endpoint} is busy: its rpc-server is held by "
+            f"{HOST}:{held.getsockname()[1]} for "), rep.error  # no build announced
+        assert rpc.accepted == 1 and router.counters()["refused"].get("rpc_held", 0) == 0
+        held.close()
+    finally:
+        info.close()
+        rpc.close()
+
+
+def test_status_names_the_holder() -> None:
+    """`hydra status` on the peer host: under the router line, who holds the lent device."""
+    r = parse(RouterCounters, {"rpc_holder": {
+        "addr": "10.0.0.1:55258", "build": HERE.fingerprint, "held_s": 75.2,
+        "bytes_up": 38253869, "bytes_down": 1 << 20}})
+    lane = LaneStatus(name="port-8090/demo-peer", profile="demo-peer", state="serving")
+    out = Console(file=io.StringIO(), width=200, color_system=None)
+    for part in status_view.lane_renderables(lane, "http://127.0.0.1:8090", router=r):
+        out.print(part)
+    text = out.file.getvalue()  # type: ignore[attr-defined]
+    assert (f"lent to 10.0.0.1:55258 (build {HERE.fingerprint}) for 1m15s; 36.5 MiB sent to "
+            "the rpc-server, 1.0 MiB back") in text, text
+    r = parse(RouterCounters, {"rpc_holder": None})
+    out = Console(file=io.StringIO(), width=200, color_system=None)
+    for part in status_view.lane_renderables(lane, "http://127.0.0.1:8090", router=r):
+        out.print(part)
+    assert "lent to" not in out.file.getvalue()  # type: ignore[attr-defined]
