@@ -263,3 +263,38 @@ def test_status_names_the_holder() -> None:
     for part in status_view.lane_renderables(lane, "http://127.0.0.1:8090", router=r):
         out.print(part)
     assert "lent to" not in out.file.getvalue()  # type: ignore[attr-defined]
+
+
+def test_a_head_that_takes_the_peer_between_info_and_hello_is_named(
+        router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFO said free, then another head took it: the HELLO is closed by the router, and
+    `hydra up` asks INFO again and names that head instead of "closed during HELLO"."""
+    monkeypatch.setattr(buildid, "local_identity", lambda configured=None: HERE)
+    asked: list[int] = []
+
+    def answer(c: socket.socket) -> None:
+        _, _, _, klen, plen, tlen = struct.unpack("<HBBHQH", recv_exact(c, 16))
+        recv_exact(c, klen + plen + tlen)
+        asked.append(1)
+        holder = dict(router.counters()["rpc_holder"] or {}) or None
+        c.sendall(codec.encode_response(codec.Status.OK, {
+            "identity": HERE.to_json(), "lent": [],
+            "rpc_holder": holder if len(asked) > 1 else None}))  # the first INFO: before it
+
+    info, rpc = FuncServer(answer), FuncServer(_rpc_server)
+    try:
+        router.set_upstreams(Upstreams(rpc=rpc.addr, hydra=info.addr))
+        endpoint = f"{HOST}:{router.port}"
+        held = connect(router.port)
+        held.sendall(rpcproto.HELLO_REQUEST)
+        recv_exact(held, rpcproto.HELLO_RESPONSE_SIZE)
+        with pytest.raises(HydraError) as exc:
+            layout.check_remote_peers(_plan(endpoint), timeout=DEADLINE, node=_node(endpoint))
+        assert f"is busy: its rpc-server is held by {HOST}:{held.getsockname()[1]}" in \
+            exc.value.message, exc.value.message
+        assert len(asked) == 2 and router.counters()["refused"].get("rpc_held") == 1
+        assert rpc.accepted == 1
+        held.close()
+    finally:
+        info.close()
+        rpc.close()
