@@ -5,8 +5,10 @@ without blocking, enforces the first-byte timeout, the allow list and the bounde
 (silent connections, classified ones waiting for a relay slot, refused ones lingering until the
 client's EOF), evicts silent connections for room (a flood evicts its own; the per-source cap)
 and admits a waiting connection when the ``Ledger`` (router/ledger.py) has room for it, handing
-it to the ``Relays`` (router/relay.py's ``Relay``: pooled workers). ``Acceptor`` owns the
-listener and that thread; the ``Router`` (router/core.py) opens, starts and closes it.
+it to the ``Relays`` (router/relay.py's ``Relay``: pooled workers). One ggml-RPC connection at a
+time holds the rpc-server; another is held back briefly and then refused (``_held_back``).
+``Acceptor`` owns the listener and that thread; the ``Router`` (router/core.py) opens, starts
+and closes it.
 """
 
 from __future__ import annotations
