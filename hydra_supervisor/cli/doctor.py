@@ -169,6 +169,10 @@ def probe_peer(device: str, endpoint: str, timeout: float = 5.0) -> PeerReport:
         info: buildid.PeerInfo | None = buildid.ask_info(host, port, timeout=timeout)
     except OSError as exc:
         return PeerReport(device, endpoint, error=f"unreachable: {exc.strerror or exc}")
+    holder = info.holder if info is not None else None
+    if holder is not None:  # its router would refuse the HELLO: say who holds it
+        return PeerReport(device, endpoint, info=info,
+                          error=buildid.busy_line(device, endpoint, holder))
     try:
         version, connect_ms, hello_ms = hello_timed(host, port, timeout)
     except TimeoutError:

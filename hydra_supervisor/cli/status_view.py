@@ -106,6 +106,7 @@ def _several_renderables(p: PortStatus, active: tuple[LaneStatus, ...]
             f"{r.refused.get('unknown_model', 0)} for unknown models, "
             f"{r.refused.get('queue_full', 0)} refused busy (429), {r.http.get('cut', 0)} cut, "
             f"{r.http.get('retried', 0)} retried" + _router_restarts(r)))
+        parts += _holder_line(r)
     parts += _log_tails([proc for x in active for proc in x.processes])
     parts.append(Text("loads = loads/unloads; * = the default profile (requests without "
                       "a model)", style="dim"))
@@ -249,7 +250,28 @@ def _router_line(r: RouterCounters | None, lanes: tuple[LaneStatus, ...]
                  f"{r.accepted} accepted, {_request_split(r, lanes)}"
                  + (f", {last} to profiles in the last minute" if last is not None else "")
                  + f", {r.http.get('cut', 0)} cut, {r.http.get('retried', 0)} retried"
-                 + _router_restarts(r))]
+                 + _router_restarts(r))] + _holder_line(r)
+
+
+def _holder_line(r: RouterCounters) -> list[RenderableType]:
+    """On a host that lends its device: the head holding the rpc-server behind the router
+    (address, its build when its hydra said it, for how long, bytes each way)."""
+    h = r.rpc_holder
+    if h is None:
+        return []
+    build = f" (build {h.build})" if h.build else " (build unknown: not announced)"
+    return [Text(f"lent to {h.addr}{build} for {_dur(h.held_s)}; "
+                 f"{_mib(h.bytes_up)} sent to the rpc-server, {_mib(h.bytes_down)} back")]
+
+
+def _dur(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else \
+        f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 # -- the last requests (`hydra status --requests`) -------------------------------------------

@@ -224,6 +224,34 @@ def _bind_hint(why: str) -> str:
             "127.0.0.1, 0.0.0.0 (every interface), or one `ip addr` lists")
 
 
+def _no_hello(eng: EngineSpec, exc: BaseException, timeout: float, mine: str | None,
+              asked: buildid.PeerInfo | None) -> HydraError:
+    """A remote peer's HELLO failed: busy (a peer hydra's router refused us while another
+    head holds the rpc-server: asked again over INFO, which names that head), silent,
+    unreachable, or not a ggml-rpc-server. ``asked``: its INFO before the HELLO."""
+    info = None
+    if asked is not None and asked.hydra:  # the head may have taken it since that INFO
+        try:
+            info = buildid.ask_info(eng.host, eng.port, timeout=timeout, head_build=mine)
+        except OSError:
+            info = None
+    if info is not None and info.holder is not None:
+        return HydraError(buildid.busy_line(eng.device, eng.endpoint, info.holder),
+                          hint="stop the head that holds it, or give this head another peer; "
+                               "`hydra status` on the peer host shows the holder")
+    if isinstance(exc, TimeoutError):
+        return HydraError(
+            f"remote peer {eng.device} at {eng.endpoint} accepted the connection but did not "
+            f"answer HELLO within {timeout:.0f}s (busy with another client?)")
+    if isinstance(exc, rpcproto.HelloError):
+        return HydraError(f"remote peer {eng.device} at {eng.endpoint}: {exc}")
+    err = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    return HydraError(
+        f"remote peer {eng.device} at {eng.endpoint} is unreachable: {err}",
+        hint=f"start `ggml-rpc-server -H 0.0.0.0 -p {eng.port}` on that host, or fix "
+             "its endpoint in the node file")
+
+
 def check_remote_peers(plan: Plan, timeout: float = 5.0, node: Node | None = None) -> None:
     """Ask each remote peer Hydra INFO (its build identity, where it runs hydra) and HELLO it,
     once before anything starts: unreachable, incompatible or another build → error (a build
@@ -236,24 +264,26 @@ def check_remote_peers(plan: Plan, timeout: float = 5.0, node: Node | None = Non
     for eng in plan.peers:
         if eng.managed:
             continue
+        if not local_known:
+            local_known = True
+            try:
+                local = buildid.local_identity(node.binaries if node is not None else None)
+            except HydraError as exc:
+                log.warning("this host's build identity is unknown (%s)", exc.message)
+        mine = local.fingerprint if local is not None else None
         try:
-            info = buildid.ask_info(eng.host, eng.port, timeout=timeout)
+            info = buildid.ask_info(eng.host, eng.port, timeout=timeout, head_build=mine)
         except OSError:
             info = None  # nothing listens: the HELLO below says so
+        if info is not None and info.holder is not None:
+            # a peer hydra's router refuses a second head before its rpc-server sees it
+            raise HydraError(buildid.busy_line(eng.device, eng.endpoint, info.holder),
+                             hint="stop the head that holds it, or give this head another "
+                                  "peer; `hydra status` on the peer host shows the holder")
         try:
             version = rpcproto.probe(eng.host, eng.port, timeout=timeout)
-        except TimeoutError as exc:
-            raise HydraError(
-                f"remote peer {eng.device} at {eng.endpoint} accepted the connection but did not "
-                f"answer HELLO within {timeout:.0f}s (busy with another client?)") from exc
-        except OSError as exc:
-            raise HydraError(
-                f"remote peer {eng.device} at {eng.endpoint} is unreachable: "
-                f"{exc.strerror or exc}",
-                hint=f"start `ggml-rpc-server -H 0.0.0.0 -p {eng.port}` on that host, or fix "
-                     "its endpoint in the node file") from exc
-        except rpcproto.HelloError as exc:
-            raise HydraError(f"remote peer {eng.device} at {eng.endpoint}: {exc}") from exc
+        except (OSError, rpcproto.HelloError) as exc:
+            raise _no_hello(eng, exc, timeout, mine, info) from exc
         if not version.compatible():
             raise HydraError(
                 f"remote peer {eng.device} at {eng.endpoint} speaks ggml-RPC protocol {version}, "
@@ -261,12 +291,6 @@ def check_remote_peers(plan: Plan, timeout: float = 5.0, node: Node | None = Non
                 hint="run the same llama.cpp version on both hosts (hydra install-llama there)")
         if info is None:
             continue
-        if not local_known:
-            local_known = True
-            try:
-                local = buildid.local_identity(node.binaries if node is not None else None)
-            except HydraError as exc:
-                log.warning("this host's build identity is unknown (%s)", exc.message)
         decl = node.devices.get(eng.device) if node is not None else None
         warning = buildid.check_peer(
             local, info, version, device=eng.device, endpoint=eng.endpoint,

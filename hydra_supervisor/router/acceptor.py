@@ -5,8 +5,10 @@ without blocking, enforces the first-byte timeout, the allow list and the bounde
 (silent connections, classified ones waiting for a relay slot, refused ones lingering until the
 client's EOF), evicts silent connections for room (a flood evicts its own; the per-source cap)
 and admits a waiting connection when the ``Ledger`` (router/ledger.py) has room for it, handing
-it to the ``Relays`` (router/relay.py's ``Relay``: pooled workers). ``Acceptor`` owns the
-listener and that thread; the ``Router`` (router/core.py) opens, starts and closes it.
+it to the ``Relays`` (router/relay.py's ``Relay``: pooled workers). One ggml-RPC connection at a
+time holds the rpc-server; another is held back briefly and then refused (``_held_back``).
+``Acceptor`` owns the listener and that thread; the ``Router`` (router/core.py) opens, starts
+and closes it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from hydra_supervisor.router import limits
-from hydra_supervisor.router.classify import MAX_PREFIX, Kind, classify
+from hydra_supervisor.router.classify import MAX_PREFIX, Kind, announced_build, classify
 from hydra_supervisor.router.conn import (
     Conn,
     Pending,
@@ -49,6 +51,11 @@ _TICK_S = 1.0
 # The acceptor restarts its loop after a failure; this many failures within the window end it.
 _ACCEPTOR_MAX_FAILS = 5
 _ACCEPTOR_FAIL_WINDOW_S = 10.0
+# A ggml-RPC connection that comes while another holds the rpc-server waits this long for the
+# holder to end before it is refused: a head's llama-server closes one connection and opens
+# the next at once (device query, then load), and the router may see the new one before the
+# old one's EOF. A second head is refused after it, never queued in the rpc-server.
+RPC_HOLD_GRACE_S = 0.5
 
 
 class Relays(Protocol):
@@ -286,6 +293,8 @@ class Acceptor:
                     marks.append(q.waiting[0].deadline)
                 if q.lingering:
                     marks.append(q.lingering[0].deadline)
+                if q.held_back:
+                    marks.append(q.held_back[0].deadline)
                 if paused_until:
                     marks.append(paused_until)
                 timeout = max(0.0, min(marks) - now)
@@ -312,7 +321,8 @@ class Acceptor:
                     self._busy(q.waiting.popleft())
                 while q.lingering and q.lingering[0].deadline <= now:
                     self._unlinger(sel, q, q.lingering[0])
-                self._admit(q.waiting)
+                self._held_back(q, now)
+                self._admit(q)
                 if now >= next_tick:
                     next_tick = now + _TICK_S
                     self.tick(now)
@@ -482,6 +492,10 @@ class Acceptor:
             self._drop(conn, f"unrecognised first bytes {conn.prefix[:16].hex()}", "rejected")
             return
         conn.kind = kind
+        if kind is Kind.HYDRA:  # a head's hydra asking INFO may say its build
+            build = announced_build(conn.prefix)
+            if build is not None:
+                self.ledger.note_build(conn.src, build)
         # Checked only for these kinds: HTTP is open, and the check costs microseconds.
         if kind in (Kind.RPC, Kind.HYDRA) and not self._is_allowed(conn.peer):
             # ggml-rpc-server has no authentication: from a source outside the allow list it
@@ -491,12 +505,19 @@ class Acceptor:
         conn.deadline = time.monotonic() + self._queue_timeout
         q.waiting.append(conn)
 
-    def _admit(self, waiting: collections.deque[Conn]) -> None:
+    def _admit(self, q: Queues) -> None:
         """Admit waiting connections, oldest first, while the ledger has room for them, and
-        hand each to a worker (router/relay.py) with the upstreams of the moment."""
+        hand each to a worker (router/relay.py) with the upstreams of the moment. A ggml-RPC
+        connection while another holds the rpc-server is held back instead (``_held_back``)."""
+        waiting = q.waiting
         while waiting:
             conn = waiting[0]
             assert conn.kind is not None
+            if conn.kind is Kind.RPC and self.ledger.rpc_holder_conn() is not None:
+                waiting.popleft()
+                conn.deadline = min(conn.deadline, time.monotonic() + RPC_HOLD_GRACE_S)
+                q.held_back.append(conn)
+                continue
             if not self.ledger.admit(conn, self.relays.fd_cost(conn.kind), len(waiting)):
                 return  # stopping, or no room until a relay ends (its finish wakes us)
             waiting.popleft()
@@ -504,6 +525,25 @@ class Acceptor:
                 self.relays.serve(conn, self.upstreams)
             except RuntimeError as e:  # Thread.start failed: out of threads or memory
                 self._no_thread(conn, e)
+
+    def _held_back(self, q: Queues, now: float) -> None:
+        """ggml-RPC connections that came while another held the rpc-server: back to the
+        front of the waiting queue once it is free; refused (closed, the rpc-server never
+        sees them) when it is still held at their deadline. The one head that holds it is
+        never disturbed, and the rpc-server's own accept queue never fills with heads that
+        would wait there (a peer host's INFO names the holder: wire/, buildid.ask_info)."""
+        if not q.held_back:
+            return
+        holder = self.ledger.rpc_holder()
+        if holder is None:
+            q.waiting.extendleft(reversed(q.held_back))
+            q.held_back.clear()
+            return
+        while q.held_back and q.held_back[0].deadline <= now:
+            conn = q.held_back.popleft()
+            build = f" (build {holder['build']})" if holder["build"] else ""
+            self._drop(conn, f"ggml-RPC refused: the rpc-server is held by {holder['addr']}"
+                       f"{build}", "rpc_held")
 
     def _no_thread(self, conn: Conn, e: BaseException) -> None:
         """A connection we could not give a thread: 503 (HTTP) and close; the router goes on."""

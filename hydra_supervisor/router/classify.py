@@ -20,6 +20,9 @@ Anything else is rejected. A prefix that could still become one of the above ask
 from __future__ import annotations
 
 import enum
+import json
+
+from hydra_supervisor.wire import codec
 
 RPC_HELLO = 0x0E
 HYDRA_MAGIC = b"\x59\x48"  # u16 0x4859, little-endian: "YH"
@@ -87,3 +90,37 @@ def classify(prefix: bytes) -> Kind:
             return Kind.REJECT
         n += 1
     return Kind.NEED_MORE if n <= MAX_METHOD else Kind.REJECT
+
+
+# What a head's hydra may say about itself in a Hydra INFO request's payload (JSON
+# {"head": {"build": "b11434-…"}}, docs/protocol.md): read from the bytes the router already
+# has, so the peer can name a head's build while that head holds its rpc-server.
+_MAX_ANNOUNCE = 4096
+
+
+def announced_build(prefix: bytes) -> str | None:
+    """The build a Hydra INFO request in ``prefix`` announces, or None (another op, no or
+    malformed payload, or not all of it read yet). Pure; never raises."""
+    parser = codec.RequestParser(codec.Limits(payload=_MAX_ANNOUNCE))
+    head: codec.RequestHead | None = None
+    body = b""
+    for ev in parser.feed(prefix[:_MAX_ANNOUNCE + 1024]):
+        if isinstance(ev, codec.RequestHead):
+            head = ev
+            if ev.op != codec.Op.INFO or not ev.payload_len:
+                return None
+        elif isinstance(ev, codec.PayloadChunk):
+            body += ev.data
+        elif isinstance(ev, codec.FrameEnd):
+            break
+        else:
+            return None
+    if head is None or len(body) != head.payload_len:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    who = data.get("head") if isinstance(data, dict) else None
+    build = who.get("build") if isinstance(who, dict) else None
+    return build if isinstance(build, str) and build else None

@@ -292,14 +292,17 @@ def unwatch(sel: selectors.BaseSelector, conn: Conn) -> None:
 
 class Queues:
     """What the acceptor holds between its runs: silent connections (``pending``), classified
-    ones waiting for a relay slot (``waiting``), and refused ones lingering until the client's
-    EOF (``lingering``); each in deadline order because each has one fixed timeout."""
+    ones waiting for a relay slot (``waiting``), refused ones lingering until the client's
+    EOF (``lingering``), and ggml-RPC ones held back while another holds the rpc-server
+    (``held_back``); each in deadline order because each has one fixed timeout."""
 
     def __init__(self) -> None:
         self.pending = Pending()
         self.waiting: collections.deque[Conn] = collections.deque()
         self.lingering: collections.deque[Conn] = collections.deque()
         self.linger_ids: set[int] = set()
+        # ggml-RPC connections that came while another holds the rpc-server (acceptor.py)
+        self.held_back: collections.deque[Conn] = collections.deque()
 
     def forget(self, conn: Conn) -> None:
         self.pending.remove(conn)
@@ -311,7 +314,7 @@ class Queues:
                 pass
 
     def everyone(self) -> list[Conn]:
-        return [*self.pending.all.values(), *self.waiting, *self.lingering]
+        return [*self.pending.all.values(), *self.waiting, *self.lingering, *self.held_back]
 
     def reregister(self, sel: selectors.BaseSelector) -> list[Conn]:
         """Register the silent and lingering connections with a new selector; returns (and

@@ -286,7 +286,7 @@ class Router:
             refused=c["refused"], events=c["events"], open=c["open"],
             open_peak=c["open_peak"], pending=c["pending"],
             bytes=c["bytes_up"] + c["bytes_down"], by_kind=c["by_kind"], http=c["http"],
-            fds=c["fds"],
+            fds=c["fds"], rpc_holder=c["rpc_holder"],
             held=sum(r.gate.held() for r in routes),
             inflight=sum(r.gate.inflight() for r in routes),
             pooled=self.pool.idle(), alive=self.alive(), acceptor_error=self.acceptor.error)

@@ -29,12 +29,27 @@ _LOG_EVERY_S = 10.0
 # An idle keep-alive connection is closed for room only after this long idle: a client that is
 # about to send its next request has usually sent it by then.
 _IDLE_CLOSE_MIN_S = 0.05
+# The builds remembered per source address (router/acceptor.py: a head's INFO request).
+_MAX_BUILDS = 256
+_MAX_BUILD_LABEL = 200
 
 
 class FdCounts(TypedDict):
     nofile: int  # the soft open-file limit in force
     budget: int  # descriptors admission may use for relays
     relays: int  # descriptors the admitted connections hold now
+
+
+class RpcHolder(TypedDict):
+    """The head holding the port's rpc-server (``Ledger.rpc_holder``): its address, the
+    build its hydra announced in an INFO request from that address (None: unknown, e.g. a
+    plain llama-server), how long it has held it and the bytes each way so far."""
+
+    addr: str
+    build: str | None
+    held_s: float
+    bytes_up: int  # head → rpc-server (weights, tensors, graphs)
+    bytes_down: int  # rpc-server → head
 
 
 class LedgerCounts(TypedDict):
@@ -51,6 +66,7 @@ class LedgerCounts(TypedDict):
     by_kind: dict[str, int]
     http: dict[str, int]
     fds: FdCounts
+    rpc_holder: RpcHolder | None
 
 
 class Ledger:
@@ -79,6 +95,9 @@ class Ledger:
                       "cut": 0, "retried": 0}
         self._by_kind = {k.value: 0 for k in (Kind.RPC, Kind.HYDRA, Kind.HTTP)}
         self._log_marks: dict[str, tuple[float, int]] = {}
+        # Builds announced by the hydra of each source address (its INFO request), newest
+        # last; bounded: an old entry makes room.
+        self._builds: dict[str, str] = {}
 
     # ---------------------------------------------------------------- start, stop
 
@@ -192,6 +211,37 @@ class Ledger:
             for conn in self._active.values():
                 fn(conn)
 
+    def rpc_holder_conn(self) -> Conn | None:
+        """The admitted ggml-RPC connection, if any: it holds the rpc-server (which serves one
+        client at a time), so another one is not let through while it lasts."""
+        with self._lock:
+            return self._rpc_holder_locked()
+
+    def _rpc_holder_locked(self) -> Conn | None:
+        held = [c for c in self._active.values() if c.kind is Kind.RPC]
+        return min(held, key=lambda c: c.id) if held else None
+
+    def rpc_holder(self) -> RpcHolder | None:
+        """Who holds the rpc-server now (address, build if announced, since, bytes)."""
+        with self._lock:
+            return self._holder_locked(time.monotonic())
+
+    def _holder_locked(self, now: float) -> RpcHolder | None:
+        conn = self._rpc_holder_locked()
+        if conn is None:
+            return None
+        return RpcHolder(addr=fmt_addr(conn.peer), build=self._builds.get(conn.src),
+                         held_s=round(max(0.0, now - conn.accepted), 3),
+                         bytes_up=conn.up, bytes_down=conn.down)
+
+    def note_build(self, src: str, build: str) -> None:
+        """The hydra at ``src`` said its build (its INFO request's ``head``)."""
+        with self._lock:
+            self._builds.pop(src, None)
+            self._builds[src] = build[:_MAX_BUILD_LABEL]
+            while len(self._builds) > _MAX_BUILDS:
+                del self._builds[next(iter(self._builds))]
+
     def set_pending(self, n: int) -> None:
         """Connections the acceptor holds, not yet admitted (silent or waiting)."""
         with self._lock:
@@ -294,4 +344,5 @@ class Ledger:
                 open=len(self._active), open_peak=self._open_peak, pending=self._n_pending,
                 by_kind=dict(self._by_kind), http=dict(self._http),
                 fds=FdCounts(nofile=self._nofile, budget=self._fd_budget,
-                             relays=self._fds_active))
+                             relays=self._fds_active),
+                rpc_holder=self._holder_locked(time.monotonic()))

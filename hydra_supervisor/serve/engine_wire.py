@@ -168,12 +168,27 @@ class EngineWire:
             "build": self.build(),
             # this host's build identity; on a mode: peer host the free memory it lends
             **buildid.info_section(getattr(dep, "layout", None)),
+            # the head holding the rpc-server this port lends, if one does (docs/protocol.md)
+            "rpc_holder": self._rpc_holder(),
             # the wire server's `capabilities` (a list of words, as the fork's clients parse
             # it) and `ops` (served / not_implemented per op) say the rest
             "expert_modes": self._expert_modes(),
             "settings": tier_diff.current_settings(prof, self.defaults) if prof else {},
             "request_defaults": dict(self.defaults),
         }
+
+    def _rpc_holder(self) -> dict[str, object] | None:
+        """Who holds the rpc-server behind this port's router, from the published snapshot
+        (at most half a second old): address, build if announced, seconds held, bytes."""
+        if self.published is None:
+            return None
+        with contextlib.suppress(RuntimeError):  # none yet: hydra is starting
+            port = next((p for p in self.published().ports if p.port == self.port.port), None)
+            held = port.router.rpc_holder if port is not None and port.router else None
+            if held is not None:
+                return {"addr": held.addr, "build": held.build, "held_s": held.held_s,
+                        "bytes_up": held.bytes_up, "bytes_down": held.bytes_down}
+        return None
 
     def _status(self, view: WireView) -> tuple[LaneStatus | None, str]:
         """The wire lane's published status (None: the port has no lane) and its state word

@@ -178,6 +178,19 @@ class LaneStatus:
 
 
 @dataclass(frozen=True)
+class RpcHolderStatus:
+    """The head holding a lent rpc-server through this port's router (router/ledger.py
+    RpcHolder): its address, its hydra's build when it announced one, how long it has held
+    it, and the bytes each way."""
+
+    addr: str = ""
+    build: str | None = None
+    held_s: float = 0.0
+    bytes_up: int = 0  # head → rpc-server
+    bytes_down: int = 0
+
+
+@dataclass(frozen=True)
 class FdStatus:
     nofile: int = 0  # the soft open-file limit in force
     budget: int = 0  # descriptors admission may use for relays
@@ -208,6 +221,7 @@ class RouterCounters:
     refused: Mapping[str, int] = field(default_factory=_counts)
     events: Mapping[str, int] = field(default_factory=_counts)
     fds: FdStatus | None = None
+    rpc_holder: RpcHolderStatus | None = None  # a lent rpc-server's head, while one holds it
     recoveries: int = 0
     recovery_failures: int = 0
     down_s: float | None = None

@@ -314,10 +314,30 @@ class PeerInfo:
     note: str = ""  # why there is no identity
     meta: Mapping[str, object] = field(default_factory=dict)
 
+    @property
+    def holder(self) -> Mapping[str, object] | None:
+        """The head holding the rpc-server this peer lends (INFO's `rpc_holder`: `addr`,
+        `build` if its hydra announced one, `held_s`, `bytes_up`, `bytes_down`), or None."""
+        held = self.meta.get("rpc_holder")
+        return held if isinstance(held, dict) and held.get("addr") else None
 
-def ask_info(host: str, port: int, timeout: float = 10.0) -> PeerInfo:
+
+def busy_line(device: str, endpoint: str, holder: Mapping[str, object]) -> str:
+    """The one line a head reads when the peer it wants is held by another head."""
+    build = holder.get("build")
+    who = f"{holder.get('addr')} (build {build})" if build else f"{holder.get('addr')}"
+    held = holder.get("held_s")
+    since = f" for {float(held):.0f}s" if isinstance(held, (int, float)) else ""
+    return (f"remote peer {device} at {endpoint} is busy: its rpc-server is held by {who}"
+            f"{since}; a ggml-rpc-server serves one head at a time")
+
+
+def ask_info(host: str, port: int, timeout: float = 10.0,
+             head_build: str | None = None) -> PeerInfo:
     """Hydra INFO to a remote peer's router. Raises OSError when nothing listens; any other
-    failure to get an INFO reply means "not a hydra host"."""
+    failure to get an INFO reply means "not a hydra host". ``head_build``: this host's build,
+    announced in the request (`{"head": {"build": …}}`) so the peer can name it while this
+    host's head holds its rpc-server."""
     from hydra_supervisor.wire import client, codec
 
     try:
@@ -327,8 +347,10 @@ def ask_info(host: str, port: int, timeout: float = 10.0) -> PeerInfo:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            head, body = client.request_stream(sock, codec.Op.INFO, timeout=timeout,
-                                               max_payload=1 << 20)
+            payload = json.dumps({"head": {"build": head_build}}).encode() if head_build \
+                else b""
+            head, body = client.request_stream(sock, codec.Op.INFO, payload=payload,
+                                               timeout=timeout, max_payload=1 << 20)
             for _ in body:
                 pass
         except (client.WireError, OSError) as exc:

@@ -499,10 +499,14 @@ function renderPorts(st) {
       : act.length ? `${act[0].profile}` : "no profile loaded (switch one in below)";
     if (sb.length) what += `, standby ${sb.map((l) => l.profile).join(", ")}`;
     const counts = p.router ? ` · ${plural(http.requests || 0, "request")}${http.cut ? ` · ${http.cut} cut` : ""}` : "";
+    // a host that lends its device: the head holding the rpc-server behind this router
+    const h = p.router && p.router.rpc_holder;
+    const lent = h ? ` · lent to ${h.addr} (build ${h.build || "unknown"}) for ${Math.round(h.held_s)} s, ` +
+      `${(h.bytes_up / 1048576).toFixed(1)} MiB sent` : "";
     const head = el("div", { class: "port-head" },
       el("a", { href: p.url, text: `port ${p.port}` }),
       p.down ? badge("port down") : badge("alive"),
-      el("span", { class: "muted", text: p.down || `${p.url} · ${what}${counts}` }));
+      el("span", { class: "muted", text: p.down || `${p.url} · ${what}${counts}${lent}` }));
     const tbody = el("tbody");
     for (const r of mine) tbody.append(laneRow(st, r));
     const table = el("table", { class: "grid lanes" },

@@ -1,0 +1,112 @@
+"""A peer lent by one hydra stays usable while a second head tries it (issue 32, items 1 and 8),
+with real binaries on loopback: a `demo-peer` hydra lends its CPU rpc-server, a head hydra
+splits Gemma 3 270M onto it; a second head's `hydra up` is refused four times in a row, each
+time at once and naming the holder (address, build), while the first head keeps answering;
+the peer host's `hydra status` says who holds its device; once the first head is killed -9
+(hydra and its llama-server: nothing closes its connection but the kernel), the second head
+gets the peer. tests/test_rpc_holder.py has the router's side with stand-ins."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from hydra_supervisor.proc import rpcproto
+from hydra_supervisor.testing.harness import Up, free_port, make_env, run_hydra, status_json
+from hydra_supervisor.tools import buildid
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+DENSE = ("model: gemma3-270m\nmode: combine\nhead: cpu\nsplit: [9, 9]\npeers: [far]\n"
+         "server_args: {ctx-size: 512, parallel: 1, threads: 1, chat-template: gemma,"
+         " no-jinja: true, n-predict: 8}\n")
+
+
+def _complete(port: int) -> int:
+    r = requests.post(f"http://127.0.0.1:{port}/completion", timeout=120,
+                      json={"prompt": "Once upon a time", "n_predict": 4})
+    return r.status_code
+
+
+def test_a_second_head_is_told_busy_four_times_and_gets_the_peer_once_the_first_dies(
+        tmp_path: Path) -> None:
+    from hydra_supervisor.testing.routerhelp import llama_bins
+
+    llama_bins()
+    ident = buildid.local_identity()
+    ups: list[Up] = []
+    for d in ("peer", "head", "second"):
+        (tmp_path / d).mkdir()
+    peer_port, head_port, second_port = free_port(), free_port(), free_port()
+    node = f"devices:\n  far: {{endpoint: '127.0.0.1:{peer_port}'}}\n"
+    try:
+        peer_env = make_env(tmp_path / "peer")
+        peer = Up(peer_env, ["--profile", "demo-peer", "--port", str(peer_port)],
+                  tmp_path / "peer")
+        ups.append(peer)
+        peer.wait_ready(120)
+
+        head_env = make_env(tmp_path / "head", node)
+        prof = tmp_path / "head" / "far.yaml"
+        prof.write_text(f"profile: far\n{DENSE}port: {head_port}\n")
+        head = Up(head_env, ["--profile", str(prof)], tmp_path / "head")
+        ups.append(head)
+        head.wait_ready(300)
+        assert _complete(head_port) == 200
+
+        second_env = make_env(tmp_path / "second", node)
+        prof2 = tmp_path / "second" / "far2.yaml"
+        prof2.write_text(f"profile: far2\n{DENSE}port: {second_port}\n")
+        took = []
+        for i in range(4):
+            t0 = time.monotonic()
+            res = run_hydra(second_env, "up", "--profile", str(prof2), timeout=120)
+            took.append(time.monotonic() - t0)
+            err = res.stdout + res.stderr
+            assert res.returncode == 2, err
+            line = next((x for x in err.splitlines() if "is busy" in x), "")
+            assert (f"remote peer far at 127.0.0.1:{peer_port} is busy: its rpc-server is held "
+                    "by 127.0.0.1:") in line, err
+            assert f"(build {ident.fingerprint})" in line, err
+            if i == 0:
+                print(f"\nsecond head, refused: {line.strip()}")
+            assert _complete(head_port) == 200  # the first head was not disturbed
+        print("hydra up of the second head took " + ", ".join(f"{t:.1f}s" for t in took))
+        # a head that does not ask INFO first (a plain llama-server, an older hydra) sends
+        # HELLO: the peer's router closes it itself, the rpc-server never sees it
+        for _ in range(4):
+            t0 = time.monotonic()
+            with pytest.raises(rpcproto.HelloError, match="after 0 bytes"):
+                rpcproto.probe("127.0.0.1", peer_port, timeout=10)
+            took.append(time.monotonic() - t0)
+            assert _complete(head_port) == 200
+        print("a bare HELLO refused after " + ", ".join(f"{t:.2f}s" for t in took[4:]))
+
+        # the peer host sees who holds its device: status, --json, the dashboard's state
+        (port_st,) = [p for p in status_json(peer_env)["daemon"]["ports"]  # type: ignore[typeddict-item]
+                      if p["port"] == peer_port]
+        holder = port_st["router"]["rpc_holder"]
+        assert holder["addr"].startswith("127.0.0.1:") and holder["build"] == ident.fingerprint
+        assert holder["bytes_up"] > 0 and holder["held_s"] > 0
+        assert port_st["router"]["refused"].get("rpc_held", 0) >= 4
+        shown = run_hydra(peer_env, "status", timeout=60).stdout
+        assert f"lent to {holder['addr']} (build {ident.fingerprint}) for " in shown, shown
+        print("peer host: " + next(x for x in shown.splitlines() if "lent to" in x).strip())
+        print("holder in --json: " + json.dumps(holder))
+
+        head.kill_everything()  # hydra and its llama-server, -9: the kernel closes for them
+        t0 = time.monotonic()
+        second = Up(second_env, ["--profile", str(prof2)], tmp_path / "second")
+        ups.append(second)
+        second.wait_ready(300)
+        print(f"second head ready {time.monotonic() - t0:.1f}s after the first was killed")
+        assert _complete(second_port) == 200
+    finally:
+        for up in reversed(ups):
+            if up.proc.poll() is None:
+                up.stop()
+            up.kill_everything()
