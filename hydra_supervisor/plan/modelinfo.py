@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import gguf
 import numpy as np
+import numpy.typing as npt
 
 from hydra_supervisor.config.paths import cache_dir
 from hydra_supervisor.errors import HydraError
@@ -224,7 +225,7 @@ class _HeaderReader(gguf.GGUFReader):
     Every offset, field and tensor comes out as gguf-py's own reader gives them."""
 
     def _get_field_parts(self, orig_offs: int, raw_type: int
-                         ) -> tuple[int, list[np.ndarray[Any, Any]], list[int],
+                         ) -> tuple[int, list[npt.NDArray[np.generic]], list[int],
                                     list[gguf.GGUFValueType]]:
         if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
