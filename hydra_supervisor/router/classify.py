@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import enum
 import json
+from typing import TYPE_CHECKING
 
-from hydra_supervisor.wire import codec
+if TYPE_CHECKING:
+    from hydra_supervisor.wire import codec
 
 RPC_HELLO = 0x0E
 HYDRA_MAGIC = b"\x59\x48"  # u16 0x4859, little-endian: "YH"
@@ -101,6 +103,10 @@ _MAX_ANNOUNCE = 4096
 def announced_build(prefix: bytes) -> str | None:
     """The build a Hydra INFO request in ``prefix`` announces, or None (another op, no or
     malformed payload, or not all of it read yet). Pure; never raises."""
+    # Imported here: the wire package pulls its server in, and the CLI imports this module
+    # (through the status types) without needing any of it (tests/test_cli_imports.py).
+    from hydra_supervisor.wire import codec
+
     parser = codec.RequestParser(codec.Limits(payload=_MAX_ANNOUNCE))
     head: codec.RequestHead | None = None
     body = b""
