@@ -47,9 +47,10 @@ class FakePeer:
     a connection whose first byte is not HELLO's). Every read has a deadline."""
 
     def __init__(self, identity: BuildIdentity | None,
-                 hello: rpcproto.Version = PROTO) -> None:
+                 hello: rpcproto.Version = PROTO, free: int = 15 * 2**30) -> None:
         self.identity = identity
         self.hello = hello
+        self.free = free  # INFO's `lent` free_bytes (of 16 GiB)
         self.seen: list[str] = []
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.port = self.srv.getsockname()[1]
@@ -101,7 +102,7 @@ class FakePeer:
         meta: dict[str, Any] = {"profile": "lend", "mode": "peer",
                                 "identity": self.identity.to_json(),
                                 "lent": [{"device": "p100", "kind": "cuda",
-                                          "free_bytes": 15 * 2**30,
+                                          "free_bytes": self.free,
                                           "total_bytes": 16 * 2**30}]}
         conn.sendall(codec.encode_response(codec.Status.OK, meta))
 
