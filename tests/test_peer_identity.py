@@ -313,6 +313,14 @@ def test_a_mode_peer_hydra_answers_info_with_identity_and_free_memory(tmp_path: 
         assert res.returncode == 0, res.stdout + res.stderr
         assert "✓ same build as this host" in res.stdout
         assert "lends cpu-peer (cpu):" in res.stdout and "RTT: TCP connect" in res.stdout
+        # hydra plan on the head host plans with the free memory the peer reports (issue 32)
+        prof = tmp_path / "head" / "remote.yaml"
+        prof.write_text("model: gemma3-270m\nmode: combine\nhead: cpu\npeers: [far]\n"
+                        "split: [9, 9]\nserver_args: {ctx-size: 1024}\n")
+        res = run_hydra(head_env, "plan", "--profile", str(prof), timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        (row,) = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("far:")]
+        assert "MiB usable: its peer host reports" in row and "free unknown" not in row, row
     finally:
         up.stop()
         up.kill_everything()
