@@ -388,6 +388,11 @@ def test_a_peer_hydra_back_with_another_build_is_refused_on_the_heads_reconnect(
         assert "fix: run `hydra install-llama` of the same pin" in far["reason"]
         assert "allow_build_mismatch: true" in far["reason"]
         wait_until(lambda: want in b.output(), 30, "the refusal on hydra up's lines")
+        # the lane is FATAL, not retried: that `hydra up` ends, and `hydra status` shows why
+        assert b.proc.wait(60) == 1
+        shown = run_hydra({**env_b, "COLUMNS": "1000"}, "status", timeout=60)
+        assert shown.returncode == 3, shown.stdout + shown.stderr
+        assert f"FATAL: remote.peer-far: {want}" in shown.stdout, shown.stdout + shown.stderr
         logs = "".join(p.read_text() for p in
                        (Path(env_b["HYDRA_STATE_DIR"]) / "logs").glob("*.log"))
         assert want in logs
