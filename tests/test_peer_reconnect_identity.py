@@ -111,3 +111,21 @@ def test_a_peer_back_with_another_build_leaves_a_degraded_head_solo(tmp_path: Pa
         await r.until(lambda: r.mp("head").state is State.READY)
         await r.stop()
     go(tmp_path, body)
+
+
+def test_a_bare_peer_is_asked_info_only_after_a_hello(tmp_path: Path):
+    """A bare ggml-rpc-server (no INFO) is not asked again before each head start: a connection
+    that is not a HELLO would wait in its queue behind a head it serves."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        world(w)
+        w.remote_info[PORT] = PeerInfo(hydra=False, note="not a hydra host: HELLO only")
+        r = Run(w, with_node(deployment(1, remote=True), allow=False), tmp).start()
+        await r.all_ready()
+        assert w.infos[PORT] == 1  # asked once, when it answered HELLO
+        restarts = r.mp("head").restarts
+        w.live("head").kill(134)  # type: ignore[union-attr]
+        await r.until(lambda: r.mp("head").restarts > restarts
+                      and r.mp("head").state is State.READY)
+        assert w.infos[PORT] == 1
+        await r.stop()
+    go(tmp_path, body)

@@ -39,11 +39,11 @@ async def ask_peer_info(host: str, port: int, timeout: float) -> buildid.PeerInf
 
 async def this_host_identity(configured: Mapping[str, str] | None) -> buildid.BuildIdentity | None:
     """This host's build identity (the binaries the node file names), off the loop; None when
-    it cannot be told (said once in the log)."""
+    it cannot be told (the check then warns that only HELLO was checked)."""
     try:
         return await asyncio.to_thread(buildid.local_identity, configured)
     except HydraError as exc:
-        log.warning("this host's build identity is unknown (%s)", exc.message)
+        log.debug("this host's build identity is unknown (%s)", exc.message)
         return None
 
 

@@ -58,6 +58,7 @@ class Starter:
         self.spawned: set[int] = set()  # every child started (each leads its process group)
         self.hellos: dict[str, Version] = {}  # each remote peer's last HELLO answer
         self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
+        self.bare: set[str] = set()  # remote peers that are bare ggml-rpc-servers (no INFO)
 
     async def converge(self) -> None:
         """Start what is not READY: the peers (unless the head serves SOLO meanwhile), each
@@ -330,7 +331,8 @@ class Starter:
         remote peer's build, asked again — its host may have come back with another build."""
         for mp in self.lineup.peers:
             version = self.hellos.get(mp.name)
-            if not mp.spec.managed and mp.state is State.READY and version is not None:
+            if not mp.spec.managed and mp.state is State.READY and version is not None \
+                    and mp.name not in self.bare:
                 await self.check_identity(mp, version)
 
     async def check_identity(self, mp: ManagedProcess, version: Version) -> None:
@@ -338,11 +340,18 @@ class Starter:
         up`): another build is FATAL with `hydra up`'s message (both builds and the fix), not
         retried — the same peer answers the same until its host is reinstalled — unless the
         node file's device says `allow_build_mismatch: true` (then a warning, logged once).
-        INFO goes to the peer host's router, never into its rpc-server's queue."""
+        INFO goes to a hydra peer host's router, never into its rpc-server's queue; a bare
+        ggml-rpc-server (it closes a connection that does not start with HELLO) is asked only
+        when it has just answered HELLO, so is free, and is remembered as bare: its HELLO
+        version is all there is to check, and that is checked at every HELLO."""
         spec = mp.spec
         info = await self.seams.peer_info(spec.host, spec.port, 5.0)
         if info is None:  # nothing listens now: the next HELLO says so
             return
+        if info.hydra:
+            self.bare.discard(mp.name)
+        else:
+            self.bare.add(mp.name)
         lay = self.lineup.deployment.layout
         node = lay.node if lay is not None else None
         local = await self.seams.local_identity(node.binaries if node is not None else None)
