@@ -6,6 +6,7 @@ the model is the demo's GGUF (its header only: nothing is started)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,6 +94,12 @@ def test_hydra_plan_prints_what_the_peer_reports(tmp_path: Path, peers: list[Fak
     (row,) = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("far:")]
     assert row.endswith("(2,918 MiB usable: its peer host reports 3,072 MiB free of 16,384)"), row
     assert "free unknown" not in res.stdout
+    res = run_hydra(env, "plan", "--json", "--profile", str(tmp_path / "remote.yaml"),
+                    timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {p["device"]: p for p in json.loads(res.stdout)["placements"]}
+    assert rows["far"]["free_reported"] is True and not rows["cpu"]["free_reported"]
+    assert rows["far"]["free_bytes"] == int(3 * GIB * 0.95)
 
 
 def test_a_layout_that_does_not_fit_the_peer_is_refused_with_the_numbers(

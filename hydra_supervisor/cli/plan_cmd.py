@@ -146,7 +146,8 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
     `router` beside what the router relays to; a plan carries no external address of its own.
     Each managed engine's `argv` is its command line as it runs (`bins`: the binaries' paths;
     `binary` null and the program's name first where it is not found); `flag_check` says
-    which binaries' --help the command lines were checked against, or why not."""
+    which binaries' --help the command lines were checked against, or why not. Each placement's
+    `free_reported`: its free memory is what a remote peer's host reported (Hydra INFO)."""
     ext = lay.external
     plan = plan or lay.plan
     bins = bins or {}
@@ -158,6 +159,11 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
                       "argv": e.argv(bins.get(e.program, e.program)) if e.managed else None}
                      for eng, e in zip(cast("list[dict[str, object]]", value), plan.engines,
                                        strict=True)]
+        if key == "placements" and isinstance(value, list):
+            # where a remote device's free memory came from: its peer host's INFO, or not
+            value = [{**pl, "free_reported": bool(
+                (dev := lay.devices.get(str(pl.get("device")))) and dev.reported)}
+                for pl in cast("list[dict[str, object]]", value)]
         if key == "router" and isinstance(value, dict):
             value = {"host": ext.host, "port": ext.port, **value}
         out[key] = value
