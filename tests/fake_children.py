@@ -39,6 +39,7 @@ from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, Version
 from hydra_supervisor.proc.seams import Moved, Seams
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
+from hydra_supervisor.tools.buildid import BuildIdentity, PeerInfo
 
 SCALE = 50.0
 
@@ -147,6 +148,11 @@ class FakeWorld:
     inflight: int | None = None
     owed_since: float = 0.0
     connects: list[int] = field(default_factory=list)  # ports a connect probe went to
+    # A remote peer host's answer to Hydra INFO, by port (absent: nothing answers INFO there),
+    # and this host's build identity (None: unknown); `infos` counts the INFO asked per port.
+    remote_info: dict[int, PeerInfo] = field(default_factory=dict)
+    identity: BuildIdentity | None = None
+    infos: dict[int, int] = field(default_factory=dict)
     on_spawn: Callable[[FakeChild], None] | None = None
     t0: float = field(default_factory=time.monotonic)
     _pid: int = 900000
@@ -222,6 +228,14 @@ class FakeWorld:
             return None
         return Version(PROTO_MAJOR, PROTO_MINOR, 0)
 
+    async def peer_info(self, host: str, port: int, timeout: float) -> PeerInfo | None:
+        self.infos[port] = self.infos.get(port, 0) + 1
+        return self.remote_info.get(port)
+
+    async def local_identity(self, configured: Mapping[str, str] | None
+                             ) -> BuildIdentity | None:
+        return self.identity
+
     async def completion_probe(self, host: str, port: int, timeout: float) -> tuple[bool, str]:
         c = self._on_port(port)
         return (c is not None and c.ready, "HTTP 200")
@@ -266,7 +280,8 @@ class FakeWorld:
                      completion_probe=self.completion_probe, slots_busy=self.slots_busy,
                      proc_stat=self.proc_stat, owns_port=self.owns_port,
                      port_free=self.port_free, clock=self.clock, sleep=self.sleep, reap=False,
-                     flights=self.flights, connect=self.connect)
+                     flights=self.flights, connect=self.connect, peer_info=self.peer_info,
+                     local_identity=self.local_identity)
 
 
 # -- deployments -------------------------------------------------------------------------------

@@ -47,9 +47,10 @@ class FakePeer:
     a connection whose first byte is not HELLO's). Every read has a deadline."""
 
     def __init__(self, identity: BuildIdentity | None,
-                 hello: rpcproto.Version = PROTO) -> None:
+                 hello: rpcproto.Version = PROTO, free: int = 15 * 2**30) -> None:
         self.identity = identity
         self.hello = hello
+        self.free = free  # INFO's `lent` free_bytes (of 16 GiB)
         self.seen: list[str] = []
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.port = self.srv.getsockname()[1]
@@ -101,7 +102,7 @@ class FakePeer:
         meta: dict[str, Any] = {"profile": "lend", "mode": "peer",
                                 "identity": self.identity.to_json(),
                                 "lent": [{"device": "p100", "kind": "cuda",
-                                          "free_bytes": 15 * 2**30,
+                                          "free_bytes": self.free,
                                           "total_bytes": 16 * 2**30}]}
         conn.sendall(codec.encode_response(codec.Status.OK, meta))
 
@@ -312,6 +313,91 @@ def test_a_mode_peer_hydra_answers_info_with_identity_and_free_memory(tmp_path: 
         assert res.returncode == 0, res.stdout + res.stderr
         assert "✓ same build as this host" in res.stdout
         assert "lends cpu-peer (cpu):" in res.stdout and "RTT: TCP connect" in res.stdout
+        # hydra plan on the head host plans with the free memory the peer reports (issue 32)
+        prof = tmp_path / "head" / "remote.yaml"
+        prof.write_text("model: gemma3-270m\nmode: combine\nhead: cpu\npeers: [far]\n"
+                        "split: [9, 9]\nserver_args: {ctx-size: 1024}\n")
+        res = run_hydra(head_env, "plan", "--profile", str(prof), timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        (row,) = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("far:")]
+        assert "MiB usable: its peer host reports" in row and "free unknown" not in row, row
     finally:
         up.stop()
         up.kill_everything()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_peer_hydra_back_with_another_build_is_refused_on_the_heads_reconnect(tmp_path: Path):
+    """Issue 32, item 2, with real binaries: a head serves COMBINE on a `mode: peer` hydra
+    (loopback stands in for two hosts); the peer host's hydra is stopped and comes back with
+    another build (its llama-server says build 11433: what a reinstall of another pin does).
+    The head's reconnect asks INFO again and refuses it, with `hydra up`'s message, in `hydra
+    status`, in the log and on the `hydra up` event lines; the lane is FATAL (not retried)."""
+    import requests
+
+    from hydra_supervisor.testing.harness import status_json, wait_until
+    from hydra_supervisor.testing.routerhelp import gemma_path, llama_bins
+
+    llama_bins(), gemma_path()
+    for d in ("peer", "peer2", "head"):
+        (tmp_path / d).mkdir()
+    env_a = make_env(tmp_path / "peer")
+    peer_port = free_port()
+    peer_args = ["--profile", "demo-peer", "--port", str(peer_port)]
+    a = Up(env_a, peer_args, tmp_path / "peer")
+    a2 = b = None
+    try:
+        a.wait_ready(120)
+        env_b = make_env(tmp_path / "head",
+                         f"devices:\n  far: {{endpoint: '127.0.0.1:{peer_port}'}}\n")
+        prof = tmp_path / "head" / "remote.yaml"
+        prof.write_text("model: gemma3-270m\nmode: combine\nhead: cpu\npeers: [far]\n"
+                        "split: [9, 9]\nserver_args: {ctx-size: 1024}\non_peer_loss: restart\n"
+                        "restart: {backoff_initial: 0.5, backoff_max: 2, window: 120}\n")
+        head_port = free_port()
+        b = Up(env_b, ["--profile", str(prof), "--port", str(head_port)], tmp_path / "head")
+        b.wait_ready(240)
+        assert a.stop() == 0
+        # the peer host back with another build: its llama-server says build 11433
+        fake = tmp_path / "peer2" / "llama-server"
+        fake.write_text("#!/bin/sh\necho 'version: 0.6.0-dev (build 11433, commit "
+                        "sdist-000000000000)' >&2\necho 'built with GNU 12.2.0 for Linux "
+                        "x86_64' >&2\n")
+        fake.chmod(0o755)
+        a2 = Up({**env_a, "HYDRA_LLAMA_SERVER": str(fake)}, peer_args, tmp_path / "peer2")
+        a2.wait_ready(120)
+        assert buildid.ask_info("127.0.0.1", peer_port, timeout=30).identity.build_number \
+            == 11433  # type: ignore[union-attr]
+        # a request makes the head's next RPC call fail (its peer session is gone): it reconnects
+        try:
+            requests.post(f"http://127.0.0.1:{head_port}/completion", timeout=60,
+                          json={"prompt": "Hi", "n_predict": 2})
+        except requests.RequestException:
+            pass
+
+        def refused() -> dict[str, Any] | None:
+            st = status_json(env_b)["status"] or {}
+            far = next((e for e in st.get("engines") or [] if e["role"] == "peer"), None)
+            return far if far and far["state"] == "FATAL" else None
+
+        far = wait_until(refused, 180, "the remote peer refused (FATAL)")
+        want = (f"build identity mismatch (different builds): remote peer far at "
+                f"127.0.0.1:{peer_port} runs b11433-sdist-000000000000")
+        assert far["reason"].startswith(want), far
+        assert "fix: run `hydra install-llama` of the same pin" in far["reason"]
+        assert "allow_build_mismatch: true" in far["reason"]
+        wait_until(lambda: want in b.output(), 30, "the refusal on hydra up's lines")
+        # the lane is FATAL, not retried: that `hydra up` ends, and `hydra status` shows why
+        assert b.proc.wait(60) == 1
+        shown = run_hydra({**env_b, "COLUMNS": "1000"}, "status", timeout=60)
+        assert shown.returncode == 3, shown.stdout + shown.stderr
+        assert f"FATAL: remote.peer-far: {want}" in shown.stdout, shown.stdout + shown.stderr
+        logs = "".join(p.read_text() for p in
+                       (Path(env_b["HYDRA_STATE_DIR"]) / "logs").glob("*.log"))
+        assert want in logs
+    finally:
+        for up in (b, a2, a):
+            if up is not None:
+                up.stop()
+                up.kill_everything()

@@ -21,6 +21,7 @@ from hydra_supervisor.cli.shared import (
 
 if TYPE_CHECKING:
     from hydra_supervisor.plan import catalog, deployment, layout
+    from hydra_supervisor.plan.devices import Device
     from hydra_supervisor.plan.plan import Plan
 else:
     # Imported on first use (cli.py: client commands stay fast).
@@ -70,7 +71,7 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         out.print(f"  mode {p.mode} ({p.model_kind}){transport}, "
                   f"ctx {p.meta.get('ctx')}, devices from {lay.inventory.source}")
     for pl in p.placements:
-        free = f"{pl.free_bytes / 2**20:,.0f} MiB usable" if pl.free_bytes else "free unknown"
+        free = _free_text(pl.free_bytes, lay.devices.get(pl.device))
         out.print(f"  {pl.device}: {pl.what}, weights {pl.weight_bytes / 2**20:,.0f}"
                   f" MiB + KV {pl.kv_bytes / 2**20:,.0f} + buffers "
                   f"{pl.overhead_bytes / 2**20:,.0f} = {pl.need_bytes / 2**20:,.0f} MiB ({free})")
@@ -124,6 +125,20 @@ def _binaries(lay: layout.Layout) -> dict[str, str]:
     return found
 
 
+def _free_text(usable: int, dev: Device | None) -> str:
+    """What `hydra plan` says of a device's room: usable MiB, and for a remote device where
+    the number comes from (its peer host's INFO, else the node file's memory_mib)."""
+    remote = dev is not None and dev.endpoint is not None
+    if not usable:
+        return ("free unknown: its peer host does not report it (not a hydra host, or not "
+                "reachable now); set memory_mib in the node file") if remote else "free unknown"
+    text = f"{usable / 2**20:,.0f} MiB usable"
+    if dev is not None and remote and dev.reported:
+        return (f"{text}: its peer host reports {dev.free / 2**20:,.0f} MiB free of "
+                f"{dev.total / 2**20:,.0f}")
+    return f"{text}: the node file's memory_mib" if remote else text
+
+
 def plan_json(lay: layout.Layout, plan: Plan | None = None,
               bins: dict[str, str] | None = None) -> dict[str, object]:
     """`hydra plan --json`: the plan (`plan`, default the layout's), with the external address
@@ -131,7 +146,8 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
     `router` beside what the router relays to; a plan carries no external address of its own.
     Each managed engine's `argv` is its command line as it runs (`bins`: the binaries' paths;
     `binary` null and the program's name first where it is not found); `flag_check` says
-    which binaries' --help the command lines were checked against, or why not."""
+    which binaries' --help the command lines were checked against, or why not. Each placement's
+    `free_reported`: its free memory is what a remote peer's host reported (Hydra INFO)."""
     ext = lay.external
     plan = plan or lay.plan
     bins = bins or {}
@@ -143,6 +159,11 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
                       "argv": e.argv(bins.get(e.program, e.program)) if e.managed else None}
                      for eng, e in zip(cast("list[dict[str, object]]", value), plan.engines,
                                        strict=True)]
+        if key == "placements" and isinstance(value, list):
+            # where a remote device's free memory came from: its peer host's INFO, or not
+            value = [{**pl, "free_reported": bool(
+                (dev := lay.devices.get(str(pl.get("device")))) and dev.reported)}
+                for pl in cast("list[dict[str, object]]", value)]
         if key == "router" and isinstance(value, dict):
             value = {"host": ext.host, "port": ext.port, **value}
         out[key] = value

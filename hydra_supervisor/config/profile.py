@@ -148,7 +148,7 @@ class DeviceDecl:
     cuda: int | None = None
     cpu: bool = False
     endpoint: str | None = None
-    memory_mib: int | None = None  # override the inventory (remote peers must say it)
+    memory_mib: int | None = None  # override the inventory; a remote peer's: at most this
     # A remote peer whose llama.cpp build differs from this host's is refused (buildid.py)
     # unless this is set: for operators who know the two builds are compatible.
     allow_build_mismatch: bool = False

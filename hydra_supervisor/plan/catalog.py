@@ -49,7 +49,24 @@ class ProfileEntry(TypedDict):
     reason: str | None  # the problem's message (first line: file:line where there is one)
 
 
-def entry(name: str, path: Path, node: Node, inv: Inventory) -> ProfileEntry:
+class PeerMemory:
+    """What each remote device's peer host reports (layout.peer_memory), asked once per
+    device however many profiles name it."""
+
+    def __init__(self, node: Node, inv: Inventory) -> None:
+        self.devs = devices.devices(node, inv)
+        self.asked: dict[str, tuple[int, int] | None] = {}
+
+    def for_peers(self, names: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+        new = [n for n in names if n not in self.asked]
+        if new:
+            got = layout.peer_memory(self.devs, new)
+            self.asked.update({n: got.get(n) for n in new})
+        return {n: mem for n in names if (mem := self.asked.get(n)) is not None}
+
+
+def entry(name: str, path: Path, node: Node, inv: Inventory,
+          peers: PeerMemory | None = None) -> ProfileEntry:
     row = ProfileEntry(name=name, path=str(path), description="", mode=None, model=None,
                        devices=[], usable=False, problem=None, reason=None)
     try:
@@ -59,13 +76,13 @@ def entry(name: str, path: Path, node: Node, inv: Inventory) -> ProfileEntry:
     row = {**row, "description": prof.description, "mode": prof.mode.value,
            "model": prof.model if prof.mode is not Mode.PEER else None,
            "devices": [prof.head, *prof.peers]}
-    problem = _plan_problem(prof, path, node, inv)
+    problem = _plan_problem(prof, path, node, inv, peers or PeerMemory(node, inv))
     if problem is not None:
         return {**row, "problem": problem[0], "reason": problem[1]}
     return {**row, "usable": True}
 
 
-def _plan_problem(prof: Profile, path: Path, node: Node, inv: Inventory
+def _plan_problem(prof: Profile, path: Path, node: Node, inv: Inventory, peers: PeerMemory
                   ) -> tuple[str, str] | None:
     if prof.mode is not Mode.PEER:
         try:
@@ -75,7 +92,7 @@ def _plan_problem(prof: Profile, path: Path, node: Node, inv: Inventory
             return "model missing", f"{where}: {exc}"
     try:
         layout.build(str(path), profile=prof, check_ports=False, read_node=node,
-                     inventory=inv)
+                     inventory=inv, remote_memory=peers.for_peers(prof.peers))
     except DoesNotFit as exc:
         return "does not fit", str(exc)
     except flagcheck.UnknownFlag as exc:
@@ -90,5 +107,6 @@ def survey(profiles_dir: str | None = None, node_file: str | None = None
     """Every profile `hydra up -p NAME` can find (first directory wins), checked."""
     node = load_node(find_node_file(node_file))
     inv = devices.inventory()
-    return [entry(name, path, node, inv)
+    peers = PeerMemory(node, inv)
+    return [entry(name, path, node, inv, peers)
             for name, path in sorted(known_profiles(profiles_dir).items())]

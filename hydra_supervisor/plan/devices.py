@@ -13,8 +13,8 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from types import ModuleType
@@ -51,6 +51,7 @@ class Device:
     endpoint: str | None = None
     model: str = ""
     threads: int = 0  # CPU devices: cores to use (ggml-rpc-server defaults to 1 thread)
+    reported: bool = False  # remote: total/free as its peer host reported them (Hydra INFO)
 
     @property
     def label(self) -> str:
@@ -253,4 +254,21 @@ def devices(node: Node, inv: Inventory) -> dict[str, Device]:
         if gpu.index not in named_indexes and f"gpu{gpu.index}" not in out:
             out[f"gpu{gpu.index}"] = Device(f"gpu{gpu.index}", Kind.CUDA, gpu.total, gpu.free,
                                             cuda_index=gpu.index, model=gpu.model)
+    return out
+
+
+def with_reported(devs: Mapping[str, Device], reported: Mapping[str, tuple[int, int]]
+                  ) -> dict[str, Device]:
+    """Remote devices with the memory their peer host reports (Hydra INFO's `lent`: total and
+    free bytes), free bounded by what the node file says the peer lends (`memory_mib`, where
+    given) and by the reported total. Others, and remote devices without a report, as they are."""
+    out = dict(devs)
+    for name, (total, free) in reported.items():
+        dev = devs.get(name)
+        if dev is None or dev.kind is not Kind.REMOTE or free <= 0:
+            continue
+        lent = dev.free  # the node file's memory_mib (0: not said)
+        free = min(free, lent) if lent > 0 else free
+        free = min(free, total) if total > 0 else free
+        out[name] = replace(dev, total=total or dev.total, free=free, reported=True)
     return out

@@ -8,7 +8,7 @@ live here too, so every bad input is reported before any process starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -68,7 +68,8 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
           keep: Plan | None = None, profile: Profile | None = None,
           reserved: frozenset[int] = frozenset(), need_binaries: bool = False,
           external: Address | None = None, read_node: Node | None = None,
-          inventory: Inventory | None = None) -> Layout:
+          inventory: Inventory | None = None,
+          remote_memory: Mapping[str, tuple[int, int]] | None = None) -> Layout:
     """`keep`: the plan of the layout running on this engine now; its internal and peer ports
     are reused (they are ours: the old processes free them before the new ones start), so an
     engine's ports stay put across switches and reloads. `profile`: an already loaded (and
@@ -82,7 +83,8 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
     bound). No process is given its port; a `router: false` head binds it. The Plan does
     not carry it: the Layout's `external` says what it was.
     `read_node`, `inventory`: the node file and device inventory, read once by a caller that
-    plans many profiles (`hydra profiles`); None: read here.
+    plans many profiles (`hydra profiles`); None: read here. `remote_memory`: likewise, what
+    each remote device's peer host reports (`peer_memory`); None: its peers are asked here.
 
     Every `server_args` key is checked against llama-server's own `--help` (flagcheck.py):
     an unknown flag is refused here, before anything starts."""
@@ -124,6 +126,9 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
                 profile.prefill, node, path.parent, profile.source)})
             plan = replace(plan, notes=(*plan.notes, rpccache.plan_note(plan)))
     else:
+        reported = dict(remote_memory) if remote_memory is not None else \
+            peer_memory(devs, profile.peers)
+        devs = devices.with_reported(devs, held_back(reported, keep))
         model_path = models.resolve_model(profile.model, node, path.parent)
         info = inspect(model_path)
         ports = pick(len(profile.peers), {ext.port}, node.rpc_ports, kept_peers)
@@ -144,6 +149,47 @@ def build(profile_ref: str, *, node_file: str | None = None, profiles_dir: str |
             f"{node.source}: {', '.join(overlap)} overlap the kernel's ephemeral port range "
             f"{lo}-{hi}; outgoing connections may take those ports: prefer ports below {lo}")))
     return Layout(node, profile, model_path, info, devs, inv, plan, ext, flags)
+
+
+def peer_memory(devs: Mapping[str, Device], names: Iterable[str], timeout: float = 2.0
+                ) -> dict[str, tuple[int, int]]:
+    """(total, free) bytes of each remote device among `names`, as its peer host reports them
+    in Hydra INFO's `lent` (summed over what it lends): the planner's numbers for a device it
+    cannot measure. A peer that does not answer, is not a hydra host, or does not say, is left
+    out (its memory stays what the node file says, else unknown)."""
+    out: dict[str, tuple[int, int]] = {}
+    for name in dict.fromkeys(names):
+        dev = devs.get(name)
+        if dev is None or dev.kind is not devices.Kind.REMOTE or not dev.endpoint:
+            continue
+        host, _, port = dev.endpoint.rpartition(":")
+        try:
+            info = buildid.ask_info(host, int(port), timeout=timeout)
+        except (OSError, ValueError):
+            continue
+        frees = [x.get("free_bytes") for x in info.lent]
+        totals = [x.get("total_bytes") for x in info.lent]
+        if frees and all(isinstance(f, int) and not isinstance(f, bool) and f > 0
+                         for f in frees):
+            total = sum(t for t in totals if isinstance(t, int) and not isinstance(t, bool))
+            out[name] = (max(total, 0), sum(f for f in frees if isinstance(f, int)))
+    return out
+
+
+def held_back(reported: Mapping[str, tuple[int, int]], keep: Plan | None
+              ) -> dict[str, tuple[int, int]]:
+    """What a peer reports free excludes what this engine's running layout (`keep`) holds on
+    it (a peer serves one head): that is counted free again for the layout replacing it."""
+    out = dict(reported)
+    if keep is None:
+        return out
+    mine = {e.device for e in keep.peers if not e.managed}
+    for pl in keep.placements:
+        if pl.device in mine and pl.device in out:
+            total, free = out[pl.device]
+            free += pl.need_bytes
+            out[pl.device] = (total, min(free, total) if total else free)
+    return out
 
 
 def port_range_notes(node: Node, external: int) -> list[str]:

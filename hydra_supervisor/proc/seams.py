@@ -5,15 +5,20 @@ waits its parts share (`race`, `sleep_or_stop`), built on the injected sleep."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.ports import port_free
 from hydra_supervisor.proc import health, process
 from hydra_supervisor.proc.health import Gated as Traffic
 from hydra_supervisor.proc.rpcproto import Version
+from hydra_supervisor.tools import buildid
+
+log = logging.getLogger("hydra")
 
 
 class Moved(StrEnum):
@@ -21,6 +26,25 @@ class Moved(StrEnum):
 
     HTTP = "http"  # the head's llama-server (the lane's route points at it)
     RPC = "rpc"  # a ggml-rpc-server (a lent device's: the port's ggml-RPC upstream)
+
+
+async def ask_peer_info(host: str, port: int, timeout: float) -> buildid.PeerInfo | None:
+    """Hydra INFO to a remote peer's router (its build identity), off the loop; None when
+    nothing listens there (its HELLO says why)."""
+    try:
+        return await asyncio.to_thread(buildid.ask_info, host, port, timeout)
+    except OSError:
+        return None
+
+
+async def this_host_identity(configured: Mapping[str, str] | None) -> buildid.BuildIdentity | None:
+    """This host's build identity (the binaries the node file names), off the loop; None when
+    it cannot be told (the check then warns that only HELLO was checked)."""
+    try:
+        return await asyncio.to_thread(buildid.local_identity, configured)
+    except HydraError as exc:
+        log.debug("this host's build identity is unknown (%s)", exc.message)
+        return None
 
 
 # The supervisor's callback for a moved upstream: (which, old address, new port).
@@ -42,6 +66,11 @@ class Seams:
     # seconds since a byte moved) and whether a remote peer's endpoint completes a connect.
     flights: Callable[[Traffic | None], tuple[int, float | None] | None] = health.flights
     connect: Callable[[str, int, float], Awaitable[str | None]] = health.tcp_connect
+    # A remote peer's build identity (Hydra INFO through its router) and this host's, checked
+    # before each head start (starting.py): a peer host back with another build is refused.
+    peer_info: Callable[[str, int, float], Awaitable[buildid.PeerInfo | None]] = ask_peer_info
+    local_identity: Callable[[Mapping[str, str] | None],
+                             Awaitable[buildid.BuildIdentity | None]] = this_host_identity
     proc_stat: Callable[[int], process.ProcStat | None] = process.group_stat
     owns_port: Callable[[int, int], bool | None] = process.owns_port
     port_free: Callable[[str, int], bool] = port_free

