@@ -201,8 +201,15 @@ class HttpSession:
 
     def _send_client(self, data: bytes) -> None:
         try:
-            self._set_timeout(self.r.idle_timeout)
-            self.sock.sendall(data)
+            # Usually all of it fits the socket's buffer: one send, no poll (a socket with a
+            # timeout polls before every send); the rest, if any, with the client's timeout.
+            try:
+                n = self.sock.send(data, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            if n < len(data):
+                self._set_timeout(self.r.idle_timeout)
+                self.sock.sendall(memoryview(data)[n:])
         except OSError as e:  # includes TimeoutError: a client that stopped reading
             raise ClientGone(f"client error: {e.strerror or e}") from e
         self.conn.down += len(data)
