@@ -22,7 +22,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.deployment import PortPicker
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.plan.ports import client_host, port_holder
-from hydra_supervisor.proc import llamaerr, logfiles, process
+from hydra_supervisor.proc import llamaerr, logfiles, process, sentwatch
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
 from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, Version
@@ -59,6 +59,7 @@ class Starter:
         self.hellos: dict[str, Version] = {}  # each remote peer's last HELLO answer
         self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
         self.bare: set[str] = set()  # remote peers that are bare ggml-rpc-servers (no INFO)
+        self.routed: set[str] = set()  # remote peers whose host's router answered INFO
 
     async def converge(self) -> None:
         """Start what is not READY: the peers (unless the head serves SOLO meanwhile), each
@@ -228,6 +229,20 @@ class Starter:
         what = "/health 200" if spec.role is Role.HEAD else "HELLO"
         raise StartFailed(f"no {what} within {budget:.0f}s (load timeout)")
 
+    async def _wait_ready_watched(self, mp: ManagedProcess) -> None:
+        """`_wait_ready`; for a head using remote peers, with the bytes it has sent each
+        counted meanwhile (sentwatch.py: its load's progress in `hydra status`)."""
+        if not mp.is_head or self.lineup.degraded:
+            await self._wait_ready(mp)
+            return
+        watch = asyncio.create_task(sentwatch.watch_sent(mp, self.lineup.peers, self.seams,
+                                                         self.routed))
+        try:
+            await self._wait_ready(mp)
+        finally:
+            watch.cancel()
+            await asyncio.wait([watch])
+
     def _check_owner(self, mp: ManagedProcess) -> None:
         """Ready means hydra's own child answered, not someone else on that port."""
         if mp.child is None:
@@ -252,7 +267,7 @@ class Starter:
                 if mp.state is State.FATAL:
                     mp.to(State.STOPPED, "restarting")
                 await self._spawn(mp)
-                await self._wait_ready(mp)
+                await self._wait_ready_watched(mp)
                 mp.to(State.READY, "health check passed" if mp.spec.role is Role.HEAD
                       else "HELLO answered")
                 return
@@ -350,8 +365,10 @@ class Starter:
             return
         if info.hydra:
             self.bare.discard(mp.name)
+            self.routed.add(mp.name)
         else:
             self.bare.add(mp.name)
+            self.routed.discard(mp.name)
         lay = self.lineup.deployment.layout
         node = lay.node if lay is not None else None
         local = await self.seams.local_identity(node.binaries if node is not None else None)
