@@ -130,14 +130,18 @@ class Pair:
         wait_until(answers, 30, "the bare rpc-server to answer HELLO", interval=0.2)
         return proc
 
-    def start_head(self, body: str, name: str = "far", policy: str = "restart",
-                   timeout: float = 240) -> dict[str, Any]:
+    def launch_head(self, body: str, name: str = "far", policy: str = "restart") -> NsUp:
+        """`hydra up` on the head host with this profile body, not waited for."""
         prof = self.tmp / "head" / f"{name}.yaml"
         prof.write_text(f"profile: {name}\n{body}peers: [far]\nhost: 0.0.0.0\n"
                         f"port: {HEAD_PORT}\non_peer_loss: {policy}\n{POLICY}")
         self.head = NsUp(self.net, "head", self.head_env, ["--profile", str(prof)],
                          self.tmp / "head")
-        return self.head.wait_ready(timeout)
+        return self.head
+
+    def start_head(self, body: str, name: str = "far", policy: str = "restart",
+                   timeout: float = 240) -> dict[str, Any]:
+        return self.launch_head(body, name, policy).wait_ready(timeout)
 
     def url(self, path: str) -> str:
         return f"http://{self.net.addr('head')}:{HEAD_PORT}{path}"
@@ -599,4 +603,64 @@ def test_a_second_head_host_is_told_the_peer_is_busy(pair: Pair, tmp_path: Path)
         assert "(build b" in res.stderr, res.stderr
         assert not net.pids("client")
         assert pair.complete(4).status_code == 200  # the first head was not disturbed
+    pair.down_both()
+
+
+def _head_process(env: dict[str, str]) -> dict[str, Any] | None:
+    """The head's process row in the live `hydra status --json` (docs/control.md), if any."""
+    snap = status_json(env).get("daemon") or {}
+    for port in snap.get("ports") or []:
+        for lane in port.get("lanes") or []:
+            for proc in lane.get("processes") or []:
+                if proc.get("role") == "head":
+                    return dict(proc)
+    return None
+
+
+def test_remote_load_progress_moves_before_the_head_is_ready(pair: Pair) -> None:
+    """Issue 32: a head loading onto a peer host shows, in `hydra status`, the bytes the peer
+    host's router has relayed of the remote weights, moving above 0 % before the head is READY
+    (the head host's link at 100 Mbit and the peer's tensor cache cold: the load takes seconds)."""
+    net = pair.net
+    net.run("head", ["tc", "qdisc", "change", "dev", "eth0", "root", "tbf", "rate", "100mbit",
+                     "burst", "1mb", "latency", "50ms"])
+    pair.start_peer()
+    t0 = time.monotonic()
+    head = pair.launch_head(DENSE, "far-dense")
+    seen: list[tuple[float, int | None, int]] = []  # (s since `hydra up`, sent, remote bytes)
+    lines: list[str] = []
+
+    def ready() -> bool:
+        if head.proc.poll() is not None:
+            raise AssertionError(f"hydra up exited {head.proc.returncode}:\n{head.output()}")
+        row = _head_process(pair.head_env)
+        if row is None:
+            return False
+        rl = row.get("remote_load")
+        if rl is not None:
+            seen.append((time.monotonic() - t0, rl["sent_bytes"], rl["remote_bytes"]))
+            sent, total = rl["sent_bytes"], rl["remote_bytes"]
+            if not lines and sent is not None and 0.2 < sent / total < 0.8:
+                # what a user reads in `hydra status` mid-load (once: a CLI start)
+                out = run_hydra({**pair.head_env, "COLUMNS": "250"}, "status").stdout
+                lines.extend(ln.strip() for ln in out.splitlines() if "MiB to remote" in ln)
+        return row.get("state") == "READY"
+
+    wait_until(ready, 240, "the head READY", interval=0.25)
+    took = time.monotonic() - t0
+    head.wait_ready(60)
+    print(f"\nhead READY {took:.1f}s after `hydra up`; status while loading:\n  "
+          + "\n  ".join(lines) + "\n  samples (s, sent MiB, of MiB): "
+          + ", ".join(f"({t:.1f}, {'?' if s is None else f'{s / 2**20:.0f}'}, "
+                      f"{r / 2**20:.0f})" for t, s, r in seen[::4]))
+    mid = [s for _, s, r in seen if s is not None and 0 < s < r]
+    assert mid, f"no progress between 0 and 100 % before READY: {seen}"
+    assert len(set(mid)) >= 2, f"progress did not move: {seen}"
+    assert all(s is not None for _, s, _ in seen), seen  # a hydra peer: never unknown
+    assert mid[-1] > mid[0], f"progress did not grow: {seen}"
+    assert lines and re.search(r"sent [1-9][\d,]* of [\d,]+ MiB to remote peers \(\d+%",
+                               lines[0]), lines
+    assert _head_process(pair.head_env) is not None
+    assert (_head_process(pair.head_env) or {}).get("remote_load") is None  # READY: gone
+    assert pair.complete(4).status_code == 200
     pair.down_both()
