@@ -7,7 +7,8 @@ and a remote peer probed on a timer. A remote peer's build identity (Hydra INFO 
 router, as at `hydra up`) is checked each time it answers HELLO again and before every start of
 its head: a peer host back with another build is refused (FATAL, the `hydra up` message) unless
 the node file allows it. A head that fails to start has its peers checked first (watching.py):
-their loss, not the head's failure, is then what the Supervisor answers."""
+their loss, not the head's failure, is then what the Supervisor answers. While a head with
+remote peers starts, the bytes it has sent each are counted (sentwatch.py: its load's progress)."""
 
 from __future__ import annotations
 
