@@ -243,6 +243,9 @@ class Starter:
         finally:
             watch.cancel()
             await asyncio.wait([watch])
+            if not watch.cancelled() and watch.exception() is not None:
+                log.warning("%s: counting the bytes sent to its remote peers failed: %r",
+                            mp.name, watch.exception())
 
     def _check_owner(self, mp: ManagedProcess) -> None:
         """Ready means hydra's own child answered, not someone else on that port."""

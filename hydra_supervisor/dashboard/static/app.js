@@ -543,7 +543,7 @@ function laneRow(st, r) {
     buttons.push(button("switch", "Switch to", `Make ${name} serve, stopping the profiles that share its devices`,
       off() || moving, () => act("switch", { profile: name }, `switch to ${name}`), name));
   }
-  const restarting = (r.processes || []).filter((x) => x.state !== "READY").map((x) => `${x.name}: ${x.reason || x.state}`);
+  const restarting = (r.processes || []).filter((x) => x.state !== "READY").map((x) => `${x.name}: ${[x.reason || x.state, remoteLoad(x.remote_load)].filter(Boolean).join("; ")}`);
   const note = r.switching ? `switching to ${r.switching}` : r.error || r.fatal || r.degraded ||
     (standby && r.state === "serving" ? `loaded and warm: a switch to it is instant${r.flips ? ` (${plural(r.flips, "flip")} so far)` : ""}` : "") ||
     (r.state === "recovering" ? restarting.join("; ") : "") ||
