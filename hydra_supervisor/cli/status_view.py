@@ -333,6 +333,6 @@ def remote_load_text(rl: RemoteLoad | None) -> str:
     sent, total = rl.sent_bytes, rl.remote_bytes
     if sent is None:
         return (f"; sent ? of {total / 2**20:,.0f} MiB to remote peers (progress unknown: "
-                "a peer without a hydra router counting it)")
+                "no count from a peer host's router)")
     return (f"; sent {sent / 2**20:,.0f} of {total / 2**20:,.0f} MiB to remote peers "
             f"({sent / total:.0%}; a warm peer cache sends less)")
