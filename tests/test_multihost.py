@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,14 +130,18 @@ class Pair:
         wait_until(answers, 30, "the bare rpc-server to answer HELLO", interval=0.2)
         return proc
 
-    def start_head(self, body: str, name: str = "far", policy: str = "restart",
-                   timeout: float = 240) -> dict[str, Any]:
+    def launch_head(self, body: str, name: str = "far", policy: str = "restart") -> NsUp:
+        """`hydra up` on the head host with this profile body, not waited for."""
         prof = self.tmp / "head" / f"{name}.yaml"
         prof.write_text(f"profile: {name}\n{body}peers: [far]\nhost: 0.0.0.0\n"
                         f"port: {HEAD_PORT}\non_peer_loss: {policy}\n{POLICY}")
         self.head = NsUp(self.net, "head", self.head_env, ["--profile", str(prof)],
                          self.tmp / "head")
-        return self.head.wait_ready(timeout)
+        return self.head
+
+    def start_head(self, body: str, name: str = "far", policy: str = "restart",
+                   timeout: float = 240) -> dict[str, Any]:
+        return self.launch_head(body, name, policy).wait_ready(timeout)
 
     def url(self, path: str) -> str:
         return f"http://{self.net.addr('head')}:{HEAD_PORT}{path}"
@@ -600,3 +604,107 @@ def test_a_second_head_host_is_told_the_peer_is_busy(pair: Pair, tmp_path: Path)
         assert not net.pids("client")
         assert pair.complete(4).status_code == 200  # the first head was not disturbed
     pair.down_both()
+
+
+def _head_process(env: dict[str, str]) -> dict[str, Any] | None:
+    """The head's process row in the live `hydra status --json` (docs/control.md), if any."""
+    snap = status_json(env).get("daemon") or {}
+    for port in snap.get("ports") or []:
+        for lane in port.get("lanes") or []:
+            for proc in lane.get("processes") or []:
+                if proc.get("role") == "head":
+                    return dict(proc)
+    return None
+
+
+def _slow_head_link(net: Hosts) -> None:
+    """The head host's egress at 100 Mbit: a cold remote load of the demo model takes ~20 s."""
+    net.run("head", ["tc", "qdisc", "change", "dev", "eth0", "root", "tbf", "rate", "100mbit",
+                     "burst", "1mb", "latency", "50ms"])
+
+
+@dataclass
+class LoadSeen:
+    """A head's remote load as `hydra status` showed it, polled until the head was READY."""
+
+    took: float = 0.0  # s from `hydra up` to READY
+    samples: list[tuple[float, int | None, int]] = field(default_factory=list)  # (s, sent, of)
+    lines: list[str] = field(default_factory=list)  # `hydra status` lines saying it, once
+
+    def __str__(self) -> str:
+        return (f"head READY {self.took:.1f}s after `hydra up`; status while loading:\n  "
+                + "\n  ".join(self.lines) + "\n  samples (s, sent MiB, of MiB): "
+                + ", ".join(f"({t:.1f}, {'?' if s is None else f'{s / 2**20:.0f}'}, "
+                            f"{r / 2**20:.0f})" for t, s, r in self.samples[::4]))
+
+
+def _watch_load(pair: Pair, head: NsUp, t0: float, show: Callable[[int | None, int], bool]
+                ) -> LoadSeen:
+    """Poll the head's `remote_load` until it is READY; run `hydra status` (a CLI start, once)
+    the first time `show(sent, total)` holds, keeping its lines that say it."""
+    got = LoadSeen()
+
+    def ready() -> bool:
+        if head.proc.poll() is not None:
+            raise AssertionError(f"hydra up exited {head.proc.returncode}:\n{head.output()}")
+        row = _head_process(pair.head_env)
+        if row is None:
+            return False
+        rl = row.get("remote_load")
+        if rl is not None:
+            sent, total = rl["sent_bytes"], rl["remote_bytes"]
+            got.samples.append((time.monotonic() - t0, sent, total))
+            if not got.lines and show(sent, total):
+                out = run_hydra({**pair.head_env, "COLUMNS": "250"}, "status").stdout
+                got.lines.extend(ln.strip() for ln in out.splitlines() if "MiB to remote" in ln)
+        return row.get("state") == "READY"
+
+    wait_until(ready, 240, "the head READY", interval=0.25)
+    got.took = time.monotonic() - t0
+    head.wait_ready(60)
+    print(f"\n{got}")
+    return got
+
+
+def test_remote_load_progress_moves_before_the_head_is_ready(pair: Pair) -> None:
+    """Issue 32: a head loading onto a peer host shows, in `hydra status`, the bytes the peer
+    host's router has relayed of the remote weights, moving above 0 % before the head is READY
+    (the head host's link at 100 Mbit and the peer's tensor cache cold: the load takes seconds)."""
+    _slow_head_link(pair.net)
+    pair.start_peer()
+    t0 = time.monotonic()
+    got = _watch_load(pair, pair.launch_head(DENSE, "far-dense"), t0,
+                      lambda sent, total: sent is not None and 0.2 < sent / total < 0.8)
+    seen, lines = got.samples, got.lines
+    mid = [s for _, s, r in seen if s is not None and 0 < s < r]
+    assert mid, f"no progress between 0 and 100 % before READY: {seen}"
+    assert len(set(mid)) >= 2, f"progress did not move: {seen}"
+    assert all(s is not None for _, s, _ in seen), seen  # a hydra peer: never unknown
+    assert mid[-1] > mid[0], f"progress did not grow: {seen}"
+    assert lines and re.search(r"sent [1-9][\d,]* of [\d,]+ MiB to remote peers \(\d+%",
+                               lines[0]), lines
+    assert _head_process(pair.head_env) is not None
+    assert (_head_process(pair.head_env) or {}).get("remote_load") is None  # READY: gone
+    assert pair.complete(4).status_code == 200
+    pair.down_both()
+
+
+def test_remote_load_onto_a_bare_rpc_server_says_unknown(pair: Pair) -> None:
+    """A bare ggml-rpc-server peer (no router counts for it): the head's load progress is said
+    to be unknown, never 0 %, and the rpc-server is never asked (a second connection would wait
+    in its queue behind the head's: the head still becomes READY)."""
+    _slow_head_link(pair.net)
+    rpc = pair.start_rpc_server()
+    try:
+        got = _watch_load(pair, pair.launch_head(DENSE, "far-dense"), time.monotonic(),
+                          lambda sent, total: sent is None)
+        assert got.samples and all(s is None for _, s, _ in got.samples), got
+        assert got.lines and re.search(r"sent \? of [\d,]+ MiB to remote peers \(",
+                                       got.lines[0]), got.lines
+        assert pair.complete(4).status_code == 200
+        res = run_hydra(pair.head_env, "down", timeout=90)
+        assert res.returncode == 0, res.stdout + res.stderr
+    finally:
+        rpc.kill()
+        rpc.wait(10)
+    pair.down_both()  # (the bare rpc-server is gone: its host's namespace must end empty)

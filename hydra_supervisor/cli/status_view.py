@@ -326,10 +326,13 @@ def _fmt_age(seconds: float) -> str:
 
 
 def remote_load_text(rl: RemoteLoad | None) -> str:
-    """A head loading onto remote peers: how much of their weights it has sent
-    (serve/progress.py)."""
+    """A head loading onto remote peers: how much of their weights it has sent, as the peer
+    hosts' routers count it (proc/sentwatch.py, serve/progress.py); unknown said as such."""
     if rl is None or not rl.remote_bytes:
         return ""
     sent, total = rl.sent_bytes, rl.remote_bytes
+    if sent is None:
+        return (f"; sent ? of {total / 2**20:,.0f} MiB to remote peers (progress unknown: "
+                "no count from a peer host's router)")
     return (f"; sent {sent / 2**20:,.0f} of {total / 2**20:,.0f} MiB to remote peers "
             f"({sent / total:.0%}; a warm peer cache sends less)")

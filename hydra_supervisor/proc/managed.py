@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -94,6 +94,9 @@ class ManagedProcess:
     last_exit: int | None = None
     warning: str = ""  # a lasting condition worth showing beside the state (log fallback)
     first_failure_log: str | None = None
+    # A head loading onto remote peers: bytes sent to each remote device so far, as its peer
+    # host's router counts them (proc/sentwatch.py); None: unknown (a bare ggml-rpc-server).
+    remote_sent: Mapping[str, int | None] = field(default_factory=dict)
     backoff: Backoff = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +142,12 @@ class ManagedProcess:
         if reason and reason != self.reason:
             log.info("%s: %s (%s)", self.name, self.state.value, reason)
             self.reason = reason
+            self.on_change(self, False)
+
+    def sent_to_peers(self, sent: Mapping[str, int | None]) -> None:
+        """The bytes sent to each remote device so far (published when they change)."""
+        if dict(sent) != dict(self.remote_sent):
+            self.remote_sent = dict(sent)
             self.on_change(self, False)
 
     def record_failure(self, reason: str) -> float:

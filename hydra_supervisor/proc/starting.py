@@ -7,7 +7,8 @@ and a remote peer probed on a timer. A remote peer's build identity (Hydra INFO 
 router, as at `hydra up`) is checked each time it answers HELLO again and before every start of
 its head: a peer host back with another build is refused (FATAL, the `hydra up` message) unless
 the node file allows it. A head that fails to start has its peers checked first (watching.py):
-their loss, not the head's failure, is then what the Supervisor answers."""
+their loss, not the head's failure, is then what the Supervisor answers. While a head with
+remote peers starts, the bytes it has sent each are counted (sentwatch.py: its load's progress)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.deployment import PortPicker
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.plan.ports import client_host, port_holder
-from hydra_supervisor.proc import llamaerr, logfiles, process
+from hydra_supervisor.proc import llamaerr, logfiles, process, sentwatch
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
 from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, Version
@@ -59,6 +60,7 @@ class Starter:
         self.hellos: dict[str, Version] = {}  # each remote peer's last HELLO answer
         self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
         self.bare: set[str] = set()  # remote peers that are bare ggml-rpc-servers (no INFO)
+        self.routed: set[str] = set()  # remote peers whose host's router answered INFO
 
     async def converge(self) -> None:
         """Start what is not READY: the peers (unless the head serves SOLO meanwhile), each
@@ -228,6 +230,23 @@ class Starter:
         what = "/health 200" if spec.role is Role.HEAD else "HELLO"
         raise StartFailed(f"no {what} within {budget:.0f}s (load timeout)")
 
+    async def _wait_ready_watched(self, mp: ManagedProcess) -> None:
+        """`_wait_ready`; for a head using remote peers, with the bytes it has sent each
+        counted meanwhile (sentwatch.py: its load's progress in `hydra status`)."""
+        if not mp.is_head or self.lineup.degraded:
+            await self._wait_ready(mp)
+            return
+        watch = asyncio.create_task(sentwatch.watch_sent(mp, self.lineup.peers, self.seams,
+                                                         self.routed))
+        try:
+            await self._wait_ready(mp)
+        finally:
+            watch.cancel()
+            await asyncio.wait([watch])
+            if not watch.cancelled() and watch.exception() is not None:
+                log.warning("%s: counting the bytes sent to its remote peers failed: %r",
+                            mp.name, watch.exception())
+
     def _check_owner(self, mp: ManagedProcess) -> None:
         """Ready means hydra's own child answered, not someone else on that port."""
         if mp.child is None:
@@ -252,7 +271,7 @@ class Starter:
                 if mp.state is State.FATAL:
                     mp.to(State.STOPPED, "restarting")
                 await self._spawn(mp)
-                await self._wait_ready(mp)
+                await self._wait_ready_watched(mp)
                 mp.to(State.READY, "health check passed" if mp.spec.role is Role.HEAD
                       else "HELLO answered")
                 return
@@ -350,8 +369,10 @@ class Starter:
             return
         if info.hydra:
             self.bare.discard(mp.name)
+            self.routed.add(mp.name)
         else:
             self.bare.add(mp.name)
+            self.routed.discard(mp.name)
         lay = self.lineup.deployment.layout
         node = lay.node if lay is not None else None
         local = await self.seams.local_identity(node.binaries if node is not None else None)

@@ -63,7 +63,6 @@ from hydra_supervisor.serve.runner import Runner
 from hydra_supervisor.serve.snapshot import (
     LaneStatus,
     ProcessStatus,
-    RemoteLoad,
     SwitchStatus,
     frozen_map,
 )
@@ -1023,8 +1022,7 @@ def _process_status(p: ManagedProcess, gpu: Mapping[int, int], plan: Plan) -> Pr
     spec = p.spec
     load = None
     if spec.role is Role.HEAD:  # how far a load onto remote peers has got
-        got = progress.remote_load(plan, pid, p.state.value)
-        load = RemoteLoad(**got) if got is not None else None
+        load = progress.remote_load(plan, p.state.value, p.remote_sent)
     return ProcessStatus(
         name=p.name, role=spec.role.value, state=p.state.value, pid=pid, host=spec.host,
         port=spec.port, device=spec.device, reason=p.reason, restarts=p.restarts,

@@ -52,9 +52,10 @@ def frozen_map(d: Mapping[str, T] | None) -> Mapping[str, T]:
 
 @dataclass(frozen=True)
 class RemoteLoad:
-    """A head loading onto remote peers: how much of their weights it has sent."""
+    """A head loading onto remote peers: how much of their weights it has sent (as the peer
+    hosts' routers count it; None: unknown, e.g. a bare ggml-rpc-server peer)."""
 
-    sent_bytes: int
+    sent_bytes: int | None
     remote_bytes: int
 
 

@@ -543,7 +543,7 @@ function laneRow(st, r) {
     buttons.push(button("switch", "Switch to", `Make ${name} serve, stopping the profiles that share its devices`,
       off() || moving, () => act("switch", { profile: name }, `switch to ${name}`), name));
   }
-  const restarting = (r.processes || []).filter((x) => x.state !== "READY").map((x) => `${x.name}: ${x.reason || x.state}`);
+  const restarting = (r.processes || []).filter((x) => x.state !== "READY").map((x) => `${x.name}: ${[x.reason || x.state, remoteLoad(x.remote_load)].filter(Boolean).join("; ")}`);
   const note = r.switching ? `switching to ${r.switching}` : r.error || r.fatal || r.degraded ||
     (standby && r.state === "serving" ? `loaded and warm: a switch to it is instant${r.flips ? ` (${plural(r.flips, "flip")} so far)` : ""}` : "") ||
     (r.state === "recovering" ? restarting.join("; ") : "") ||
@@ -703,7 +703,7 @@ function renderProcesses(st, rows) {
         el("td", { class: "num", text: fmtDur(up) }),
         el("td", { class: "num", "data-restarts": p.restarts, text: p.restarts }),
         el("td", { text: lastExit(p.last_exit) }),
-        el("td", { class: "reason", text: [p.reason, p.warning].filter(Boolean).join(" · ") }),
+        el("td", { class: "reason", text: [p.reason, remoteLoad(p.remote_load), p.warning].filter(Boolean).join(" · ") }),
         el("td", { class: "num", text: p.gpu_bytes ? `${fmtBytes(p.gpu_bytes)} GPU` : fmtBytes(p.rss_bytes) }),
         el("td", {},
           el("button", { type: "button", "data-action": "log", onclick: () => chooseLog(p.name), text: "Log" }), " ",
@@ -778,6 +778,16 @@ function renderSwitches(snap) {
 
 
 const logState = { name: null, cursor: null, pid: null, gone: false, timer: null };
+
+// A head loading onto remote peers: what it has sent of their weights, as the peer hosts'
+// routers count it (the same words as `hydra status`; sent_bytes null: unknown).
+function remoteLoad(rl) {
+  if (!rl || !rl.remote_bytes) return "";
+  const total = (rl.remote_bytes / 1048576).toFixed(0);
+  if (rl.sent_bytes == null) return `sent ? of ${total} MiB to remote peers (progress unknown)`;
+  const pct = Math.round((100 * rl.sent_bytes) / rl.remote_bytes);
+  return `sent ${(rl.sent_bytes / 1048576).toFixed(0)} of ${total} MiB to remote peers (${pct}%)`;
+}
 
 // hydra's own log (logs/hydra.log: every state change with its reason), then each process's
 const HYDRA_LOG = "hydra";
