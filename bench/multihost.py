@@ -90,6 +90,7 @@ class Bench:
         for name, text in self.profiles.items():
             (tmp / "head" / f"{name}.yaml").write_text(text)
         self.peer: NsUp | None = None
+        self.per_token: list[float] = []  # link bytes per token predicted, one per decode()
 
     def start_peer(self) -> None:
         self.peer = NsUp(self.net, "peer", self.peer_env,
@@ -129,17 +130,34 @@ class Bench:
             up.kill_everything()
 
     def decode(self, runs: int) -> float:
-        """Median decode tokens/s over `runs` completions of 64 tokens (after one warm-up)."""
+        """Median decode tokens/s over `runs` completions of 64 tokens (after one warm-up);
+        also notes the bytes the head host's link carried (both ways) per token predicted."""
+        tokens = 0
+
         def one() -> float:
+            nonlocal tokens
             r = requests.post(f"http://127.0.0.1:{HEAD_PORT}/completion", timeout=300,
                               json={"prompt": "Once upon a time", "n_predict": 64,
                                     "temperature": 0, "cache_prompt": False})
             r.raise_for_status()
+            tokens += int(r.json()["tokens_predicted"])
             return float(r.json()["timings"]["predicted_per_second"])
+
         def body() -> float:
             one()  # warm-up
-            return statistics.median(one() for _ in range(runs))
+            nonlocal tokens
+            tokens = 0
+            before = self.link_bytes()
+            tps = statistics.median(one() for _ in range(runs))
+            self.per_token.append((self.link_bytes() - before) / max(tokens, 1))
+            return tps
         return self.net.call("head", body)
+
+    def link_bytes(self) -> int:
+        """Bytes the head host's eth0 has sent and received (the link to the peer host)."""
+        out = self.net.run("head", ["cat", "/sys/class/net/eth0/statistics/tx_bytes",
+                                    "/sys/class/net/eth0/statistics/rx_bytes"]).stdout
+        return sum(int(v) for v in out.split())
 
     def empty_cache(self) -> None:
         """The files go, not the directory: the running rpc-server made it at its start and
@@ -184,11 +202,13 @@ def main() -> int:
         sent: dict[str, list[int]] = {"cold": [], "warm": [], "prefilled": []}
         prefill_s: list[float] = []
         decode: dict[str, list[float]] = {"near": [], "far": [], "bare": []}
+        far_bytes: list[float] = []  # the head host's link, both ways, per token predicted
         bare = None if a.decode_only else b.start_bare()
         for i in range(a.runs):  # interleaved, so a busy moment does not fall on one row
             print(f"run {i + 1}/{a.runs} ...", file=sys.stderr, flush=True)
             if a.decode_only:
                 decode["far"].append(b.up("far", lambda: b.decode(a.runs))[1])
+                far_bytes.append(b.per_token[-1])
                 decode["near"].append(b.up("near", lambda: b.decode(a.runs))[1])
                 continue
             rows["solo"].append(b.up("solo")[0])
@@ -198,6 +218,7 @@ def main() -> int:
             took, tps = b.up("far", lambda: b.decode(a.runs))
             rows["warm"].append(took)
             decode["far"].append(tps)
+            far_bytes.append(b.per_token[-1])
             if rpccache is not None:
                 b.empty_cache()
                 t0 = time.monotonic()
@@ -219,6 +240,7 @@ def main() -> int:
     print()
     if a.decode_only:
         _decode_rows(a.rate, decode)
+        _link_row(far_bytes)
         return 0
     solo = med(rows["solo"])
     print(f"{'hydra up -> ready on the head host':<52}{'seconds':>9}{'x SOLO':>9}   runs")
@@ -242,11 +264,18 @@ def main() -> int:
         print(f"  pre-filled / warm = {r:.2f} (target <= 1.5)")
     print()
     near, far = _decode_rows(a.rate, decode)
+    _link_row(far_bytes)
     bare_tps = med(decode["bare"])
     print(f"{'  same, head straight to a bare ggml-rpc-server':<52}{bare_tps:>9.1f}"
           f"{bare_tps / near:>9.2f}   " + ", ".join(f"{v:.1f}" for v in decode["bare"]))
     print(f"  through the peer's router / straight = {far / bare_tps:.2f}")
     return 0
+
+
+def _link_row(far_bytes: list[float]) -> None:
+    print(f"  cross-host: the head host's link carried {statistics.median(far_bytes) / 1024:,.0f}"
+          " KiB per token predicted (both ways; runs: "
+          + ", ".join(f"{v / 1024:,.0f}" for v in far_bytes) + ")")
 
 
 def _decode_rows(rate: str, decode: dict[str, list[float]]) -> tuple[float, float]:
