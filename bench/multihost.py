@@ -21,6 +21,12 @@ side:
 Targets (issue 22): pre-filled within 1.5x of warm; cross-host decode within 0.95 of same-host.
 
     sudo .venv/bin/python bench/multihost.py [--model gemma3-270m] [--runs 3] [--rate 1gbit]
+        [--burst 1mb] [--decode-only]
+
+`--burst` is the tbf bucket: the default 1mb lets each token's messages through at veth speed
+once the bucket has refilled between tokens; a small one (64kb, one veth GSO segment) charges
+every byte at `--rate`. `--decode-only` measures just the two decode rows (cross-host and
+same-host COMBINE), for a quick look at a link model.
 
 Needs root (namespaces). Threads 1 per process: on a 2-core machine the head and the peer get a
 core each.
@@ -84,6 +90,7 @@ class Bench:
         for name, text in self.profiles.items():
             (tmp / "head" / f"{name}.yaml").write_text(text)
         self.peer: NsUp | None = None
+        self.per_token: list[float] = []  # link bytes per token predicted, one per decode()
 
     def start_peer(self) -> None:
         self.peer = NsUp(self.net, "peer", self.peer_env,
@@ -123,17 +130,34 @@ class Bench:
             up.kill_everything()
 
     def decode(self, runs: int) -> float:
-        """Median decode tokens/s over `runs` completions of 64 tokens (after one warm-up)."""
+        """Median decode tokens/s over `runs` completions of 64 tokens (after one warm-up);
+        also notes the bytes the head host's link carried (both ways) per token predicted."""
+        tokens = 0
+
         def one() -> float:
+            nonlocal tokens
             r = requests.post(f"http://127.0.0.1:{HEAD_PORT}/completion", timeout=300,
                               json={"prompt": "Once upon a time", "n_predict": 64,
                                     "temperature": 0, "cache_prompt": False})
             r.raise_for_status()
+            tokens += int(r.json()["tokens_predicted"])
             return float(r.json()["timings"]["predicted_per_second"])
+
         def body() -> float:
             one()  # warm-up
-            return statistics.median(one() for _ in range(runs))
+            nonlocal tokens
+            tokens = 0
+            before = self.link_bytes()
+            tps = statistics.median(one() for _ in range(runs))
+            self.per_token.append((self.link_bytes() - before) / max(tokens, 1))
+            return tps
         return self.net.call("head", body)
+
+    def link_bytes(self) -> int:
+        """Bytes the head host's eth0 has sent and received (the link to the peer host)."""
+        out = self.net.run("head", ["cat", "/sys/class/net/eth0/statistics/tx_bytes",
+                                    "/sys/class/net/eth0/statistics/rx_bytes"]).stdout
+        return sum(int(v) for v in out.split())
 
     def empty_cache(self) -> None:
         """The files go, not the directory: the running rpc-server made it at its start and
@@ -160,6 +184,9 @@ def main() -> int:
     ap.add_argument("--split", default="[9, 9]", help="COMBINE split, peer first")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--burst", default="1mb", help="tbf burst (bucket) on each host's link")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode rows (COMBINE cross-host vs same-host)")
     a = ap.parse_args()
     why = why_unavailable()
     if why:
@@ -167,7 +194,7 @@ def main() -> int:
         return 2
     med = statistics.median
     with tempfile.TemporaryDirectory(prefix="hydra-multihost-") as t, \
-            Hosts(["head", "peer"], rate=a.rate) as net:
+            Hosts(["head", "peer"], rate=a.rate, burst=a.burst) as net:
         b = Bench(net, Path(t), a.model, a.split)
         b.start_peer()
         gguf = b.model_path()
@@ -175,9 +202,15 @@ def main() -> int:
         sent: dict[str, list[int]] = {"cold": [], "warm": [], "prefilled": []}
         prefill_s: list[float] = []
         decode: dict[str, list[float]] = {"near": [], "far": [], "bare": []}
-        bare = b.start_bare()
+        far_bytes: list[float] = []  # the head host's link, both ways, per token predicted
+        bare = None if a.decode_only else b.start_bare()
         for i in range(a.runs):  # interleaved, so a busy moment does not fall on one row
             print(f"run {i + 1}/{a.runs} ...", file=sys.stderr, flush=True)
+            if a.decode_only:
+                decode["far"].append(b.up("far", lambda: b.decode(a.runs))[1])
+                far_bytes.append(b.per_token[-1])
+                decode["near"].append(b.up("near", lambda: b.decode(a.runs))[1])
+                continue
             rows["solo"].append(b.up("solo")[0])
             b.empty_cache()
             rows["cold"].append(b.up("far")[0])
@@ -185,6 +218,7 @@ def main() -> int:
             took, tps = b.up("far", lambda: b.decode(a.runs))
             rows["warm"].append(took)
             decode["far"].append(tps)
+            far_bytes.append(b.per_token[-1])
             if rpccache is not None:
                 b.empty_cache()
                 t0 = time.monotonic()
@@ -193,16 +227,22 @@ def main() -> int:
                 rows["prefilled"].append(b.up("far")[0])
             decode["near"].append(b.up("near", lambda: b.decode(a.runs))[1])
             decode["bare"].append(b.up("bare", lambda: b.decode(a.runs))[1])
-        bare.kill()
-        bare.wait(10)
+        if bare is not None:
+            bare.kill()
+            bare.wait(10)
         assert b.peer is not None
         b.peer.stop()
         b.peer.kill_everything()
 
-    solo = med(rows["solo"])
     print(f"bench/multihost.py: {a.model}, COMBINE split {a.split} (peer first), head and peer "
-          f"on 1 thread each, link {a.rate} (tbf), {a.runs} runs interleaved, medians")
+          f"on 1 thread each, link {a.rate} (tbf burst {a.burst}), {a.runs} runs interleaved, "
+          "medians")
     print()
+    if a.decode_only:
+        _decode_rows(a.rate, decode)
+        _link_row(far_bytes)
+        return 0
+    solo = med(rows["solo"])
     print(f"{'hydra up -> ready on the head host':<52}{'seconds':>9}{'x SOLO':>9}   runs")
     lines = [("SOLO on the head host", "solo"),
              ("COMBINE, peer on the other host, cold cache", "cold"),
@@ -223,19 +263,32 @@ def main() -> int:
         r = med(rows["prefilled"]) / med(rows["warm"])
         print(f"  pre-filled / warm = {r:.2f} (target <= 1.5)")
     print()
+    near, far = _decode_rows(a.rate, decode)
+    _link_row(far_bytes)
+    bare_tps = med(decode["bare"])
+    print(f"{'  same, head straight to a bare ggml-rpc-server':<52}{bare_tps:>9.1f}"
+          f"{bare_tps / near:>9.2f}   " + ", ".join(f"{v:.1f}" for v in decode["bare"]))
+    print(f"  through the peer's router / straight = {far / bare_tps:.2f}")
+    return 0
+
+
+def _link_row(far_bytes: list[float]) -> None:
+    print(f"  cross-host: the head host's link carried {statistics.median(far_bytes) / 1024:,.0f}"
+          " KiB per token predicted (both ways; runs: "
+          + ", ".join(f"{v / 1024:,.0f}" for v in far_bytes) + ")")
+
+
+def _decode_rows(rate: str, decode: dict[str, list[float]]) -> tuple[float, float]:
+    med = statistics.median
     print(f"{'decode tokens/s, 64 tokens, through the head router':<52}{'tok/s':>9}{'ratio':>9}"
           "   runs")
     near, far = med(decode["near"]), med(decode["far"])
     print(f"{'COMBINE, both processes on the head host':<52}{near:>9.1f}{1.0:>9.2f}   "
           + ", ".join(f"{v:.1f}" for v in decode["near"]))
-    print(f"{'COMBINE, peer on the other host (' + a.rate + ')':<52}{far:>9.1f}"
+    print(f"{'COMBINE, peer on the other host (' + rate + ')':<52}{far:>9.1f}"
           f"{far / near:>9.2f}   " + ", ".join(f"{v:.1f}" for v in decode["far"]))
-    bare_tps = med(decode["bare"])
-    print(f"{'  same, head straight to a bare ggml-rpc-server':<52}{bare_tps:>9.1f}"
-          f"{bare_tps / near:>9.2f}   " + ", ".join(f"{v:.1f}" for v in decode["bare"]))
-    print(f"  cross-host / same-host = {far / near:.2f} (target >= 0.95); through the peer's "
-          f"router / straight = {far / bare_tps:.2f}")
-    return 0
+    print(f"  cross-host / same-host = {far / near:.2f} (target >= 0.95)")
+    return near, far
 
 
 if __name__ == "__main__":

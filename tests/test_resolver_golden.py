@@ -147,9 +147,40 @@ def test_dense_combine_with_remote_peer_is_not_spawned():
     assert "--rpc" in head.args
     assert head.args[head.args.index("--rpc") + 1] == "127.0.0.1:50052,192.168.122.21:50052"
     assert head.args[-4:] == ("-ts", "1,1,3", "--fit", "off")
+    assert "-ot" not in head.args  # a GPU head comes last in the split: the output is its own
     assert plan.transport == "rpc"
     assert plan.notes == ("transport auto -> rpc: p100 is a remote host (192.168.122.21:50052), "
                           "which only ggml-RPC reaches",)
+
+
+def test_cpu_head_keeps_the_output_layer_when_the_peer_is_remote():
+    # llama.cpp would put the output layer on the last RPC device; across a link each token's
+    # logits (n_vocab x 4 bytes) would then cross it, so an -ot rule keeps it on the head.
+    plan = resolver.resolve(prof(mode=Mode.COMBINE, head="cpu", peers=("p100",), split=(2, 2)),
+                            FakeModel(), M, DEVICES, [50060])
+    remote, head = plan.in_start_order()
+    assert not remote.managed
+    assert head.args[8:] == ("--rpc", "192.168.122.21:50052", "-ngl", "3", "-sm", "layer",
+                             "-ot", r"^(?:output_norm\.weight|output\.weight)$=CPU")
+    assert [(p.device, p.layers, p.what) for p in plan.placements] == [
+        ("cpu", 2, "layers 0-1 + output"), ("p100", 2, "layers 2-3")]
+    head_pl, peer_pl = plan.placements
+    assert head_pl.weight_bytes == 2 * 100 * MIB + FakeModel().output_bytes()
+    assert peer_pl.weight_bytes == 2 * 100 * MIB
+    assert plan.notes[-1] == ("the output layer stays on the head (cpu): p100 is a remote host, "
+                              "and each token's logits would cross the link (-ot ...=CPU)")
+
+
+def test_output_pattern_names_the_tied_embedding_and_nothing_else():
+    from hydra_supervisor.plan.combine import output_pattern
+
+    tied = [n for n in FakeModel().tensor_names() if n != "output.weight"]
+    pattern = output_pattern(tied)
+    assert pattern == r"^(?:output_norm\.weight|token_embd\.weight)$"
+    assert output_pattern(FakeModel().tensor_names()) == (
+        r"^(?:output_norm\.weight|output\.weight)$")
+    with pytest.raises(HydraError, match="no output layer tensors"):
+        output_pattern(["blk.0.attn_q.weight"])
 
 
 @pytest.mark.parametrize("transport", [Transport.LOCAL, Transport.AUTO])

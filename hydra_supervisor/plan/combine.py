@@ -29,6 +29,7 @@ from hydra_supervisor.plan.placement import (
 from hydra_supervisor.plan.plan import EngineSpec, Placement, Role
 
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_([a-z_]+?)_exps\.weight$")
+OUTPUT_TENSORS = ("output_norm.weight", "output_norm.bias", "output.weight", "output.bias")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,21 +120,52 @@ def _local_layer_split(profile: Profile, model: Model, gpus: Sequence[Device], c
     return args + (["--n-cpu-moe", str(n_cpu)] if n_cpu else []), pls
 
 
+def output_pattern(tensor_names: Sequence[str]) -> str:
+    """A regex (as llama.cpp's -ot searches it) matching exactly the output layer's tensors:
+    output_norm and output (token_embd where the model ties its embeddings: llama.cpp's output
+    layer then uses a duplicate of it, which the rule places too)."""
+    names = set(tensor_names)
+    want = [n for n in OUTPUT_TENSORS if n in names]
+    if "output.weight" not in names and "token_embd.weight" in names:
+        want.append("token_embd.weight")
+    if not want:
+        raise HydraError("model has no output layer tensors (output.weight, "
+                         "output_norm.weight or token_embd.weight)")
+    pattern = "^(?:" + "|".join(re.escape(n) for n in want) + ")$"
+    compiled = re.compile(pattern)
+    got = {n for n in names if compiled.search(n)}
+    if got != set(want):
+        raise AssertionError(f"generated -ot pattern {pattern!r} matches {sorted(got)}, "
+                             f"expected exactly {want}")
+    return pattern
+
+
 def dense_combine(profile: Profile, model: Model, head: Device, peers: Sequence[Device],
-                   ctx: int, kv_type: float, cpu_sharers: int
+                   ctx: int, kv_type: float, cpu_sharers: int, notes: list[str] | None = None
                    ) -> tuple[list[str], list[Placement]]:
     order = [*peers, head]
     counts = plan_layer_split(profile, model, order, cpu_sharers)
     if head.kind is Kind.CPU:
         # The CPU is not an offload device: -ngl N offloads the last N blocks to the RPC
-        # devices (split among them by -ts); the first blocks stay on the head.
+        # devices (split among them by -ts); the first blocks stay on the head. llama.cpp puts
+        # the output layer on the last RPC device; across a network link that costs each token
+        # its logits (n_vocab x 4 bytes) over the link, so with a remote peer an -ot rule keeps
+        # the output layer on the head (only the hidden state, n_embd x 4 bytes, crosses).
+        remote = [p for p in peers if p.kind is Kind.REMOTE]
         placements = layer_placements(profile, model, [head, *peers],
-                                       [counts[-1], *counts[:-1]], ctx, kv_type, cpu_sharers)
+                                       [counts[-1], *counts[:-1]], ctx, kv_type, cpu_sharers,
+                                       output_on=0 if remote else -1)
         check_fit(placements, profile)
         # -ngl counts the output layer too (offloaded first, to the last RPC device).
         args = ["-ngl", str(sum(counts[:-1]) + 1), "-sm", "layer"]
         if len(peers) > 1:
             args += ["-ts", tensor_split_arg(counts[:-1])]
+        if remote:
+            args += ["-ot", f"{output_pattern(model.tensor_names())}=CPU"]
+            if notes is not None:
+                notes.append(f"the output layer stays on the head ({head.name}): "
+                             f"{remote[0].name} is a remote host, and each token's logits would "
+                             "cross the link (-ot ...=CPU)")
         return args, placements
     placements = layer_placements(profile, model, order, counts, ctx, kv_type, cpu_sharers)
     check_fit(placements, profile)

@@ -249,28 +249,30 @@ def check_fit(placements: Sequence[Placement], profile: Profile) -> None:
 def layer_placements(profile: Profile, model: Model, order: Sequence[Device],
                       counts: Sequence[int], ctx: int, kv_type: float, cpu_sharers: int,
                       layer_bytes: Sequence[int] | None = None,
-                      host_weights: bool = False) -> list[Placement]:
+                      host_weights: bool = False, output_on: int = -1) -> list[Placement]:
     """Placements in layer order (`order` lists devices by the blocks they hold, first first).
 
-    The output layer goes with the last device in layer order, as llama.cpp places it.
+    The output layer goes with the last device in layer order, as llama.cpp places it, unless
+    `output_on` names another index into `order` (the planner pins it there with -ot).
     `layer_bytes` overrides the model's bytes per block (experts kept on the CPU left out).
     """
     layer_bytes = list(model.layer_bytes() if layer_bytes is None else layer_bytes)
     kv_per_layer = model.kv_bytes_per_token(kv_type) * ctx // max(model.block_count, 1)
     out = []
     start = 0
+    output_on %= len(order)
     for i, (dev, count) in enumerate(zip(order, counts, strict=True)):
         weights = sum(layer_bytes[start:start + count])
-        last = i == len(order) - 1
-        if last:
+        has_output = i == output_on
+        if has_output:
             weights += model.output_bytes()
         out.append(Placement(
             device=dev.name, layers=count, weight_bytes=weights, kv_bytes=kv_per_layer * count,
-            overhead_bytes=device_overhead(dev, model, profile, output=last, split=len(order) > 1,
-                                     host_weights=host_weights),
+            overhead_bytes=device_overhead(dev, model, profile, output=has_output,
+                                           split=len(order) > 1, host_weights=host_weights),
             free_bytes=available_bytes(dev, cpu_sharers),
-            what=f"layers {start}-{start + count - 1}" + (" + output" if last else "")
-            if count else ("output" if last else "layers")))
+            what=f"layers {start}-{start + count - 1}" + (" + output" if has_output else "")
+            if count else ("output" if has_output else "layers")))
         start += count
     return out
 

@@ -193,7 +193,7 @@ def resolve(profile: Profile, model: Model, model_path: str, devices: Mapping[st
                                                 cpu_sharers)
             else:
                 args, placements = dense_combine(profile, model, head_dev, peer_devs, ctx,
-                                                  kv_type, cpu_sharers)
+                                                  kv_type, cpu_sharers, notes)
             engines.append(EngineSpec(
                 name="head", role=Role.HEAD, program="llama-server",
                 args=tuple(base + ["--rpc", rpc] + args + extra),

@@ -64,10 +64,12 @@ def why_unavailable() -> str | None:
 class Hosts:
     """2-3 hosts as namespaces on one bridged /24 (see the module docstring)."""
 
-    def __init__(self, names: Sequence[str], rate: str | None = "1gbit") -> None:
+    def __init__(self, names: Sequence[str], rate: str | None = "1gbit",
+                 burst: str = "1mb") -> None:
         self.tag = f"hy{os.getpid() % 100000}{random.randrange(1000):03d}"
         self.names = list(names)
         self.rate = rate
+        self.burst = burst
         self.subnet = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
         self._made: list[str] = []
         self._links = 0
@@ -119,10 +121,11 @@ class Hosts:
         _ip("-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         if self.rate:
-            # tbf: `rate` on the host's egress; a burst of 1 MB passes veth's 64 KB GSO
-            # segments whole (a burst below a segment drops it).
+            # tbf: `rate` on the host's egress. The default burst of 1 MB lets a 1 MB message
+            # after an idle moment through at veth speed (a token's logits, for one); a small
+            # burst (64kb: one veth GSO segment) charges every byte at `rate`.
             self.run(host, ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                            self.rate, "burst", "1mb", "latency", "50ms"])
+                            self.rate, "burst", self.burst, "latency", "50ms"])
 
     def crash(self, host: str) -> None:
         """The host loses power: its link goes first (so not one FIN or RST leaves it), then
