@@ -13,8 +13,9 @@ At most `max_conns` connections are open. A connection past that takes the place
 one still silent (no complete head) for `evict_after` seconds; when none is, it is answered
 503 (at most `max_lingering` such replies linger a second for the client to read them; past
 that the connection is reset). asyncio accepts up to `backlog` connections in one go before
-it hands them over, so the side port holds at most max_conns + max_lingering + backlog + 1
-descriptors (64 + 16 + 64 + 1 by default), and an idle socket costs a descriptor until its
+it hands them over, and each of them may evict one whose socket asyncio closes on the loop's
+next turn, so the side port holds at most max_conns + max_lingering + 2 × backlog + 1
+descriptors (64 + 16 + 128 + 1 by default), and an idle socket costs a descriptor until its
 head deadline or its eviction, and no thread.
 Out of descriptors (EMFILE) the accept loop waits a second and tries again (asyncio's own
 back-off), and says so in hydra's log at most once a minute.
