@@ -51,6 +51,7 @@ from hydra_supervisor.router.pump import (
     BodyFraming,
     BodyJob,
     FramingError,
+    take,
 )
 from hydra_supervisor.router.replies import (
     LLAMA_BAD_BODY,
@@ -65,7 +66,6 @@ from hydra_supervisor.router.upstream import Addr, Outgoing, SessionHost
 
 if TYPE_CHECKING:
     from hydra_supervisor.router.conn import Conn
-    from hydra_supervisor.router.traffic import Tally
 
 MAX_HEAD = 64 * 1024  # h11's bound on a chunk-size line (heads are bounded by router/head.py)
 # After a reply that ends the connection early (413 before the upload): how long and how much
@@ -939,8 +939,8 @@ class HttpSession:
             if body is not None:
                 # The body, read by the framing here and not by h11 (it costs a fraction).
                 rest, closed = up.trailing_data
-                if rest:
-                    self._body_piece(body, bytes(rest), out, tally)
+                if rest and (piece := take(body, bytes(rest), tally)):
+                    out.append(piece)
                 if not body.done and closed:
                     if body.kind != "eof":
                         raise h11.RemoteProtocolError("upstream closed mid-response")
@@ -975,17 +975,6 @@ class HttpSession:
             sock.close()
         self.counts.finish_request(rec)
         return True
-
-    @staticmethod
-    def _body_piece(body: BodyFraming, data: bytes, out: list[bytes],
-                    tally: Tally | None) -> None:
-        payload: list[bytes] = []
-        piece = body.feed(data, payload)
-        if piece:
-            out.append(piece)
-        if tally is not None:
-            for p in payload:
-                tally.data(p)  # tokens counted as they stream
 
     def _pump_body(self, sock: socket.socket, body: BodyFraming, rec: Record) -> None:
         """The rest of the body, moved by the router's pump while this thread waits.

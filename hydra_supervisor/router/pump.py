@@ -155,6 +155,16 @@ class BodyFraming:
         return out[0] if len(out) == 1 else b"".join(out)
 
 
+def take(framing: BodyFraming, data: bytes, tally: Tally | None) -> bytes:
+    """What of ``data`` goes to the client, its payload counted (tokens as they stream)."""
+    payload: list[bytes] = []
+    out = framing.feed(data, payload)
+    if tally is not None:
+        for piece in payload:
+            tally.data(piece)
+    return out
+
+
 def _chunk_size(line: bytes) -> int:
     s = line.rstrip(b"\r\n").split(b";", 1)[0].strip(b" \t")
     if not s or len(s) > 16 or not _HEX.issuperset(s):
@@ -268,11 +278,7 @@ class BodyPump:
         try:
             moving.add(job)
             while not job.result:
-                timeout = moving.next_deadline()
-                for fd, ev in moving.ep.poll(timeout):
-                    moving.event(fd, ev)
-                if timeout >= 0:
-                    moving.expire()
+                moving.turn()
         finally:
             moving.end_all("router stopped")
             moving.ep.close()
@@ -288,19 +294,13 @@ class BodyPump:
         try:
             moving.ep.register(wake_fd, _IN)
             while True:
-                timeout = moving.next_deadline()
-                for fd, ev in moving.ep.poll(timeout):
-                    if fd == wake_fd:
-                        try:
-                            os.eventfd_read(wake_fd)
-                        except BlockingIOError:
-                            pass
-                        if self._take_new(moving):
-                            return
-                    else:
-                        moving.event(fd, ev)
-                if timeout >= 0:
-                    moving.expire()
+                if wake_fd in moving.turn():
+                    try:
+                        os.eventfd_read(wake_fd)
+                    except BlockingIOError:
+                        pass
+                    if self._take_new(moving):
+                        return
         except Exception:
             log.exception("router %s: the body pump failed; its bodies end", self.name)
             moving.end_all("body pump failed")
@@ -315,8 +315,7 @@ class BodyPump:
             stopping = self._stopping
         for job in new:
             if stopping:
-                job.result, job.why = STOPPED, "router stopped"
-                job.done.set()
+                moving.finish(job, STOPPED, "router stopped")
             else:
                 moving.add(job)
         if stopping:
@@ -341,15 +340,25 @@ class _Moving:
         self.ep.register(ufd, _IN)
         self.ep.register(cfd, _RDHUP if job.watch else 0)
 
-    def event(self, fd: int, ev: int) -> None:
-        entry = self.jobs.get(fd)
-        if entry is None:
-            return
-        job, upstream = entry
-        if upstream:
-            self.from_upstream(job)
-        else:
-            self.at_client(job, ev)
+    def turn(self) -> list[int]:
+        """One wait and what it brought: each body's events handled and the clients' send
+        deadlines checked. Returns the other descriptors that were ready (the pump's wake-up;
+        a body's that ended earlier in the same wait)."""
+        timeout = self.next_deadline()
+        other = []
+        for fd, ev in self.ep.poll(timeout):
+            entry = self.jobs.get(fd)
+            if entry is None:
+                other.append(fd)
+                continue
+            job, upstream = entry
+            if upstream:
+                self.from_upstream(job)
+            else:
+                self.at_client(job, ev)
+        if timeout >= 0:
+            self.expire()
+        return other
 
     def end_all(self, why: str) -> None:
         for job in {id(j): j for j, _ in self.jobs.values()}.values():
@@ -384,16 +393,11 @@ class _Moving:
             else:
                 self.finish(job, UPSTREAM_CLOSED, "upstream closed mid-response")
             return
-        payload: list[bytes] = []
         try:
-            out = job.framing.feed(data, payload)
+            out = take(job.framing, data, job.tally)
         except FramingError as e:
             self.finish(job, UPSTREAM_CLOSED, f"upstream framing: {e}")
             return
-        tally = job.tally
-        if tally is not None:
-            for piece in payload:
-                tally.data(piece)
         if out:
             self.send(job, out)
         if job.framing.done and not job.pending:
