@@ -32,7 +32,7 @@ import pytest
 import requests
 
 from hydra_supervisor.testing.faults import Steady, engine_rows, serving
-from hydra_supervisor.testing.harness import free_port, free_port_range, wait_until
+from hydra_supervisor.testing.harness import EngineRow, free_port, free_port_range, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -117,30 +117,43 @@ def _freezer(kind: str) -> Freezer | str:
         probe.wait(10)
 
 
-@pytest.fixture(params=["v1", "v2"])
-def freezer(request: pytest.FixtureRequest) -> Iterator[Freezer]:
-    fz = _freezer(request.param)
+def _held(fz: Freezer | str, why_note: str = "", say: str = "") -> Iterator[Freezer]:
+    """A freezer for one test, removed after it; or (`fz` is why not) the test skipped, the
+    reason also printed under the label `say` if given."""
     if isinstance(fz, str):
-        pytest.skip(fz)
+        if say:
+            print(f"\nSKIP {say}: {fz}", file=sys.__stderr__)
+        pytest.skip(fz + why_note)
     try:
         yield fz
     finally:
         fz.remove()
 
 
+def _start_pair(hydra_up, hydra_env, tmp_path: Path, name: str
+                ) -> tuple[int, EngineRow, EngineRow]:
+    """demo-combine with the fast stall policy, up and READY: (port, peer row, head row)."""
+    from hydra_supervisor.config.paths import repo_root
+
+    prof = tmp_path / f"demo-combine-{name}.yaml"
+    prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)
+    port = free_port()
+    hydra_up("--profile", str(prof), "--port", str(port)).wait_ready(180)
+    peer, head = engine_rows(hydra_env)
+    assert peer["role"] == "peer" and head["role"] == "head"
+    return port, peer, head
+
+
+@pytest.fixture(params=["v1", "v2"])
+def freezer(request: pytest.FixtureRequest) -> Iterator[Freezer]:
+    yield from _held(_freezer(request.param))
+
+
 def test_frozen_peer_with_requests_in_flight_restarts_the_pair(
         hydra_up, hydra_env, tmp_path: Path, freezer: Freezer) -> None:
     # (the freezer is set up after hydra_up, so it thaws before hydra_up's teardown checks
     # that nothing outlived hydra: a peer in D dies of its pending SIGKILL only when thawed)
-    from hydra_supervisor.config.paths import repo_root
-
-    prof = tmp_path / "demo-combine-stall.yaml"
-    prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)
-    port = free_port()
-    up = hydra_up("--profile", str(prof), "--port", str(port))
-    up.wait_ready(180)
-    peer, head = engine_rows(hydra_env)
-    assert peer["role"] == "peer" and head["role"] == "head"
+    port, peer, head = _start_pair(hydra_up, hydra_env, tmp_path, "stall")
 
     # Requests in flight: long streams, each seen to have started before the freeze.
     codes: list[str] = []
@@ -213,10 +226,7 @@ def any_freezer() -> Iterator[Freezer]:
         why.append(fz)
     else:
         pytest.skip("; ".join(why))
-    try:
-        yield fz
-    finally:
-        fz.remove()
+    yield from _held(fz)
 
 
 def test_frozen_remote_peer_is_lost_and_the_head_returns_after_the_thaw(
@@ -304,27 +314,14 @@ def test_frozen_remote_peer_is_lost_and_the_head_returns_after_the_thaw(
 
 @pytest.fixture
 def d_state_freezer() -> Iterator[Freezer]:
-    fz = _freezer("v1")
-    if isinstance(fz, str):
-        pytest.skip(f"{fz} (only cgroup v1's freezer leaves a process in state D)")
-    try:
-        yield fz
-    finally:
-        fz.remove()
+    yield from _held(_freezer("v1"), " (only cgroup v1's freezer leaves a process in state D)")
 
 
 def test_idle_pair_with_a_peer_in_d_state_restarts_the_pair(
         hydra_up, hydra_env, tmp_path: Path, d_state_freezer: Freezer) -> None:
     """Nothing in flight: a peer in state D with no CPU progress for stall_timeout while its
     head serves is frozen (an idle ggml-rpc-server waits in S)."""
-    from hydra_supervisor.config.paths import repo_root
-
-    prof = tmp_path / "demo-combine-idle.yaml"
-    prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)
-    port = free_port()
-    up = hydra_up("--profile", str(prof), "--port", str(port))
-    up.wait_ready(180)
-    peer, head = engine_rows(hydra_env)
+    port, peer, head = _start_pair(hydra_up, hydra_env, tmp_path, "idle")
     d_state_freezer.add(peer["pid"])
     d_state_freezer.freeze(True)
     t0 = time.monotonic()
@@ -349,14 +346,7 @@ def test_idle_pair_with_a_peer_in_d_state_restarts_the_pair(
 
 @pytest.fixture
 def v2_freezer() -> Iterator[Freezer]:
-    fz = _freezer("v2")
-    if isinstance(fz, str):
-        print(f"\nSKIP cgroup v2 freezer: {fz}", file=sys.__stderr__)
-        pytest.skip(fz)
-    try:
-        yield fz
-    finally:
-        fz.remove()
+    yield from _held(_freezer("v2"), say="cgroup v2 freezer")
 
 
 def test_frozen_peer_under_steady_traffic_is_noticed_at_stall_timeout(
@@ -364,15 +354,7 @@ def test_frozen_peer_under_steady_traffic_is_noticed_at_stall_timeout(
     """Issue 31: a request every 2 s through hydra's port, each writing its body to the head,
     while the head's peer is frozen (cgroup v2: state S, no CPU): the oldest request is owed a
     byte from the freeze on, so the stall rule fires at stall_timeout, and the pair restarts."""
-    from hydra_supervisor.config.paths import repo_root
-
-    prof = tmp_path / "demo-combine-steady.yaml"
-    prof.write_text((repo_root() / "profiles" / "demo-combine.yaml").read_text() + POLICY)
-    port = free_port()
-    up = hydra_up("--profile", str(prof), "--port", str(port))
-    up.wait_ready(180)
-    peer, head = engine_rows(hydra_env)
-    assert peer["role"] == "peer" and head["role"] == "head"
+    port, peer, head = _start_pair(hydra_up, hydra_env, tmp_path, "steady")
     steady = Steady(f"http://127.0.0.1:{port}/completion", STEADY_EVERY, STEADY_TIMEOUT).start()
     try:
         wait_until(lambda: steady.ok() >= 2, 60, "steady traffic served before the freeze")
