@@ -177,22 +177,26 @@ def _rpc_server(c: socket.socket) -> None:
         c.sendall(data)
 
 
+def _info_stand_in(router: Router) -> FuncServer:
+    """The peer's wire server as far as INFO goes: this host's identity, nothing lent, and the
+    router's holder (what the real one answers)."""
+    def answer(c: socket.socket) -> None:
+        _, _, _, klen, plen, tlen = struct.unpack("<HBBHQH", recv_exact(c, 16))
+        recv_exact(c, klen + plen + tlen)
+        c.sendall(codec.encode_response(codec.Status.OK, {
+            "identity": HERE.to_json(), "lent": [],
+            "rpc_holder": dict(router.counters()["rpc_holder"] or {}) or None}))
+
+    return FuncServer(answer)
+
+
 def test_hydra_up_on_a_second_head_names_the_holder(router: Router,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The head side: INFO (the peer's wire server, here a stand-in that says what the real
     one does: the router's holder) names the holder; `hydra up` is refused with that line
     before any HELLO reaches the peer."""
     monkeypatch.setattr(buildid, "local_identity", lambda configured=None: HERE)
-
-    def answer(c: socket.socket) -> None:
-        head = recv_exact(c, 16)
-        _, _, _, klen, plen, tlen = struct.unpack("<HBBHQH", head)
-        recv_exact(c, klen + plen + tlen)
-        c.sendall(codec.encode_response(codec.Status.OK, {
-            "identity": HERE.to_json(), "lent": [],
-            "rpc_holder": dict(router.counters()["rpc_holder"] or {}) or None}))
-
-    info, rpc = FuncServer(answer), FuncServer(_rpc_server)
+    info, rpc = _info_stand_in(router), FuncServer(_rpc_server)
     try:
         router.set_upstreams(Upstreams(rpc=rpc.addr, hydra=info.addr))
         endpoint = f"{HOST}:{router.port}"
@@ -221,14 +225,7 @@ def test_hydra_up_on_a_second_head_names_the_holder(router: Router,
 def test_doctor_names_the_holder_without_a_hello(router: Router) -> None:
     """`hydra doctor --peers`: INFO names the holder, so no HELLO is sent (it would be
     refused); the report is the `hydra up` line."""
-    def answer(c: socket.socket) -> None:
-        _, _, _, klen, plen, tlen = struct.unpack("<HBBHQH", recv_exact(c, 16))
-        recv_exact(c, klen + plen + tlen)
-        c.sendall(codec.encode_response(codec.Status.OK, {
-            "identity": HERE.to_json(), "lent": [],
-            "rpc_holder": dict(router.counters()["rpc_holder"] or {}) or None}))
-
-    info, rpc = FuncServer(answer), FuncServer(_rpc_server)
+    info, rpc = _info_stand_in(router), FuncServer(_rpc_server)
     try:
         router.set_upstreams(Upstreams(rpc=rpc.addr, hydra=info.addr))
         endpoint = f"{HOST}:{router.port}"
