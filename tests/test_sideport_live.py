@@ -52,6 +52,16 @@ def page(mport: int) -> str | None:
         return None
 
 
+def _end(up: Up, socks: list[socket.socket]) -> None:
+    """A test's clients closed, its hydra stopped and nothing of it left running."""
+    for s in socks:
+        with contextlib.suppress(OSError):
+            s.close()
+    if up.proc.poll() is None:
+        up.stop()
+    up.kill_everything()
+
+
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="no prlimit (util-linux)")
 def test_two_thousand_idle_connections_leave_hydra_serving(tmp_path: Path) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -110,12 +120,7 @@ def test_two_thousand_idle_connections_leave_hydra_serving(tmp_path: Path) -> No
         assert "Traceback" not in log, log[-3000:]
         assert "stopped: SIGTERM" in log
     finally:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.close()
-        if up.proc.poll() is None:
-            up.stop()
-        up.kill_everything()
+        _end(up, socks)
 
 
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="no prlimit (util-linux)")
@@ -161,9 +166,4 @@ def test_out_of_descriptors_hydra_degrades_logs_and_serves_on(tmp_path: Path) ->
         assert "the processes serve on" in text and "stopped: SIGTERM" in text
         assert "FATAL" not in text, text[-3000:]
     finally:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.close()
-        if up.proc.poll() is None:
-            up.stop()
-        up.kill_everything()
+        _end(up, socks)
