@@ -7,7 +7,7 @@
 set -u
 PY=${PY:-$PWD/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-base=build/r30/base
+base=${BASE:-build/r30/base}  # another tree to compare with: BASE=DIR
 cp bench/router.py $base/bench/router.py  # one bench for both trees: only the router differs
 for r in $(seq ${ROUNDS:-2}); do
   for streams in 1 32 64; do

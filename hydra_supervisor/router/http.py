@@ -638,10 +638,12 @@ class HttpSession:
             if not gate.attach(flight, sock):
                 sock.close()
                 raise _NotStarted("cut")
-            up = fwd.parser()
             self.upstream_shut = False
             try:
                 first = self._send_request(sock, fwd, rec)
+                # The response's parser is made while the upstream works on the request,
+                # not before the request goes up: off the first byte's path.
+                up = fwd.parser()
                 early = first is not None
                 if first is None:
                     first = self._first_response_bytes(sock)
@@ -937,6 +939,11 @@ class HttpSession:
                 elif isinstance(ev, h11.ConnectionClosed):
                     raise h11.RemoteProtocolError("upstream closed mid-response")
             if body is not None:
+                # The head goes to the client before the body that came with it is read and
+                # counted: the first byte waits for nothing else (llama-server writes its
+                # head on its own too).
+                if out:
+                    self._flush(out, rec)
                 # The body, read by the framing here and not by h11 (it costs a fraction).
                 rest, closed = up.trailing_data
                 if rest and (piece := take(body, bytes(rest), tally)):
