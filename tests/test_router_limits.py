@@ -26,6 +26,7 @@ import requests
 
 from hydra_supervisor.router import Router, Upstreams, limits, raise_nofile
 from hydra_supervisor.router.conn import Conn
+from hydra_supervisor.router.routes import one_route_table
 from hydra_supervisor.testing.routerhelp import (
     HOST,
     ROUTER_CHILD,
@@ -254,6 +255,29 @@ def test_rpc_relay_not_idle_timed_http_keepalive_is() -> None:
     finally:
         r.stop()
         echo.close()
+
+
+def test_http_client_socket_has_nodelay_and_keepalive(upstream: StandIn) -> None:
+    """Set once on the listener and inherited by every accepted socket (no setsockopt per
+    connection on the way to its first byte): an HTTP client's socket has both."""
+    r = Router(HOST, 0, Upstreams(rpc=None, hydra=None))
+    route = r.new_route("p")
+    route.http = upstream.addr
+    r.table = one_route_table(route)
+    r.start()
+    try:
+        with connect(r.port) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert c.recv(65536).startswith(b"HTTP/1.1 200 ")
+            admitted: list[Conn] = []
+            r.ledger.each_active(admitted.append)
+            [conn] = admitted
+            sock = conn.client
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60  # router/conn.py: an HTTP client after 60 s idle
+    finally:
+        r.stop()
 
 
 # --------------------------------------------------------------------------- own faults

@@ -172,6 +172,10 @@ class Acceptor:
             sockaddr[:2], family=family, backlog=max(1024, self._max_pending), dualstack_ipv6=dual
         )
         listener.setblocking(False)
+        # Every accepted socket inherits these from the listener (Linux copies them to each
+        # child): no setsockopt per connection on the way to its first byte.
+        set_nodelay(listener)
+        set_keepalive(listener)
         self._wake_r = self.waker.open()
         # The silent queue holds descriptors too: under a low open-file limit it gets at most
         # an eighth of them, so that admitted relays keep the rest (1024 -> 128).
@@ -425,15 +429,15 @@ class Acceptor:
                     "hydra router: too many connections waiting from your address, try again",
                     DEFAULT_RETRY_AFTER))
                 return
-        conn.client.setblocking(False)
-        set_nodelay(conn.client)
-        set_keepalive(conn.client)
+        conn.client.setblocking(False)  # TCP_NODELAY and keepalive: the listener's (open)
         conn.deadline = now + self._first_byte_timeout
         q.pending.add(conn)
-        sel.register(conn.client, selectors.EVENT_READ, conn)
-        # Clients usually send right after connecting: read now rather than after
-        # another trip through select (saves tens of microseconds per connection).
+        # Clients usually send right after connecting: read now rather than after another
+        # trip through select (saves tens of microseconds per connection); the connection is
+        # watched only when its first bytes are not all there yet.
         self._read_prefix(sel, conn, q)
+        if conn.id in q.pending.all:
+            sel.register(conn.client, selectors.EVENT_READ, conn)
 
     def _linger(self, sel: selectors.BaseSelector, q: Queues, conn: Conn,
                 reply: bytes) -> None:
