@@ -275,7 +275,8 @@ def test_http_client_socket_has_nodelay_and_keepalive(upstream: StandIn) -> None
             sock = conn.client
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60  # router/conn.py: an HTTP client after 60 s idle
+            # router/conn.py: an HTTP client is probed after 60 s idle
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
     finally:
         r.stop()
 
