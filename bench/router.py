@@ -16,6 +16,9 @@ Parts (each alternates direct and routed rounds so drift on a shared machine hit
      llama-server (testing/sse_upstream.py, in its own process) streaming SSE: 32 concurrent
      streams, aggregate tokens/s ratio and added p50 per request (time to first byte and to
      the end), and a keep-alive GET per request; no compute noise, so it isolates the router;
+  f  time to a stream's first byte, many samples, each trial's order of direct, the
+     request-aware leg and the byte relay shuffled: one stream at a time back to back (the
+     router busy), one at a time after a pause (its threads asleep), and 64 at once;
   m  1,000 concurrent streams through a router whose process starts at the default soft fd
      limit (1024; the router lifts it to the hard limit), and with the hard limit 1024 too;
   s  silent clients vs prompt ones: 500 connections that never send a byte, then prompt
@@ -38,7 +41,7 @@ Usage:
   .venv/bin/python bench/router.py                 # every part with the production router
   .venv/bin/python bench/router.py --quick         # fewer rounds, smaller transfers (~1 min)
   .venv/bin/python bench/router.py --parts a --designs router,router-copy,asyncio,uvloop --rounds 8
-  .venv/bin/python bench/router.py --parts h,m,s,b2   # no llama.cpp needed
+  .venv/bin/python bench/router.py --parts h,f,m,s,b2   # no llama.cpp needed
 """
 
 from __future__ import annotations
@@ -752,6 +755,48 @@ def part_h(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_us_per_event": {n: cpu_ps[n] / relayed * 1e6 for n in names}}
 
 
+def part_f(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Seconds to the first byte of a streamed response, per case and path: ``one`` (one
+    stream at a time, back to back), ``idle`` (one at a time, each after ``--f-pause``: the
+    relay's threads asleep when it comes) and ``many`` (``--f-many`` streams at once)."""
+    names = ["direct", "router", "router-raw"]
+    req = stream_request(tokens=8, delay=0.0)
+    cases: dict[str, dict[str, list[float]]] = {c: {n: [] for n in names}
+                                                for c in ("one", "idle", "many")}
+    rng = random.Random(1)
+    with standin() as up, ExitStack() as stack:
+        relays = {n: stack.enter_context(spawn("_relay", n, str(up.port))) for n in names[1:]}
+        ports = {"direct": up.port, **{n: c.port for n, c in relays.items()}}
+        for n in names[1:]:
+            drive_streams(ports[n], 4, req)  # warm-up (threads, pools)
+        for case, trials, width in (("one", args.f_trials, 1), ("idle", args.f_trials // 2, 1),
+                                    ("many", args.f_rounds, args.f_many)):
+            for _ in range(trials):
+                order = names[:]
+                rng.shuffle(order)
+                for n in order:
+                    if case == "idle":
+                        time.sleep(args.f_pause)
+                    res = drive_streams(ports[n], width, req, timeout=120)
+                    if res["failed"]:
+                        raise RuntimeError(f"{n}: {res['failed'][:2]}")
+                    cases[case][n].extend(res["first"])
+    return cases
+
+
+def report_f(args: argparse.Namespace, f: dict[str, dict[str, list[float]]]) -> list[str]:
+    what = {"one": "1 stream, back to back", "idle": f"1 stream, after {args.f_pause:g} s idle",
+            "many": f"{args.f_many} streams at once"}
+    lines = []
+    for case, by in f.items():
+        d = statistics.median(by["direct"])
+        added = "  ".join(f"{n} {(statistics.median(by[n]) - d) * 1e3:+.2f} ms"
+                          for n in ("router", "router-raw"))
+        lines.append(f"(f) first byte, {what[case]} ({len(by['direct'])} each): direct p50 "
+                     f"{d * 1e3:.2f} ms; added p50: {added}")
+    return lines
+
+
 def _ps_cpu_s(proc: psutil.Process) -> float:
     """User+system CPU seconds of a process, all its threads (psutil cpu_times)."""
     t = proc.cpu_times()
@@ -907,8 +952,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller transfers")
-    ap.add_argument("--parts", default="a,l,b,c,h,m,s,b2",
-                    help="which parts to run (default all: a,l,b,c,h,m,s,b2)")
+    ap.add_argument("--parts", default="a,l,b,c,h,f,m,s,b2",
+                    help="which parts to run (default all: a,l,b,c,h,f,m,s,b2)")
     ap.add_argument("--designs", default="router", help=f"relays for part a, from {DESIGNS}")
     ap.add_argument("--rounds", type=int, default=None, help="part a rounds (default 6, quick 2)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench -r per run")
@@ -927,6 +972,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--h-tokens", type=int, default=64, help="part h tokens per stream")
     ap.add_argument("--h-delay", type=float, default=0.02,
                     help="part h seconds between tokens (0.02: 50 t/s per stream)")
+    ap.add_argument("--f-trials", type=int, default=None,
+                    help="part f: one-stream trials (default 300, quick 100)")
+    ap.add_argument("--f-rounds", type=int, default=None,
+                    help="part f: rounds of --f-many streams (default 20, quick 6)")
+    ap.add_argument("--f-many", type=int, default=64)
+    ap.add_argument("--f-pause", type=float, default=0.05,
+                    help="part f: idle seconds before each 'idle' trial")
     ap.add_argument("--m-streams", type=int, default=1000)
     ap.add_argument("--m-tokens", type=int, default=8)
     ap.add_argument("--m-delay", type=float, default=0.5)
@@ -951,6 +1003,10 @@ def main(argv: list[str] | None = None) -> int:
     args.health_rounds = 2 if args.quick else 6
     if args.b2_rounds is None:
         args.b2_rounds = 2 if args.quick else 5
+    if args.f_trials is None:
+        args.f_trials = 100 if args.quick else 300
+    if args.f_rounds is None:
+        args.f_rounds = 6 if args.quick else 20
     if args.bulk_gb is None:
         args.bulk_gb = 0.5 if args.quick else 2.0
     parts = set(args.parts.split(","))
@@ -1032,6 +1088,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.h_delay * 1e3:g} ms apart, stand-in upstream, "
                   f"{max(1, 8 // args.streams)} wave(s) per round", flush=True)
             lines += report_h(args, part_h(args))
+        if "f" in parts:
+            print(f"part f: first byte of a stream, {args.f_trials} trials one at a time, "
+                  f"{args.f_rounds} rounds of {args.f_many}", flush=True)
+            lines += report_f(args, part_f(args))
         if "m" in parts:
             print(f"part m: {args.m_streams} concurrent streams, router at soft fd limit 1024",
                   flush=True)
