@@ -71,6 +71,24 @@ class Lineup:
         self.head.spec = self.combine_head
         self.degraded = None
 
+    def adopt_spare(self, deployment: Deployment) -> None:
+        """Take `deployment`, the same layout re-planned with a remote peer on another of its
+        device's endpoints (a spare: deployment.on_spare): the remote peers' specs (where
+        hydra reaches them), the head's specs (its --rpc/-ot, SOLO fallback) and the plan
+        follow; the processes stay (the head is stopped: it starts with them next)."""
+        self.deployment = deployment
+        self.plan = deployment.plan
+        self.timeouts = deployment.timeouts
+        self.solo_head = deployment.solo_head
+        by_name = {e.name: e for e in deployment.plan.engines}
+        for p in self.peers:
+            if not p.spec.managed and p.name in by_name:
+                p.spec = by_name[p.name]
+        if self.head is not None:
+            self.combine_head = deployment.plan.head
+            if not self.degraded:
+                self.head.spec = deployment.plan.head
+
     def adopt_head(self, deployment: Deployment) -> None:
         """Take `deployment`, whose peers are those running now: the head's specs, its policy
         and the timeouts change; the head's next start uses them."""
