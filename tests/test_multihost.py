@@ -780,6 +780,9 @@ def test_a_lost_peer_moves_onto_its_spare(tmp_path: Path, fault: str) -> None:
                 assert head["pid"] != head_pid and head["state"] == "READY", head
                 if other == "spare":
                     assert f"serving on spare {b} (primary {a}: " in far["reason"], far
+                    assert pair.head is not None and re.search(
+                        rf"far-dense\.peer-far restarted \(HELLO answered; far: serving on "
+                        rf"spare {re.escape(b)} ", pair.head.output()), pair.head.output()[-2000:]
                 else:
                     assert "spare" not in far["reason"], far
                 hydra_log = (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" /
@@ -803,3 +806,34 @@ def test_a_lost_peer_moves_onto_its_spare(tmp_path: Path, fault: str) -> None:
                 if up.proc.poll() is None:
                     up.stop()
                 up.kill_everything()
+
+
+def test_hydra_up_plans_on_the_spare_when_the_primary_is_down(tmp_path: Path) -> None:
+    """The head's far device is A with spares: [B]; only B's hydra runs: `hydra up` plans on B
+    (its --rpc), serves, and `hydra status` and the log say why not A."""
+    skip_unless_netns()
+    with Hosts(["head", "peer", "client", "spare"]) as net:
+        (tmp_path / "spare").mkdir()
+        pair = Pair(net, tmp_path)
+        a, b = f"{net.addr('peer')}:{PEER_PORT}", f"{net.addr('spare')}:{PEER_PORT}"
+        pair.head_env = make_env(tmp_path / "head", f"devices:\n  far: {{endpoint: '{a}', "
+                                 f"spares: ['{b}']}}\n")
+        spare: NsUp | None = None
+        try:
+            spare = _lend(pair, "spare")
+            pair.start_head(DENSE, "far-dense")
+            assert pair.complete(4).status_code == 200
+            far = next(e for e in pair.engines(pair.head_env) if e["role"] == "peer")
+            assert f"{far['host']}:{far['port']}" == b, far
+            said = f"far: serving on spare {b} (primary {a}: remote peer far at {a} is unreachable"
+            assert said in far["reason"], far
+            log = (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+            assert said in log, log[-3000:]
+            res = run_hydra(pair.head_env, "down", timeout=90)
+            assert res.returncode == 0, res.stdout + res.stderr
+        finally:
+            pair.cleanup()
+            if spare is not None:
+                if spare.proc.poll() is None:
+                    spare.stop()
+                spare.kill_everything()

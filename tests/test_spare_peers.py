@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from hydra_supervisor.config.config import load_node
-from hydra_supervisor.config.profile import DeviceDecl, Node
+from hydra_supervisor.config.profile import DeviceDecl, Node, PeerLoss
 from hydra_supervisor.errors import ConfigError, HydraError
 from hydra_supervisor.plan import deployment as deployment_mod
 from hydra_supervisor.plan import spares
@@ -295,5 +295,24 @@ def test_a_spare_short_of_memory_is_skipped_and_none_left_probes_on(tmp_path: Pa
                       and r.mp("peer-0").state is State.READY)
         assert rpc_of(w.live("head").argv) == f"127.0.0.1:{PRIMARY}"  # type: ignore[union-attr]
         assert "spare" not in r.mp("peer-0").reason
+        await r.stop()
+    go(tmp_path, body)
+
+
+def test_degraded_the_peer_comes_back_on_a_spare_and_combine_returns_there(tmp_path: Path):
+    replans = Replans()
+
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        spare_world(w, replans)
+        dep = deployment(1, remote=True, on_peer_loss=PeerLoss.DEGRADE)
+        r = Run(w, with_spares(dep, [SPARE]), tmp).start()
+        await r.all_ready()
+        del w.remote_up[PRIMARY]
+        w.live("head").kill(134)  # type: ignore[union-attr]
+        await r.until(lambda: r.sup.degraded is not None)
+        await r.until(lambda: r.sup.degraded is None and r.mp("head").state is State.READY
+                      and "--rpc" in (w.live("head").argv if w.live("head") else []))
+        assert rpc_of(w.live("head").argv) == f"127.0.0.1:{SPARE}"  # type: ignore[union-attr]
+        assert "serving on spare" in r.mp("peer-0").reason
         await r.stop()
     go(tmp_path, body)
