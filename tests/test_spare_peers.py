@@ -249,7 +249,10 @@ def test_a_lost_peer_moves_onto_the_spare_that_passes(tmp_path: Path):
 
     async def body(w: FakeWorld, tmp: Path) -> None:
         spare_world(w, replans)
-        r = Run(w, with_spares(deployment(1, remote=True), [SPARE_OTHER, SPARE]), tmp).start()
+        r = Run(w, with_spares(deployment(1, remote=True), [SPARE_OTHER, SPARE]), tmp)
+        told: list[Deployment] = []
+        r.sup.on_replanned = told.append  # the lane's plan follows (Lane._adopt)
+        r.start()
         await r.all_ready()
         head0 = w.live("head")
         assert head0 is not None and rpc_of(head0.argv) == f"127.0.0.1:{PRIMARY}"
@@ -265,6 +268,8 @@ def test_a_lost_peer_moves_onto_the_spare_that_passes(tmp_path: Path):
             "answer" in peer.reason, peer.reason
         assert replans.asked == [f"127.0.0.1:{SPARE}"]  # the other build: never re-planned
         assert r.sup.plan.peers[0].port == SPARE
+        assert [d.plan.peers[0].port for d in told] == [SPARE]
+        assert told[0] is r.sup.deployment
         # on the spare while it serves: the primary back changes nothing
         w.remote_up[PRIMARY] = True
         restarts = r.mp("head").restarts

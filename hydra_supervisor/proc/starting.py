@@ -6,7 +6,10 @@ a compatible HELLO), backing off between failed starts (or failing fast in a pla
 and a remote peer probed on a timer. A remote peer's build identity (Hydra INFO through its
 router, as at `hydra up`) is checked each time it answers HELLO again and before every start of
 its head: a peer host back with another build is refused (FATAL, the `hydra up` message) unless
-the node file allows it. A head that fails to start has its peers checked first (watching.py):
+the node file allows it. A remote peer whose device names spares (plan/spares.py) and that gets
+no HELLO moves onto the first of its device's other endpoints that answers HELLO, passes the
+identity check and whose re-plan fits (the Lineup takes the new plan; the lane is told). A head
+that fails to start has its peers checked first (watching.py):
 their loss, not the head's failure, is then what the Supervisor answers. While a head with
 remote peers starts, the bytes it has sent each are counted (sentwatch.py: its load's progress)."""
 
@@ -17,11 +20,12 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import spares
-from hydra_supervisor.plan.deployment import PortPicker
+from hydra_supervisor.plan.deployment import Deployment, PortPicker
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.plan.ports import client_host, port_holder
 from hydra_supervisor.plan.spares import PeerChoice
@@ -58,6 +62,8 @@ class Starter:
         # Told when a process moves to another port because another process took its own:
         # (kind "http" | "rpc", the old address, the new port). The lane re-points its route.
         self.on_upstream_moved: UpstreamMoved | None = None
+        # Told the deployment in force when a lost remote peer moved onto a spare (_to_spare).
+        self.on_replanned: Callable[[Deployment], None] | None = None
         self.spawned: set[int] = set()  # every child started (each leads its process group)
         self.hellos: dict[str, Version] = {}  # each remote peer's last HELLO answer
         self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
@@ -400,6 +406,8 @@ class Starter:
                 said.append(f"{ep}: {spares.first_line(exc, device)}")
                 continue
             self.lineup.adopt_spare(dep)
+            if self.on_replanned is not None:
+                self.on_replanned(self.lineup.deployment)
             now = self._choice(mp)
             log.warning("%s: peer %s lost (%s); %s", mp.name, here, why,
                         now.says() if now is not None else f"moved onto {ep}")

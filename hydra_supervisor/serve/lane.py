@@ -405,6 +405,7 @@ class Lane:
         sup.fail_fast = fail_fast
         sup.traffic = self.route
         sup.on_upstream_moved = self._on_upstream_moved
+        sup.on_replanned = self._adopt  # a lost peer moved onto a spare: the plan it runs
         sup.listeners.append(self._on_transition)
         sup.on_publish = self._changed
         sup.before_head_swap = self._before_head_swap
