@@ -235,6 +235,7 @@ class FakeSupervisor:
         # upstream's callback, fail-fast for a change, the planned head swap
         self.traffic: Gated | None = None
         self.on_upstream_moved: UpstreamMoved | None = None
+        self.on_replanned: Callable[[Deployment], None] | None = None
         self.fail_fast = False
         self.before_head_swap: Callable[[str], Awaitable[None]] | None = None
         head = next((e for e in dep.plan.engines if e.role is Role.HEAD), None) or EngineSpec(

@@ -711,3 +711,129 @@ def test_remote_load_onto_a_bare_rpc_server_says_unknown(pair: Pair) -> None:
         rpc.kill()
         rpc.wait(10)
     pair.down_both()  # (the bare rpc-server is gone: its host's namespace must end empty)
+
+
+# -- spare peers (issue 32, item 6) ---------------------------------------------------------------
+
+SPARE_RUNS = 3
+
+
+def _lend(pair: Pair, host: str) -> NsUp:
+    """`hydra up` of the lend profile on a peer host (`peer` or `spare`), READY."""
+    tmp = pair.tmp / host
+    env = pair.peer_env if host == "peer" else make_env(tmp)
+    if host != "peer":
+        env["LLAMA_CACHE"] = str(tmp / "llama-cache")
+        (tmp / "lend.yaml").write_text((pair.tmp / "peer" / "lend.yaml").read_text())
+    up = NsUp(pair.net, host, env, ["--profile", str(tmp / "lend.yaml")], tmp)
+    up.wait_ready(60)
+    return up
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("fault", ["hydra-killed", "link-cut"])
+def test_a_lost_peer_moves_onto_its_spare(tmp_path: Path, fault: str) -> None:
+    """Head host, peer host A and spare peer host B, each a `hydra up` (A and B lend their CPU);
+    the head's far device is A with spares: [B], on_peer_loss: restart. The hydra of the host
+    the head uses is SIGKILLed (its rpc-server goes with it), or that host's link cut, and a
+    request sent at once: the head moves onto the other host (B; on the next run A again, the
+    primary being the other endpoint of the device) and serves it. Measured per run: the fault
+    → that request's 200, and `hydra status` naming the endpoint it serves on. The host is
+    brought back (hydra started again, or its link restored) after each run."""
+    skip_unless_netns()
+    with Hosts(["head", "peer", "client", "spare"]) as net:
+        (tmp_path / "spare").mkdir()
+        pair = Pair(net, tmp_path)
+        a, b = f"{net.addr('peer')}:{PEER_PORT}", f"{net.addr('spare')}:{PEER_PORT}"
+        pair.head_env = make_env(tmp_path / "head", f"devices:\n  far: {{endpoint: '{a}', "
+                                 f"spares: ['{b}']}}\n")
+        ups: dict[str, NsUp] = {}
+        try:
+            ups["peer"], ups["spare"] = _lend(pair, "peer"), _lend(pair, "spare")
+            pair.start_head(DENSE, "far-dense")
+            assert pair.complete(4).status_code == 200
+            far = next(e for e in pair.engines(pair.head_env) if e["role"] == "peer")
+            assert f"{far['host']}:{far['port']}" == a, far
+            on, figures = "peer", []
+            for run in range(SPARE_RUNS):
+                other = "spare" if on == "peer" else "peer"
+                head_pid = next(e for e in pair.engines(pair.head_env)
+                                if e["role"] == "head")["pid"]
+                t0 = time.monotonic()
+                if fault == "link-cut":
+                    net.cut(on)
+                else:
+                    ups[on].proc.send_signal(signal.SIGKILL)
+                    ups[on].proc.wait(10)
+                r = pair.complete(4, timeout=240)  # sent at once: served on the other host
+                served = time.monotonic() - t0
+                assert r.status_code == 200, r.text
+                es = pair.engines(pair.head_env)
+                far = next(e for e in es if e["role"] == "peer")
+                head = next(e for e in es if e["role"] == "head")
+                figures.append(served)
+                print(f"\nrun {run + 1}: {fault} on {on} -> serving on {other} after "
+                      f"{served:.1f}s;"
+                      f" status: {far['reason']}")
+                want = b if other == "spare" else a
+                assert f"{far['host']}:{far['port']}" == want, far
+                assert head["pid"] != head_pid and head["state"] == "READY", head
+                if other == "spare":
+                    assert f"serving on spare {b} (primary {a}: " in far["reason"], far
+                    assert pair.head is not None and re.search(
+                        rf"far-dense\.peer-far restarted \(HELLO answered; far: serving on "
+                        rf"spare {re.escape(b)} ", pair.head.output()), pair.head.output()[-2000:]
+                else:
+                    assert "spare" not in far["reason"], far
+                hydra_log = (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" /
+                             "hydra.log").read_text()
+                assert "lost" in hydra_log and (f"serving on spare {b}" in hydra_log), \
+                    hydra_log[-3000:]
+                if fault == "link-cut":
+                    net.restore(on)
+                else:
+                    ups[on].out.close()
+                    ups[on].err.close()
+                    ups[on] = _lend(pair, on)  # the killed host back (its service manager)
+                on = other
+            print(f"\n{fault}: loss -> serving on the other endpoint over {SPARE_RUNS} runs: "
+                  + ", ".join(f"{s:.1f}s" for s in figures))
+            res = run_hydra(pair.head_env, "down", timeout=90)
+            assert res.returncode == 0, res.stdout + res.stderr
+        finally:
+            pair.cleanup()
+            for up in ups.values():
+                if up.proc.poll() is None:
+                    up.stop()
+                up.kill_everything()
+
+
+def test_hydra_up_plans_on_the_spare_when_the_primary_is_down(tmp_path: Path) -> None:
+    """The head's far device is A with spares: [B]; only B's hydra runs: `hydra up` plans on B
+    (its --rpc), serves, and `hydra status` and the log say why not A."""
+    skip_unless_netns()
+    with Hosts(["head", "peer", "client", "spare"]) as net:
+        (tmp_path / "spare").mkdir()
+        pair = Pair(net, tmp_path)
+        a, b = f"{net.addr('peer')}:{PEER_PORT}", f"{net.addr('spare')}:{PEER_PORT}"
+        pair.head_env = make_env(tmp_path / "head", f"devices:\n  far: {{endpoint: '{a}', "
+                                 f"spares: ['{b}']}}\n")
+        spare: NsUp | None = None
+        try:
+            spare = _lend(pair, "spare")
+            pair.start_head(DENSE, "far-dense")
+            assert pair.complete(4).status_code == 200
+            far = next(e for e in pair.engines(pair.head_env) if e["role"] == "peer")
+            assert f"{far['host']}:{far['port']}" == b, far
+            said = f"far: serving on spare {b} (primary {a}: remote peer far at {a} is unreachable"
+            assert said in far["reason"], far
+            log = (Path(pair.head_env["HYDRA_STATE_DIR"]) / "logs" / "hydra.log").read_text()
+            assert said in log, log[-3000:]
+            res = run_hydra(pair.head_env, "down", timeout=90)
+            assert res.returncode == 0, res.stdout + res.stderr
+        finally:
+            pair.cleanup()
+            if spare is not None:
+                if spare.proc.poll() is None:
+                    spare.stop()
+                spare.kill_everything()

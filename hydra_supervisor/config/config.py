@@ -106,6 +106,7 @@ def load_node(path: Path | None) -> Node:
         if "allow_build_mismatch" in dev and "endpoint" not in dev:
             probs.append((p + ("allow_build_mismatch",), "only for a remote peer (a device "
                           "with endpoint:); local devices always run this host's build"))
+        probs += _spares_problems(dev, p)
         problems += probs
         if not probs:
             devices[name] = DeviceDecl(name=name, **dev)
@@ -130,6 +131,28 @@ def load_node(path: Path | None) -> Node:
 
 # ---------------------------------------------------------------------------------------------
 # Profiles
+
+
+def _spares_problems(dev: DeviceFields, p: PathKey) -> list[tuple[PathKey, str]]:
+    """A remote device's `spares:` (alternate endpoints, plan/spares.py): host:port each, not
+    the endpoint again, none twice, and only beside an `endpoint:`."""
+    spares = dev.get("spares")
+    if spares is None:
+        return []
+    at = p + ("spares",)
+    if "endpoint" not in dev:
+        return [(at, "only for a remote peer (a device with endpoint:): alternate "
+                 "endpoints of the same peer role")]
+    probs: list[tuple[PathKey, str]] = []
+    seen = {dev["endpoint"]}
+    for i, ep in enumerate(spares):
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            probs.append((at + (i,), f"expected host:port, got {ep!r}"))
+        elif ep in seen:
+            probs.append((at + (i,), f"{ep} is named twice (the endpoint or an earlier spare)"))
+        seen.add(ep)
+    return probs
 
 
 def profile_dirs(extra: str | None = None) -> list[Path]:

@@ -152,6 +152,10 @@ class DeviceDecl:
     # A remote peer whose llama.cpp build differs from this host's is refused (buildid.py)
     # unless this is set: for operators who know the two builds are compatible.
     allow_build_mismatch: bool = False
+    # Alternates for a remote peer (host:port each, tried in order when `endpoint` fails HELLO,
+    # identity or the memory fit: plan/spares.py); memory_mib and allow_build_mismatch apply
+    # to each of them as to `endpoint`.
+    spares: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -287,6 +287,7 @@ DEVICE_SCHEMA: dict[str, Checker] = {
     "endpoint": _type(str, "host:port"),
     "memory_mib": _type(int, "MiB"),
     "allow_build_mismatch": _type(bool, "true or false"),
+    "spares": _str_list,
 }
 
 NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
@@ -337,6 +338,7 @@ class DeviceFields(TypedDict, total=False):
     endpoint: str
     memory_mib: int
     allow_build_mismatch: bool
+    spares: tuple[str, ...]
 
 
 class NodeFields(TypedDict, total=False):

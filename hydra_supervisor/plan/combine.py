@@ -192,7 +192,7 @@ def moe_combine(profile: Profile, model: Model, head: Device, peer: Device, buft
             raise DoesNotFit(
                 f"{profile.source}: not even one layer's experts "
                 f"({max(expert_bytes) / MIB:,.0f} MiB) fit on peer '{peer.name}' "
-                f"({peer_avail / MIB:,.0f} MiB usable)")
+                f"({peer_avail / MIB:,.0f} MiB usable)", devices=(peer.name,))
     pattern = expert_pattern(model.tensor_names(), chosen)
     peer_bytes = sum(expert_bytes[i] for i in chosen)
     total = sum(model.layer_bytes()) + model.non_layer_bytes()

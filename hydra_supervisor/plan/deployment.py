@@ -15,13 +15,18 @@ nothing is written back into a plan.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hydra_supervisor.config.profile import HealthPolicy, PeerLoss, Profile, RestartPolicy
-from hydra_supervisor.plan import layout
+from hydra_supervisor.config.config import find_node_file, load_node
+from hydra_supervisor.config.profile import HealthPolicy, Node, PeerLoss, Profile, RestartPolicy
+from hydra_supervisor.plan import layout, spares
 from hydra_supervisor.plan.plan import Address, EngineSpec, Plan, Role
+from hydra_supervisor.plan.spares import PeerChoice
+
+log = logging.getLogger("hydra")
 
 PortPicker = Callable[[set[int]], int | None]
 
@@ -54,6 +59,10 @@ class Deployment:
     pick_internal_port: PortPicker | None = None  # a free internal_ports port, for the head
     layout: layout.Layout | None = None  # what it was built from (None in policy tests)
     keep_slots: bool = False  # save the head's KV slots before it stops, restore after
+    # Each remote device with spares: which of its endpoints the plan runs on, and why not its
+    # primary (plan/spares.py); the supervisor moves a lost peer onto a spare (on_spare).
+    peer_choices: tuple[PeerChoice, ...] = ()
+    slot_dir: Path | None = None  # as given to prepare (a re-plan onto a spare keeps it)
 
     @property
     def profile(self) -> str:
@@ -72,15 +81,53 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
     the running `router: false` head, holds it). None: the profile's own address (`hydra up`,
     before anything is bound), checked free. For a running engine, `keep` is its current plan
     (whose ports are reused)."""
-    lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
-                       overrides=overrides, keep=keep, profile=profile, reserved=reserved,
-                       need_binaries=True, external=external)
+    def attempt(node: Node) -> layout.Layout:
+        lay = layout.build(profile_ref, node_file=node_file, profiles_dir=profiles_dir,
+                           overrides=overrides, keep=keep, profile=profile, reserved=reserved,
+                           need_binaries=True, external=external, read_node=node)
+        layout.check_remote_peers(lay.plan, node=lay.node)
+        return lay
+
+    # each remote device on its endpoint, or on the first of its spares that serves (spares.py)
+    lay, choices = spares.choose(attempt, load_node(find_node_file(node_file)), remote_devices)
+    for c in choices:
+        if c.on_spare:
+            log.warning("%s", c.says())
     bins = layout.find_binaries(lay)
     ours: set[int] = {external.port} if external is not None else set()
     if keep is not None:
         ours |= {e.port for e in keep.engines if e.managed}
     layout.check_ports(lay.plan, lay.external, ours)
-    layout.check_remote_peers(lay.plan, node=lay.node)
+    return _deployment(lay, bins, slot_dir, choices)
+
+
+def remote_devices(lay: layout.Layout) -> set[str]:
+    return {e.device for e in lay.plan.peers if not e.managed}
+
+
+def on_spare(dep: Deployment, device: str, endpoint: str, why: str) -> Deployment:
+    """`dep` re-planned with `device`'s peer at `endpoint` (one of its spares, or its primary
+    again): the fit made against what that host reports free, the head's `--rpc`/`-ot` on it,
+    the ports kept. `why`: what the endpoint it leaves did (said in status). Reads the model's
+    header and asks the spare's router INFO: the supervisor runs it off its loop (seams.py).
+    Raises HydraError (DoesNotFit: the spare is short of memory)."""
+    lay = dep.layout
+    if lay is None:
+        raise ValueError("on_spare needs a deployment prepared from a layout")
+    # its ports kept; nothing of it is held on the spare (the running head's share of the
+    # primary is not counted free there: layout.held_back)
+    keep = replace(dep.plan, placements=tuple(p for p in dep.plan.placements
+                                              if p.device != device))
+    new = layout.build(lay.profile.source, profile=lay.profile, keep=keep,
+                       external=lay.external, inventory=lay.inventory,
+                       read_node=spares.on_endpoint(lay.node, device, endpoint))
+    choices = tuple(c.moved(endpoint, why) if c.device == device else c
+                    for c in dep.peer_choices)
+    return _deployment(new, dep.binaries, dep.slot_dir, choices)
+
+
+def _deployment(lay: layout.Layout, bins: dict[str, str], slot_dir: Path | None,
+                choices: tuple[PeerChoice, ...]) -> Deployment:
     prof = lay.profile
     plan = final_plan(lay, slot_dir)
     # mode: peer has no model; its `prefill:` GGUFs are hashed and copied before its
@@ -96,7 +143,8 @@ def prepare(profile_ref: str, *, node_file: str | None = None,
                       pick_port=layout.port_picker(lay.node, avoid=avoid),
                       pick_internal_port=layout.port_picker(lay.node, lay.node.internal_ports,
                                                             avoid=avoid),
-                      layout=lay, keep_slots=prof.keep_slots)
+                      layout=lay, keep_slots=prof.keep_slots, peer_choices=choices,
+                      slot_dir=slot_dir)
 
 
 def final_plan(lay: layout.Layout, slot_dir: Path | None) -> Plan:

@@ -298,18 +298,39 @@ def _no_hello(eng: EngineSpec, exc: BaseException, timeout: float, mine: str | N
              "its endpoint in the node file")
 
 
+class PeerRefused(HydraError):
+    """A remote peer failed `check_remote_peers` (unreachable, busy, another protocol or
+    build): `device` names it, so that a device with spares is tried on its next (spares.py)."""
+
+    def __init__(self, device: str, exc: HydraError) -> None:
+        super().__init__(exc.message, hint=exc.hint)
+        self.device = device
+
+
 def check_remote_peers(plan: Plan, timeout: float = 5.0, node: Node | None = None) -> None:
     """Ask each remote peer Hydra INFO (its build identity, where it runs hydra) and HELLO it,
-    once before anything starts: unreachable, incompatible or another build → error (a build
-    mismatch only a warning where the node file's device says `allow_build_mismatch: true`).
+    once before anything starts: unreachable, incompatible or another build → PeerRefused,
+    naming the device (a build mismatch only a warning where the node file's device says
+    `allow_build_mismatch: true`).
 
     Safe only before our head attaches (a ggml-rpc-server serves one client at a time).
     """
+    at: list[EngineSpec] = []  # the peer being checked
+    try:
+        _check_each(plan, timeout, node, at)
+    except HydraError as exc:
+        if not at:
+            raise
+        raise PeerRefused(at[-1].device, exc) from exc
+
+
+def _check_each(plan: Plan, timeout: float, node: Node | None, at: list[EngineSpec]) -> None:
     local: buildid.BuildIdentity | None = None
     local_known = False
     for eng in plan.peers:
         if eng.managed:
             continue
+        at.append(eng)
         if not local_known:
             local_known = True
             try:

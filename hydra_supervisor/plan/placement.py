@@ -229,7 +229,13 @@ def fits(placements: Sequence[Placement]) -> bool:
 
 
 class DoesNotFit(HydraError):
-    """The layout needs more memory than its devices have (`hydra profiles`: "does not fit")."""
+    """The layout needs more memory than its devices have (`hydra profiles`: "does not fit").
+    `devices`: those that are short (a remote one with spares is tried on the next: spares.py)."""
+
+    def __init__(self, message: str, *, hint: str | None = None,
+                 devices: Sequence[str] = ()) -> None:
+        super().__init__(message, hint=hint)
+        self.devices = tuple(devices)
 
 
 def check_fit(placements: Sequence[Placement], profile: Profile) -> None:
@@ -243,7 +249,8 @@ def check_fit(placements: Sequence[Placement], profile: Profile) -> None:
     raise DoesNotFit(
         f"{profile.source}: model does not fit the devices of profile '{profile.name}':\n{rows}",
         hint="add a peer, lower ctx-size / use a quantized KV cache (cache-type-k/v: q8_0), "
-             "or pick a smaller quant")
+             "or pick a smaller quant",
+        devices=[p.device for p in placements if p.free_bytes and p.need_bytes > p.free_bytes])
 
 
 def layer_placements(profile: Profile, model: Model, order: Sequence[Device],

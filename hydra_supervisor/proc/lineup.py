@@ -71,6 +71,34 @@ class Lineup:
         self.head.spec = self.combine_head
         self.degraded = None
 
+    def adopt_spare(self, deployment: Deployment) -> None:
+        """Take `deployment`, the same layout re-planned with a remote peer on another of its
+        device's endpoints (a spare: deployment.on_spare): the remote peers' specs (where
+        hydra reaches them), the head's specs (its --rpc/-ot, SOLO fallback) and the plan
+        follow; the processes stay, under their names (a lane's are PROFILE.ROLE; a re-plan's
+        are not): the head is stopped and starts with them next."""
+        names = {(p.spec.role, p.spec.device): p.name for p in self.procs}
+
+        def named(e: EngineSpec) -> EngineSpec:
+            return dataclasses.replace(e, name=names.get((e.role, e.device), e.name))
+
+        plan = dataclasses.replace(deployment.plan,
+                                   engines=tuple(named(e) for e in deployment.plan.engines))
+        solo = named(deployment.solo_head) if deployment.solo_head is not None else None
+        deployment = dataclasses.replace(deployment, plan=plan, solo_head=solo)
+        self.deployment = deployment
+        self.plan = plan
+        self.timeouts = deployment.timeouts
+        self.solo_head = solo
+        by_name = {e.name: e for e in plan.engines}
+        for p in self.peers:
+            if not p.spec.managed and p.name in by_name:
+                p.spec = by_name[p.name]
+        if self.head is not None:
+            self.combine_head = plan.head
+            if not self.degraded:
+                self.head.spec = plan.head
+
     def adopt_head(self, deployment: Deployment) -> None:
         """Take `deployment`, whose peers are those running now: the head's specs, its policy
         and the timeouts change; the head's next start uses them."""

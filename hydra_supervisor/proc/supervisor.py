@@ -175,6 +175,16 @@ class Supervisor:
         self._starter.on_upstream_moved = callback
 
     @property
+    def on_replanned(self) -> Callable[[Deployment], None] | None:
+        """Told the deployment in force when a lost remote peer moved onto a spare (the layout
+        re-planned there): the lane's plan follows (what a reload or CONFIGURE diffs against)."""
+        return self._starter.on_replanned
+
+    @on_replanned.setter
+    def on_replanned(self, callback: Callable[[Deployment], None] | None) -> None:
+        self._starter.on_replanned = callback
+
+    @property
     def before_head_swap(self) -> Callable[[str], Awaitable[None]] | None:
         """Awaited before a head swap the supervisor decides itself (degraded SOLO → COMBINE)."""
         return self._restarter.before_head_swap

@@ -320,7 +320,9 @@ class Lane:
             self._emit(Kind.UNHEALTHY, name, mp.reason)
         elif st is State.READY and down is not None:
             del self._down[name]
+            # a remote peer says where it answered (its device's spare: plan/spares.py)
             self._emit(Kind.RESTARTED if down[1] else Kind.HEALTHY, name,
+                       mp.reason if not mp.spec.managed else "",
                        seconds=self.clock() - down[0])
 
     def _on_upstream_moved(self, kind: Moved, old: Addr, new_port: int) -> None:
@@ -403,6 +405,7 @@ class Lane:
         sup.fail_fast = fail_fast
         sup.traffic = self.route
         sup.on_upstream_moved = self._on_upstream_moved
+        sup.on_replanned = self._adopt  # a lost peer moved onto a spare: the plan it runs
         sup.listeners.append(self._on_transition)
         sup.on_publish = self._changed
         sup.before_head_swap = self._before_head_swap

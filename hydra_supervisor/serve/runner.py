@@ -34,6 +34,7 @@ class Runner(Protocol):
     # seams the lane sets before run()
     traffic: Gated | None
     on_upstream_moved: UpstreamMoved | None
+    on_replanned: Callable[[Deployment], None] | None
     listeners: list[Callable[[ManagedProcess], None]]
     on_publish: Callable[[], None] | None
     before_head_swap: Callable[[str], Awaitable[None]] | None
