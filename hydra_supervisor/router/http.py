@@ -939,10 +939,11 @@ class HttpSession:
                 elif isinstance(ev, h11.ConnectionClosed):
                     raise h11.RemoteProtocolError("upstream closed mid-response")
             if body is not None:
-                # The head goes to the client before the body that came with it is read and
-                # counted: the first byte waits for nothing else (llama-server writes its
-                # head on its own too).
-                if out:
+                # A stream's head goes to the client before the events that came with it are
+                # read and counted: its first byte waits for nothing else (llama-server
+                # writes its head on its own too). A body of known length goes with its head
+                # in one write: the client waits for all of it anyway.
+                if out and body.kind != "length":
                     self._flush(out, rec)
                 # The body, read by the framing here and not by h11 (it costs a fraction).
                 rest, closed = up.trailing_data
@@ -998,7 +999,8 @@ class HttpSession:
         self._set_timeout(0.0)
         sock.setblocking(False)
         try:
-            self.r.pump.run(job)
+            # A stream goes to the pump; a body of known length moves here (router/pump.py).
+            self.r.pump.run(job, here=body.kind == "length")
         finally:
             sock.setblocking(True)
             rec.bytes_out += job.sent

@@ -5,7 +5,9 @@ and a send, each releasing and taking the GIL again, against every other session
 the same: with 32 streams that was ~17 futex calls and ~100 us of CPU per event (bench/router.py
 part h), three times the byte relay. Here a session writes the response head and the bytes that
 came with it itself (the first byte is not delayed by a hand-off), then hands the rest to the
-pump and blocks on one event until the body has ended. The pump waits on all its bodies with
+pump and blocks on one event until the body has ended. A body of known length (a whole JSON
+answer, usually a read or two) moves on the session's own thread the same way (``here``):
+handing it over would put two thread switches on its way for nothing. The pump waits on all its bodies with
 one epoll, and per event does a recv, a framing step (``BodyFraming``, pure) and a
 non-blocking send, with nobody to contend with for the GIL.
 
@@ -257,13 +259,15 @@ class BodyPump:
         if thread is not None:
             thread.join(timeout)
 
-    def run(self, job: BodyJob) -> None:
-        """Move ``job``'s body; returns once it ended (``job.result``)."""
+    def run(self, job: BodyJob, here: bool = False) -> None:
+        """Move ``job``'s body; returns once it ended (``job.result``). ``here``: on the
+        calling thread, not the pump's (a body that comes in one or two reads: handing it
+        over and waking for its end would cost two thread switches on its way)."""
         with self._lock:
             if self._stopping:
                 job.result, job.why = STOPPED, "router stopped"
                 return
-            pumping = self._ensure_running()
+            pumping = not here and self._ensure_running()
             if pumping:
                 self._new.append(job)
                 self._wake()
@@ -273,7 +277,8 @@ class BodyPump:
             self._run_here(job)
 
     def _run_here(self, job: BodyJob) -> None:
-        """Move one body on the calling thread (no pump thread: out of threads)."""
+        """Move one body on the calling thread (asked for, or no pump thread: out of
+        threads)."""
         moving = _Moving(self._clock)
         try:
             moving.add(job)
