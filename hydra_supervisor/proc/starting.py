@@ -26,7 +26,7 @@ from hydra_supervisor.plan.ports import client_host, port_holder
 from hydra_supervisor.proc import llamaerr, logfiles, process, sentwatch
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
-from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, Version
+from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, TlsFailed, Version
 from hydra_supervisor.proc.seams import Moved, Seams, UpstreamMoved, sleep_or_stop
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.stopping import Stopper
@@ -315,10 +315,11 @@ class Starter:
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint} again")
             asked = self.seams.clock()
             try:
-                version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0)
+                version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0,
+                                                 tls=mp.spec.tls)
             except HelloError as exc:
                 version = None
-                why = f"not a ggml-rpc-server: {exc}"
+                why = str(exc) if isinstance(exc, TlsFailed) else f"not a ggml-rpc-server: {exc}"
             else:
                 why = "no HELLO answer" if version is not None else \
                     self._why_no_hello(self.seams.clock() - asked, 2.0)
@@ -364,7 +365,7 @@ class Starter:
         when it has just answered HELLO, so is free, and is remembered as bare: its HELLO
         version is all there is to check, and that is checked at every HELLO."""
         spec = mp.spec
-        info = await self.seams.peer_info(spec.host, spec.port, 5.0)
+        info = await self.seams.peer_info(spec.host, spec.port, 5.0, tls=spec.tls)
         if info is None:  # nothing listens now: the next HELLO says so
             return
         if info.hydra:

@@ -149,7 +149,8 @@ class Watcher:
             if p.spec.managed or p in [q for q, _ in lost]:
                 continue
             try:
-                version = await self.seams.hello(p.spec.host, p.spec.port, timeout=2.0)
+                version = await self.seams.hello(p.spec.host, p.spec.port, timeout=2.0,
+                                                  tls=p.spec.tls)
             except HelloError:
                 version = None
             if version is None:
