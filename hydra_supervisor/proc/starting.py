@@ -31,6 +31,7 @@ from hydra_supervisor.proc.seams import Moved, Seams, UpstreamMoved, sleep_or_st
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.stopping import Stopper
 from hydra_supervisor.proc.watching import Watcher
+from hydra_supervisor.router.tunnel import TlsTunnel
 from hydra_supervisor.tools import buildid, install
 
 log = logging.getLogger("hydra")
@@ -61,6 +62,10 @@ class Starter:
         self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
         self.bare: set[str] = set()  # remote peers that are bare ggml-rpc-servers (no INFO)
         self.routed: set[str] = set()  # remote peers whose host's router answered INFO
+        # A local tunnel per TLS-only remote peer (its endpoint): the head's --rpc goes
+        # through it (router/tunnel.py); started with the first head that uses it, kept
+        # across that head's restarts, closed by the Supervisor once the head has stopped.
+        self.tunnels: dict[str, TlsTunnel] = {}
 
     async def converge(self) -> None:
         """Start what is not READY: the peers (unless the head serves SOLO meanwhile), each
@@ -123,7 +128,7 @@ class Starter:
             await self._prefill_rpc_cache(mp)  # a peer profile's `prefill:` (rpccache.py)
         self._free_port(mp)
         mp.to(State.STARTING, "spawning")
-        argv = mp.spec.argv(mp.binary)
+        argv = self._through_tunnels(mp.spec).argv(mp.binary)
         env = mp.spec.env_dict()
         # A ggml-rpc-server outlives a head that vanishes mid-answer (SIGPIPE ignored), so a
         # head's restart finds its peer running and reuses it.
@@ -150,6 +155,35 @@ class Starter:
         except OSError as exc:
             log.warning("cannot write pidfile for %s: %s", mp.name, exc)
         mp.note(f"spawned pid {mp.child.pid}")
+
+    def _through_tunnels(self, spec: EngineSpec) -> EngineSpec:
+        """A head's spec with each TLS-only remote peer's endpoint in its --rpc and -ot
+        replaced by that peer's local tunnel (started here the first time). The spec the
+        lineup keeps names the peer itself (status, plan, messages)."""
+        if spec.role is not Role.HEAD:
+            return spec
+        for p in self.lineup.peers:
+            files = p.spec.tls
+            if p.spec.managed or files is None:
+                continue
+            tunnel = self.tunnels.get(p.spec.endpoint)
+            if tunnel is None or not tunnel.running():
+                tunnel = TlsTunnel(p.spec.endpoint, files)
+                try:
+                    tunnel.start()
+                except OSError as exc:
+                    raise StartFailed(f"cannot open the TLS tunnel to {p.spec.endpoint}: "
+                                      f"{exc.strerror or exc}") from exc
+                self.tunnels[p.spec.endpoint] = tunnel
+            spec = spec.repointed(p.spec.endpoint, tunnel.local)
+        return spec
+
+    def close_tunnels(self) -> None:
+        """Close every TLS tunnel (blocking, bounded): after the head stopped for good."""
+        tunnels = list(self.tunnels.values())
+        self.tunnels.clear()
+        for t in tunnels:
+            t.stop()
 
     async def _prefill_rpc_cache(self, mp: ManagedProcess) -> None:
         """Before a peer host's ggml-rpc-server starts: write the weights of the local GGUFs its

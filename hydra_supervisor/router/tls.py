@@ -103,6 +103,11 @@ def explain(exc: BaseException, endpoint: str, files: TlsFiles) -> tuple[str, st
         return (f"the peer at {endpoint} does not speak TLS ({exc.reason or exc})",
                 "give the peer profile tls: {ca, cert, key} (its router then takes TLS), or "
                 "remove tls: from this device to speak plain TCP to it")
+    if "unexpected eof" in text or "eof occurred" in text:
+        return (f"the peer at {endpoint} closed the connection during the TLS handshake: it "
+                "does not speak TLS, or its rpc_allow does not list this host",
+                "give the peer profile tls: {ca, cert, key} and an rpc_allow that lists this "
+                "host, or remove tls: from this device to speak plain TCP to it")
     if any(a in text for a in ("unknown ca", "bad certificate", "certificate required",
                                "certificate unknown", "decrypt error", "access denied")):
         return (f"the peer at {endpoint} refused this host's certificate {files.cert} "
