@@ -515,7 +515,15 @@ class Acceptor:
             except (ssl.SSLError, OSError) as e:
                 self._unpend(sel, q.pending, conn)
                 why = e.reason if isinstance(e, ssl.SSLError) and e.reason else e
-                self._drop(conn, f"TLS handshake failed: {why}", "tls_failed")
+                conn.note(f"TLS handshake failed: {why}")
+                self.ledger.count_refused("tls_failed", conn.reason)
+                # OpenSSL has written its alert (unknown CA, ...). Closing with the client's
+                # first bytes unread would reset the connection, and a reset can destroy the
+                # alert before the client reads it: linger as a refused HTTP client does.
+                ssock = conn.client
+                conn.client = socket.socket(ssock.family, ssock.type, ssock.proto,
+                                            fileno=ssock.detach())
+                self._linger(sel, q, conn, b"")
                 return False
             conn.tls = "up"
         return True
