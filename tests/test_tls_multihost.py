@@ -5,7 +5,8 @@ hydras on loopback standing in for two hosts, certificates made by the openssl C
 
 - the COMBINE serves completions (200), its head's --rpc names the tunnel, not the peer;
 - a plain ggml-RPC client to the TLS peer is closed without a byte;
-- a head whose certificate another CA signed is refused at `hydra up` with error:/fix:.
+- a head whose certificate another CA signed is refused at `hydra up` with error:/fix:;
+- `hydra doctor --peers` speaks TLS to the peer (and says what TLS refused).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def test_combine_over_tls_serves_and_plain_is_refused(tmp_path: Path) -> None:
 
         (tmp_path / "head").mkdir()
         env = _head_env(tmp_path / "head", peer_port, certs["head"])
+        doc = run_hydra(env, "doctor", "--peers")  # INFO and HELLO over TLS, before the head
+        assert doc.returncode == 0, doc.stdout + doc.stderr
         port = free_port()
         head = Up(env, ["--profile", str(_combine(tmp_path / "head")), "--port", str(port)],
                   tmp_path / "head")
@@ -115,6 +118,9 @@ def test_a_head_with_a_certificate_of_another_ca_is_refused(tmp_path: Path) -> N
         assert re.search(r"^error: .*refused this host's certificate", err, re.M), err
         assert re.search(r"^\s*fix: sign this host's certificate with the CA", err, re.M), err
         assert "Traceback" not in err
+        doc = run_hydra(env, "doctor", "--peers")
+        assert doc.returncode != 0 and "refused this host's certificate" in doc.stdout, \
+            doc.stdout + doc.stderr
     finally:
         peer.stop()
         peer.kill_everything()
