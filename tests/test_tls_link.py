@@ -76,6 +76,24 @@ def test_rpc_over_tls_is_relayed_and_counted(tls_peer: tuple[Router, EchoServer]
     assert echo.accepted == 1
 
 
+def test_one_rpc_holder_at_a_time_over_tls(tls_peer: tuple[Router, EchoServer],
+                                           certs: dict[str, TlsFiles]) -> None:
+    r, echo = tls_peer
+    with _tls_client(r.port, certs["head"]) as first:
+        first.sendall(b"\x0e" + b"a" * 15)
+        assert recv_exact(first, 20) == b"rpc:\x0e" + b"a" * 15
+        with _tls_client(r.port, certs["head"]) as second:
+            second.sendall(b"\x0e" + b"b" * 15)
+            try:  # refused after the hold grace: EOF (or a reset), never the rpc-server
+                assert recv_to_eof(second) == b""
+            except (ConnectionResetError, ssl.SSLError):
+                pass
+        wait_until(lambda: _refused(r, "rpc_held") == 1, what="the second head refused")
+        first.sendall(b"c")  # the holder is undisturbed
+        assert recv_exact(first, 1) == b"c"
+    assert echo.accepted == 1
+
+
 def test_plain_connection_to_a_tls_port_is_refused(tls_peer: tuple[Router, EchoServer]
                                                    ) -> None:
     r, echo = tls_peer

@@ -22,6 +22,7 @@ from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.proc import rpcproto
 from hydra_supervisor.testing.harness import Up, free_port, make_env, run_hydra
 from hydra_supervisor.testing.tlscerts import make_certs, openssl_missing
+from hydra_supervisor.tools import buildid
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))]
@@ -69,9 +70,12 @@ def test_combine_over_tls_serves_and_plain_is_refused(tmp_path: Path) -> None:
                 assert s.recv(64) == b""
             except ConnectionResetError:
                 pass
-        # hydra's own HELLO over TLS reaches the peer's ggml-rpc-server
+        # hydra's own HELLO over TLS reaches the peer's ggml-rpc-server, and its INFO the
+        # peer's wire server (handed the TLS socket by the router)
         assert rpcproto.probe("127.0.0.1", peer_port, timeout=5,
                               tls=certs["head"]).compatible()
+        info = buildid.ask_info("127.0.0.1", peer_port, timeout=5, tls=certs["head"])
+        assert info.hydra and info.identity is not None, info.note
 
         (tmp_path / "head").mkdir()
         env = _head_env(tmp_path / "head", peer_port, certs["head"])

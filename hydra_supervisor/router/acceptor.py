@@ -154,6 +154,11 @@ class Acceptor:
         self.error: str | None = None
 
     @property
+    def tls_only(self) -> bool:
+        """Whether the port takes TLS only (a peer profile's tls:)."""
+        return self._tls is not None
+
+    @property
     def allow(self) -> list[str]:
         """The allow list as CIDR strings."""
         return [str(n) for n in self._allow]

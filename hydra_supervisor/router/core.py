@@ -210,6 +210,9 @@ class Router:
             self.name, fmt_addr(addr), self._nofile[0], self._nofile[1],
             fd_budget // per,
         )
+        if self.acceptor.tls_only:
+            log.info("router %s: TLS only (mutual certificates); plain connections are refused",
+                     self.name)
         why = allow_mismatch(self.bind_host, self.acceptor.allow)
         if why:
             log.warning("router %s: %s; no ggml-RPC or Hydra wire client can ever be let in",
