@@ -18,7 +18,7 @@ from hydra_supervisor.proc import process
 from hydra_supervisor.proc.health import Gated as Traffic
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ManagedProcess, PeerLost, State
-from hydra_supervisor.proc.rpcproto import HelloError
+from hydra_supervisor.proc.rpcproto import HelloError, TlsFailed
 from hydra_supervisor.proc.seams import Seams, race
 
 log = logging.getLogger("hydra")
@@ -151,6 +151,9 @@ class Watcher:
             try:
                 version = await self.seams.hello(p.spec.host, p.spec.port, timeout=2.0,
                                                   tls=p.spec.tls)
+            except TlsFailed as exc:  # what TLS refused, and the fix
+                lost.append((p, f"(remote {p.spec.endpoint}) {exc}"))
+                continue
             except HelloError:
                 version = None
             if version is None:
