@@ -236,11 +236,14 @@ class Conn:
     def shutdown_all(self) -> None:
         # shutdown (not close) wakes threads blocked in recv/splice on these sockets without
         # freeing the fd under them; the relay thread closes once both directions are done.
+        # The plain socket's shutdown also for a TLS socket: its own would drop the TLS state
+        # under the thread that is using it (ssl.SSLSocket.shutdown), where the syscall only
+        # makes that thread read EOF.
         for s in (self.client, self.upstream):
             if s is None:
                 continue
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                socket.socket.shutdown(s, socket.SHUT_RDWR)
             except OSError:
                 pass
 

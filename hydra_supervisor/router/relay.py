@@ -369,8 +369,8 @@ class Relay:
         (router/tls.py says why); the first EOF ends the connection."""
         try:
             conn.note(tls.pump(conn.client, upstream, conn))
-        except OSError as e:
-            conn.note(f"TLS relay error: {e.strerror or e}")
+        except (OSError, ValueError) as e:  # ValueError: a TLS socket closed under it
+            conn.note(f"TLS relay error: {getattr(e, 'strerror', None) or e}")
         finally:
             conn.shutdown_all()
             self.finish(conn)

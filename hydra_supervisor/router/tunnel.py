@@ -95,8 +95,9 @@ class TlsTunnel:
             socks = list(self._open)
             threads = list(self._threads)
         for s in ([listener] if listener is not None else []) + socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept or select
+            try:  # wakes a thread blocked in accept or select (the plain socket's shutdown:
+                # conn.py's shutdown_all says why)
+                socket.socket.shutdown(s, socket.SHUT_RDWR)
             except OSError:
                 pass
         if listener is not None:
@@ -163,11 +164,11 @@ class TlsTunnel:
             counts = _Counts()
             try:
                 why = tls.pump(client, upstream, counts)
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: a TLS socket closed under it
                 said = tls.explain_line(e, self.endpoint, self.files)
                 if said is not None:
                     self.last_error = said
-                why = said or f"error: {e.strerror or e}"
+                why = said or f"error: {getattr(e, 'strerror', None) or e}"
             log.debug("TLS tunnel %s -> %s: %s after %d bytes up, %d down", self.local,
                       self.endpoint, why, counts.up, counts.down)
         finally:
