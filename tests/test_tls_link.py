@@ -274,3 +274,35 @@ def test_profile_tls_only_for_a_peer(tmp_path: Path, certs: dict[str, TlsFiles])
     with pytest.raises(ConfigError) as e:
         load_profile(bad, node)
     assert f"{bad}:2" in str(e.value) and "used only with mode: peer" in str(e.value)
+
+
+def test_stopping_ends_tls_relays_and_tunnels(certs: dict[str, TlsFiles]) -> None:
+    """Router.stop and TlsTunnel.stop end connections that are being relayed (their threads
+    read EOF and close): nothing is left open, and the client sees the end."""
+    echo = EchoServer(tag=b"rpc:")
+    r = Router(HOST, 0, Upstreams(rpc=echo.addr), allow=["127.0.0.0/8"],
+               tls_context=tls.server_context(certs["peer"]))
+    r.start()
+    tunnel = TlsTunnel(f"{HOST}:{r.port}", certs["head"])
+    host, _, port = tunnel.start().rpartition(":")
+    try:
+        via_tunnel = socket.create_connection((host, int(port)), timeout=DEADLINE)
+        via_tunnel.sendall(b"\x0e")
+        assert recv_exact(via_tunnel, 5) == b"rpc:\x0e"
+        tunnel.stop()
+        assert recv_to_eof(via_tunnel) == b""
+        via_tunnel.close()
+        direct = _tls_client(r.port, certs["head"])
+        wait_until(lambda: r.counters()["open"] == 0, what="the tunnel's connection closed")
+        direct.sendall(b"\x0e")
+        assert recv_exact(direct, 5) == b"rpc:\x0e"
+        r.stop()
+        try:
+            assert direct.recv(16) == b""
+        except (ConnectionResetError, ssl.SSLError):
+            pass
+        direct.close()
+    finally:
+        tunnel.stop()
+        r.stop()
+        echo.close()
