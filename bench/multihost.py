@@ -75,7 +75,7 @@ class Bench:
     def __init__(self, net: Hosts, tmp: Path, model: str, split: str, tls: bool = False
                  ) -> None:
         self.net, self.tmp, self.model, self.split = net, tmp, model, split
-        for d in ("peer", "head", "peer-tls"):
+        for d in ("peer", "head", *(("peer-tls",) if tls else ())):
             (tmp / d).mkdir(parents=True, exist_ok=True)
         self.cache = tmp / "peer" / "llama-cache"
         self.peer_env = make_env(tmp / "peer")
@@ -107,9 +107,10 @@ class Bench:
             "far": f"profile: far\nmode: combine\npeers: [far]\nsplit: {split}\n{common}",
             "near": f"profile: near\nmode: combine\npeers: [cpu-peer]\nsplit: {split}\n{common}",
             "bare": f"profile: bare\nmode: combine\npeers: [bare]\nsplit: {split}\n{common}",
-            "far-tls": f"profile: far-tls\nmode: combine\npeers: [far-tls]\nsplit: {split}\n"
-                       f"{common}",
         }
+        if tls:
+            self.profiles["far-tls"] = (f"profile: far-tls\nmode: combine\npeers: [far-tls]\n"
+                                        f"split: {split}\n{common}")
         for name, text in self.profiles.items():
             (tmp / "head" / f"{name}.yaml").write_text(text)
         self.peer: NsUp | None = None
