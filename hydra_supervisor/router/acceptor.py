@@ -519,7 +519,7 @@ class Acceptor:
                 return False  # more of the client's flight to come (a few KB: it fits)
             except (ssl.SSLError, OSError) as e:
                 self._unpend(sel, q.pending, conn)
-                why = e.reason if isinstance(e, ssl.SSLError) and e.reason else e
+                why = getattr(e, "reason", None) or e
                 conn.note(f"TLS handshake failed: {why}")
                 self.ledger.count_refused("tls_failed", conn.reason)
                 # OpenSSL has written its alert (unknown CA, ...). Closing with the client's

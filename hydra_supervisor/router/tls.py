@@ -81,7 +81,14 @@ def connect(host: str, port: int, files: TlsFiles, timeout: float) -> ssl.SSLSoc
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return ctx.wrap_socket(sock)
+        try:
+            return ctx.wrap_socket(sock)
+        except ConnectionResetError as exc:
+            # A peer router closes a handshake it will not take (a plain port, a source off
+            # its rpc_allow) with the ClientHello unread, which the kernel turns into a reset:
+            # said as the closed handshake it is (``explain``).
+            raise ssl.SSLEOFError(ssl.SSL_ERROR_EOF, "EOF occurred in violation of protocol "
+                                  "(connection reset during the TLS handshake)") from exc
     except BaseException:
         sock.close()
         raise
@@ -97,10 +104,11 @@ def explain(exc: BaseException, endpoint: str, files: TlsFiles) -> tuple[str, st
                 "(both hosts name the same CA)")
     if not isinstance(exc, ssl.SSLError):
         return None
-    text = f"{exc.reason or ''} {exc}".lower()
+    reason = getattr(exc, "reason", None) or exc  # made in Python (connect): no reason
+    text = f"{reason} {exc}".lower()
     if "wrong version number" in text or "record layer failure" in text \
             or "packet length too long" in text:
-        return (f"the peer at {endpoint} does not speak TLS ({exc.reason or exc})",
+        return (f"the peer at {endpoint} does not speak TLS ({reason})",
                 "give the peer profile tls: {ca, cert, key} (its router then takes TLS), or "
                 "remove tls: from this device to speak plain TCP to it")
     if "unexpected eof" in text or "eof occurred" in text:
@@ -111,10 +119,10 @@ def explain(exc: BaseException, endpoint: str, files: TlsFiles) -> tuple[str, st
     if any(a in text for a in ("unknown ca", "bad certificate", "certificate required",
                                "certificate unknown", "decrypt error", "access denied")):
         return (f"the peer at {endpoint} refused this host's certificate {files.cert} "
-                f"({exc.reason or exc})",
+                f"({reason})",
                 "sign this host's certificate with the CA the peer profile's tls.ca names "
                 "(docs/multi-host.md \"Over a network you do not trust\")")
-    return (f"TLS with the peer at {endpoint} failed: {exc.reason or exc}",
+    return (f"TLS with the peer at {endpoint} failed: {reason}",
             "check that both hosts name the same CA and each its own certificate and key")
 
 
