@@ -81,6 +81,9 @@ def test_combine_over_tls_serves_and_plain_is_refused(tmp_path: Path) -> None:
         env = _head_env(tmp_path / "head", peer_port, certs["head"])
         doc = run_hydra(env, "doctor", "--peers")  # INFO and HELLO over TLS, before the head
         assert doc.returncode == 0, doc.stdout + doc.stderr
+        plan = run_hydra(env, "plan", "--profile", str(_combine(tmp_path / "head")))
+        assert plan.returncode == 0 and "over TLS" in plan.stdout, plan.stdout + plan.stderr
+        assert "TLS only" in peer.output()  # its ready line
         port = free_port()
         head = Up(env, ["--profile", str(_combine(tmp_path / "head")), "--port", str(port)],
                   tmp_path / "head")
