@@ -20,8 +20,15 @@ side:
 
 Targets (issue 22): pre-filled within 1.5x of warm; cross-host decode within 0.95 of same-host.
 
+`--tls` (issue 32 item 7) measures instead what TLS between the hosts costs: a second peer
+hydra on the peer host whose profile has `tls:` (its router takes TLS only; certificates made
+by openssl, testing/tlscerts.py), and beside the plain `far` COMBINE a `far-tls` one whose
+device has `tls:` (the head's llama-server through hydra's local tunnel). Interleaved runs of
+each: `hydra up` to ready with the peer's cache emptied (cold: every weight crosses the link,
+encrypted) and warm, and decode tokens/s; medians, TLS / plain.
+
     sudo .venv/bin/python bench/multihost.py [--model gemma3-270m] [--runs 3] [--rate 1gbit]
-        [--burst 1mb] [--decode-only]
+        [--burst 1mb] [--decode-only | --tls]
 
 `--burst` is the tbf bucket: the default 1mb lets each token's messages through at veth speed
 once the bucket has refilled between tokens; a small one (64kb, one veth GSO segment) charges
@@ -52,34 +59,48 @@ import requests  # noqa: E402
 
 from hydra_supervisor.testing.harness import make_env, run_hydra  # noqa: E402
 from hydra_supervisor.testing.netns import Hosts, NsUp, why_unavailable  # noqa: E402
+from hydra_supervisor.testing.tlscerts import make_certs  # noqa: E402
 
 try:
     from hydra_supervisor.tools import rpccache
 except ImportError:  # another change adds it; the pre-filled row then says "not available"
     rpccache = None  # type: ignore[assignment]
 
-PEER_PORT, HEAD_PORT, BARE_PORT = 8090, 8080, 50052
+PEER_PORT, HEAD_PORT, BARE_PORT, TLS_PORT = 8090, 8080, 50052, 8091
 ARGS = ("server_args: {ctx-size: 2048, threads: 1, chat-template: gemma, no-jinja: true,"
         " n-predict: 64}\n")
 
 
 class Bench:
-    def __init__(self, net: Hosts, tmp: Path, model: str, split: str) -> None:
+    def __init__(self, net: Hosts, tmp: Path, model: str, split: str, tls: bool = False
+                 ) -> None:
         self.net, self.tmp, self.model, self.split = net, tmp, model, split
-        for d in ("peer", "head"):
+        for d in ("peer", "head", *(("peer-tls",) if tls else ())):
             (tmp / d).mkdir(parents=True, exist_ok=True)
         self.cache = tmp / "peer" / "llama-cache"
         self.peer_env = make_env(tmp / "peer")
         self.peer_env["LLAMA_CACHE"] = str(self.cache)
         endpoint = f"{net.addr('peer')}:{PEER_PORT}"
         bare = f"{net.addr('peer')}:{BARE_PORT}"
-        self.head_env = make_env(tmp / "head", "devices:\n  far: {endpoint: '" + endpoint +
-                                 "', allow_build_mismatch: true}\n  bare: {endpoint: '" + bare +
-                                 "'}\n")
-        (tmp / "peer" / "lend.yaml").write_text(
-            "profile: lend\nmode: peer\nhead: cpu-peer\nhost: 0.0.0.0\n"
-            f"port: {PEER_PORT}\nrpc_allow: ['{net.addr('head')}/32']\n"
-            "server_args: {threads: 1}\n")
+        devices = ("devices:\n  far: {endpoint: '" + endpoint +
+                   "', allow_build_mismatch: true}\n  bare: {endpoint: '" + bare + "'}\n")
+        lend = ("mode: peer\nhead: cpu-peer\nhost: 0.0.0.0\n"
+                f"rpc_allow: ['{net.addr('head')}/32']\nserver_args: {{threads: 1}}\n")
+        self.tls_env: dict[str, str] | None = None
+        if tls:  # a second peer hydra, TLS only, sharing the rpc cache dir
+            certs = make_certs(tmp / "certs", ["peer", "head"])
+
+            def files(name: str) -> str:
+                f = certs[name]
+                return f"{{ca: '{f.ca}', cert: '{f.cert}', key: '{f.key}'}}"
+            devices += (f"  far-tls: {{endpoint: '{net.addr('peer')}:{TLS_PORT}', "
+                        f"allow_build_mismatch: true, tls: {files('head')}}}\n")
+            (tmp / "peer-tls" / "lend.yaml").write_text(
+                f"profile: lend-tls\n{lend}port: {TLS_PORT}\ntls: {files('peer')}\n")
+            self.tls_env = make_env(tmp / "peer-tls")
+            self.tls_env["LLAMA_CACHE"] = str(self.cache)
+        self.head_env = make_env(tmp / "head", devices)
+        (tmp / "peer" / "lend.yaml").write_text(f"profile: lend\n{lend}port: {PEER_PORT}\n")
         common = f"model: {model}\nhead: cpu\nhost: 0.0.0.0\nport: {HEAD_PORT}\n{ARGS}"
         self.profiles = {
             "solo": f"profile: solo\nmode: solo\n{common}",
@@ -87,15 +108,24 @@ class Bench:
             "near": f"profile: near\nmode: combine\npeers: [cpu-peer]\nsplit: {split}\n{common}",
             "bare": f"profile: bare\nmode: combine\npeers: [bare]\nsplit: {split}\n{common}",
         }
+        if tls:
+            self.profiles["far-tls"] = (f"profile: far-tls\nmode: combine\npeers: [far-tls]\n"
+                                        f"split: {split}\n{common}")
         for name, text in self.profiles.items():
             (tmp / "head" / f"{name}.yaml").write_text(text)
         self.peer: NsUp | None = None
+        self.tls_peer: NsUp | None = None
         self.per_token: list[float] = []  # link bytes per token predicted, one per decode()
 
     def start_peer(self) -> None:
         self.peer = NsUp(self.net, "peer", self.peer_env,
                          ["--profile", str(self.tmp / "peer" / "lend.yaml")], self.tmp / "peer")
         self.peer.wait_ready(60)
+        if self.tls_env is not None:
+            self.tls_peer = NsUp(self.net, "peer", self.tls_env,
+                                 ["--profile", str(self.tmp / "peer-tls" / "lend.yaml")],
+                                 self.tmp / "peer-tls")
+            self.tls_peer.wait_ready(60)
 
     def start_bare(self) -> subprocess.Popen[bytes]:
         """A ggml-rpc-server on the peer host bound to its address, no hydra, no router: what
@@ -185,8 +215,11 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--burst", default="1mb", help="tbf burst (bucket) on each host's link")
-    ap.add_argument("--decode-only", action="store_true",
-                    help="only the decode rows (COMBINE cross-host vs same-host)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--decode-only", action="store_true",
+                      help="only the decode rows (COMBINE cross-host vs same-host)")
+    mode.add_argument("--tls", action="store_true",
+                      help="TLS vs plain between the hosts: load (cold, warm) and decode")
     a = ap.parse_args()
     why = why_unavailable()
     if why:
@@ -195,8 +228,10 @@ def main() -> int:
     med = statistics.median
     with tempfile.TemporaryDirectory(prefix="hydra-multihost-") as t, \
             Hosts(["head", "peer"], rate=a.rate, burst=a.burst) as net:
-        b = Bench(net, Path(t), a.model, a.split)
+        b = Bench(net, Path(t), a.model, a.split, tls=a.tls)
         b.start_peer()
+        if a.tls:
+            return _tls_bench(a, b)
         gguf = b.model_path()
         rows: dict[str, list[float]] = {"solo": [], "cold": [], "warm": [], "prefilled": []}
         sent: dict[str, list[int]] = {"cold": [], "warm": [], "prefilled": []}
@@ -269,6 +304,40 @@ def main() -> int:
     print(f"{'  same, head straight to a bare ggml-rpc-server':<52}{bare_tps:>9.1f}"
           f"{bare_tps / near:>9.2f}   " + ", ".join(f"{v:.1f}" for v in decode["bare"]))
     print(f"  through the peer's router / straight = {far / bare_tps:.2f}")
+    return 0
+
+
+def _tls_bench(a: argparse.Namespace, b: Bench) -> int:
+    """`--tls`: plain and TLS COMBINEs, interleaved; the table (module doc)."""
+    med = statistics.median
+    rows: dict[str, dict[str, list[float]]] = {
+        k: {"cold": [], "warm": [], "decode": []} for k in ("far", "far-tls")}
+    try:
+        for i in range(a.runs):
+            for name in (("far", "far-tls") if i % 2 == 0 else ("far-tls", "far")):
+                print(f"run {i + 1}/{a.runs} {name} ...", file=sys.stderr, flush=True)
+                b.empty_cache()
+                rows[name]["cold"].append(b.up(name)[0])
+                took, tps = b.up(name, lambda: b.decode(a.runs))
+                rows[name]["warm"].append(took)
+                rows[name]["decode"].append(tps)
+    finally:
+        for peer in (b.peer, b.tls_peer):
+            if peer is not None:
+                peer.stop()
+                peer.kill_everything()
+    print(f"bench/multihost.py --tls: {a.model}, COMBINE split {a.split} (peer first), head "
+          f"and peer on 1 thread each, link {a.rate} (tbf burst {a.burst}), {a.runs} runs "
+          "interleaved, medians")
+    print()
+    print(f"{'':<44}{'plain':>9}{'TLS':>9}{'TLS/plain':>11}   runs plain | TLS")
+    for label, key, fmt in (("hydra up -> ready, cold peer cache (s)", "cold", ".2f"),
+                            ("hydra up -> ready, warm peer cache (s)", "warm", ".2f"),
+                            ("decode tokens/s (64 tokens, via head router)", "decode", ".1f")):
+        p, t = med(rows["far"][key]), med(rows["far-tls"][key])
+        runs = (", ".join(f"{v:{fmt}}" for v in rows["far"][key]) + " | "
+                + ", ".join(f"{v:{fmt}}" for v in rows["far-tls"][key]))
+        print(f"{label:<44}{p:>9{fmt}}{t:>9{fmt}}{t / p:>11.2f}   {runs}")
     return 0
 
 

@@ -217,7 +217,8 @@ class FakeWorld:
             return None
         return 200 if c.ready else 503
 
-    async def hello(self, host: str, port: int, timeout: float = 3.0) -> Version | None:
+    async def hello(self, host: str, port: int, timeout: float = 3.0,
+                    tls: object = None) -> Version | None:
         if port in self.remote_up:
             if self.remote_up[port]:
                 return Version(PROTO_MAJOR, PROTO_MINOR, 0)
@@ -228,7 +229,8 @@ class FakeWorld:
             return None
         return Version(PROTO_MAJOR, PROTO_MINOR, 0)
 
-    async def peer_info(self, host: str, port: int, timeout: float) -> PeerInfo | None:
+    async def peer_info(self, host: str, port: int, timeout: float,
+                        tls: object = None) -> PeerInfo | None:
         self.infos[port] = self.infos.get(port, 0) + 1
         return self.remote_info.get(port)
 

@@ -100,7 +100,8 @@ class _World:
         self.now += seconds
         await asyncio.sleep(0)
 
-    async def peer_info(self, host: str, port: int, timeout: float) -> PeerInfo | None:
+    async def peer_info(self, host: str, port: int, timeout: float,
+                        tls: object = None) -> PeerInfo | None:
         self.asked.append((host, port))
         if self.now < 1.0:
             return _info(None)  # the head has not connected yet

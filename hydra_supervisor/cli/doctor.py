@@ -22,11 +22,12 @@ from rich.text import Text
 
 from hydra_supervisor.config import models
 from hydra_supervisor.config.config import find_node_file, load_node
-from hydra_supervisor.config.profile import Node
+from hydra_supervisor.config.profile import Node, TlsFiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import devices
 from hydra_supervisor.plan.ports import self_connected
 from hydra_supervisor.proc import rpcproto
+from hydra_supervisor.router import tls
 from hydra_supervisor.tools import binaries, buildid, install
 
 # Start ggml-rpc-server on a free loopback port, HELLO it, stop it (buildid owns it now).
@@ -132,12 +133,16 @@ class PeerReport:
     error: str = ""
 
 
-def hello_timed(host: str, port: int, timeout: float) -> tuple[rpcproto.Version, float, float]:
-    """(version, connect ms, HELLO round trip ms) of one HELLO session. OSError when nothing
-    answers (TimeoutError: accepted, but no HELLO answer: a head holds that rpc-server)."""
+def hello_timed(host: str, port: int, timeout: float, tls_files: TlsFiles | None = None
+                ) -> tuple[rpcproto.Version, float, float]:
+    """(version, connect ms, HELLO round trip ms) of one HELLO session (over TLS with
+    ``tls_files``: the connect time includes the handshake). OSError when nothing answers
+    (TimeoutError: accepted, but no HELLO answer: a head holds that rpc-server)."""
     deadline = time.monotonic() + timeout
     t0 = time.perf_counter()
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+    conn = tls.connect(host, port, tls_files, timeout) if tls_files is not None else \
+        socket.create_connection((host, port), timeout=timeout)
+    with conn as sock:
         t1 = time.perf_counter()
         if self_connected(sock):
             raise ConnectionRefusedError(111, f"{host}:{port}: nothing listens (self-connect)")
@@ -157,7 +162,8 @@ def hello_timed(host: str, port: int, timeout: float) -> tuple[rpcproto.Version,
     return rpcproto.decode_hello_response(buf), (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
-def probe_peer(device: str, endpoint: str, timeout: float = 5.0) -> PeerReport:
+def probe_peer(device: str, endpoint: str, timeout: float = 5.0,
+               tls_files: TlsFiles | None = None) -> PeerReport:
     """INFO first (it never touches the peer's rpc-server), then one HELLO session."""
     host, _, port_s = endpoint.rpartition(":")
     host = host.strip("[]")
@@ -166,22 +172,26 @@ def probe_peer(device: str, endpoint: str, timeout: float = 5.0) -> PeerReport:
     except ValueError:
         return PeerReport(device, endpoint, error=f"bad endpoint {endpoint!r}")
     try:
-        info: buildid.PeerInfo | None = buildid.ask_info(host, port, timeout=timeout)
+        info: buildid.PeerInfo | None = buildid.ask_info(host, port, timeout=timeout,
+                                                         tls=tls_files)
     except OSError as exc:
-        return PeerReport(device, endpoint, error=f"unreachable: {exc.strerror or exc}")
+        said = tls.explain_line(exc, endpoint, tls_files)
+        return PeerReport(device, endpoint,
+                          error=said or f"unreachable: {exc.strerror or exc}")
     holder = info.holder if info is not None else None
     if holder is not None:  # its router would refuse the HELLO: say who holds it
         return PeerReport(device, endpoint, info=info,
                           error=buildid.busy_line(device, endpoint, holder))
     try:
-        version, connect_ms, hello_ms = hello_timed(host, port, timeout)
+        version, connect_ms, hello_ms = hello_timed(host, port, timeout, tls_files)
     except TimeoutError:
         return PeerReport(device, endpoint, info=info, error=(
             f"accepted the connection but no HELLO answer within {timeout:g}s (its "
             "rpc-server serves one client at a time: is a head using it now?)"))
     except OSError as exc:
+        said = tls.explain_line(exc, endpoint, tls_files)
         return PeerReport(device, endpoint, info=info,
-                          error=f"unreachable: {exc.strerror or exc}")
+                          error=said or f"unreachable: {exc.strerror or exc}")
     except rpcproto.HelloError as exc:
         return PeerReport(device, endpoint, info=info, error=str(exc))
     return PeerReport(device, endpoint, connect_ms, hello_ms, version, info)
@@ -193,8 +203,8 @@ def _gib(n: Any) -> str:
 
 def run_peers(out: Console, node: Node, timeout: float = 5.0) -> bool:
     """`hydra doctor --peers`: each remote peer device of the node file."""
-    remote = [(d.name, d.endpoint, d.allow_build_mismatch) for d in node.devices.values()
-              if d.endpoint]
+    remote = [(d.name, d.endpoint, d.allow_build_mismatch, d.tls)
+              for d in node.devices.values() if d.endpoint]
     _say(out, ("node", "bold"), f": {node.source}")
     if not remote:
         _say(out, "remote peers: none (no device with endpoint: in the node file)")
@@ -207,9 +217,9 @@ def run_peers(out: Console, node: Node, timeout: float = 5.0) -> bool:
         local = None
         _say(out, ("this host", "bold"), ": build identity unknown (", exc.message, ")")
     ok = True
-    for name, endpoint, allow in remote:
+    for name, endpoint, allow, tls_files in remote:
         assert endpoint is not None
-        rep = probe_peer(name, endpoint, timeout)
+        rep = probe_peer(name, endpoint, timeout, tls_files)
         _say(out, ("peer ", "bold"), (name, "bold"), f" at {endpoint}:")
         if rep.error:
             ok = False

@@ -77,6 +77,8 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
                   f"{pl.overhead_bytes / 2**20:,.0f} = {pl.need_bytes / 2**20:,.0f} MiB ({free})")
     for e in p.in_start_order():
         where = "remote, not started by hydra" if not e.managed else f"on {e.device}"
+        if e.tls is not None:
+            where += "; over TLS (the head's --rpc goes through a local tunnel)"
         out.print(styled((f"{e.start_order}. {e.name}", "bold"),
                          f" ({e.role.value}, {where}) listens {e.endpoint}"))
         if e.managed:
@@ -88,7 +90,8 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
                           "here)", markup=False)
     if p.router:
         r = p.router
-        rpc = (f", ggml-RPC -> {host_port(*r.rpc)} (from {', '.join(r.allow)})"
+        tls = ", TLS only" if r.tls is not None else ""
+        rpc = (f", ggml-RPC -> {host_port(*r.rpc)} (from {', '.join(r.allow)}{tls})"
                if r.rpc else "")
         http = f"HTTP -> {host_port(*r.http)}" if r.http else "HTTP -> 503 (no head)"
         out.print(styled(("router", "bold"),

@@ -312,8 +312,13 @@ def _present_one(p: Port, lane: Lane) -> None:
     plan = lane.dep.plan
     if plan.router and not plan.router.http:
         r = plan.router
+        tls = ", TLS only" if r.tls is not None else ""
         out.print(f"ready: {plan.profile} serves {plan.engines[0].device} over ggml-RPC at "
-                  f"{host_port(p.host, p.port)} (from {', '.join(r.allow)})")
+                  f"{host_port(p.host, p.port)} (from {', '.join(r.allow)}{tls})")
+        if r.tls is not None:
+            out.print(f"  on the head's host, a node file device: {{endpoint: HOST:{p.port}, "
+                      "tls: {ca: CA, cert: HEAD-CERT, key: HEAD-KEY}}")
+            return
         out.print(f"  on the head's host: llama-server -m MODEL --rpc "
                   f"{host_port(client_host(p.host), p.port)} ...   "
                   f"(or a node file device: {{endpoint: HOST:{p.port}}})")

@@ -30,6 +30,7 @@ from hydra_supervisor.config.profile import Node as Node
 from hydra_supervisor.config.profile import PeerLoss as PeerLoss
 from hydra_supervisor.config.profile import Profile as Profile
 from hydra_supervisor.config.profile import RestartPolicy as RestartPolicy
+from hydra_supervisor.config.profile import TlsFiles as TlsFiles
 from hydra_supervisor.config.profile import Transport as Transport
 from hydra_supervisor.config.profile import WireReads as WireReads
 from hydra_supervisor.config.profile import name_problem
@@ -40,6 +41,7 @@ from hydra_supervisor.config.schema import (
     DeviceFields,
     HealthFields,
     NodeFields,
+    Problems,
     ProfileFields,
     RestartFields,
     check_mapping,
@@ -107,6 +109,14 @@ def load_node(path: Path | None) -> Node:
             probs.append((p + ("allow_build_mismatch",), "only for a remote peer (a device "
                           "with endpoint:); local devices always run this host's build"))
         probs += _spares_problems(dev, p)
+        if "tls" in dev:
+            if "endpoint" not in dev:
+                probs.append((p + ("tls",), "only for a remote peer (a device with "
+                              "endpoint:): hydra reaches that host's router over TLS"))
+            else:
+                dev["tls"], unreadable = tls_files(dev["tls"], Path(src.file).parent,
+                                                   p + ("tls",))
+                probs += unreadable
         problems += probs
         if not probs:
             devices[name] = DeviceDecl(name=name, **dev)
@@ -236,6 +246,14 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, object] | None 
     if isinstance(standby, str) and standby in (data.get("profile", path.stem), path.stem):
         problems.append((("standby",), "names this profile itself: give the profile of the "
                          "other layout of the same model (e.g. its SOLO), or remove standby"))
+    if "tls" in data and data.get("mode") != Mode.PEER.value:
+        problems.append((("tls",), "used only with mode: peer (the peer host's router then "
+                         "takes TLS only); a head host names TLS on its remote device in the "
+                         "node file: devices: {NAME: {endpoint: HOST:PORT, tls: {...}}}"))
+    elif isinstance(checked.get("tls"), TlsFiles):
+        checked["tls"], unreadable = tls_files(cast(TlsFiles, checked["tls"]),
+                                               Path(src.file).parent, ("tls",))
+        problems += unreadable
     if "standby" in data and data.get("mode") == Mode.PEER.value:
         problems.append((("standby",), "not with mode: peer (a peer serves no HTTP model to "
                          "switch); remove standby"))
@@ -254,6 +272,24 @@ def load_profile(path: Path, node: Node, overrides: Mapping[str, object] | None 
         health=HealthPolicy(**health),
         **cast(ProfileFields, merged),
     )
+
+
+def tls_files(files: TlsFiles, base: Path, p: PathKey) -> tuple[TlsFiles, Problems]:
+    """``files`` with each path made absolute (a relative one is relative to the YAML file's
+    directory, ``base``), and a problem for each that is not a readable file."""
+    out: dict[str, str] = {}
+    probs: Problems = []
+    for key in ("ca", "cert", "key"):
+        path = Path(os.path.expanduser(getattr(files, key)))
+        path = path if path.is_absolute() else base / path
+        out[key] = str(path)
+        if not path.is_file():
+            probs.append((p + (key,), f"no such file: {path} (make the CA and host "
+                          "certificates with openssl: docs/multi-host.md \"Over a network "
+                          "you do not trust\")"))
+        elif not os.access(path, os.R_OK):
+            probs.append((p + (key,), f"{path} is not readable by this user"))
+    return TlsFiles(**out), probs
 
 
 def is_loopback_host(host: str) -> bool:

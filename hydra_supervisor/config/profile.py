@@ -27,6 +27,18 @@ def name_problem(name: str) -> str | None:
     return f"{shown} is not a valid name: {NAME_RULE}"
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """TLS between hydra hosts (docs/multi-host.md "Over a network you do not trust"): the CA
+    that signed every hydra host's certificate, and this host's certificate and key (PEM).
+    Each side requires the other's certificate, signed by ``ca``; host names are not checked
+    (the CA is private to the hydra hosts: whatever it signed is one of them)."""
+
+    ca: str
+    cert: str
+    key: str
+
+
 class Mode(Enum):
     SOLO = "solo"
     COMBINE = "combine"
@@ -113,6 +125,9 @@ class Profile:
     router: bool = True  # the external port is hydra's first-byte router; false: llama-server's
     rpc_allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # who may speak ggml-RPC through it
     wire_reads: WireReads = WireReads.ALLOW_LIST  # who may send wire reads (changes: the owner)
+    # mode: peer: the router takes TLS only (mutual, these files): ggml-RPC and Hydra frames
+    # inside it; a plain connection is refused. None: plain TCP (a private network).
+    tls: TlsFiles | None = None
     description: str = ""
     # `hydra bench` thresholds (decode_tps, prefill_tps: at least; ttft_ms: at most).
     expect: Mapping[str, float] = field(default_factory=dict)
@@ -156,6 +171,9 @@ class DeviceDecl:
     # identity or the memory fit: plan/spares.py); memory_mib and allow_build_mismatch apply
     # to each of them as to `endpoint`.
     spares: tuple[str, ...] = ()
+    # A remote peer whose router takes TLS only: hydra reaches it over TLS with these files
+    # (its own probes directly, the head's llama-server through a local tunnel).
+    tls: TlsFiles | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from hydra_supervisor.config.profile import (
     Mode,
     MoeSplit,
     PeerLoss,
+    TlsFiles,
     Transport,
     WireReads,
     name_problem,
@@ -114,6 +115,27 @@ def _cidrs(v: object, p: PathKey) -> Checked:
         except ValueError:
             bad.append((p + (i,), f"not an address or CIDR: {cidr!r}"))
     return val, bad
+
+
+TLS_KEYS = ("ca", "cert", "key")
+TLS_LABEL = "{ca: PATH, cert: PATH, key: PATH} (PEM files: the hydra hosts' CA, this host's " \
+    "certificate and its key)"
+
+
+def _tls(v: object, p: PathKey) -> Checked:
+    """A ``tls:`` section: the three PEM paths as given (config.py resolves and checks them)."""
+    if not isinstance(v, dict):
+        return None, [(p, f"expected {TLS_LABEL}, got {v!r}")]
+    probs: Problems = [(p + (k,), f"unknown key '{k}'; valid keys: {', '.join(TLS_KEYS)}")
+                       for k in v if k not in TLS_KEYS]
+    for k in TLS_KEYS:
+        if k not in v:
+            probs.append((p, f"missing '{k}': expected {TLS_LABEL}"))
+        elif not isinstance(v[k], str) or not v[k]:
+            probs.append((p + (k,), f"expected a path, got {v[k]!r}"))
+    if probs:
+        return None, probs
+    return TlsFiles(ca=v["ca"], cert=v["cert"], key=v["key"]), []
 
 
 def _split(v: object, p: PathKey) -> Checked:
@@ -268,6 +290,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "health": _section(HEALTH_SCHEMA, "health"),
     "router": _type(bool, "true or false"),
     "rpc_allow": _cidrs,
+    "tls": _tls,
     "wire_reads": _enum(WireReads),
     "expect": _section(EXPECT_SCHEMA, "expect"),
     "keep_slots": _type(bool, "true or false"),
@@ -288,6 +311,7 @@ DEVICE_SCHEMA: dict[str, Checker] = {
     "memory_mib": _type(int, "MiB"),
     "allow_build_mismatch": _type(bool, "true or false"),
     "spares": _str_list,
+    "tls": _tls,
 }
 
 NODE_DEFAULTS_SCHEMA: dict[str, Checker] = {
@@ -339,6 +363,7 @@ class DeviceFields(TypedDict, total=False):
     memory_mib: int
     allow_build_mismatch: bool
     spares: tuple[str, ...]
+    tls: TlsFiles
 
 
 class NodeFields(TypedDict, total=False):
@@ -394,6 +419,7 @@ class ProfileFields(TypedDict, total=False):
     stop_grace: float
     router: bool
     rpc_allow: tuple[str, ...]
+    tls: TlsFiles
     wire_reads: WireReads
     expect: dict[str, float]
     keep_slots: bool

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import yaml
 
-from hydra_supervisor.config.profile import Node
+from hydra_supervisor.config.profile import Node, TlsFiles
 from hydra_supervisor.errors import HydraError
 
 MIB = 1024 * 1024
@@ -52,6 +52,7 @@ class Device:
     model: str = ""
     threads: int = 0  # CPU devices: cores to use (ggml-rpc-server defaults to 1 thread)
     reported: bool = False  # remote: total/free as its peer host reported them (Hydra INFO)
+    tls: TlsFiles | None = None  # remote: its router takes TLS only (the node file's tls:)
 
     @property
     def label(self) -> str:
@@ -239,7 +240,7 @@ def devices(node: Node, inv: Inventory) -> dict[str, Device]:
                                     override or inv.cpu_free, threads=inv.cpu_count)
         elif decl.endpoint:
             out[decl.name] = Device(decl.name, Kind.REMOTE, override or 0, override or 0,
-                                    endpoint=decl.endpoint)
+                                    endpoint=decl.endpoint, tls=decl.tls)
         elif decl.cuda is not None:
             named_indexes.add(decl.cuda)
             gpu = by_index.get(decl.cuda)

@@ -164,7 +164,7 @@ def peer_memory(devs: Mapping[str, Device], names: Iterable[str], timeout: float
             continue
         host, _, port = dev.endpoint.rpartition(":")
         try:
-            info = buildid.ask_info(host, int(port), timeout=timeout)
+            info = buildid.ask_info(host, int(port), timeout=timeout, tls=dev.tls)
         except (OSError, ValueError):
             continue
         frees = [x.get("free_bytes") for x in info.lent]
@@ -278,9 +278,13 @@ def _no_hello(eng: EngineSpec, exc: BaseException, timeout: float, mine: str | N
     info = None
     if asked is not None and asked.hydra:  # the head may have taken it since that INFO
         try:
-            info = buildid.ask_info(eng.host, eng.port, timeout=timeout, head_build=mine)
+            info = buildid.ask_info(eng.host, eng.port, timeout=timeout, head_build=mine,
+                                    tls=eng.tls)
         except OSError:
             info = None
+    if isinstance(exc, rpcproto.TlsFailed):
+        msg, _, fix = str(exc).partition("; fix: ")
+        return HydraError(f"remote peer {eng.device}: {msg}", hint=fix or None)
     if info is not None and info.holder is not None:
         return HydraError(buildid.busy_line(eng.device, eng.endpoint, info.holder),
                           hint="stop the head that holds it, or give this head another peer; "
@@ -339,16 +343,17 @@ def _check_each(plan: Plan, timeout: float, node: Node | None, at: list[EngineSp
                 log.warning("this host's build identity is unknown (%s)", exc.message)
         mine = local.fingerprint if local is not None else None
         try:
-            info = buildid.ask_info(eng.host, eng.port, timeout=timeout, head_build=mine)
+            info = buildid.ask_info(eng.host, eng.port, timeout=timeout, head_build=mine,
+                                    tls=eng.tls)
         except OSError:
-            info = None  # nothing listens: the HELLO below says so
+            info = None  # nothing listens (or TLS failed): the HELLO below says so
         if info is not None and info.holder is not None:
             # a peer hydra's router refuses a second head before its rpc-server sees it
             raise HydraError(buildid.busy_line(eng.device, eng.endpoint, info.holder),
                              hint="stop the head that holds it, or give this head another "
                                   "peer; `hydra status` on the peer host shows the holder")
         try:
-            version = rpcproto.probe(eng.host, eng.port, timeout=timeout)
+            version = rpcproto.probe(eng.host, eng.port, timeout=timeout, tls=eng.tls)
         except (OSError, rpcproto.HelloError) as exc:
             raise _no_hello(eng, exc, timeout, mine, info) from exc
         if not version.compatible():

@@ -52,7 +52,7 @@ def peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Pro
         host, _, p = dev.endpoint.rpartition(":")
         return EngineSpec(name=name, role=Role.PEER, program="ggml-rpc-server", args=(),
                           env=(), host=host, port=int(p), device=dev.name, start_order=order,
-                          managed=False)
+                          managed=False, tls=dev.tls)
     assert port is not None
     # -c: keep ggml-rpc-server's tensor cache so a restarted head does not resend weights.
     args: tuple[str, ...] = ("-H", PEER_BIND, "-p", str(port), "-c")

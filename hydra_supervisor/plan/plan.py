@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum, StrEnum
 from typing import TypedDict, cast
 
+from hydra_supervisor.config.profile import TlsFiles
+
 
 class Role(Enum):
     HEAD = "head"
@@ -51,6 +53,9 @@ class EngineSpec:
     device: str
     start_order: int
     managed: bool = True  # False: a remote peer on another host; hydra only probes it
+    # A remote peer reached over TLS (its device's tls:): hydra's probes speak TLS to it, and
+    # the head's --rpc goes through a local tunnel (router/tunnel.py) started with the head.
+    tls: TlsFiles | None = None
 
     @property
     def endpoint(self) -> str:
@@ -111,6 +116,7 @@ class RouterSpec:
     http: tuple[str, int] | None
     rpc: tuple[str, int] | None
     allow: tuple[str, ...]
+    tls: TlsFiles | None = None  # mode: peer with tls: the port takes TLS only
 
 
 class PlanMeta(TypedDict, total=False):

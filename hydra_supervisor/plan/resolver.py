@@ -86,7 +86,8 @@ def resolve_peer_engine(profile: Profile, devices: Mapping[str, Device],
     if not rpc_ports:
         raise HydraError("no free ggml-rpc-server port left in the node's rpc_ports range")
     peer = peer_spec(f"peer-{dev.name}", dev, rpc_ports[0], 0, profile)
-    router = RouterSpec(http=None, rpc=(peer.host, peer.port), allow=tuple(profile.rpc_allow))
+    router = RouterSpec(http=None, rpc=(peer.host, peer.port), allow=tuple(profile.rpc_allow),
+                        tls=profile.tls)
     return Plan(profile=profile.name, source=profile.source, model_path="",
                 model_kind=ModelKind.NONE, mode=PlanMode(profile.mode.value),
                 transport=PlanTransport.RPC, engines=(peer,), router=router)

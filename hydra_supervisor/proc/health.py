@@ -14,6 +14,7 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Protocol
 
+from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.proc import rpcproto
 
 if TYPE_CHECKING:
@@ -72,11 +73,13 @@ async def slots_busy(host: str, port: int, timeout: float = 2.0) -> bool | None:
         isinstance(s, dict) and s.get("is_processing") for s in slots)
 
 
-async def hello(host: str, port: int, timeout: float = 3.0) -> rpcproto.Version | None:
-    """The peer's protocol version, or None when nothing answers. HelloError on garbage."""
+async def hello(host: str, port: int, timeout: float = 3.0, tls: TlsFiles | None = None
+                ) -> rpcproto.Version | None:
+    """The peer's protocol version, or None when nothing answers. HelloError on garbage
+    (rpcproto.TlsFailed: over ``tls``, TLS itself failed)."""
     try:
-        return await asyncio.wait_for(asyncio.to_thread(rpcproto.probe, host, port, timeout),
-                                      timeout + 1.0)
+        return await asyncio.wait_for(
+            asyncio.to_thread(rpcproto.probe, host, port, timeout, tls), timeout + 1.0)
     except (OSError, TimeoutError):
         return None
 

@@ -10,10 +10,12 @@ ggml-rpc-server serves one client at a time, so never probe a peer a head is att
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass
 
+from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.plan.ports import self_connected
 
 RPC_CMD_HELLO = 0x0E
@@ -52,10 +54,29 @@ def decode_hello_response(data: bytes) -> Version:
     return Version(major, minor, patch)
 
 
-def probe(host: str, port: int, timeout: float = 3.0) -> Version:
-    """Connect, HELLO, read the version, disconnect. OSError when nothing answers."""
+class TlsFailed(HelloError):
+    """HELLO over TLS failed in TLS itself (a certificate refused either way, or a peer that
+    does not speak TLS): the message says which and the fix (router/tls.py ``explain``)."""
+
+
+def probe(host: str, port: int, timeout: float = 3.0, tls: TlsFiles | None = None) -> Version:
+    """Connect, HELLO, read the version, disconnect. OSError when nothing answers. ``tls``:
+    the peer's router takes TLS only (its device's tls:); a TLS failure is TlsFailed."""
+    if tls is None:
+        return _probe(socket.create_connection((host, port), timeout=timeout), host, port,
+                      timeout)
+    from hydra_supervisor.router import tls as tlslink
+
+    try:
+        return _probe(tlslink.connect(host, port, tls, timeout), host, port, timeout)
+    except ssl.SSLError as exc:
+        said = tlslink.explain_line(exc, f"{host}:{port}", tls)
+        raise TlsFailed(said or str(exc)) from exc
+
+
+def _probe(conn: socket.socket, host: str, port: int, timeout: float) -> Version:
     deadline = time.monotonic() + timeout
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+    with conn as sock:
         if self_connected(sock):  # TCP self-connect: nobody listens (see ports.py)
             raise ConnectionRefusedError(111, f"{host}:{port}: nothing listens (self-connect)")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

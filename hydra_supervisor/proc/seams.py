@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.deployment import Deployment, on_spare
 from hydra_supervisor.plan.ports import port_free
@@ -29,11 +30,13 @@ class Moved(StrEnum):
     RPC = "rpc"  # a ggml-rpc-server (a lent device's: the port's ggml-RPC upstream)
 
 
-async def ask_peer_info(host: str, port: int, timeout: float) -> buildid.PeerInfo | None:
-    """Hydra INFO to a remote peer's router (its build identity), off the loop; None when
-    nothing listens there (its HELLO says why)."""
+async def ask_peer_info(host: str, port: int, timeout: float, tls: TlsFiles | None = None
+                        ) -> buildid.PeerInfo | None:
+    """Hydra INFO to a remote peer's router (its build identity), off the loop (over ``tls``
+    when its router takes TLS only); None when nothing listens there or TLS failed (its HELLO
+    says why)."""
     try:
-        return await asyncio.to_thread(buildid.ask_info, host, port, timeout)
+        return await asyncio.to_thread(buildid.ask_info, host, port, timeout, None, tls)
     except OSError:
         return None
 
@@ -75,7 +78,7 @@ class Seams:
     connect: Callable[[str, int, float], Awaitable[str | None]] = health.tcp_connect
     # A remote peer's build identity (Hydra INFO through its router) and this host's, checked
     # before each head start (starting.py): a peer host back with another build is refused.
-    peer_info: Callable[[str, int, float], Awaitable[buildid.PeerInfo | None]] = ask_peer_info
+    peer_info: Callable[..., Awaitable[buildid.PeerInfo | None]] = ask_peer_info
     local_identity: Callable[[Mapping[str, str] | None],
                              Awaitable[buildid.BuildIdentity | None]] = this_host_identity
     # A lost remote peer moved onto one of its device's spares: the layout re-planned there.

@@ -66,7 +66,7 @@ async def watch_sent(head: ManagedProcess, peers: Sequence[ManagedProcess], seam
             if p.name not in routed:
                 sent[p.spec.device] = None
                 continue
-            info = await seams.peer_info(p.spec.host, p.spec.port, INFO_TIMEOUT)
+            info = await seams.peer_info(p.spec.host, p.spec.port, INFO_TIMEOUT, tls=p.spec.tls)
             sent[p.spec.device] = sent_by_holder(info, seams.clock() - started)
         head.sent_to_peers(sent)
         await seams.sleep(SENT_INTERVAL)

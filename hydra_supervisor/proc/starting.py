@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import spares
 from hydra_supervisor.plan.deployment import Deployment, PortPicker
@@ -32,11 +33,12 @@ from hydra_supervisor.plan.spares import PeerChoice
 from hydra_supervisor.proc import llamaerr, logfiles, process, sentwatch
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ChangeFailed, Fatal, ManagedProcess, StartFailed, State
-from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, Version
+from hydra_supervisor.proc.rpcproto import PROTO_MAJOR, PROTO_MINOR, HelloError, TlsFailed, Version
 from hydra_supervisor.proc.seams import Moved, Seams, UpstreamMoved, sleep_or_stop
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.stopping import Stopper
 from hydra_supervisor.proc.watching import Watcher
+from hydra_supervisor.router.tunnel import TlsTunnel
 from hydra_supervisor.tools import buildid, install
 
 log = logging.getLogger("hydra")
@@ -69,6 +71,10 @@ class Starter:
         self.said: dict[str, str] = {}  # the identity warning last logged for each remote peer
         self.bare: set[str] = set()  # remote peers that are bare ggml-rpc-servers (no INFO)
         self.routed: set[str] = set()  # remote peers whose host's router answered INFO
+        # A local tunnel per TLS-only remote peer (its endpoint): the head's --rpc goes
+        # through it (router/tunnel.py); started with the first head that uses it, kept
+        # across that head's restarts, closed by the Supervisor once the head has stopped.
+        self.tunnels: dict[str, TlsTunnel] = {}
 
     async def converge(self) -> None:
         """Start what is not READY: the peers (unless the head serves SOLO meanwhile), each
@@ -131,7 +137,7 @@ class Starter:
             await self._prefill_rpc_cache(mp)  # a peer profile's `prefill:` (rpccache.py)
         self._free_port(mp)
         mp.to(State.STARTING, "spawning")
-        argv = mp.spec.argv(mp.binary)
+        argv = self._through_tunnels(mp.spec).argv(mp.binary)
         env = mp.spec.env_dict()
         # A ggml-rpc-server outlives a head that vanishes mid-answer (SIGPIPE ignored), so a
         # head's restart finds its peer running and reuses it.
@@ -158,6 +164,35 @@ class Starter:
         except OSError as exc:
             log.warning("cannot write pidfile for %s: %s", mp.name, exc)
         mp.note(f"spawned pid {mp.child.pid}")
+
+    def _through_tunnels(self, spec: EngineSpec) -> EngineSpec:
+        """A head's spec with each TLS-only remote peer's endpoint in its --rpc and -ot
+        replaced by that peer's local tunnel (started here the first time). The spec the
+        lineup keeps names the peer itself (status, plan, messages)."""
+        if spec.role is not Role.HEAD:
+            return spec
+        for p in self.lineup.peers:
+            files = p.spec.tls
+            if p.spec.managed or files is None:
+                continue
+            tunnel = self.tunnels.get(p.spec.endpoint)
+            if tunnel is None or not tunnel.running():
+                tunnel = TlsTunnel(p.spec.endpoint, files)
+                try:
+                    tunnel.start()
+                except OSError as exc:
+                    raise StartFailed(f"cannot open the TLS tunnel to {p.spec.endpoint}: "
+                                      f"{exc.strerror or exc}") from exc
+                self.tunnels[p.spec.endpoint] = tunnel
+            spec = spec.repointed(p.spec.endpoint, tunnel.local)
+        return spec
+
+    def close_tunnels(self) -> None:
+        """Close every TLS tunnel (blocking, bounded): after the head stopped for good."""
+        tunnels = list(self.tunnels.values())
+        self.tunnels.clear()
+        for t in tunnels:
+            t.stop()
 
     async def _prefill_rpc_cache(self, mp: ManagedProcess) -> None:
         """Before a peer host's ggml-rpc-server starts: write the weights of the local GGUFs its
@@ -323,10 +358,11 @@ class Starter:
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint} again")
             asked = self.seams.clock()
             try:
-                version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0)
+                version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0,
+                                                 tls=mp.spec.tls)
             except HelloError as exc:
                 version = None
-                why = f"not a ggml-rpc-server: {exc}"
+                why = str(exc) if isinstance(exc, TlsFailed) else f"not a ggml-rpc-server: {exc}"
             else:
                 why = "no HELLO answer" if version is not None else \
                     self._why_no_hello(self.seams.clock() - asked, 2.0)
@@ -391,7 +427,8 @@ class Starter:
             mp.note(f"{why} from {here}; trying {device}'s "
                     f"{'primary' if ep == choice.endpoints[0] else 'spare'} {ep}")
             try:
-                version = await self.seams.hello(host, int(port), timeout=2.0)
+                version = await self.seams.hello(host, int(port), timeout=2.0,
+                                                 tls=mp.spec.tls)
             except HelloError as exc:
                 said.append(f"{ep}: not a ggml-rpc-server: {exc}")
                 continue
@@ -400,7 +437,7 @@ class Starter:
                                          else f"speaks ggml-RPC {version}"))
                 continue
             try:
-                await self._peer_build(device, host, int(port), ep, version)
+                await self._peer_build(device, host, int(port), ep, version, mp.spec.tls)
                 dep = await self.seams.replan(self.lineup.deployment, device, ep, why)
             except HydraError as exc:
                 said.append(f"{ep}: {spares.first_line(exc, device)}")
@@ -418,10 +455,12 @@ class Starter:
         return None
 
     async def _peer_build(self, device: str, host: str, port: int, endpoint: str,
-                          version: Version) -> tuple[buildid.PeerInfo | None, str | None]:
-        """A remote peer's INFO and `buildid.check_peer`'s warning; raises HydraError for
-        another build (unless the device allows it). INFO None: nothing answered it."""
-        info = await self.seams.peer_info(host, port, 5.0)
+                          version: Version, tls: TlsFiles | None = None
+                          ) -> tuple[buildid.PeerInfo | None, str | None]:
+        """A remote peer's INFO (over `tls`, the device's, where it has one) and
+        `buildid.check_peer`'s warning; raises HydraError for another build (unless the
+        device allows it). INFO None: nothing answered it."""
+        info = await self.seams.peer_info(host, port, 5.0, tls=tls)
         if info is None:
             return None, None
         lay = self.lineup.deployment.layout
@@ -445,7 +484,7 @@ class Starter:
         spec = mp.spec
         try:
             info, warning = await self._peer_build(spec.device, spec.host, spec.port,
-                                                   spec.endpoint, version)
+                                                   spec.endpoint, version, spec.tls)
         except HydraError as exc:
             why = f"{exc.message}; fix: {exc.hint}" if exc.hint else exc.message
             if mp.state is not State.FATAL:

@@ -468,6 +468,8 @@ class Supervisor:
         await asyncio.gather(*(peer_stop(mp) for mp in self.peers))
         if head_stop is not None:
             await head_stop
+        if self._starter.tunnels:  # the head is gone: nothing uses them any more
+            await asyncio.to_thread(self._starter.close_tunnels)
         if self.seams.reap:
             leftovers = process.adopted(self._starter.spawned)
             for p in leftovers:

@@ -18,7 +18,7 @@ from hydra_supervisor.proc import process
 from hydra_supervisor.proc.health import Gated as Traffic
 from hydra_supervisor.proc.lineup import Lineup
 from hydra_supervisor.proc.managed import ManagedProcess, PeerLost, State
-from hydra_supervisor.proc.rpcproto import HelloError
+from hydra_supervisor.proc.rpcproto import HelloError, TlsFailed
 from hydra_supervisor.proc.seams import Seams, race
 
 log = logging.getLogger("hydra")
@@ -149,7 +149,11 @@ class Watcher:
             if p.spec.managed or p in [q for q, _ in lost]:
                 continue
             try:
-                version = await self.seams.hello(p.spec.host, p.spec.port, timeout=2.0)
+                version = await self.seams.hello(p.spec.host, p.spec.port, timeout=2.0,
+                                                  tls=p.spec.tls)
+            except TlsFailed as exc:  # what TLS refused, and the fix
+                lost.append((p, f"(remote {p.spec.endpoint}) {exc}"))
+                continue
             except HelloError:
                 version = None
             if version is None:

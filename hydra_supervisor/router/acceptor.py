@@ -18,12 +18,13 @@ import itertools
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from hydra_supervisor.router import limits
+from hydra_supervisor.router import limits, tls
 from hydra_supervisor.router.classify import MAX_PREFIX, Kind, announced_build, classify
 from hydra_supervisor.router.conn import (
     Conn,
@@ -124,6 +125,7 @@ class Acceptor:
         max_waiting: int,
         tick: Callable[[float], None],
         thread_factory: Callable[..., threading.Thread],
+        tls_context: ssl.SSLContext | None = None,
     ) -> None:
         self.name = name
         self.ledger = ledger
@@ -141,12 +143,20 @@ class Acceptor:
         self._max_per_source = (max_pending if max_pending_per_source is None
                                 else min(max_pending_per_source, max_pending))
         self._max_waiting = max_waiting
+        # TLS only (a peer profile's tls:): every connection must open with a ClientHello
+        # from an allowed source; what it carries is classified once the handshake is done.
+        self._tls = tls_context
         self._ids = itertools.count(1)
         self.listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None
         self._thread: threading.Thread | None = None
         # Why the acceptor gave up (after repeated failures), until the next start().
         self.error: str | None = None
+
+    @property
+    def tls_only(self) -> bool:
+        """Whether the port takes TLS only (a peer profile's tls:)."""
+        return self._tls is not None
 
     @property
     def allow(self) -> list[str]:
@@ -473,12 +483,71 @@ class Acceptor:
         unwatch(sel, conn)
         self._drop(conn, conn.reason or "closed", None)
 
+    def _start_tls(self, sel: selectors.BaseSelector, conn: Conn, q: Queues) -> bool:
+        """On a TLS-only port: a new connection must open with a ClientHello from an allowed
+        source (anything else is closed before a byte of TLS is spent on it); its socket is
+        then wrapped and the handshake runs here, non-blocking, within the first-byte
+        timeout. True once the handshake is done (the decrypted bytes are then classified
+        as a plain connection's are)."""
+        if conn.tls is None:
+            try:
+                first = conn.client.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                first = b""
+            if not first:
+                self._unpend(sel, q.pending, conn)
+                self._drop(conn, "client closed before first bytes", None)
+                return False
+            if first[0] != tls.HANDSHAKE:
+                self._unpend(sel, q.pending, conn)
+                self._drop(conn, f"plain connection on a TLS-only port (first byte "
+                           f"{first[:1].hex()})", "tls_required")
+                return False
+            if not self._is_allowed(conn.peer):
+                self._unpend(sel, q.pending, conn)
+                self._drop(conn, "TLS from a source not allow-listed", "denied")
+                return False
+            assert self._tls is not None
+            unwatch(sel, conn)
+            conn.client = self._tls.wrap_socket(conn.client, server_side=True,
+                                                do_handshake_on_connect=False)
+            conn.tls = "handshake"
+            sel.register(conn.client, selectors.EVENT_READ, conn)
+        if conn.tls == "handshake":
+            assert isinstance(conn.client, ssl.SSLSocket)
+            try:
+                conn.client.do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return False  # more of the client's flight to come (a few KB: it fits)
+            except (ssl.SSLError, OSError) as e:
+                self._unpend(sel, q.pending, conn)
+                why = getattr(e, "reason", None) or e
+                conn.note(f"TLS handshake failed: {why}")
+                self.ledger.count_refused("tls_failed", conn.reason)
+                # OpenSSL has written its alert (unknown CA, ...). Closing with the client's
+                # first bytes unread would reset the connection, and a reset can destroy the
+                # alert before the client reads it: linger as a refused HTTP client does.
+                ssock = conn.client
+                conn.client = socket.socket(ssock.family, ssock.type, ssock.proto,
+                                            fileno=ssock.detach())
+                self._linger(sel, q, conn, b"")
+                return False
+            conn.tls = "up"
+        return True
+
     def _read_prefix(self, sel: selectors.BaseSelector, conn: Conn, q: Queues) -> None:
+        if self._tls is not None and conn.tls != "up" and not self._start_tls(sel, conn, q):
+            return
         try:
             # Classification needs MAX_PREFIX bytes at most, but taking whatever has arrived
             # (typically a whole HTTP request) lets the relay forward it in one write.
             data = conn.client.recv(FIRST_READ)
-        except (BlockingIOError, InterruptedError):
+            if isinstance(conn.client, ssl.SSLSocket):
+                while conn.client.pending():  # decrypted already: select would not see it
+                    data += conn.client.recv(FIRST_READ)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError as e:
             data = b""
@@ -496,6 +565,11 @@ class Acceptor:
             self._drop(conn, f"unrecognised first bytes {conn.prefix[:16].hex()}", "rejected")
             return
         conn.kind = kind
+        if conn.tls is not None and kind is Kind.HTTP:
+            # A TLS port is a peer host's: ggml-RPC and Hydra frames only.
+            self._drop(conn, "HTTP inside TLS (a TLS port carries ggml-RPC and Hydra frames)",
+                       "rejected")
+            return
         if kind is Kind.HYDRA:  # a head's hydra asking INFO may say its build
             build = announced_build(conn.prefix)
             if build is not None:

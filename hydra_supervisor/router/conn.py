@@ -202,6 +202,7 @@ class Conn:
         "cost",
         "session",
         "idle_since",
+        "tls",
     )
 
     def __init__(self, cid: int, client: socket.socket, peer: SockAddr, now: float):
@@ -224,6 +225,9 @@ class Conn:
         self.cost = 0  # descriptors reserved for it at admission
         self.session = False  # an HTTP session (times its own idleness), not a byte relay
         self.idle_since: float | None = None  # session between requests, waiting for the next
+        # A TLS port (router/tls.py): "handshake" while the client's handshake runs on the
+        # acceptor, "up" once done (``client`` is then the ssl.SSLSocket); None: plain TCP.
+        self.tls: str | None = None
 
     def note(self, reason: str) -> None:
         if not self.reason:
@@ -232,11 +236,14 @@ class Conn:
     def shutdown_all(self) -> None:
         # shutdown (not close) wakes threads blocked in recv/splice on these sockets without
         # freeing the fd under them; the relay thread closes once both directions are done.
+        # The plain socket's shutdown also for a TLS socket: its own would drop the TLS state
+        # under the thread that is using it (ssl.SSLSocket.shutdown), where the syscall only
+        # makes that thread read EOF.
         for s in (self.client, self.upstream):
             if s is None:
                 continue
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                socket.socket.shutdown(s, socket.SHUT_RDWR)
             except OSError:
                 pass
 

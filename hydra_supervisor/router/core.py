@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -91,6 +92,7 @@ class Router:
         upstreams: Upstreams,
         *,
         allow: Sequence[str] = ("127.0.0.0/8", "::1/128"),
+        tls_context: ssl.SSLContext | None = None,
         first_byte_timeout: float = 10.0,
         idle_timeout: float | None = 300.0,
         rpc_idle_timeout: float | None = None,
@@ -180,7 +182,7 @@ class Router:
             first_byte_timeout=first_byte_timeout, queue_timeout=queue_timeout,
             evict_after=evict_after, max_pending=max_pending,
             max_pending_per_source=max_pending_per_source, max_waiting=max_waiting,
-            tick=self._housekeep, thread_factory=thread_factory)
+            tick=self._housekeep, thread_factory=thread_factory, tls_context=tls_context)
 
     # ---------------------------------------------------------------- public API
 
@@ -208,6 +210,9 @@ class Router:
             self.name, fmt_addr(addr), self._nofile[0], self._nofile[1],
             fd_budget // per,
         )
+        if self.acceptor.tls_only:
+            log.info("router %s: TLS only (mutual certificates); plain connections are refused",
+                     self.name)
         why = allow_mismatch(self.bind_host, self.acceptor.allow)
         if why:
             log.warning("router %s: %s; no ggml-RPC or Hydra wire client can ever be let in",

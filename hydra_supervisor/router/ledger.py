@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -196,6 +197,11 @@ class Ledger:
             if self.stopping:
                 return None
             c = conn.client
+            if isinstance(c, ssl.SSLSocket):  # the TLS session goes with it, not just the fd
+                gone = socket.socket(c.family, c.type, c.proto)
+                gone.close()
+                conn.client = gone
+                return c
             return socket.socket(c.family, c.type, c.proto, fileno=c.detach())
 
     def half_ended(self, conn: Conn) -> bool:

@@ -5,11 +5,11 @@ and a send, each releasing and taking the GIL again, against every other session
 the same: with 32 streams that was ~17 futex calls and ~100 us of CPU per event (bench/router.py
 part h), three times the byte relay. Here a session writes the response head and the bytes that
 came with it itself (the first byte is not delayed by a hand-off), then hands the rest to the
-pump and blocks on one event until the body has ended. A body of known length (a whole JSON
-answer, usually a read or two) moves on the session's own thread the same way (``here``):
-handing it over would put two thread switches on its way for nothing. The pump waits on all its bodies with
+pump and blocks on one event until the body has ended. The pump waits on all its bodies with
 one epoll, and per event does a recv, a framing step (``BodyFraming``, pure) and a
-non-blocking send, with nobody to contend with for the GIL.
+non-blocking send, with nobody to contend with for the GIL. A body of known length (a whole
+JSON answer, usually a read or two) moves on the session's own thread the same way
+(``here``): handing it over would put two thread switches on its way for nothing.
 
 What the pump watches for, as the session did:
 - the body's end in the upstream's framing (chunked, Content-Length, or the close);

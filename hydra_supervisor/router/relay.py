@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from hydra_supervisor.plan.ports import self_connected
-from hydra_supervisor.router import limits
+from hydra_supervisor.router import limits, tls
 from hydra_supervisor.router.classify import Kind
 from hydra_supervisor.router.conn import (
     Addr,
@@ -268,6 +268,9 @@ class Relay:
         if upstream is None:
             self.finish(conn)
             return
+        if conn.tls is not None:
+            self._pump_tls(conn, upstream)
+            return
         try:
             self.workers.run(self._pump, conn, conn.client, upstream, True)
         except RuntimeError as e:  # "can't start new thread": out of threads or memory
@@ -360,6 +363,17 @@ class Relay:
         finally:
             if self.ledger.half_ended(conn):
                 self.finish(conn)
+
+    def _pump_tls(self, conn: Conn, upstream: socket.socket) -> None:
+        """A TLS client (a peer host's TLS-only port): both directions on this one worker
+        (router/tls.py says why); the first EOF ends the connection."""
+        try:
+            conn.note(tls.pump(conn.client, upstream, conn))
+        except (OSError, ValueError) as e:  # ValueError: a TLS socket closed under it
+            conn.note(f"TLS relay error: {getattr(e, 'strerror', None) or e}")
+        finally:
+            conn.shutdown_all()
+            self.finish(conn)
 
     def _pipe(self) -> tuple[int, int, int] | None:
         """(read fd, write fd, capacity) for the splice pump, or None to use the copy pump:

@@ -26,7 +26,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from hydra_supervisor.config.profile import Profile
+from hydra_supervisor.config.profile import Profile, TlsFiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import plandiff
 from hydra_supervisor.plan.deployment import Deployment
@@ -35,7 +35,7 @@ from hydra_supervisor.plan.ports import host_port, url_for
 from hydra_supervisor.proc import gpumem
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.supervisor import Supervisor
-from hydra_supervisor.router import Router, Upstreams
+from hydra_supervisor.router import Router, Upstreams, tls
 from hydra_supervisor.router.conn import Addr, Handoff
 from hydra_supervisor.router.gate import Gate
 from hydra_supervisor.router.routes import Limiter, LocalReply, Route
@@ -67,7 +67,8 @@ DEMAND_WAIT_S = 5.0  # how long a router thread waits for the loop to take a req
 
 class Port:
     def __init__(self, state: StateDir, host: str, port: int, *, node: Node,
-                 allow: tuple[str, ...] = DEFAULT_ALLOW, use_router: bool = True,
+                 allow: tuple[str, ...] = DEFAULT_ALLOW, tls_files: TlsFiles | None = None,
+                 use_router: bool = True,
                  exit_on_fatal: bool = False,
                  profiles: Callable[[], list[str]] | None = None,
                  switch_timeouts: SwitchTimeouts | None = None,
@@ -81,6 +82,7 @@ class Port:
         self.port = port
         self.node = node
         self.allow = allow
+        self.tls_files = tls_files  # a peer profile's tls: the router takes TLS only
         self.use_router = use_router
         self.exit_on_fatal = exit_on_fatal
         self.profiles = profiles or (lambda: [])
@@ -305,8 +307,11 @@ class Port:
             raise HydraError(f"default profile '{self.default}' is not served on port "
                              f"{self.port}")
         if self.use_router:
+            kw = dict(self.router_kwargs)
+            if self.tls_files is not None:  # HydraError (error/fix) when a file does not load
+                kw["tls_context"] = tls.server_context(self.tls_files)
             self.router = self.make_router(self.host, self.port, Upstreams(), allow=self.allow,
-                                           name=f"port {self.port}", **self.router_kwargs)
+                                           name=f"port {self.port}", **kw)
             self._idle_message()  # before the port opens: no request sees a port without one
             self._publish()
             self.router.start()

@@ -61,6 +61,7 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
         router = items[0].plan.router
         p = Port(state, addr.host, addr.port, node=node, profiles=profiles,
                  allow=tuple(router.allow) if router is not None else DEFAULT_ALLOW,
+                 tls_files=router.tls if router is not None else None,
                  use_router=router is not None, exit_on_fatal=len(deps) == 1)
         p.default = node_cfg.default_profile if node_cfg.default_profile in here else here[0]
         for d in items:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
+from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.jsontypes import JSONObject, JSONValue
 from hydra_supervisor.proc import rpcproto
@@ -333,17 +334,20 @@ def busy_line(device: str, endpoint: str, holder: Mapping[str, object]) -> str:
 
 
 def ask_info(host: str, port: int, timeout: float = 10.0,
-             head_build: str | None = None) -> PeerInfo:
+             head_build: str | None = None, tls: TlsFiles | None = None) -> PeerInfo:
     """Hydra INFO to a remote peer's router. Raises OSError when nothing listens; any other
     failure to get an INFO reply means "not a hydra host". ``head_build``: this host's build,
     announced in the request (`{"head": {"build": …}}`) so the peer can name it while this
-    host's head holds its rpc-server."""
+    host's head holds its rpc-server. ``tls``: speak TLS to it (ssl.SSLError is an OSError)."""
     from hydra_supervisor.wire import client, codec
 
-    try:
+    sock: socket.socket
+    if tls is not None:  # the peer's router takes TLS only (its device's tls:)
+        from hydra_supervisor.router import tls as tlslink
+
+        sock = tlslink.connect(host, port, tls, timeout)
+    else:
         sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError:
-        raise
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
