@@ -446,7 +446,7 @@ class Acceptor:
         # trip through select (saves tens of microseconds per connection); the connection is
         # watched only when its first bytes are not all there yet.
         self._read_prefix(sel, conn, q)
-        if conn.id in q.pending.all:
+        if conn.id in q.pending.all and conn.tls is None:  # (a TLS one is watched already)
             sel.register(conn.client, selectors.EVENT_READ, conn)
 
     def _linger(self, sel: selectors.BaseSelector, q: Queues, conn: Conn,
