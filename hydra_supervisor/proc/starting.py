@@ -187,12 +187,12 @@ class Starter:
             spec = spec.repointed(p.spec.endpoint, tunnel.local)
         return spec
 
-    def close_tunnels(self) -> None:
-        """Close every TLS tunnel (blocking, bounded): after the head stopped for good."""
+    def take_tunnels(self) -> list[TlsTunnel]:
+        """Every TLS tunnel, forgotten here (on the loop): after the head stopped for good,
+        the caller stops them (``TlsTunnel.stop`` blocks, bounded: off the loop)."""
         tunnels = list(self.tunnels.values())
         self.tunnels.clear()
-        for t in tunnels:
-            t.stop()
+        return tunnels
 
     async def _prefill_rpc_cache(self, mp: ManagedProcess) -> None:
         """Before a peer host's ggml-rpc-server starts: write the weights of the local GGUFs its

@@ -69,6 +69,7 @@ from hydra_supervisor.proc.starting import Starter
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.proc.stopping import Stopper
 from hydra_supervisor.proc.watching import Watcher
+from hydra_supervisor.router.tunnel import TlsTunnel
 
 log = logging.getLogger("hydra")
 
@@ -468,8 +469,9 @@ class Supervisor:
         await asyncio.gather(*(peer_stop(mp) for mp in self.peers))
         if head_stop is not None:
             await head_stop
-        if self._starter.tunnels:  # the head is gone: nothing uses them any more
-            await asyncio.to_thread(self._starter.close_tunnels)
+        tunnels = self._starter.take_tunnels()  # the head is gone: nothing uses them now
+        if tunnels:
+            await asyncio.to_thread(stop_tunnels, tunnels)
         if self.seams.reap:
             leftovers = process.adopted(self._starter.spawned)
             for p in leftovers:
@@ -479,3 +481,9 @@ class Supervisor:
             process.reap_adopted(self._starter.spawned)
         log.info("%s: stopped (%s)", self.plan.profile, self.stop_reason)
         self.publish()
+
+
+def stop_tunnels(tunnels: list[TlsTunnel]) -> None:
+    """Stop TLS tunnels (each blocks, bounded): in a thread, off the loop."""
+    for t in tunnels:
+        t.stop()
