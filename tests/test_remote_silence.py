@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hydra_supervisor.proc.managed import State
+from hydra_supervisor.tools.buildid import PeerInfo
 from tests.fake_children import FakeWorld, Run, deployment, go
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,6 +34,41 @@ def test_a_silent_remote_peer_is_told_apart(tmp_path: Path, case: str, expect: s
                       and "no HELLO answer" in r.mp("peer-0").reason)
         assert expect in r.mp("peer-0").reason, r.mp("peer-0").reason
         w.remote_up[50100] = True
+        await r.all_ready(30)
+        await r.stop()
+    go(tmp_path, body)
+
+
+HOLDER = {"addr": "10.0.0.9:41000", "build": "b9999-cuda", "held_s": 12.0}
+
+
+@pytest.mark.parametrize("host", ["hydra", "bare"])
+def test_a_busy_peer_hydra_says_who_holds_it_on_a_re_probe(tmp_path: Path, host: str) -> None:
+    """A peer lent by a peer host's hydra whose rpc-server another head holds: its router closes
+    this head's HELLO (after a brief hold), and the re-probe asks its INFO, as `hydra up` does,
+    and says the holder — not "closed at once". A bare ggml-rpc-server is never asked INFO."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        w.remote_up[50100] = True
+        w.remote_info[50100] = PeerInfo(hydra=True) if host == "hydra" else \
+            PeerInfo(hydra=False, note="not a hydra host: HELLO only")
+        r = Run(w, deployment(1, remote=True), tmp).start()
+        await r.all_ready()
+        del w.remote_up[50100]  # HELLO closed at once
+        if host == "hydra":
+            w.remote_info[50100] = PeerInfo(hydra=True, meta={"rpc_holder": HOLDER})
+        asked = dict(w.infos)
+        w.live("head").kill(134)  # type: ignore[union-attr]
+        await r.until(lambda: r.mp("peer-0").state is State.BACKOFF
+                      and "probing again" in r.mp("peer-0").reason)
+        reason = r.mp("peer-0").reason
+        if host == "hydra":
+            assert "127.0.0.1:50100: busy: its rpc-server is held by 10.0.0.9:41000 (build " \
+                "b9999-cuda) for 12s; away" in reason, reason
+        else:
+            assert "refused or closed at once" in reason, reason
+            assert w.infos == asked  # a bare rpc-server: no INFO
+        w.remote_up[50100] = True
+        w.remote_info[50100] = PeerInfo(hydra=host == "hydra")
         await r.all_ready(30)
         await r.stop()
     go(tmp_path, body)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from hydra_supervisor.config.config import load_node
-from hydra_supervisor.config.profile import DeviceDecl, Node, PeerLoss
+from hydra_supervisor.config.profile import DeviceDecl, HealthPolicy, Node, PeerLoss
 from hydra_supervisor.errors import ConfigError, HydraError
 from hydra_supervisor.plan import deployment as deployment_mod
 from hydra_supervisor.plan import spares
@@ -319,5 +319,61 @@ def test_degraded_the_peer_comes_back_on_a_spare_and_combine_returns_there(tmp_p
                       and "--rpc" in (w.live("head").argv if w.live("head") else []))
         assert rpc_of(w.live("head").argv) == f"127.0.0.1:{SPARE}"  # type: ignore[union-attr]
         assert "serving on spare" in r.mp("peer-0").reason
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.parametrize("found", ["hello", "connect"])
+def test_a_peer_found_lost_by_a_probe_tries_its_spares_at_once(tmp_path: Path, found: str):
+    """The probe that found the peer lost (its HELLO after the head died, or the stall rule's
+    TCP connect under a silent request) stands for the first re-probe: the spare is tried at
+    once, not after the lost endpoint's HELLO has been silent again for its 2 s."""
+    replans = Replans()
+
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        spare_world(w, replans)
+        dep = deployment(1, remote=True, health=HealthPolicy(interval=0.5, hang_timeout=5,
+                                                             stall_timeout=30))
+        r = Run(w, with_spares(dep, [SPARE]), tmp).start()
+        await r.all_ready()
+        head0 = w.live("head")
+        assert head0 is not None
+        w.remote_up[PRIMARY] = False  # the primary's host gone: HELLO silent for its timeout
+        w.hellos.clear()
+        if found == "connect":
+            w.connect_fails[PRIMARY] = "timeout"
+            w.inflight, w.owed_since = 1, w.clock()
+            await r.until(lambda: r.mp("peer-0").state is not State.READY)
+            w.inflight = 0
+        else:
+            head0.kill(134)  # its next RPC call aborts
+        await r.until(lambda: r.mp("head").state is State.READY
+                      and w.live("head") not in (None, head0))
+        assert rpc_of(w.live("head").argv) == f"127.0.0.1:{SPARE}"  # type: ignore[union-attr]
+        # the HELLO that found it lost (after the head died), none after it
+        assert w.hellos.count(PRIMARY) == (1 if found == "hello" else 0), w.hellos
+        said = ("no HELLO answer when found lost" if found == "hello"
+                else "TCP connect timed out after 3s")
+        assert f"(primary 127.0.0.1:{PRIMARY}: {said})" in r.mp("peer-0").reason, \
+            r.mp("peer-0").reason
+        await r.stop()
+    go(tmp_path, body)
+
+
+def test_without_spares_the_lost_peer_is_probed_again_at_once(tmp_path: Path):
+    """No spares: the lost endpoint is the only one, so its first re-probe comes at once, as
+    before (the probe that found it lost does not stand for it)."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        w.remote_up[PRIMARY] = True
+        r = Run(w, deployment(1, remote=True), tmp).start()
+        await r.all_ready()
+        w.remote_up[PRIMARY] = False
+        w.hellos.clear()
+        w.live("head").kill(134)  # type: ignore[union-attr]
+        await r.until(lambda: r.mp("peer-0").state is State.BACKOFF
+                      and "probing again" in r.mp("peer-0").reason)
+        assert w.hellos.count(PRIMARY) == 2, w.hellos  # found lost, then re-probed
+        w.remote_up[PRIMARY] = True
+        await r.all_ready(30)
         await r.stop()
     go(tmp_path, body)
