@@ -11,6 +11,8 @@ tests/test_multihost.py (test_a_lost_peer_moves_onto_its_spare)."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +20,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from rich.console import Console
 
+from hydra_supervisor.cli import doctor
 from hydra_supervisor.config.config import load_node
 from hydra_supervisor.config.profile import DeviceDecl, HealthPolicy, Node, PeerLoss
 from hydra_supervisor.errors import ConfigError, HydraError
@@ -30,7 +34,7 @@ from hydra_supervisor.plan.layout import PeerRefused
 from hydra_supervisor.plan.placement import DoesNotFit
 from hydra_supervisor.plan.spares import PeerChoice
 from hydra_supervisor.proc.managed import State
-from hydra_supervisor.testing.harness import free_port, make_env
+from hydra_supervisor.testing.harness import free_port, make_env, run_hydra
 from hydra_supervisor.tools import buildid
 from hydra_supervisor.tools.buildid import PeerInfo
 from tests.fake_children import FakeWorld, Run, deployment, go, head_spec, peer_spec
@@ -193,6 +197,51 @@ def test_prepare_skips_a_spare_short_of_memory(tmp_path: Path, hosts: list[FakeP
         deployment_mod.on_spare(dep, "far", small.endpoint, "gone")
     back = deployment_mod.on_spare(dep, "far", big.endpoint, "x")
     assert back.plan.head.args == dep.plan.head.args  # the same plan, the same ports
+
+
+def test_hydra_plan_plans_on_the_primary_and_lists_the_spares(tmp_path: Path,
+                                                              hosts: list[FakePeer]):
+    """`hydra plan` probes no HELLO (it would wait in the queue of an rpc-server a running head
+    holds): it plans on the device's own endpoint and says so, with the spares in order."""
+    primary = FakePeer(HERE, free=3 * GIB)
+    hosts.append(primary)
+    from hydra_supervisor.testing.routerhelp import gemma_path
+
+    gemma_path()  # skip with a reason when the demo model is absent
+    dead = f"127.0.0.1:{free_port()}"
+    env = make_env(tmp_path, f"devices:\n  far: {{endpoint: '{primary.endpoint}', spares: "
+                   f"['{dead}', '10.0.0.4:8090']}}\n")
+    profile = str(tmp_path / "remote.yaml")
+    (tmp_path / "remote.yaml").write_text(PROFILE)
+    res = run_hydra(env, "plan", "--profile", profile, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = (f"far: planned on its endpoint {primary.endpoint}; spares {dead}, 10.0.0.4:8090 "
+            "(not probed here: `hydra up` plans on the first of them that answers HELLO, runs "
+            "this build and fits; `hydra doctor --peers` checks each)")
+    assert said in " ".join(res.stdout.split()), res.stdout
+    assert primary.seen == ["op 0x41"]  # its free memory asked (INFO), never a HELLO
+    res = run_hydra(env, "plan", "--json", "--profile", profile, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["spares"] == [
+        {"device": "far", "planned_on": primary.endpoint, "spares": [dead, "10.0.0.4:8090"]}]
+
+
+def test_doctor_peers_checks_each_spare(hosts: list[FakePeer]):
+    same, other = FakePeer(HERE), FakePeer(OTHER)
+    hosts += [same, other]
+    dead = f"127.0.0.1:{free_port()}"
+    node = Node(source="node.yaml", devices={"far": DeviceDecl(
+        name="far", endpoint=same.endpoint, spares=(dead, other.endpoint))})
+    buf = io.StringIO()
+    ok = doctor.run_peers(Console(file=buf, width=300, color_system=None), node, timeout=10)
+    text = buf.getvalue()
+    assert not ok  # a spare that fails is a finding
+    lines = text.splitlines()
+    at = [ln for ln in lines if ln.startswith("peer far at ")]
+    assert at == [f"peer far at {same.endpoint}:", f"peer far at {dead} (spare 1 of far):",
+                  f"peer far at {other.endpoint} (spare 2 of far):"], text
+    assert "unreachable" in text and "✗ build identity mismatch" in text
+    assert "✓ same build as this host" in text
 
 
 # -- the move at a loss (fake children) ----------------------------------------------------------
