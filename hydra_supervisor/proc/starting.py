@@ -469,15 +469,17 @@ class Starter:
 
     async def _hello(self, host: str, port: int, *, info: bool) -> tuple[Version | None, str]:
         """A remote peer's HELLO (2 s): its version, or None and why not. One refused or closed
-        at once is asked Hydra INFO when its host may run hydra (`info`: not known as a bare
-        ggml-rpc-server, which queues a second client rather than closing it), as `hydra up`
-        does: a peer hydra's router closes a head's HELLO while another head holds its
-        rpc-server, and its INFO names that head (`busy: its rpc-server is held by …`)."""
+        at once (a close before any byte is a HelloError) is asked Hydra INFO when its host may
+        run hydra (`info`: not known as a bare ggml-rpc-server, which queues a second client
+        rather than closing it), as `hydra up` does: a peer hydra's router closes a head's HELLO
+        while another head holds its rpc-server, and its INFO names that head (`busy: its
+        rpc-server is held by …`)."""
         asked = self.seams.clock()
+        why = ""
         try:
             version = await self.seams.hello(host, port, timeout=HELLO_TIMEOUT)
-        except HelloError as exc:
-            return None, f"not a ggml-rpc-server: {exc}"
+        except HelloError as exc:  # a router closing it reads "closed … after 0 bytes"
+            version, why = None, f"not a ggml-rpc-server: {exc}"
         if version is not None:
             return version, "HELLO answered"
         took = self.seams.clock() - asked
@@ -485,7 +487,7 @@ class Starter:
             said = await self.seams.peer_info(host, port, HELLO_TIMEOUT)
             if said is not None and said.holder is not None:
                 return None, buildid.held_by(said.holder)
-        return None, self._why_no_hello(took, HELLO_TIMEOUT)
+        return None, why or self._why_no_hello(took, HELLO_TIMEOUT)
 
     @staticmethod
     def _why_no_hello(took: float, timeout: float) -> str:
