@@ -4,7 +4,8 @@ splits Gemma 3 270M onto it; a second head's `hydra up` is refused four times in
 time at once and naming the holder (address, build), while the first head keeps answering;
 the peer host's `hydra status` says who holds its device; once the first head is killed -9
 (hydra and its llama-server: nothing closes its connection but the kernel), the second head
-gets the peer. tests/test_rpc_holder.py has the router's side with stand-ins."""
+gets the peer. A head whose peer another head took while it was away says who holds it on its
+re-probe. tests/test_rpc_holder.py has the router's side with stand-ins."""
 
 from __future__ import annotations
 
