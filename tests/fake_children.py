@@ -148,6 +148,7 @@ class FakeWorld:
     inflight: int | None = None
     owed_since: float = 0.0
     connects: list[int] = field(default_factory=list)  # ports a connect probe went to
+    hellos: list[int] = field(default_factory=list)  # remote ports a HELLO went to, in order
     # A remote peer host's answer to Hydra INFO, by port (absent: nothing answers INFO there),
     # and this host's build identity (None: unknown); `infos` counts the INFO asked per port.
     remote_info: dict[int, PeerInfo] = field(default_factory=dict)
@@ -220,6 +221,7 @@ class FakeWorld:
     async def hello(self, host: str, port: int, timeout: float = 3.0,
                     tls: object = None) -> Version | None:
         if port in self.remote_up:
+            self.hellos.append(port)
             if self.remote_up[port]:
                 return Version(PROTO_MAJOR, PROTO_MINOR, 0)
             await self.sleep(timeout)

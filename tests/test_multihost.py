@@ -780,6 +780,9 @@ def test_a_lost_peer_moves_onto_its_spare(tmp_path: Path, fault: str) -> None:
                 assert head["pid"] != head_pid and head["state"] == "READY", head
                 if other == "spare":
                     assert f"serving on spare {b} (primary {a}: " in far["reason"], far
+                    if fault == "link-cut":  # the stall rule's failed connect found it lost:
+                        # the spare tried at once, the lost endpoint not probed again
+                        assert f"(primary {a}: TCP connect timed out" in far["reason"], far
                     assert pair.head is not None and re.search(
                         rf"far-dense\.peer-far restarted \(HELLO answered; far: serving on "
                         rf"spare {re.escape(b)} ", pair.head.output()), pair.head.output()[-2000:]

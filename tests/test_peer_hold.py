@@ -4,7 +4,8 @@ splits Gemma 3 270M onto it; a second head's `hydra up` is refused four times in
 time at once and naming the holder (address, build), while the first head keeps answering;
 the peer host's `hydra status` says who holds its device; once the first head is killed -9
 (hydra and its llama-server: nothing closes its connection but the kernel), the second head
-gets the peer. tests/test_rpc_holder.py has the router's side with stand-ins."""
+gets the peer. A head whose peer another head took while it was away says who holds it on its
+re-probe. tests/test_rpc_holder.py has the router's side with stand-ins."""
 
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ DENSE = ("model: gemma3-270m\nmode: combine\nhead: cpu\nsplit: [9, 9]\npeers: [f
 
 
 def _complete(port: int) -> int:
-    r = requests.post(f"http://127.0.0.1:{port}/completion", timeout=120,
+    return _complete_within(port, 120)
+
+
+def _complete_within(port: int, timeout: float) -> int:
+    r = requests.post(f"http://127.0.0.1:{port}/completion", timeout=timeout,
                       json={"prompt": "Once upon a time", "n_predict": 4})
     return r.status_code
 
@@ -105,6 +110,87 @@ def test_a_second_head_is_told_busy_four_times_and_gets_the_peer_once_the_first_
         second.wait_ready(300)
         print(f"second head ready {time.monotonic() - t0:.1f}s after the first was killed")
         assert _complete(second_port) == 200
+    finally:
+        for up in reversed(ups):
+            if up.proc.poll() is None:
+                up.stop()
+            up.kill_everything()
+
+
+def test_a_head_whose_peer_another_head_took_says_who_holds_it_on_re_probe(
+        tmp_path: Path) -> None:
+    """The re-probe's side: head B serves on the peer; the peer host's hydra is killed -9 (B's
+    head aborts at its next request, its first re-probe is refused) and started again, and
+    head A takes the peer while B waits out its backoff (restart.backoff_initial: 60 here).
+    B's next re-probe is closed by the peer's router (A holds the rpc-server) and asks it INFO,
+    as `hydra up` does: B's status names A's address and build, not "closed at once"."""
+    import threading
+
+    from hydra_supervisor.testing.routerhelp import llama_bins
+
+    llama_bins()
+    ident = buildid.local_identity()
+    ups: list[Up] = []
+    for d in ("peer", "a", "b"):
+        (tmp_path / d).mkdir()
+    peer_port, a_port, b_port = free_port(), free_port(), free_port()
+    node = f"devices:\n  far: {{endpoint: '127.0.0.1:{peer_port}'}}\n"
+    try:
+        peer_env = make_env(tmp_path / "peer")
+        peer_args = ["--profile", "demo-peer", "--port", str(peer_port)]
+        peer = Up(peer_env, peer_args, tmp_path / "peer")
+        ups.append(peer)
+        peer.wait_ready(120)
+
+        b_env = make_env(tmp_path / "b", node)
+        prof_b = tmp_path / "b" / "farb.yaml"
+        prof_b.write_text(f"profile: farb\n{DENSE}port: {b_port}\n"
+                          "restart: {backoff_initial: 60, backoff_max: 60}\n")
+        b = Up(b_env, ["--profile", str(prof_b)], tmp_path / "b")
+        ups.append(b)
+        b.wait_ready(300)
+        assert _complete(b_port) == 200
+
+        peer.kill_everything()  # its hydra and rpc-server: B's next RPC call fails
+        peer.proc.wait(30)
+
+        def poke() -> None:  # B's head aborts on it; the router holds it meanwhile
+            try:
+                _complete_within(b_port, 5)
+            except requests.RequestException:
+                pass
+        threading.Thread(target=poke, daemon=True).start()
+
+        def b_peer() -> dict[str, object]:
+            st = status_json(b_env)
+            engines = list((st.get("status") or {}).get("engines") or [])  # type: ignore[attr-defined]
+            return next(e for e in engines if e["role"] == "peer")
+
+        deadline = time.monotonic() + 60
+        while "probing again" not in str(b_peer()["reason"]):
+            assert time.monotonic() < deadline, b_peer()["reason"]
+            time.sleep(0.2)
+        peer = Up(peer_env, peer_args, tmp_path / "peer")  # back (its service manager)
+        ups.append(peer)
+        peer.wait_ready(120)
+        a_env = make_env(tmp_path / "a", node)
+        prof_a = tmp_path / "a" / "fara.yaml"
+        prof_a.write_text(f"profile: fara\n{DENSE}port: {a_port}\n")
+        a = Up(a_env, ["--profile", str(prof_a)], tmp_path / "a")
+        ups.append(a)
+        a.wait_ready(300)
+        assert _complete(a_port) == 200
+
+        deadline = time.monotonic() + 150  # B's next re-probe: its 60 s backoff
+        while "held by" not in str(b_peer()["reason"]):
+            assert time.monotonic() < deadline, b_peer()["reason"]
+            time.sleep(0.5)
+        reason = str(b_peer()["reason"])
+        print(f"\nB's peer: {reason}")
+        assert f"127.0.0.1:{peer_port}: busy: its rpc-server is held by 127.0.0.1:" in reason
+        assert f"(build {ident.fingerprint})" in reason, reason
+        assert "closed at once" not in reason, reason
+        assert _complete(a_port) == 200  # A undisturbed
     finally:
         for up in reversed(ups):
             if up.proc.poll() is None:

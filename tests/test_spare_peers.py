@@ -11,6 +11,8 @@ tests/test_multihost.py (test_a_lost_peer_moves_onto_its_spare)."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,9 +20,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from rich.console import Console
 
+from hydra_supervisor.cli import doctor
 from hydra_supervisor.config.config import load_node
-from hydra_supervisor.config.profile import DeviceDecl, Node, PeerLoss
+from hydra_supervisor.config.profile import DeviceDecl, HealthPolicy, Node, PeerLoss
 from hydra_supervisor.errors import ConfigError, HydraError
 from hydra_supervisor.plan import deployment as deployment_mod
 from hydra_supervisor.plan import spares
@@ -30,7 +34,7 @@ from hydra_supervisor.plan.layout import PeerRefused
 from hydra_supervisor.plan.placement import DoesNotFit
 from hydra_supervisor.plan.spares import PeerChoice
 from hydra_supervisor.proc.managed import State
-from hydra_supervisor.testing.harness import free_port, make_env
+from hydra_supervisor.testing.harness import free_port, make_env, run_hydra
 from hydra_supervisor.tools import buildid
 from hydra_supervisor.tools.buildid import PeerInfo
 from tests.fake_children import FakeWorld, Run, deployment, go, head_spec, peer_spec
@@ -195,6 +199,51 @@ def test_prepare_skips_a_spare_short_of_memory(tmp_path: Path, hosts: list[FakeP
     assert back.plan.head.args == dep.plan.head.args  # the same plan, the same ports
 
 
+def test_hydra_plan_plans_on_the_primary_and_lists_the_spares(tmp_path: Path,
+                                                              hosts: list[FakePeer]):
+    """`hydra plan` probes no HELLO (it would wait in the queue of an rpc-server a running head
+    holds): it plans on the device's own endpoint and says so, with the spares in order."""
+    primary = FakePeer(HERE, free=3 * GIB)
+    hosts.append(primary)
+    from hydra_supervisor.testing.routerhelp import gemma_path
+
+    gemma_path()  # skip with a reason when the demo model is absent
+    dead = f"127.0.0.1:{free_port()}"
+    env = make_env(tmp_path, f"devices:\n  far: {{endpoint: '{primary.endpoint}', spares: "
+                   f"['{dead}', '10.0.0.4:8090']}}\n")
+    profile = str(tmp_path / "remote.yaml")
+    (tmp_path / "remote.yaml").write_text(PROFILE)
+    res = run_hydra(env, "plan", "--profile", profile, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = (f"far: planned on its endpoint {primary.endpoint}; spares {dead}, 10.0.0.4:8090 "
+            "(not probed here: `hydra up` plans on the first of them that answers HELLO, runs "
+            "this build and fits; `hydra doctor --peers` checks each)")
+    assert said in " ".join(res.stdout.split()), res.stdout
+    assert primary.seen == ["op 0x41"]  # its free memory asked (INFO), never a HELLO
+    res = run_hydra(env, "plan", "--json", "--profile", profile, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["spares"] == [
+        {"device": "far", "planned_on": primary.endpoint, "spares": [dead, "10.0.0.4:8090"]}]
+
+
+def test_doctor_peers_checks_each_spare(hosts: list[FakePeer]):
+    same, other = FakePeer(HERE), FakePeer(OTHER)
+    hosts += [same, other]
+    dead = f"127.0.0.1:{free_port()}"
+    node = Node(source="node.yaml", devices={"far": DeviceDecl(
+        name="far", endpoint=same.endpoint, spares=(dead, other.endpoint))})
+    buf = io.StringIO()
+    ok = doctor.run_peers(Console(file=buf, width=300, color_system=None), node, timeout=10)
+    text = buf.getvalue()
+    assert not ok  # a spare that fails is a finding
+    lines = text.splitlines()
+    at = [ln for ln in lines if ln.startswith("peer far at ")]
+    assert at == [f"peer far at {same.endpoint}:", f"peer far at {dead} (spare 1 of far):",
+                  f"peer far at {other.endpoint} (spare 2 of far):"], text
+    assert "unreachable" in text and "✗ build identity mismatch" in text
+    assert "✓ same build as this host" in text
+
+
 # -- the move at a loss (fake children) ----------------------------------------------------------
 
 PRIMARY, SPARE_OTHER, SPARE = 50100, 50101, 50102
@@ -319,5 +368,61 @@ def test_degraded_the_peer_comes_back_on_a_spare_and_combine_returns_there(tmp_p
                       and "--rpc" in (w.live("head").argv if w.live("head") else []))
         assert rpc_of(w.live("head").argv) == f"127.0.0.1:{SPARE}"  # type: ignore[union-attr]
         assert "serving on spare" in r.mp("peer-0").reason
+        await r.stop()
+    go(tmp_path, body)
+
+
+@pytest.mark.parametrize("found", ["hello", "connect"])
+def test_a_peer_found_lost_by_a_probe_tries_its_spares_at_once(tmp_path: Path, found: str):
+    """The probe that found the peer lost (its HELLO after the head died, or the stall rule's
+    TCP connect under a silent request) stands for the first re-probe: the spare is tried at
+    once, not after the lost endpoint's HELLO has been silent again for its 2 s."""
+    replans = Replans()
+
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        spare_world(w, replans)
+        dep = deployment(1, remote=True, health=HealthPolicy(interval=0.5, hang_timeout=5,
+                                                             stall_timeout=30))
+        r = Run(w, with_spares(dep, [SPARE]), tmp).start()
+        await r.all_ready()
+        head0 = w.live("head")
+        assert head0 is not None
+        w.remote_up[PRIMARY] = False  # the primary's host gone: HELLO silent for its timeout
+        w.hellos.clear()
+        if found == "connect":
+            w.connect_fails[PRIMARY] = "timeout"
+            w.inflight, w.owed_since = 1, w.clock()
+            await r.until(lambda: r.mp("peer-0").state is not State.READY)
+            w.inflight = 0
+        else:
+            head0.kill(134)  # its next RPC call aborts
+        await r.until(lambda: r.mp("head").state is State.READY
+                      and w.live("head") not in (None, head0))
+        assert rpc_of(w.live("head").argv) == f"127.0.0.1:{SPARE}"  # type: ignore[union-attr]
+        # the HELLO that found it lost (after the head died), none after it
+        assert w.hellos.count(PRIMARY) == (1 if found == "hello" else 0), w.hellos
+        said = ("no HELLO answer when found lost" if found == "hello"
+                else "TCP connect timed out after 3s")
+        assert f"(primary 127.0.0.1:{PRIMARY}: {said})" in r.mp("peer-0").reason, \
+            r.mp("peer-0").reason
+        await r.stop()
+    go(tmp_path, body)
+
+
+def test_without_spares_the_lost_peer_is_probed_again_at_once(tmp_path: Path):
+    """No spares: the lost endpoint is the only one, so its first re-probe comes at once, as
+    before (the probe that found it lost does not stand for it)."""
+    async def body(w: FakeWorld, tmp: Path) -> None:
+        w.remote_up[PRIMARY] = True
+        r = Run(w, deployment(1, remote=True), tmp).start()
+        await r.all_ready()
+        w.remote_up[PRIMARY] = False
+        w.hellos.clear()
+        w.live("head").kill(134)  # type: ignore[union-attr]
+        await r.until(lambda: r.mp("peer-0").state is State.BACKOFF
+                      and "probing again" in r.mp("peer-0").reason)
+        assert w.hellos.count(PRIMARY) == 2, w.hellos  # found lost, then re-probed
+        w.remote_up[PRIMARY] = True
+        await r.all_ready(30)
         await r.stop()
     go(tmp_path, body)

@@ -3,9 +3,9 @@
 Checks each binary (path, where it was found, its version line), that ggml-rpc-server really
 answers a ggml-RPC HELLO (started briefly on a free loopback port) and with which protocol
 version, the build identity (buildid.py), the models it can resolve, and the devices (GPUs, or
-"CPU only"). With --peers, each remote peer of the node file (`endpoint:`): reachable or not, the
-round trip of a TCP connect and of a HELLO, its build identity (Hydra INFO, where it runs hydra)
-against this host's, and the free memory it lends.
+"CPU only"). With --peers, each remote peer of the node file (`endpoint:`, and each of its
+`spares:`): reachable or not, the round trip of a TCP connect and of a HELLO, its build identity
+(Hydra INFO, where it runs hydra) against this host's, and the free memory it lends.
 """
 
 from __future__ import annotations
@@ -202,9 +202,12 @@ def _gib(n: Any) -> str:
 
 
 def run_peers(out: Console, node: Node, timeout: float = 5.0) -> bool:
-    """`hydra doctor --peers`: each remote peer device of the node file."""
-    remote = [(d.name, d.endpoint, d.allow_build_mismatch, d.tls)
-              for d in node.devices.values() if d.endpoint]
+    """`hydra doctor --peers`: each remote peer device of the node file, and each of its
+    spares (checked as its endpoint is: a spare that fails is a finding too)."""
+    remote = [(d.name, ep, d.allow_build_mismatch, d.tls,
+               f" (spare {i} of {d.name})" if i else "")
+              for d in node.devices.values() if d.endpoint
+              for i, ep in enumerate((d.endpoint, *d.spares))]
     _say(out, ("node", "bold"), f": {node.source}")
     if not remote:
         _say(out, "remote peers: none (no device with endpoint: in the node file)")
@@ -217,10 +220,10 @@ def run_peers(out: Console, node: Node, timeout: float = 5.0) -> bool:
         local = None
         _say(out, ("this host", "bold"), ": build identity unknown (", exc.message, ")")
     ok = True
-    for name, endpoint, allow, tls_files in remote:
+    for name, endpoint, allow, tls_files, spare in remote:
         assert endpoint is not None
         rep = probe_peer(name, endpoint, timeout, tls_files)
-        _say(out, ("peer ", "bold"), (name, "bold"), f" at {endpoint}:")
+        _say(out, ("peer ", "bold"), (name, "bold"), f" at {endpoint}{spare}:")
         if rep.error:
             ok = False
             _say(out, "  ", ("✗", "red"), f" {rep.error}")

@@ -75,6 +75,11 @@ def plan(profile: str, node_file: str | None, profiles_dir: str | None, port: in
         out.print(f"  {pl.device}: {pl.what}, weights {pl.weight_bytes / 2**20:,.0f}"
                   f" MiB + KV {pl.kv_bytes / 2**20:,.0f} + buffers "
                   f"{pl.overhead_bytes / 2**20:,.0f} = {pl.need_bytes / 2**20:,.0f} MiB ({free})")
+    for dev, eps in _with_spares(lay):
+        out.print(f"  {dev}: planned on its endpoint {eps[0]}; spares "
+                  f"{', '.join(eps[1:])} (not probed here: `hydra up` plans on the first "
+                  "of them that answers HELLO, runs this build and fits; `hydra doctor --peers`"
+                  " checks each)", markup=False)
     for e in p.in_start_order():
         where = "remote, not started by hydra" if not e.managed else f"on {e.device}"
         if e.tls is not None:
@@ -150,7 +155,8 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
     Each managed engine's `argv` is its command line as it runs (`bins`: the binaries' paths;
     `binary` null and the program's name first where it is not found); `flag_check` says
     which binaries' --help the command lines were checked against, or why not. Each placement's
-    `free_reported`: its free memory is what a remote peer's host reported (Hydra INFO)."""
+    `free_reported`: its free memory is what a remote peer's host reported (Hydra INFO).
+    `spares`: the remote devices with spares, planned on their own endpoint (spares_json)."""
     ext = lay.external
     plan = plan or lay.plan
     bins = bins or {}
@@ -171,7 +177,26 @@ def plan_json(lay: layout.Layout, plan: Plan | None = None,
             value = {"host": ext.host, "port": ext.port, **value}
         out[key] = value
     out["flag_check"] = lay.flags.to_json()
+    out["spares"] = spares_json(lay)
     return out
+
+
+def _with_spares(lay: layout.Layout) -> list[tuple[str, tuple[str, ...]]]:
+    """Each remote device of the plan that names spares, with its endpoints (its own first).
+    The plan is made on its own: `hydra plan` probes no HELLO (it would wait in the queue of an
+    rpc-server a running head holds); `hydra up` tries the spares in order when that one fails
+    its checks (plan/spares.py)."""
+    from hydra_supervisor.plan import spares
+
+    used = {e.device for e in lay.plan.peers if not e.managed}
+    return [(d, eps) for d, eps in spares.alternates(lay.node).items() if d in used]
+
+
+def spares_json(lay: layout.Layout) -> list[dict[str, object]]:
+    """`hydra plan --json`'s `spares`: each device with spares, the endpoint planned on (its
+    own) and its spares in order (_with_spares)."""
+    return [{"device": d, "planned_on": eps[0], "spares": list(eps[1:])}
+            for d, eps in _with_spares(lay)]
 
 
 def _standby_plan(lay: Any, node_file: str | None, profiles_dir: str | None,

@@ -38,8 +38,8 @@ def install_llama(cuda: bool, cuda_archs: str, jobs: int | None) -> None:
 @click.command()
 @node_opt
 @click.option("--peers", is_flag=True,
-              help="check the node file's remote peers instead: reachability, RTT, build "
-                   "identity, free memory")
+              help="check the node file's remote peers (and their spares) instead: "
+                   "reachability, RTT, build identity, free memory")
 @friendly
 def doctor(node_file: str | None, peers: bool) -> None:
     """Check binaries, RPC support, models and devices; say how to fix what is missing."""

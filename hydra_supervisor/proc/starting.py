@@ -8,7 +8,10 @@ router, as at `hydra up`) is checked each time it answers HELLO again and before
 its head: a peer host back with another build is refused (FATAL, the `hydra up` message) unless
 the node file allows it. A remote peer whose device names spares (plan/spares.py) and that gets
 no HELLO moves onto the first of its device's other endpoints that answers HELLO, passes the
-identity check and whose re-plan fits (the Lineup takes the new plan; the lane is told). A head
+identity check and whose re-plan fits (the Lineup takes the new plan; the lane is told); tried
+at once, without probing the lost one again, when the probe that found it lost failed just now
+(watching.py). A re-probe refused or closed at once asks a peer hydra's router INFO, as `hydra
+up` does, and says the head holding its rpc-server. A head
 that fails to start has its peers checked first (watching.py):
 their loss, not the head's failure, is then what the Supervisor answers. While a head with
 remote peers starts, the bytes it has sent each are counted (sentwatch.py: its load's progress)."""
@@ -42,6 +45,11 @@ from hydra_supervisor.router.tunnel import TlsTunnel
 from hydra_supervisor.tools import buildid, install
 
 log = logging.getLogger("hydra")
+
+HELLO_TIMEOUT = 2.0  # a remote peer's re-probe
+# A remote peer's loss found by a probe that failed less than this long ago: that probe stands
+# for the first re-probe where the device has spares (they are tried at once).
+FRESH_PROBE_S = 5.0
 
 
 class Starter:
@@ -349,6 +357,10 @@ class Starter:
         budget = mp.policy.window
         t0 = self.seams.clock()
         tries = 0
+        # Its loss was found by a probe that failed just now (watching.py): with spares, that
+        # stands for the first re-probe, which would only fail again (2 s for a silent host).
+        lost = self.watcher.probe_failed(mp.name, FRESH_PROBE_S) \
+            if self._choice(mp) is not None else None
         while not self.stopping.is_set():
             if mp.state in (State.STOPPED, State.FATAL):
                 if mp.state is State.FATAL:
@@ -356,18 +368,14 @@ class Starter:
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint}")
             elif mp.state is State.BACKOFF:
                 mp.to(State.STARTING, f"probing remote peer {mp.spec.endpoint} again")
-            asked = self.seams.clock()
-            try:
-                version = await self.seams.hello(mp.spec.host, mp.spec.port, timeout=2.0,
+            spared, lost = lost, None  # straight to the spares; none serves: probed now
+            version = await self._to_spare(mp, spared) if spared is not None else None
+            if version is None:
+                version, why = await self._hello(mp.spec.host, mp.spec.port,
+                                                 info=mp.name not in self.bare,
                                                  tls=mp.spec.tls)
-            except HelloError as exc:
-                version = None
-                why = str(exc) if isinstance(exc, TlsFailed) else f"not a ggml-rpc-server: {exc}"
-            else:
-                why = "no HELLO answer" if version is not None else \
-                    self._why_no_hello(self.seams.clock() - asked, 2.0)
-            if version is None:  # its device's spares, where the node file names some
-                version = await self._to_spare(mp, why)
+                if version is None and spared is None:  # its device's spares, if it has some
+                    version = await self._to_spare(mp, why)
             if version is not None:
                 if not version.compatible():
                     mp.to(State.FATAL, f"protocol mismatch: speaks {version}")
@@ -388,7 +396,7 @@ class Starter:
             tries += 1
             delay = min(mp.policy.backoff_initial * 2 ** (tries - 1), mp.policy.backoff_max,
                         budget - away)
-            mp.to(State.BACKOFF, f"{why} from {mp.spec.endpoint}; away {away:.0f}s, "
+            mp.to(State.BACKOFF, f"{mp.spec.endpoint}: {why}; away {away:.0f}s, "
                   f"probing again in {delay:.1f}s")
             await self._sleep(delay)
         raise StartFailed("stop requested")
@@ -424,16 +432,12 @@ class Starter:
             if ep == here or self.stopping.is_set():
                 continue
             host, _, port = ep.rpartition(":")
-            mp.note(f"{why} from {here}; trying {device}'s "
+            mp.note(f"{here}: {why}; trying {device}'s "
                     f"{'primary' if ep == choice.endpoints[0] else 'spare'} {ep}")
-            try:
-                version = await self.seams.hello(host, int(port), timeout=2.0,
-                                                 tls=mp.spec.tls)
-            except HelloError as exc:
-                said.append(f"{ep}: not a ggml-rpc-server: {exc}")
-                continue
+            version, failed = await self._hello(host, int(port), info=True,
+                                                  tls=mp.spec.tls)
             if version is None or not version.compatible():
-                said.append(f"{ep}: " + ("no HELLO answer" if version is None
+                said.append(f"{ep}: " + (failed if version is None
                                          else f"speaks ggml-RPC {version}"))
                 continue
             try:
@@ -501,6 +505,30 @@ class Starter:
         if warning and self.said.get(mp.name) != warning:
             log.warning("%s", warning)
         self.said[mp.name] = warning or ""
+
+    async def _hello(self, host: str, port: int, *, info: bool, tls: TlsFiles | None = None
+                     ) -> tuple[Version | None, str]:
+        """A remote peer's HELLO (2 s): its version, or None and why not. One refused or closed
+        at once (a close before any byte is a HelloError) is asked Hydra INFO when its host may
+        run hydra (`info`: not known as a bare ggml-rpc-server, which queues a second client
+        rather than closing it), as `hydra up` does: a peer hydra's router closes a head's HELLO
+        while another head holds its rpc-server, and its INFO names that head (`busy: its
+        rpc-server is held by …`)."""
+        asked = self.seams.clock()
+        why = ""
+        try:
+            version = await self.seams.hello(host, port, timeout=HELLO_TIMEOUT, tls=tls)
+        except HelloError as exc:  # a router closing it reads "closed … after 0 bytes"
+            version = None
+            why = str(exc) if isinstance(exc, TlsFailed) else f"not a ggml-rpc-server: {exc}"
+        if version is not None:
+            return version, "HELLO answered"
+        took = self.seams.clock() - asked
+        if info and took < 0.75 * HELLO_TIMEOUT:
+            said = await self.seams.peer_info(host, port, HELLO_TIMEOUT, tls=tls)
+            if said is not None and said.holder is not None:
+                return None, buildid.held_by(said.holder)
+        return None, why or self._why_no_hello(took, HELLO_TIMEOUT)
 
     @staticmethod
     def _why_no_hello(took: float, timeout: float) -> str:

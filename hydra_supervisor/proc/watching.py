@@ -54,8 +54,17 @@ class Watcher:
         self.traffic: Traffic | None = None
         self._connect_probed: dict[str, int] = {}  # remote peer -> head pid it was probed under
         self._in_d: dict[str, tuple[int, float, float]] = {}  # peer -> (pid, since, CPU) in D
+        # remote peer -> (why, when): the failed probe (HELLO, TCP connect) that found it lost
+        self._failed: dict[str, tuple[str, float]] = {}
 
     # -- peers: are they still there? ------------------------------------------------------
+
+    def probe_failed(self, name: str, fresh: float) -> str | None:
+        """Why the probe that found remote peer `name` lost failed (no HELLO answer, no TCP
+        connect), when that was less than `fresh` seconds ago; forgotten once asked. A peer
+        lost without a probe of its own (a stall judged on CPU) has none."""
+        why, at = self._failed.pop(name, ("", float("-inf")))
+        return why if why and self.seams.clock() - at < fresh else None
 
     def _freeze_grace(self) -> float:
         """How long a process may sit stopped (state T) before it counts as frozen: a debugger
@@ -158,6 +167,7 @@ class Watcher:
                 version = None
             if version is None:
                 lost.append((p, f"(remote {p.spec.endpoint}) does not answer HELLO"))
+                self._failed[p.name] = ("no HELLO answer when found lost", self.seams.clock())
         return lost
 
     async def guarded(self, coro: Coroutine[object, object, T], watch: list[ManagedProcess]) -> T:
@@ -319,6 +329,7 @@ class Watcher:
             self._connect_probed[p.name] = head_pid
             why = await self.seams.connect(p.spec.host, p.spec.port, CONNECT_TIMEOUT)
             if why is not None:
+                self._failed[p.name] = (why, self.seams.clock())
                 return "stall", (f"remote peer {p.spec.endpoint} is gone ({why}) while a "
                                  f"request waited {waited:.0f}s without a byte ({n} in "
                                  "flight)"), [p]

@@ -323,14 +323,19 @@ class PeerInfo:
         return held if isinstance(held, dict) and held.get("addr") else None
 
 
-def busy_line(device: str, endpoint: str, holder: Mapping[str, object]) -> str:
-    """The one line a head reads when the peer it wants is held by another head."""
+def held_by(holder: Mapping[str, object]) -> str:
+    """`busy: its rpc-server is held by ADDR (build B) for Ns`: a peer host's INFO holder."""
     build = holder.get("build")
     who = f"{holder.get('addr')} (build {build})" if build else f"{holder.get('addr')}"
     held = holder.get("held_s")
     since = f" for {float(held):.0f}s" if isinstance(held, (int, float)) else ""
-    return (f"remote peer {device} at {endpoint} is busy: its rpc-server is held by {who}"
-            f"{since}; a ggml-rpc-server serves one head at a time")
+    return f"busy: its rpc-server is held by {who}{since}"
+
+
+def busy_line(device: str, endpoint: str, holder: Mapping[str, object]) -> str:
+    """The one line a head reads when the peer it wants is held by another head."""
+    return (f"remote peer {device} at {endpoint} is {held_by(holder)}; a ggml-rpc-server "
+            "serves one head at a time")
 
 
 def ask_info(host: str, port: int, timeout: float = 10.0,
