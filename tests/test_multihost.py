@@ -730,6 +730,17 @@ def _lend(pair: Pair, host: str) -> NsUp:
     return up
 
 
+def _spare_pair(net: Hosts, tmp_path: Path) -> tuple[Pair, str, str]:
+    """The head host's pair whose far device is peer host A with spares: [B] (the "spare"
+    namespace): (the pair, A, B)."""
+    (tmp_path / "spare").mkdir()
+    pair = Pair(net, tmp_path)
+    a, b = f"{net.addr('peer')}:{PEER_PORT}", f"{net.addr('spare')}:{PEER_PORT}"
+    pair.head_env = make_env(tmp_path / "head", f"devices:\n  far: {{endpoint: '{a}', "
+                             f"spares: ['{b}']}}\n")
+    return pair, a, b
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("fault", ["hydra-killed", "link-cut"])
 def test_a_lost_peer_moves_onto_its_spare(tmp_path: Path, fault: str) -> None:
@@ -742,11 +753,7 @@ def test_a_lost_peer_moves_onto_its_spare(tmp_path: Path, fault: str) -> None:
     brought back (hydra started again, or its link restored) after each run."""
     skip_unless_netns()
     with Hosts(["head", "peer", "client", "spare"]) as net:
-        (tmp_path / "spare").mkdir()
-        pair = Pair(net, tmp_path)
-        a, b = f"{net.addr('peer')}:{PEER_PORT}", f"{net.addr('spare')}:{PEER_PORT}"
-        pair.head_env = make_env(tmp_path / "head", f"devices:\n  far: {{endpoint: '{a}', "
-                                 f"spares: ['{b}']}}\n")
+        pair, a, b = _spare_pair(net, tmp_path)
         ups: dict[str, NsUp] = {}
         try:
             ups["peer"], ups["spare"] = _lend(pair, "peer"), _lend(pair, "spare")
@@ -816,11 +823,7 @@ def test_hydra_up_plans_on_the_spare_when_the_primary_is_down(tmp_path: Path) ->
     (its --rpc), serves, and `hydra status` and the log say why not A."""
     skip_unless_netns()
     with Hosts(["head", "peer", "client", "spare"]) as net:
-        (tmp_path / "spare").mkdir()
-        pair = Pair(net, tmp_path)
-        a, b = f"{net.addr('peer')}:{PEER_PORT}", f"{net.addr('spare')}:{PEER_PORT}"
-        pair.head_env = make_env(tmp_path / "head", f"devices:\n  far: {{endpoint: '{a}', "
-                                 f"spares: ['{b}']}}\n")
+        pair, a, b = _spare_pair(net, tmp_path)
         spare: NsUp | None = None
         try:
             spare = _lend(pair, "spare")
