@@ -6,8 +6,10 @@ completions through a COMBINE) is tests/test_tls_multihost.py."""
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
+import subprocess
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.errors import ConfigError, HydraError
 from hydra_supervisor.proc import rpcproto
 from hydra_supervisor.router import Router, Upstreams, tls
-from hydra_supervisor.router.tunnel import TlsTunnel
+from hydra_supervisor.router.tunnel import TlsTunnel, socket_owner
 from hydra_supervisor.testing.routerhelp import (
     DEADLINE,
     HOST,
@@ -175,6 +177,46 @@ def test_tunnel_carries_plain_bytes_over_tls(tls_peer: tuple[Router, EchoServer]
         tunnel.stop()
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=1.0).close()
+
+
+def test_socket_owner_reads_the_kernel_tcp_table(tmp_path: Path) -> None:
+    table = tmp_path / "tcp"
+    table.write_text(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+        "timeout inode\n"
+        "   0: 0100007F:9C41 0100007F:A001 01 00000000:00000000 00:00000000 00000000  1000 "
+        "       0 1111 1 0000000000000000 20 4 30 10 -1\n"
+        "   1: 0100007F:A001 0100007F:9C41 01 00000000:00000000 00:00000000 00000000     0 "
+        "       0 2222 1 0000000000000000 20 4 30 10 -1\n")
+    assert socket_owner(0x9C41, 0xA001, str(table)) == 1000
+    assert socket_owner(0xA001, 0x9C41, str(table)) == 0
+    assert socket_owner(0x9C42, 0xA001, str(table)) is None
+    assert socket_owner(1, 2, str(tmp_path / "missing")) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_tunnel_refuses_a_connection_of_another_user(tls_peer: tuple[Router, EchoServer],
+                                                     certs: dict[str, TlsFiles]) -> None:
+    """The tunnel carries this host's certificate: a socket of another local user (nobody,
+    here) is closed without a byte reaching the peer; hydra's own user still gets through."""
+    r, echo = tls_peer
+    tunnel = TlsTunnel(f"{HOST}:{r.port}", certs["head"])
+    host, _, port = tunnel.start().rpartition(":")
+    try:
+        # bash's /dev/tcp: a client any user can run (hydra's venv may not be readable)
+        script = ("exec 3<>/dev/tcp/$0/$1 || exit 3; printf '\\016zzzzzzzzzzzzzzzzzzzz' >&3; "
+                  "cat <&3")
+        out = subprocess.run(["bash", "-c", script, host, port], user=65534,
+                             capture_output=True, timeout=DEADLINE)
+        # connected (not exit 3), then closed without a byte (EOF, or a reset: its bytes unread)
+        assert out.returncode != 3 and out.stdout == b"", out
+        wait_until(lambda: tunnel.refused == 1, what="the stranger counted")
+        assert echo.accepted == 0
+        with socket.create_connection((host, int(port)), timeout=DEADLINE) as s:
+            s.sendall(b"\x0e" + b"y" * 20)
+            assert recv_exact(s, 25) == b"rpc:\x0e" + b"y" * 20
+    finally:
+        tunnel.stop()
 
 
 def test_tunnel_with_a_wrong_certificate_closes_and_says_why(

@@ -8,6 +8,11 @@ verified against the CA), both ways, by router/tls.py's one-thread pump. hydra's
 (HELLO, INFO) speak TLS to the peer directly (rpcproto.probe, buildid.ask_info), so they name
 the real endpoint and say what TLS refused.
 
+Who may use it: the tunnel carries this host's certificate, so a connection to it is taken
+only from a socket owned by hydra's own user (its owner read from /proc/net/tcp, as `ss -e`
+does): another local user cannot reach the peer through it. Connections refused so are
+counted (``refused``) and logged.
+
 Lifecycle: the Starter (proc/starting.py) starts one tunnel per TLS peer before the head that
 uses it first starts, keeps it across that head's restarts (the head's argv keeps its
 address), and the Supervisor closes it once the head has stopped for good. Threads: one
@@ -18,6 +23,7 @@ a string (``last_error``) for the log and for a head that fails to start.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -30,6 +36,25 @@ log = logging.getLogger("hydra")
 
 CONNECT_TIMEOUT_S = 10.0  # TCP connect plus the TLS handshake to the peer
 _JOIN_S = 2.0
+PROC_NET_TCP = "/proc/net/tcp"
+
+
+def socket_owner(client_port: int, server_port: int, table: str = PROC_NET_TCP) -> int | None:
+    """The uid owning the loopback socket 127.0.0.1:``client_port`` connected to
+    127.0.0.1:``server_port`` (a line of the kernel's TCP table), or None when it is not there
+    (already closed, or no such table)."""
+    want_local = f"0100007F:{client_port:04X}"
+    want_remote = f"0100007F:{server_port:04X}"
+    try:
+        with open(table, encoding="ascii") as f:
+            next(f, None)  # the header
+            for line in f:
+                cols = line.split()
+                if len(cols) > 7 and cols[1] == want_local and cols[2] == want_remote:
+                    return int(cols[7])
+    except OSError:
+        return None
+    return None
 
 
 class _Counts:
@@ -61,6 +86,8 @@ class TlsTunnel:
         self.port = 0
         self.last_error: str | None = None  # the last TLS failure with the peer (one line)
         self.connections = 0  # connections relayed since start
+        self.refused = 0  # connections from a socket of another user, closed at once
+        self._uid = os.getuid()
 
     @property
     def local(self) -> str:
@@ -112,11 +139,19 @@ class TlsTunnel:
         try:
             while not self._stopping:
                 try:
-                    client, _ = listener.accept()
+                    client, peer = listener.accept()
                 except OSError:
                     if self._stopping:
                         return
                     continue  # out of descriptors, or a connection reset before accept
+                owner = socket_owner(int(peer[1]), self.port)
+                if owner != self._uid:
+                    self.refused += 1
+                    log.warning("TLS tunnel %s: connection from 127.0.0.1:%s refused: its "
+                                "socket belongs to uid %s, not hydra's (%d)", self.local,
+                                peer[1], "unknown" if owner is None else owner, self._uid)
+                    client.close()
+                    continue
                 set_nodelay(client)
                 t = self._thread_factory(target=self._relay, args=(client,),
                                          name=f"tunnel-{self.port}-conn", daemon=True)
