@@ -253,8 +253,8 @@ def test_status_names_the_holder() -> None:
     for part in status_view.lane_renderables(lane, "http://127.0.0.1:8090", router=r):
         out.print(part)
     text = out.file.getvalue()  # type: ignore[attr-defined]
-    assert (f"lent to 10.0.0.1:55258 (build {HERE.fingerprint}) for 1m15s; 36.5 MiB sent to "
-            "the rpc-server, 1.0 MiB back") in text, text
+    assert (f"lent to 10.0.0.1:55258 (build {HERE.fingerprint}) for 1m15s (since ") in text, text
+    assert "); 36.5 MiB sent to the rpc-server, 1.0 MiB back" in text, text
     r = parse(RouterCounters, {"rpc_holder": None})
     out = Console(file=io.StringIO(), width=200, color_system=None)
     for part in status_view.lane_renderables(lane, "http://127.0.0.1:8090", router=r):
