@@ -413,11 +413,12 @@ def test_the_peer_host_names_its_holder_and_the_head_its_spare(tmp_path):
     """Two hydras on loopback standing in for two hosts (issue 32): a `demo-peer` hydra lends
     its CPU rpc-server; a head hydra whose device `far` names a primary that is down at
     `hydra up` and the peer as its spare serves on the spare. The peer host's page says who
-    holds its device (address, build, since when, MiB each way) and no HTTP request count on
-    its ggml-RPC port; the head's page says its remote peer serves on the spare and which is
-    the primary, on the port line, in the process table and in "Devices and memory" (and not
-    as one of this host's CPU devices); `hydra status` on the head says "spare" by its
-    address."""
+    holds its device (address, build, since when, MiB each way), that another head's HELLO
+    was refused, and no HTTP request count on its ggml-RPC port; the head's page says its
+    remote peer serves on the spare and which is the primary, on the port line, in the
+    process table and in "Devices and memory" (and not as one of this host's CPU devices);
+    `hydra status` on the head says "spare" by its address."""
+    from hydra_supervisor.proc import rpcproto
     from hydra_supervisor.testing.harness import Up, make_env
     from hydra_supervisor.testing.routerhelp import llama_bins
     from hydra_supervisor.tools import buildid
@@ -451,6 +452,9 @@ def test_the_peer_host_names_its_holder_and_the_head_its_spare(tmp_path):
                 data=json.dumps({"prompt": "Once upon a time", "n_predict": 8}).encode())
             with urllib.request.urlopen(req, timeout=120) as r:
                 assert r.status == 200
+        # a second head's bare HELLO: the peer's router closes it (one head at a time)
+        with pytest.raises(rpcproto.HelloError, match="after 0 bytes"):
+            rpcproto.probe("127.0.0.1", peer_port, timeout=10)
 
         shown = run_hydra(head_env, "status", timeout=60).stdout
         assert f"127.0.0.1:{peer_port} spare" in shown, shown
@@ -468,6 +472,8 @@ def test_the_peer_host_names_its_holder_and_the_head_its_spare(tmp_path):
                 assert re.search(r"since \d\d:\d\d:\d\d \([\d.]+ (s|min)", text), text
                 assert re.search(r"[1-9][\d.]* MiB sent to its rpc-server, [\d.]+ MiB back",
                                  text), text
+                assert text.endswith("MiB back · 1 other head's connection refused "
+                                     "(one head at a time)"), text
                 assert "request" not in text, text  # a ggml-RPC port serves no HTTP
                 _shot(page, tmp_path, "dashboard-peer-lent.png")
                 assert not errors, sorted(set(errors))

@@ -267,14 +267,18 @@ def _router_line(r: RouterCounters | None, lanes: tuple[LaneStatus, ...]
 def _holder_line(r: RouterCounters) -> list[RenderableType]:
     """On a host that lends its device: the head holding the rpc-server behind the router
     (address, its build when its hydra said it, for how long and since when on this host's
-    clock, bytes each way)."""
+    clock, bytes each way), and how many other heads' connections the router refused."""
     h = r.rpc_holder
     if h is None:
         return []
     build = f" (build {h.build})" if h.build else " (build unknown: not announced)"
     since = time.strftime("%H:%M:%S", time.localtime(time.time() - h.held_s))
+    kept = r.refused.get("rpc_held", 0)
     return [Text(f"lent to {h.addr}{build} for {_dur(h.held_s)} (since {since}); "
-                 f"{_mib(h.bytes_up)} sent to the rpc-server, {_mib(h.bytes_down)} back")]
+                 f"{_mib(h.bytes_up)} sent to the rpc-server, {_mib(h.bytes_down)} back"
+                 + (f"; {kept} other head{'s' if kept != 1 else ''}' connection"
+                    f"{'s' if kept != 1 else ''} refused since start (one head at a time)"
+                    if kept else ""))]
 
 
 def _dur(s: float) -> str:

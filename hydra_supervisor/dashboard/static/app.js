@@ -502,7 +502,7 @@ function renderPorts(st) {
     const counts = p.router && !String(p.url).startsWith("ggml-rpc") ? ` · ${plural(http.requests || 0, "request")}${http.cut ? ` · ${http.cut} cut` : ""}` : "";
     // a host that lends its device: the head holding the rpc-server behind this router;
     // a head: the remote peers its active profiles run on (which endpoint: a spare?)
-    const lent = holderText(st, p.router && p.router.rpc_holder);
+    const lent = holderText(st, p.router);
     const remote = remotePeers(act).map((x) => ` · remote peer ${peerAt(x)}: ${x.state}`).join("");
     const head = el("div", { class: "port-head" },
       el("a", { href: p.url, text: `port ${p.port}` }),
@@ -521,12 +521,16 @@ function renderPorts(st) {
 }
 
 // The head holding this host's lent rpc-server: its address, the build its hydra announced,
-// since when (this page's clock) and for how long, and the bytes each way through the router.
-function holderText(st, h) {
+// since when (this page's clock) and for how long, the bytes each way through the router, and
+// how many other heads' connections the router refused (one head at a time).
+function holderText(st, r) {
+  const h = r && r.rpc_holder;
   if (!h) return "";
   const since = st.now ? `since ${fmtTime(st.now - h.held_s)} (${fmtDur(h.held_s)})` : `for ${fmtDur(h.held_s)}`;
+  const kept = (r.refused && r.refused.rpc_held) || 0;
   return ` · lent to ${h.addr} (build ${h.build || "not announced"}) ${since}, ` +
-    `${fmtMiB(h.bytes_up)} sent to its rpc-server, ${fmtMiB(h.bytes_down)} back`;
+    `${fmtMiB(h.bytes_up)} sent to its rpc-server, ${fmtMiB(h.bytes_down)} back` +
+    (kept ? ` · ${plural(kept, "other head's connection", "other heads' connections")} refused (one head at a time)` : "");
 }
 
 function fmtMiB(n) {
