@@ -25,6 +25,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -401,3 +402,95 @@ def _state(base: str) -> dict[str, Any]:
 def _states(base: str) -> dict[str, str]:
     return {lane["profile"]: lane["state"] for p in _state(base)["snapshot"]["ports"]
             for lane in p["lanes"]}
+
+
+PEER_COMBINE = ("model: gemma3-270m\nmode: combine\nhead: cpu\nsplit: [9, 9]\npeers: [far]\n"
+                "server_args: {ctx-size: 512, parallel: 1, threads: 1, chat-template: gemma,"
+                " no-jinja: true, n-predict: 8}\n")
+
+
+def test_the_peer_host_names_its_holder_and_the_head_its_spare(tmp_path):
+    """Two hydras on loopback standing in for two hosts (issue 32): a `demo-peer` hydra lends
+    its CPU rpc-server; a head hydra whose device `far` names a primary that is down at
+    `hydra up` and the peer as its spare serves on the spare. The peer host's page says who
+    holds its device (address, build, since when, MiB each way), that another head's HELLO
+    was refused, and no HTTP request count on its ggml-RPC port; the head's page says its
+    remote peer serves on the spare and which is the primary, on the port line, in the
+    process table and in "Devices and memory" (and not as one of this host's CPU devices);
+    `hydra status` on the head says "spare" by its address."""
+    from hydra_supervisor.proc import rpcproto
+    from hydra_supervisor.testing.harness import Up, make_env
+    from hydra_supervisor.testing.routerhelp import llama_bins
+    from hydra_supervisor.tools import buildid
+
+    llama_bins()
+    ident = buildid.local_identity()
+    for d in ("peer", "head"):
+        (tmp_path / d).mkdir()
+    peer_port, head_port, dead = free_port(), free_port(), free_port()
+    peer_m, head_m = free_port(), free_port()
+    ups: list[Up] = []
+    try:
+        peer_env = make_env(tmp_path / "peer")
+        peer = Up(peer_env, ["--profile", "demo-peer", "--port", str(peer_port),
+                             "--metrics-port", str(peer_m)], tmp_path / "peer")
+        ups.append(peer)
+        peer.wait_ready(120)
+        head_env = make_env(tmp_path / "head", (
+            f"devices:\n  far: {{endpoint: '127.0.0.1:{dead}', "
+            f"spares: ['127.0.0.1:{peer_port}']}}\n"))
+        prof = tmp_path / "head" / "far.yaml"
+        prof.write_text(f"profile: far\n{PEER_COMBINE}port: {head_port}\n")
+        head = Up(head_env, ["--profile", str(prof), "--metrics-port", str(head_m)],
+                  tmp_path / "head")
+        ups.append(head)
+        head.wait_ready(300)
+        for _ in range(3):
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{head_port}/completion", headers={
+                    "Content-Type": "application/json"},
+                data=json.dumps({"prompt": "Once upon a time", "n_predict": 8}).encode())
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == 200
+        # a second head's bare HELLO: the peer's router closes it (one head at a time)
+        with pytest.raises(rpcproto.HelloError, match="after 0 bytes"):
+            rpcproto.probe("127.0.0.1", peer_port, timeout=10)
+
+        shown = run_hydra(head_env, "status", timeout=60).stdout
+        assert f"127.0.0.1:{peer_port} spare" in shown, shown
+        spare = f"far on spare 127.0.0.1:{peer_port} (primary 127.0.0.1:{dead})"
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                expect = sync_api.expect
+                expect.set_options(timeout=DEADLINE_MS)
+                page, errors = _open(browser, f"http://127.0.0.1:{peer_m}/")
+                line = page.locator("#ports .port-head .muted")
+                expect(line).to_contain_text("lent to 127.0.0.1:")
+                expect(line).to_contain_text(f"(build {ident.fingerprint}) since ")
+                text = line.inner_text()
+                assert re.search(r"since \d\d:\d\d:\d\d \([\d.]+ (s|min)", text), text
+                assert re.search(r"[1-9][\d.]* MiB sent to its rpc-server, [\d.]+ MiB back",
+                                 text), text
+                assert text.endswith("MiB back · 1 other head's connection refused "
+                                     "(one head at a time)"), text
+                assert "request" not in text, text  # a ggml-RPC port serves no HTTP
+                _shot(page, tmp_path, "dashboard-peer-lent.png")
+                assert not errors, sorted(set(errors))
+
+                page, errors = _open(browser, f"http://127.0.0.1:{head_m}/")
+                expect(page.locator("#ports .port-head .muted")).to_contain_text(
+                    f"remote peer {spare}: READY")
+                expect(page.locator('#processes tr[data-process="far.peer-far"]')
+                       ).to_contain_text(spare)
+                expect(page.locator("#devices")).to_contain_text(f"remote peer {spare}")
+                expect(page.locator("#devices")).to_contain_text("(CPU devices: cpu)")
+                _shot(page, tmp_path, "dashboard-peer-head.png")
+                assert not errors, sorted(set(errors))
+            finally:
+                browser.close()
+    finally:
+        for up in reversed(ups):
+            if up.proc.poll() is None:
+                up.stop()
+            up.kill_everything()

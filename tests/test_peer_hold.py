@@ -100,6 +100,7 @@ def test_a_second_head_is_told_busy_four_times_and_gets_the_peer_once_the_first_
         assert port_st["router"]["refused"].get("rpc_held", 0) >= 4
         shown = run_hydra(peer_env, "status", timeout=60).stdout
         assert f"lent to {holder['addr']} (build {ident.fingerprint}) for " in shown, shown
+        assert " other heads' connections refused since start" in shown, shown
         print("peer host: " + next(x for x in shown.splitlines() if "lent to" in x).strip())
         print("holder in --json: " + json.dumps(holder))
 

@@ -247,14 +247,20 @@ def test_status_names_the_holder() -> None:
     """`hydra status` on the peer host: under the router line, who holds the lent device."""
     r = parse(RouterCounters, {"rpc_holder": {
         "addr": "10.0.0.1:55258", "build": HERE.fingerprint, "held_s": 75.2,
-        "bytes_up": 38253869, "bytes_down": 1 << 20}})
+        "bytes_up": 38253869, "bytes_down": 1 << 20}, "refused": {"rpc_held": 4}})
     lane = LaneStatus(name="port-8090/demo-peer", profile="demo-peer", state="serving")
     out = Console(file=io.StringIO(), width=200, color_system=None)
+    t0 = time.time()
     for part in status_view.lane_renderables(lane, "http://127.0.0.1:8090", router=r):
         out.print(part)
+    t1 = time.time()
     text = out.file.getvalue()  # type: ignore[attr-defined]
-    assert (f"lent to 10.0.0.1:55258 (build {HERE.fingerprint}) for 1m15s; 36.5 MiB sent to "
-            "the rpc-server, 1.0 MiB back") in text, text
+    # since: this host's clock less held_s (read between t0 and t1)
+    since = {time.strftime("%H:%M:%S", time.localtime(t - 75.2)) for t in (t0, t1)}
+    assert any(
+        f"lent to 10.0.0.1:55258 (build {HERE.fingerprint}) for 1m15s (since {s}); 36.5 MiB "
+        "sent to the rpc-server, 1.0 MiB back; 4 other heads' connections refused since start "
+        "(one head at a time)" in text for s in since), text
     r = parse(RouterCounters, {"rpc_holder": None})
     out = Console(file=io.StringIO(), width=200, color_system=None)
     for part in status_view.lane_renderables(lane, "http://127.0.0.1:8090", router=r):

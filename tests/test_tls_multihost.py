@@ -20,7 +20,7 @@ import requests
 
 from hydra_supervisor.config.profile import TlsFiles
 from hydra_supervisor.proc import rpcproto
-from hydra_supervisor.testing.harness import Up, free_port, make_env, run_hydra
+from hydra_supervisor.testing.harness import Up, free_port, make_env, run_hydra, status_json
 from hydra_supervisor.testing.tlscerts import make_certs, openssl_missing
 from hydra_supervisor.tools import buildid
 
@@ -94,6 +94,14 @@ def test_combine_over_tls_serves_and_plain_is_refused(tmp_path: Path) -> None:
                           json={"messages": [{"role": "user", "content": "Hi"}],
                                 "max_tokens": 8})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        # both hosts' status say TLS: the head's remote peer, the peer's port (TLS only)
+        (far,) = [x for pt in status_json(env)["daemon"]["ports"]  # type: ignore[typeddict-item]
+                  for lane in pt["lanes"] for x in lane["processes"] if not x["managed"]]
+        assert far["tls"] is True and far["endpoints"] == [], far
+        shown = run_hydra(env, "status").stdout
+        assert f"127.0.0.1:{peer_port} TLS" in shown, shown
+        shown = run_hydra(peer.env, "status").stdout
+        assert f"ggml-rpc://127.0.0.1:{peer_port} (TLS only)" in shown, shown
         log = "".join(p.read_text() for p in
                       sorted((Path(env["HYDRA_STATE_DIR"]) / "logs").glob("*.head.log")))
         # the head's llama-server reached the peer through the local tunnel

@@ -66,8 +66,9 @@ def _port_renderables(p: PortStatus) -> list[RenderableType]:
     """A port: with one profile, that profile's view; with several, a row per profile, then
     every running process, then the port's router counters; then its standby."""
     active = p.active()
+    url = p.url + (" (TLS only)" if p.tls else "")
     if len(active) == 1:
-        parts = lane_renderables(active[0], p.url, router=p.router, down=p.down,
+        parts = lane_renderables(active[0], url, router=p.router, down=p.down,
                                  lanes=p.lanes)
     elif not active:
         parts = [Text(f"no profile loaded at {p.url} ({p.word()}); "
@@ -155,9 +156,19 @@ def _process_table(procs: list[ProcessStatus], warnings: bool) -> Table:
         uptime = _fmt_age(now - p.started) if p.started else "-"
         reason = p.reason + remote_load_text(p.remote_load) + \
             (f" [{p.warning}]" if warnings and p.warning else "")
-        table.add_row(p.name, p.role, p.device or "-", str(p.pid or "-"), str(p.port),
+        table.add_row(p.name, p.role, p.device or "-", str(p.pid or "-"), _port_of(p),
                       p.state, uptime, str(p.restarts), _fmt_mem(p), Text(reason))
     return table
+
+
+def _port_of(p: ProcessStatus) -> str:
+    """A process's port; a remote peer's host:port, "spare" when it is not its device's
+    primary (the reason says which and why), "TLS" where its device has tls:."""
+    if p.managed:
+        return str(p.port)
+    at = f"{p.host}:{p.port}"
+    spare = bool(p.endpoints) and p.endpoints[0] != at
+    return at + (" spare" if spare else "") + (" TLS" if p.tls else "")
 
 
 def _log_tails(procs: list[ProcessStatus]) -> list[RenderableType]:
@@ -255,13 +266,19 @@ def _router_line(r: RouterCounters | None, lanes: tuple[LaneStatus, ...]
 
 def _holder_line(r: RouterCounters) -> list[RenderableType]:
     """On a host that lends its device: the head holding the rpc-server behind the router
-    (address, its build when its hydra said it, for how long, bytes each way)."""
+    (address, its build when its hydra said it, for how long and since when on this host's
+    clock, bytes each way), and how many other heads' connections the router refused."""
     h = r.rpc_holder
     if h is None:
         return []
     build = f" (build {h.build})" if h.build else " (build unknown: not announced)"
-    return [Text(f"lent to {h.addr}{build} for {_dur(h.held_s)}; "
-                 f"{_mib(h.bytes_up)} sent to the rpc-server, {_mib(h.bytes_down)} back")]
+    since = time.strftime("%H:%M:%S", time.localtime(time.time() - h.held_s))
+    kept = r.refused.get("rpc_held", 0)
+    return [Text(f"lent to {h.addr}{build} for {_dur(h.held_s)} (since {since}); "
+                 f"{_mib(h.bytes_up)} sent to the rpc-server, {_mib(h.bytes_down)} back"
+                 + (f"; {kept} other head{'s' if kept != 1 else ''}' connection"
+                    f"{'s' if kept != 1 else ''} refused since start (one head at a time)"
+                    if kept else ""))]
 
 
 def _dur(s: float) -> str:

@@ -970,7 +970,8 @@ class Lane:
         sup = self.sup
         if sup is None:
             return ()
-        return tuple(_process_status(p, gpu, sup.plan) for p in sup.procs)
+        ends = {c.device: c.endpoints for c in self.dep.peer_choices}
+        return tuple(_process_status(p, gpu, sup.plan, ends) for p in sup.procs)
 
     def status(self, gpu: Mapping[int, int], *, name: str, state: str, default: bool,
                standby: str | None = None) -> LaneStatus:
@@ -1016,7 +1017,10 @@ def _tail_of(sup: Runner, name: str) -> list[str]:
     return mp.log_tail() if mp is not None else []
 
 
-def _process_status(p: ManagedProcess, gpu: Mapping[int, int], plan: Plan) -> ProcessStatus:
+def _process_status(p: ManagedProcess, gpu: Mapping[int, int], plan: Plan,
+                    endpoints: Mapping[str, tuple[str, ...]]) -> ProcessStatus:
+    """One process as published; `endpoints`: each remote device with spares, its endpoints
+    (the lane's deployment's choice: plan/spares.py)."""
     pid = p.pid
     rss = None
     if pid:
@@ -1033,4 +1037,6 @@ def _process_status(p: ManagedProcess, gpu: Mapping[int, int], plan: Plan) -> Pr
         managed=spec.managed, log=str(p.log_path), warning=p.warning,
         first_failure_log=p.first_failure_log,
         log_tail=tuple(p.log_tail()) if p.state is State.FATAL else (),
-        rss_bytes=rss, gpu_bytes=gpu.get(pid) if pid else None, remote_load=load)
+        rss_bytes=rss, gpu_bytes=gpu.get(pid) if pid else None, remote_load=load,
+        endpoints=() if spec.managed else endpoints.get(spec.device, ()),
+        tls=not spec.managed and spec.tls is not None)

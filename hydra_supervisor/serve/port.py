@@ -765,7 +765,7 @@ class Port:
         return PortStatus(name=f"port-{self.port}", host=self.host, port=self.port,
                           url=self.url, alive=self.alive(), down=self.down(),
                           default=self.default, router=self.router_status(),
-                          lanes=tuple(lanes),
+                          lanes=tuple(lanes), tls=self.tls_files is not None,
                           switches=tuple(SwitchStatus.of(r) for r in self.reports))
 
 

@@ -82,6 +82,11 @@ class ProcessStatus:
     rss_bytes: int | None = None  # host resident memory
     gpu_bytes: int | None = None  # GPU memory (NVML)
     remote_load: RemoteLoad | None = None
+    # A remote peer (managed False): its device's endpoints when it names spares, the primary
+    # first (host:port is the one it serves on: a spare when it is not the first), and whether
+    # it is reached over TLS (its device's tls:)
+    endpoints: tuple[str, ...] = ()
+    tls: bool = False
 
     def to_json(self) -> JSONObject:
         return _obj(self)
@@ -262,6 +267,7 @@ class PortStatus:
     router: RouterCounters | None = None  # None: router: false (llama-server holds the port)
     lanes: tuple[LaneStatus, ...] = ()
     switches: tuple[SwitchStatus, ...] = ()  # changes that left it without a lane
+    tls: bool = False  # its router takes TLS only (a peer profile's tls:)
 
     def word(self) -> str:
         """The port's own word, for a port with no lane: `port down` or `idle`."""

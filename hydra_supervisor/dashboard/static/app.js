@@ -498,15 +498,16 @@ function renderPorts(st) {
     let what = act.length > 1 ? `${act.length} profiles, routed by the request's "model"`
       : act.length ? `${act[0].profile}` : "no profile loaded (switch one in below)";
     if (sb.length) what += `, standby ${sb.map((l) => l.profile).join(", ")}`;
-    const counts = p.router ? ` · ${plural(http.requests || 0, "request")}${http.cut ? ` · ${http.cut} cut` : ""}` : "";
-    // a host that lends its device: the head holding the rpc-server behind this router
-    const h = p.router && p.router.rpc_holder;
-    const lent = h ? ` · lent to ${h.addr} (build ${h.build || "unknown"}) for ${Math.round(h.held_s)} s, ` +
-      `${(h.bytes_up / 1048576).toFixed(1)} MiB sent` : "";
+    // (a ggml-RPC port that lends a device serves no HTTP: no request count)
+    const counts = p.router && !String(p.url).startsWith("ggml-rpc") ? ` · ${plural(http.requests || 0, "request")}${http.cut ? ` · ${http.cut} cut` : ""}` : "";
+    // a host that lends its device: the head holding the rpc-server behind this router;
+    // a head: the remote peers its active profiles run on (which endpoint: a spare?)
+    const lent = holderText(st, p.router);
+    const remote = remotePeers(act).map((x) => ` · remote peer ${peerAt(x)}: ${x.state}`).join("");
     const head = el("div", { class: "port-head" },
       el("a", { href: p.url, text: `port ${p.port}` }),
       p.down ? badge("port down") : badge("alive"),
-      el("span", { class: "muted", text: p.down || `${p.url} · ${what}${counts}${lent}` }));
+      el("span", { class: "muted", text: p.down || `${p.url}${p.tls ? " (TLS only)" : ""} · ${what}${counts}${lent}${remote}` }));
     const tbody = el("tbody");
     for (const r of mine) tbody.append(laneRow(st, r));
     const table = el("table", { class: "grid lanes" },
@@ -517,6 +518,38 @@ function renderPorts(st) {
       mine.length ? null : singleSwitch(st)));
   }
   patchChildren($("ports"), out);
+}
+
+// The head holding this host's lent rpc-server: its address, the build its hydra announced,
+// since when (this page's clock) and for how long, the bytes each way through the router, and
+// how many other heads' connections the router refused (one head at a time).
+function holderText(st, r) {
+  const h = r && r.rpc_holder;
+  if (!h) return "";
+  const since = st.now ? `since ${fmtTime(st.now - h.held_s)} (${fmtDur(h.held_s)})` : `for ${fmtDur(h.held_s)}`;
+  const kept = (r.refused && r.refused.rpc_held) || 0;
+  return ` · lent to ${h.addr} (build ${h.build || "not announced"}) ${since}, ` +
+    `${fmtMiB(h.bytes_up)} sent to its rpc-server, ${fmtMiB(h.bytes_down)} back` +
+    (kept ? ` · ${plural(kept, "other head's connection", "other heads' connections")} refused (one head at a time)` : "");
+}
+
+function fmtMiB(n) {
+  return `${((n || 0) / 1048576).toFixed(1)} MiB`;
+}
+
+// A remote peer of a head (a process hydra only probes): its device, the endpoint it serves
+// on, whether that is a spare (and which is the primary), TLS (its device's tls:).
+function peerAt(x) {
+  const at = `${x.host}:${x.port}`;
+  const eps = x.endpoints || [];
+  const where = !eps.length ? `${x.device} at ${at}` : eps[0] === at
+    ? `${x.device} at ${at} (primary; spares ${eps.slice(1).join(", ")})`
+    : `${x.device} on spare ${at} (primary ${eps[0]})`;
+  return where + (x.tls ? ", over TLS" : "");
+}
+
+function remotePeers(lanes) {
+  return lanes.flatMap((l) => (l.processes || []).filter((x) => !x.managed && x.role === "peer"));
 }
 
 function button(action, text, title, disabled, onclick, profile) {
@@ -631,7 +664,8 @@ function renderDevices(st, rows) {
   }
   const h = d.host;
   if (h) {
-    const cpuProcs = procs.filter((p) => p.gpu_bytes === null || p.gpu_bytes === undefined);
+    // this host's: a remote peer (not managed) runs on another host's memory
+    const cpuProcs = procs.filter((p) => p.managed !== false && (p.gpu_bytes === null || p.gpu_bytes === undefined));
     const rss = cpuProcs.reduce((a, p) => a + (p.rss_bytes || 0), 0);
     const devs = [...new Set(cpuProcs.map((p) => p.device))].join(", ");
     out.push(memBlock(`host memory${devs ? ` (CPU devices: ${devs})` : ""}`, h.total, h.used, rss,
@@ -646,9 +680,11 @@ function renderDevices(st, rows) {
     const plan = planned[`cuda${g.index}`];
     out.push(memBlock(`GPU ${g.index} · ${g.model}`, g.total, g.used, mine, plan, `${d.source || "NVML"}: used by every process on it`, gp, (p) => p.gpu_bytes, "GPU"));
   }
+  const remotes = remotePeers(rows);
   for (const [k, v] of Object.entries(planned)) {
     if (!k.startsWith("remote:")) continue;
-    out.push(el("div", { class: "dev" }, el("div", { class: "dev-name", text: `remote peer ${k.slice(7)}` }),
+    const x = remotes.find((p) => `${p.host}:${p.port}` === k.slice(7));
+    out.push(el("div", { class: "dev" }, el("div", { class: "dev-name", text: `remote peer ${x ? peerAt(x) : k.slice(7)}` }),
       el("div", { class: "legend", text: `planned by hydra ${fmtBytes(v)} · its memory is not visible from this host` })));
   }
   if (!d.gpus || !d.gpus.length) {
@@ -697,7 +733,7 @@ function renderProcesses(st, rows) {
         el("td", {}, el("b", { text: p.name })),
         el("td", { text: r.profile || DASH }),
         el("td", { text: p.role }),
-        el("td", { text: p.device || DASH }),
+        el("td", { text: p.managed ? p.device || DASH : peerAt(p) }),
         el("td", {}, badge(p.state)),
         el("td", { class: "num", "data-pid": p.pid ?? "", text: p.pid ?? DASH }),
         el("td", { class: "num", text: fmtDur(up) }),
