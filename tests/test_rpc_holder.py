@@ -268,6 +268,23 @@ def test_status_names_the_holder() -> None:
     assert "lent to" not in out.file.getvalue()  # type: ignore[attr-defined]
 
 
+def test_status_of_a_lending_port_counts_no_http() -> None:
+    """A port that lends a device (ggml-rpc://) serves no HTTP: its router line says its
+    connections, not HTTP requests that are always 0."""
+    r = parse(RouterCounters, {"open": 1, "accepted": 7, "rpc_holder": {
+        "addr": "10.0.0.1:55258", "build": "", "held_s": 5.0, "bytes_up": 0,
+        "bytes_down": 0}})
+    lane = LaneStatus(name="port-8090/demo-peer", profile="demo-peer", state="serving")
+    out = Console(file=io.StringIO(), width=200, color_system=None)
+    for part in status_view.lane_renderables(lane, "ggml-rpc://0.0.0.0:8090 (TLS only)",
+                                             router=r):
+        out.print(part)
+    text = out.file.getvalue()  # type: ignore[attr-defined]
+    assert "router: 1 open, 7 accepted (ggml-RPC and Hydra frames: a port that lends serves " \
+        "no HTTP)" in text, text
+    assert "HTTP requests" not in text and "lent to 10.0.0.1:55258" in text, text
+
+
 def test_a_head_that_takes_the_peer_between_info_and_hello_is_named(
         router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
     """INFO said free, then another head took it: the HELLO is closed by the router, and

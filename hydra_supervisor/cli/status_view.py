@@ -73,7 +73,7 @@ def _port_renderables(p: PortStatus) -> list[RenderableType]:
     elif not active:
         parts = [Text(f"no profile loaded at {p.url} ({p.word()}); "
                       "`hydra switch NAME` loads one")]
-        parts += _router_line(p.router, p.lanes)
+        parts += _router_line(p.router, p.lanes, p.url)
         if p.down:
             parts.append(Text(f"PORT DOWN: {p.down}; hydra is restarting it",
                               style="bold red"))
@@ -218,7 +218,7 @@ def lane_renderables(lane: LaneStatus, url: str, router: RouterCounters | None =
     if lane.processes:
         parts.append(_process_table(list(lane.processes), warnings=True))
     parts += _load_line(lane)
-    parts += _router_line(router, lanes if lanes is not None else (lane,))
+    parts += _router_line(router, lanes if lanes is not None else (lane,), url)
     if down:
         parts.append(Text(f"PORT DOWN: {down}; hydra is restarting it", style="bold red"))
     if lane.degraded:
@@ -250,12 +250,17 @@ def _request_split(r: RouterCounters, lanes: tuple[LaneStatus, ...]) -> str:
     return f"{total} HTTP requests ({routed} to profiles, {own} answered by the router)"
 
 
-def _router_line(r: RouterCounters | None, lanes: tuple[LaneStatus, ...]
+def _router_line(r: RouterCounters | None, lanes: tuple[LaneStatus, ...], url: str = ""
                  ) -> list[RenderableType]:
     """The port's router: its connections, and its finished HTTP requests split as in
-    `_request_split` (with one lane, how many of them came in the last minute)."""
+    `_request_split` (with one lane, how many of them came in the last minute). A port that
+    lends a device (`url` ggml-rpc://) serves no HTTP: its connections only."""
     if r is None:
         return []
+    if url.startswith("ggml-rpc"):
+        return [Text(f"router: {r.open} open, {r.accepted} accepted (ggml-RPC and Hydra "
+                     f"frames: a port that lends serves no HTTP)" + _router_restarts(r))
+                ] + _holder_line(r)
     last = lanes[0].requests_last_min if len(lanes) == 1 else None
     return [Text(f"router: {r.open} open, {r.held} held, {r.inflight} in flight; "
                  f"{r.accepted} accepted, {_request_split(r, lanes)}"
