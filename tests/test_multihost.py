@@ -641,6 +641,23 @@ class LoadSeen:
                             f"{r / 2**20:.0f})" for t, s, r in self.samples[::4]))
 
 
+def _rows_saying(table: str, words: str) -> list[str]:
+    """The rows of `hydra status`'s process table that say `words`, each with its last cell's
+    wrapped lines joined on (a row may wrap within the piped output's width)."""
+    lines, rows = table.splitlines(), []
+    for i, ln in enumerate(lines):
+        if words not in ln:
+            continue
+        row = ln.strip()
+        for more in lines[i + 1:]:
+            cells = more.split("│")
+            if len(cells) < 2 or cells[0].strip():
+                break  # the next row, or the table's end
+            row += " " + cells[-1].strip()
+        rows.append(row)
+    return rows
+
+
 def _watch_load(pair: Pair, head: NsUp, t0: float, show: Callable[[int | None, int], bool]
                 ) -> LoadSeen:
     """Poll the head's `remote_load` until it is READY; run `hydra status` (a CLI start, once)
@@ -658,8 +675,8 @@ def _watch_load(pair: Pair, head: NsUp, t0: float, show: Callable[[int | None, i
             sent, total = rl["sent_bytes"], rl["remote_bytes"]
             got.samples.append((time.monotonic() - t0, sent, total))
             if not got.lines and show(sent, total):
-                out = run_hydra({**pair.head_env, "COLUMNS": "250"}, "status").stdout
-                got.lines.extend(ln.strip() for ln in out.splitlines() if "MiB to remote" in ln)
+                out = run_hydra(pair.head_env, "status").stdout
+                got.lines.extend(_rows_saying(out, "MiB to remote"))
         return row.get("state") == "READY"
 
     wait_until(ready, 240, "the head READY", interval=0.25)

@@ -450,7 +450,8 @@ def kill_peer_during_load(tmp: Path) -> FaultResult:
     def loading() -> dict[str, EngineRow] | None:
         eng = _by_name(env)
         head = eng.get("head")
-        return eng if head and head["state"] == "STARTING" and _pid(head) and \
+        # (STARTING before its spawn has no pid yet: not loading until it has one)
+        return eng if head and head["state"] == "STARTING" and head["pid"] is not None and \
             eng["peer-cpu-peer"]["state"] == "READY" else None
     eng = wait_until(loading, 120, "the head loading")
     seen = {e["pid"] for e in eng.values() if e["pid"]}
