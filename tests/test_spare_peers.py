@@ -392,7 +392,9 @@ def test_a_peer_found_lost_by_a_probe_tries_its_spares_at_once(tmp_path: Path, f
         if found == "connect":
             w.connect_fails[PRIMARY] = "timeout"
             w.inflight, w.owed_since = 1, w.clock()
-            await r.until(lambda: r.mp("peer-0").state is not State.READY)
+            # (the move may be over before a look at it: READY again, on the spare)
+            await r.until(lambda: r.mp("peer-0").state is not State.READY
+                          or w.live("head") not in (None, head0))
             w.inflight = 0
         else:
             head0.kill(134)  # its next RPC call aborts
