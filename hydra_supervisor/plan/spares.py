@@ -12,12 +12,13 @@ primary is not used, and the node file as if each device's endpoint were the one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from hydra_supervisor.config.profile import Node
 from hydra_supervisor.errors import HydraError
+from hydra_supervisor.plan.layout import PeerRefused
 from hydra_supervisor.plan.placement import DoesNotFit
 
 T = TypeVar("T")
@@ -75,15 +76,14 @@ def first_line(exc: HydraError, device: str | None = None) -> str:
     return lines[0]
 
 
-def blamed(exc: HydraError, left: Mapping[str, bool]) -> str | None:
-    """The device with spares left to try that `exc` is about: a peer refused at its check
-    (layout.PeerRefused names it), or a remote device short of memory in the fit."""
-    device = getattr(exc, "device", None)
-    if isinstance(device, str):
-        return device if left.get(device) else None
+def about(exc: HydraError) -> tuple[str, ...]:
+    """The devices `exc` is about: a peer refused at its check (PeerRefused names it), or the
+    devices short of memory in the fit; none for any other error."""
+    if isinstance(exc, PeerRefused):
+        return (exc.device,)
     if isinstance(exc, DoesNotFit):
-        return next((d for d in exc.devices if left.get(d)), None)
-    return None
+        return exc.devices
+    return ()
 
 
 def choose(attempt: Callable[[Node], T], node: Node, used: Callable[[T], set[str]]
@@ -102,12 +102,14 @@ def choose(attempt: Callable[[Node], T], node: Node, used: Callable[[T], set[str
         try:
             result = attempt(current)
         except HydraError as exc:
-            device = blamed(exc, left)
+            blamed = about(exc)
+            # the first device it is about with a spare left to try: tried on that one
+            device = next((d for d in blamed if left.get(d)), None)
             if device is None:
-                dev = getattr(exc, "device", None)
-                dev = dev if isinstance(dev, str) else next(
-                    (d for d in getattr(exc, "devices", ()) if d in first), None)
-                if dev is None or dev not in first:
+                # else, one already moved and out of spares: its primary's error, with what
+                # each spare said; any other error is raised as it is
+                dev = next((d for d in blamed if d in first), None)
+                if dev is None:
                     raise
                 said[dev].append(f"spare {endpoints[dev][index[dev]]}: {first_line(exc, dev)}")
                 primary = first[dev]
