@@ -29,7 +29,7 @@ from hydra_supervisor.plan import devices, flagcheck, resolver
 from hydra_supervisor.plan.devices import Device, Inventory
 from hydra_supervisor.plan.modelinfo import ModelInfo, inspect
 from hydra_supervisor.plan.plan import Address, EngineSpec, Plan
-from hydra_supervisor.plan.ports import bind_problem, ephemeral_range, port_free
+from hydra_supervisor.plan.ports import bind_problem, endpoint_parts, ephemeral_range, port_free
 from hydra_supervisor.proc import rpcproto
 from hydra_supervisor.tools import binaries, buildid, install
 
@@ -162,9 +162,9 @@ def peer_memory(devs: Mapping[str, Device], names: Iterable[str], timeout: float
         dev = devs.get(name)
         if dev is None or dev.kind is not devices.Kind.REMOTE or not dev.endpoint:
             continue
-        host, _, port = dev.endpoint.rpartition(":")
         try:
-            info = buildid.ask_info(host, int(port), timeout=timeout, tls=dev.tls)
+            host, port = endpoint_parts(dev.endpoint)
+            info = buildid.ask_info(host, port, timeout=timeout, tls=dev.tls)
         except (OSError, ValueError):
             continue
         frees = [x.get("free_bytes") for x in info.lent]

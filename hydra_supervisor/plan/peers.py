@@ -12,6 +12,7 @@ from hydra_supervisor.config.profile import MoeSplit, Profile, Transport
 from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan.devices import Device, Kind
 from hydra_supervisor.plan.plan import EngineSpec, Role
+from hydra_supervisor.plan.ports import endpoint_parts
 
 PEER_BIND = "127.0.0.1"
 
@@ -49,9 +50,9 @@ def peer_spec(name: str, dev: Device, port: int | None, order: int, profile: Pro
                ) -> EngineSpec:
     if dev.kind is Kind.REMOTE:
         assert dev.endpoint
-        host, _, p = dev.endpoint.rpartition(":")
+        host, p = endpoint_parts(dev.endpoint)
         return EngineSpec(name=name, role=Role.PEER, program="ggml-rpc-server", args=(),
-                          env=(), host=host, port=int(p), device=dev.name, start_order=order,
+                          env=(), host=host, port=p, device=dev.name, start_order=order,
                           managed=False, tls=dev.tls)
     assert port is not None
     # -c: keep ggml-rpc-server's tensor cache so a restarted head does not resend weights.

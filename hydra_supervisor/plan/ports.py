@@ -87,6 +87,13 @@ def client_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "", "*") else bind_host
 
 
+def endpoint_parts(endpoint: str) -> tuple[str, int]:
+    """(host, port) of a `host:port` endpoint as the node file writes it (checked there); the
+    host as written (an IPv6 address keeps its brackets)."""
+    host, _, port = endpoint.rpartition(":")
+    return host, int(port)
+
+
 def host_port(host: str, port: int) -> str:
     """`host:port` as URLs and `--rpc` write it: an IPv6 address goes in brackets ([::1]:8080)."""
     bare = host.strip("[]")

@@ -31,7 +31,7 @@ from hydra_supervisor.errors import HydraError
 from hydra_supervisor.plan import spares
 from hydra_supervisor.plan.deployment import Deployment, PortPicker
 from hydra_supervisor.plan.plan import EngineSpec, Role
-from hydra_supervisor.plan.ports import client_host, port_holder
+from hydra_supervisor.plan.ports import client_host, endpoint_parts, port_holder
 from hydra_supervisor.plan.spares import PeerChoice
 from hydra_supervisor.proc import llamaerr, logfiles, process, sentwatch
 from hydra_supervisor.proc.lineup import Lineup
@@ -431,17 +431,16 @@ class Starter:
         for ep in choice.endpoints:
             if ep == here or self.stopping.is_set():
                 continue
-            host, _, port = ep.rpartition(":")
+            host, port = endpoint_parts(ep)
             mp.note(f"{here}: {why}; trying {device}'s "
                     f"{'primary' if ep == choice.endpoints[0] else 'spare'} {ep}")
-            version, failed = await self._hello(host, int(port), info=True,
-                                                  tls=mp.spec.tls)
+            version, failed = await self._hello(host, port, info=True, tls=mp.spec.tls)
             if version is None or not version.compatible():
                 said.append(f"{ep}: " + (failed if version is None
                                          else f"speaks ggml-RPC {version}"))
                 continue
             try:
-                await self._peer_build(device, host, int(port), ep, version, mp.spec.tls)
+                await self._peer_build(device, host, port, ep, version, mp.spec.tls)
                 dep = await self.seams.replan(self.lineup.deployment, device, ep, why)
             except HydraError as exc:
                 said.append(f"{ep}: {spares.first_line(exc, device)}")

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 
 from hydra_supervisor.config.profile import TlsFiles
+from hydra_supervisor.plan.ports import endpoint_parts
 from hydra_supervisor.router import tls
 from hydra_supervisor.router.conn import set_keepalive, set_nodelay
 
@@ -72,9 +73,9 @@ class TlsTunnel:
     def __init__(self, endpoint: str, files: TlsFiles, *,
                  connect_timeout: float = CONNECT_TIMEOUT_S,
                  thread_factory: Callable[..., threading.Thread] = threading.Thread) -> None:
-        host, _, port = endpoint.rpartition(":")
+        host, port = endpoint_parts(endpoint)
         self.endpoint = endpoint
-        self._target = (host.strip("[]"), int(port))
+        self._target = (host.strip("[]"), port)
         self.files = files
         self._connect_timeout = connect_timeout
         self._thread_factory = thread_factory
