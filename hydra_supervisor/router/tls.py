@@ -19,6 +19,7 @@ direction, router/relay.py); non-blocking, because a record that carries no appl
 from __future__ import annotations
 
 import functools
+import select
 import selectors
 import socket
 import ssl
@@ -142,9 +143,11 @@ class Counts(Protocol):
 
 
 def _wait(sock: socket.socket, events: int) -> None:
-    with selectors.DefaultSelector() as sel:
-        sel.register(sock, events)
-        sel.select()
+    """Until ``sock`` is ready for ``events`` (POLLIN / POLLOUT): one poll, no selector made
+    and closed per wait (this is the bulk path's back-pressure)."""
+    p = select.poll()
+    p.register(sock, events)
+    p.poll()
 
 
 def _send_all(dst: socket.socket, data: memoryview) -> None:
@@ -155,10 +158,10 @@ def _send_all(dst: socket.socket, data: memoryview) -> None:
         try:
             n = dst.send(data)
         except (ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
-            _wait(dst, selectors.EVENT_WRITE)
+            _wait(dst, select.POLLOUT)
             continue
         except ssl.SSLWantReadError:  # a TLS write that needs a record from the peer first
-            _wait(dst, selectors.EVENT_READ)
+            _wait(dst, select.POLLIN)
             continue
         data = data[n:]
 
@@ -187,7 +190,7 @@ def pump(client: socket.socket, upstream: socket.socket, counts: Counts) -> str:
                     except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
                         break
                     except ssl.SSLWantWriteError:
-                        _wait(src, selectors.EVENT_WRITE)
+                        _wait(src, select.POLLOUT)
                         continue
                     if not n:
                         return "client closed" if upward else "upstream closed"
