@@ -38,6 +38,7 @@ from hydra_supervisor.router.conn import (
     set_nodelay,
     source_ip,
     unwatch,
+    watch,
 )
 from hydra_supervisor.router.gate import DEFAULT_RETRY_AFTER
 from hydra_supervisor.router.ledger import Ledger
@@ -446,8 +447,8 @@ class Acceptor:
         # trip through select (saves tens of microseconds per connection); the connection is
         # watched only when its first bytes are not all there yet.
         self._read_prefix(sel, conn, q)
-        if conn.id in q.pending.all and conn.tls is None:  # (a TLS one is watched already)
-            sel.register(conn.client, selectors.EVENT_READ, conn)
+        if conn.id in q.pending.all:
+            watch(sel, conn)
 
     def _linger(self, sel: selectors.BaseSelector, q: Queues, conn: Conn,
                 reply: bytes) -> None:

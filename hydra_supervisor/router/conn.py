@@ -289,6 +289,15 @@ class Pending:
         return q[0]
 
 
+def watch(sel: selectors.BaseSelector, conn: Conn) -> None:
+    """Select on ``conn``'s client socket for reading, unless it is already (a TLS handshake
+    in progress registers its own socket)."""
+    try:
+        sel.get_key(conn.client)
+    except KeyError:
+        sel.register(conn.client, selectors.EVENT_READ, conn)
+
+
 def unwatch(sel: selectors.BaseSelector, conn: Conn) -> None:
     """Stop selecting on ``conn`` (already gone from the selector, or closed: nothing to do)."""
     try:
