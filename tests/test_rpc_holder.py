@@ -222,6 +222,15 @@ def test_hydra_up_on_a_second_head_names_the_holder(router: Router,
         rpc.close()
 
 
+def _hello_held(port: int) -> socket.socket:
+    """A head's ggml-RPC connection past its HELLO, answered by a ggml-RPC stand-in
+    (`_rpc_server`): it holds the rpc-server until closed."""
+    held = connect(port)
+    held.sendall(rpcproto.HELLO_REQUEST)
+    recv_exact(held, rpcproto.HELLO_RESPONSE_SIZE)
+    return held
+
+
 def test_doctor_names_the_holder_without_a_hello(router: Router) -> None:
     """`hydra doctor --peers`: INFO names the holder, so no HELLO is sent (it would be
     refused); the report is the `hydra up` line."""
@@ -229,9 +238,7 @@ def test_doctor_names_the_holder_without_a_hello(router: Router) -> None:
     try:
         router.set_upstreams(Upstreams(rpc=rpc.addr, hydra=info.addr))
         endpoint = f"{HOST}:{router.port}"
-        held = connect(router.port)
-        held.sendall(rpcproto.HELLO_REQUEST)
-        recv_exact(held, rpcproto.HELLO_RESPONSE_SIZE)
+        held = _hello_held(router.port)
         rep = doctor.probe_peer("p100", endpoint, timeout=DEADLINE)
         assert rep.error is not None and rep.error.startswith(
             f"remote peer p100 at {endpoint} is busy: its rpc-server is held by "
@@ -305,9 +312,7 @@ def test_a_head_that_takes_the_peer_between_info_and_hello_is_named(
     try:
         router.set_upstreams(Upstreams(rpc=rpc.addr, hydra=info.addr))
         endpoint = f"{HOST}:{router.port}"
-        held = connect(router.port)
-        held.sendall(rpcproto.HELLO_REQUEST)
-        recv_exact(held, rpcproto.HELLO_RESPONSE_SIZE)
+        held = _hello_held(router.port)
         with pytest.raises(HydraError) as exc:
             layout.check_remote_peers(_plan(endpoint), timeout=DEADLINE, node=_node(endpoint))
         assert f"is busy: its rpc-server is held by {HOST}:{held.getsockname()[1]}" in \
