@@ -378,20 +378,30 @@ class _Upstream:
 
     def _one(self, c: socket.socket) -> None:
         buf = b""
-        while b"\r\n\r\n" not in buf:
-            data = c.recv(4096)
-            if not data:
-                return
-            buf += data
-        self.got += 1
-        if self.answer:
+        while True:  # each request of a keep-alive connection (the router pools them)
+            while b"\r\n\r\n" not in buf:
+                data = c.recv(4096)
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(buf) < length:
+                data = c.recv(4096)
+                if not data:
+                    return
+                buf += data
+            buf = buf[length:]
+            self.got += 1
+            if not self.answer:
+                break
             c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain"
                       b"\r\n\r\nok")
-        else:
-            try:
-                c.recv(4096)  # until the router shuts it (the cut)
-            except OSError:
-                pass
+        try:  # not answering: until the router shuts it (the cut)
+            c.recv(4096)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.sock.close()
