@@ -161,6 +161,19 @@ async def _asyncio_relay(upstream_port: int, ready: Callable[[int], None]) -> No
     server.close()
 
 
+def router_cpus() -> dict[str, Any]:
+    """What the daemon gives its routers (``router_cpus: auto``; HYDRA_ROUTER_CPUS=all|0,1
+    for another choice); nothing for a tree from before router/affinity.py (the base of
+    bench/router_compare.sh)."""
+    try:
+        from hydra_supervisor.router import affinity
+    except ImportError:
+        return {}
+    spec = os.environ.get("HYDRA_ROUTER_CPUS", affinity.AUTO)
+    return {"cpus": affinity.for_process(
+        spec if spec in (affinity.AUTO, affinity.ALL) else [int(c) for c in spec.split(",")])}
+
+
 def child_relay(design: str, upstream_port: int) -> None:
     def ready(port: int) -> None:
         print(port, flush=True)
@@ -175,6 +188,7 @@ def child_relay(design: str, upstream_port: int) -> None:
             http="raw" if design == "router-raw" else "aware",
             max_pending=1024,
             name="bench",
+            **router_cpus(),
         )
         # What a port with one lane gives its router (serve/port.py): one route for HTTP.
         route = router.new_route("bench")

@@ -136,6 +136,7 @@ def load_node(path: Path | None) -> Node:
         state_group=checked.get("state_group"),
         log_max_mib=(checked.get("logs") or {}).get("max_mib", Node.log_max_mib),
         log_keep=(checked.get("logs") or {}).get("keep", Node.log_keep),
+        router_cpus=checked.get("router_cpus", Node.router_cpus),
     )
 
 

@@ -191,3 +191,4 @@ class Node:
     state_group: str | None = None  # the state dir readable by this group (filemodes.py)
     log_max_mib: float = 10.0  # a child log rotates past this size...
     log_keep: int = 3  # ...keeping this many older files (logfiles.py)
+    router_cpus: str | tuple[int, ...] = "auto"  # where router threads run (router/affinity.py)

@@ -24,6 +24,7 @@ from hydra_supervisor.config.profile import (
 )
 from hydra_supervisor.config.yamlsrc import PathKey, Sourced
 from hydra_supervisor.errors import ConfigError
+from hydra_supervisor.router import affinity
 
 # ---------------------------------------------------------------------------------------------
 # A tiny declarative validator: each key maps to a checker that returns (value, problems).
@@ -203,6 +204,25 @@ def _log_keep(v: object, p: PathKey) -> Checked:
     return v, []
 
 
+def _cpus(v: object, p: PathKey) -> Checked:
+    """``auto``, ``all`` or a list of CPU numbers this process may run on (router/affinity.py)."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    valid = f"auto, all or a list of CPU numbers from those this process may run on " \
+            f"({affinity.span(allowed)})"
+    if v in (affinity.AUTO, affinity.ALL):
+        return v, []
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = [v]
+    if (isinstance(v, list) and v and all(isinstance(c, int) and not isinstance(c, bool)
+                                          for c in v)):
+        try:
+            affinity.choose(list(v), allowed, "")
+        except ValueError:
+            return None, [(p, f"must be {valid}; got {v!r}")]
+        return tuple(sorted(set(v))), []
+    return None, [(p, f"must be {valid}; got {v!r}")]
+
+
 LOGS_SCHEMA: dict[str, Checker] = {
     "max_mib": _log_mib,
     "keep": _log_keep,
@@ -343,6 +363,7 @@ NODE_SCHEMA: dict[str, Checker] = {
     "default_profile": _type(str, "a profile name"),
     "state_group": _group,
     "logs": _section(LOGS_SCHEMA, "logs"),
+    "router_cpus": _cpus,
 }
 
 
@@ -378,6 +399,7 @@ class NodeFields(TypedDict, total=False):
     default_profile: str
     state_group: str
     logs: LogsFields
+    router_cpus: str | tuple[int, ...]
 
 
 class RestartFields(TypedDict, total=False):

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hydra_supervisor.router import budget, limits
+from hydra_supervisor.router import affinity, budget, limits
 from hydra_supervisor.router.acceptor import Acceptor, Waker
 from hydra_supervisor.router.budget import BodyBudget
 from hydra_supervisor.router.conn import Conn, Upstreams, allow_mismatch, fmt_addr
@@ -116,6 +116,7 @@ class Router:
         body_budget: BodyBudget | None = None,
         request_timeout: float = 120.0,
         thread_factory: Callable[..., threading.Thread] = threading.Thread,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         if max_active is not None and max_active < 1:
             raise ValueError("max_active must be at least 1 (or None: sized from the fd limit)")
@@ -141,6 +142,9 @@ class Router:
             raise ValueError("hold_timeout must be positive and max_held at least 1")
         self.bind_host = bind_host
         self.name = name
+        # The CPUs its threads pin themselves to (router/affinity.py; None: not pinned).
+        self.cpus = cpus
+        thread_factory = affinity.pinned(thread_factory, cpus)
         self._req_port = port
         self._bound_port: int | None = None
         self._nofile = (0, 0)
@@ -206,9 +210,10 @@ class Router:
         self.pump.start()  # never raises: without its thread, bodies move on sessions' threads
         per = limits.FDS_HTTP
         log.info(
-            "router %s listening on %s (nofile %d/%d: room for ~%d HTTP connections)",
+            "router %s listening on %s (nofile %d/%d: room for ~%d HTTP connections; "
+            "threads on CPU %s)",
             self.name, fmt_addr(addr), self._nofile[0], self._nofile[1],
-            fd_budget // per,
+            fd_budget // per, affinity.span(self.cpus) if self.cpus else "any",
         )
         if self.acceptor.tls_only:
             log.info("router %s: TLS only (mutual certificates); plain connections are refused",

@@ -26,6 +26,7 @@ from hydra_supervisor.plan import deployment, fleetplan
 from hydra_supervisor.plan.deployment import Deployment
 from hydra_supervisor.plan.plan import Address
 from hydra_supervisor.proc.state import StateDir
+from hydra_supervisor.router import affinity
 from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import DEFAULT_ALLOW, Port
 from hydra_supervisor.serve.standby import Standby
@@ -41,11 +42,14 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
     deps = [d for _, d in planned]
     first = deps[0].layout if deps else None
     node = Node(fleetplan.capacity_of(first.devices) if first is not None else {})
+    node_cfg = load_node(find_node_file(node_file))
+    # Where every port's router threads run: one choice for the process (one GIL).
+    cpus = affinity.for_process(node_cfg.router_cpus)
     if not deps:  # --no-profile: one port, no lane yet
         p = Port(state, host, port, node=node, profiles=profiles, exit_on_fatal=True)
+        p.router_kwargs["cpus"] = cpus
         p.standby = _standby(p, node_file, profiles_dir, overrides, slot_dir)
         return [p], node
-    node_cfg = load_node(find_node_file(node_file))
     groups: dict[Address, list[Deployment]] = {}
     for addr, dep in planned:
         groups.setdefault(addr, []).append(dep)
@@ -63,6 +67,7 @@ def build(state: StateDir, names: list[str], *, node_file: str | None,
                  allow=tuple(router.allow) if router is not None else DEFAULT_ALLOW,
                  tls_files=router.tls if router is not None else None,
                  use_router=router is not None, exit_on_fatal=len(deps) == 1)
+        p.router_kwargs["cpus"] = cpus
         p.default = node_cfg.default_profile if node_cfg.default_profile in here else here[0]
         for d in items:
             p.plan_lane(d.layout.profile if d.layout is not None else None, d)
