@@ -53,6 +53,34 @@ def test_chunked_split_anywhere_gives_the_same_payload_and_valid_chunks(cut: int
     assert g.done and b"".join(payload2) == b"".join(payload) and again == out
 
 
+@pytest.mark.parametrize("read", [
+    b"18\r\ndata: {\"content\":\"hi\"}\n\n\r\n",  # one whole event: forwarded as it came
+    b"18\r\ndata: {\"content\":\"hi\"}\n\nxx",  # whole length, no CRLF after it
+    b"018\r\ndata: {\"content\":\"hi\"}\n\n\r\n",  # a size line written otherwise
+    b"18;x=1\r\ndata: {\"content\":\"hi\"}\n\n\r\n",  # an extension
+    b"18\ndata: {\"content\":\"hi\"}\n\n\r\n",  # bare LF after the size
+    b"18\r\ndata: {\"content\":\"hi\"}\n\n\r\ne\r\n",  # more after the chunk
+])
+def test_one_read_one_chunk_matches_the_byte_by_byte_reading(read: bytes) -> None:
+    """A read holding exactly one whole chunk goes out as it came (the per-event path);
+    anything else is what feeding the same bytes one at a time gives."""
+    fast, slow = BodyFraming("chunked"), BodyFraming("chunked")
+    try:
+        out, payload = feed_all(fast, [read])
+    except FramingError:
+        with pytest.raises(FramingError):
+            feed_all(slow, [bytes([b]) for b in read])
+        return
+    ref_out, ref_payload = feed_all(slow, [bytes([b]) for b in read])
+    assert b"".join(payload) == b"".join(ref_payload)
+    g = BodyFraming("chunked")
+    assert b"".join(feed_all(g, [out])[1]) == b"".join(
+        feed_all(BodyFraming("chunked"), [ref_out])[1])
+    assert (fast.state, fast.left, fast.crlf) == (slow.state, slow.left, slow.crlf)
+    if read.startswith(b"18\r\n") and read.endswith(b"\n\n\r\n"):
+        assert out == read
+
+
 def test_chunked_byte_by_byte() -> None:
     f = BodyFraming("chunked")
     _out, payload = feed_all(f, [bytes([b]) for b in SSE])

@@ -102,6 +102,15 @@ class BodyFraming:
         return self._chunked(data, payload)
 
     def _chunked(self, data: bytes, payload: list[bytes]) -> bytes:
+        if self.state == _SIZE and not self.line:
+            # llama-server writes each SSE event as one whole chunk: when a read is exactly
+            # that, with the size line as head.chunk writes it, it goes out as it came.
+            i = data.find(b"\n")
+            if 0 < i <= 17 and data.endswith(b"\r\n"):
+                size = _chunk_size(data[:i + 1])
+                if size and len(data) == i + 3 + size and data[:i + 1] == b"%x\r\n" % size:
+                    payload.append(data[i + 1:i + 1 + size])
+                    return data
         out: list[bytes] = []
         pos, n = 0, len(data)
         while pos < n:
@@ -349,7 +358,7 @@ class _Moving:
         """One wait and what it brought: each body's events handled and the clients' send
         deadlines checked. Returns the other descriptors that were ready (the pump's wake-up;
         a body's that ended earlier in the same wait)."""
-        timeout = self.next_deadline()
+        timeout = self.next_deadline() if self.blocked else -1
         other = []
         for fd, ev in self.ep.poll(timeout):
             entry = self.jobs.get(fd)
