@@ -2,7 +2,8 @@
 router/head.py's own parse of a streaming chat request's head, h11's parse of it (the session's
 server side, head and body), the request as it goes upstream (`Outgoing`), and h11's parse of
 llama-server's SSE response head (the response parser's set-up included). Issue 30, item 3:
-what replacing h11 could buy at most.
+what replacing h11 could buy at most. Then, per streamed event, the body pump's framing of one
+SSE event and its token count.
 
   .venv/bin/python bench/router_parse.py            # microseconds per call, best of 5
 """
@@ -18,8 +19,11 @@ import h11
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra_supervisor.router import head  # noqa: E402
+from hydra_supervisor.router.pump import BodyFraming  # noqa: E402
+from hydra_supervisor.router.traffic import Traffic  # noqa: E402
 from hydra_supervisor.router.upstream import Outgoing  # noqa: E402
 from hydra_supervisor.testing.routerhelp import stream_request  # noqa: E402
+from hydra_supervisor.testing.sse_upstream import chunk_event  # noqa: E402
 
 # llama-server's head for a streamed chat completion (the pinned build, as seen on the wire)
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nContent-Type: "
@@ -64,6 +68,22 @@ def main() -> int:
             total_h11 += us
         print(f"{name:52s} {us:7.1f} us")
     print(f"{'h11 per request, both heads':52s} {total_h11:7.1f} us")
+    # Per streamed event, after the head: the body pump's framing of one whole chunk (one SSE
+    # event, as llama-server writes it) and the token count of the request table.
+    event = chunk_event(1, "hello")
+    wire = head.chunk(event)
+    traffic = Traffic()
+    tally = traffic.begin(1, "POST", "/v1/chat/completions", "127.0.0.1")
+    tally.routed("p", None)
+    tally.upstream()
+    tally.head(200, True)
+    framing = BodyFraming("chunked")
+    per_event = [
+        ("per event: BodyFraming.feed (one whole chunk)", lambda: framing.feed(wire, [])),
+        ("per event: Tally.data (the token count)", lambda: tally.data(event)),
+    ]
+    for name, fn in per_event:
+        print(f"{name:52s} {per_call_us(fn, 50000):7.2f} us")
     return 0
 
 
