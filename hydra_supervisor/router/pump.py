@@ -51,6 +51,9 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 
 # BodyFraming states (chunked)
 _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+# Ready descriptors taken per wait (the rest come with the next one; the default would make
+# CPython allocate room for 1,023 on every wait).
+_MAX_EVENTS = 256
 
 
 class FramingError(Exception):
@@ -101,16 +104,25 @@ class BodyFraming:
             return piece
         return self._chunked(data, payload)
 
+    def whole_chunk(self, data: bytes) -> bytes | None:
+        """When ``data`` is exactly one whole chunk of a chunked body at a chunk's start, its
+        size line as head.chunk writes it: that chunk's payload (``data`` goes to the client
+        as it came: re-framing it would give the same bytes). Else None: ``feed`` it. The
+        per-event path: llama-server writes each SSE event as one chunk."""
+        if self.state != _SIZE or self.line or self.kind != "chunked":
+            return None
+        i = data.find(b"\n")
+        if not 1 < i <= 17 or data[i - 1] != 0x0D or not data.endswith(b"\r\n"):
+            return None
+        try:
+            size = int(data[:i - 1], 16)
+        except ValueError:
+            return None
+        if size <= 0 or len(data) != i + 3 + size or data[:i + 1] != b"%x\r\n" % size:
+            return None  # the last chunk, more than one chunk, or a size line written otherwise
+        return data[i + 1:i + 1 + size]
+
     def _chunked(self, data: bytes, payload: list[bytes]) -> bytes:
-        if self.state == _SIZE and not self.line:
-            # llama-server writes each SSE event as one whole chunk: when a read is exactly
-            # that, with the size line as head.chunk writes it, it goes out as it came.
-            i = data.find(b"\n")
-            if 0 < i <= 17 and data.endswith(b"\r\n"):
-                size = _chunk_size(data[:i + 1])
-                if size and len(data) == i + 3 + size and data[:i + 1] == b"%x\r\n" % size:
-                    payload.append(data[i + 1:i + 1 + size])
-                    return data
         out: list[bytes] = []
         pos, n = 0, len(data)
         while pos < n:
@@ -168,6 +180,11 @@ class BodyFraming:
 
 def take(framing: BodyFraming, data: bytes, tally: Tally | None) -> bytes:
     """What of ``data`` goes to the client, its payload counted (tokens as they stream)."""
+    piece = framing.whole_chunk(data)
+    if piece is not None:
+        if tally is not None:
+            tally.data(piece)
+        return data
     payload: list[bytes] = []
     out = framing.feed(data, payload)
     if tally is not None:
@@ -360,7 +377,7 @@ class _Moving:
         a body's that ended earlier in the same wait)."""
         timeout = self.next_deadline() if self.blocked else -1
         other = []
-        for fd, ev in self.ep.poll(timeout):
+        for fd, ev in self.ep.poll(timeout, _MAX_EVENTS):
             entry = self.jobs.get(fd)
             if entry is None:
                 other.append(fd)
