@@ -16,7 +16,7 @@ from hydra_supervisor.errors import ConfigError
 from hydra_supervisor.proc.state import StateDir
 from hydra_supervisor.router import Router, Upstreams, affinity
 from hydra_supervisor.router.routes import one_route_table
-from hydra_supervisor.testing.harness import descendants, free_port
+from hydra_supervisor.testing.harness import descendants, free_port, run_hydra, snapshot
 from hydra_supervisor.testing.sse_upstream import StandIn
 
 ALLOWED = frozenset(os.sched_getaffinity(0))
@@ -156,3 +156,8 @@ def test_hydra_up_pins_its_router_and_not_llama_server(hydra_up, hydra_env):
         assert frozenset(c.cpu_affinity()) == ALLOWED, c
     log = StateDir(Path(hydra_env["HYDRA_STATE_DIR"])).log_path("hydra").read_text()
     assert f"threads on CPU {cpu})" in log, log
+    # and `hydra status` says it, on the router's line (--json: the router's "cpus")
+    router = snapshot(hydra_env).ports[0].router
+    assert router is not None and router.cpus == str(cpu)
+    shown = run_hydra(hydra_env, "status")
+    assert f"; its threads on CPU {cpu}" in shown.stdout, shown.stdout

@@ -182,10 +182,11 @@ def _log_tails(procs: list[ProcessStatus]) -> list[RenderableType]:
 
 def _router_restarts(r: RouterCounters) -> str:
     """The router line's tail: how often its acceptor restarted itself and how often hydra
-    restarted the router (each only when it happened)."""
+    restarted the router (each only when it happened), and the CPUs its threads run on."""
     own = r.events.get("acceptor_restart", 0)
     return (f", acceptor restarted {own} times" if own else "") + \
-        (f", router restarted by hydra {r.recoveries} times" if r.recoveries else "")
+        (f", router restarted by hydra {r.recoveries} times" if r.recoveries else "") + \
+        (f"; its threads on CPU {r.cpus}" if r.cpus else "")
 
 
 # -- a hydra that is not running: its last status.json -------------------------------------------

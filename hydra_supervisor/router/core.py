@@ -76,6 +76,7 @@ class RouterStats(LedgerCounts):
     pooled: int
     alive: bool
     acceptor_error: str | None
+    cpus: str  # the CPUs its threads are pinned to, as the kernel lists them ("": not pinned)
 
 
 class Router:
@@ -299,7 +300,8 @@ class Router:
             fds=c["fds"], rpc_holder=c["rpc_holder"],
             held=sum(r.gate.held() for r in routes),
             inflight=sum(r.gate.inflight() for r in routes),
-            pooled=self.pool.idle(), alive=self.alive(), acceptor_error=self.acceptor.error)
+            pooled=self.pool.idle(), alive=self.alive(), acceptor_error=self.acceptor.error,
+            cpus=affinity.span(self.cpus) if self.cpus else "")
 
     # ---------------------------------------------------------------- for the parts
 

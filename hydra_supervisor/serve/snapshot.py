@@ -230,6 +230,7 @@ class RouterCounters:
     rpc_holder: RpcHolderStatus | None = None  # a lent rpc-server's head, while one holds it
     recoveries: int = 0
     recovery_failures: int = 0
+    cpus: str = ""  # the CPUs its threads run on (router_cpus), "0-3,6"; "": not pinned
     down_s: float | None = None
 
     # The router's flat refusal counters of older hydras, by the reason they are now.
