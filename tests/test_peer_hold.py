@@ -37,39 +37,63 @@ def _complete_within(port: int, timeout: float) -> int:
     return r.status_code
 
 
+class Hosts:
+    """The hosts of one test, each a `hydra up` in its own state dir under tmp_path: the peer
+    host lending its CPU (demo-peer) and head hosts whose device far is that peer."""
+
+    def __init__(self, tmp_path: Path, heads: tuple[str, ...]) -> None:
+        self.tmp = tmp_path
+        self.ups: list[Up] = []
+        for d in ("peer", *heads):
+            (tmp_path / d).mkdir()
+        self.peer_port = free_port()
+        self.node = f"devices:\n  far: {{endpoint: '127.0.0.1:{self.peer_port}'}}\n"
+        self.peer_env = make_env(tmp_path / "peer")
+        self.peer_args = ["--profile", "demo-peer", "--port", str(self.peer_port)]
+
+    def start(self, env: dict[str, str], args: list[str], where: str, timeout: float) -> Up:
+        up = Up(env, args, self.tmp / where)
+        self.ups.append(up)
+        up.wait_ready(timeout)
+        return up
+
+    def start_peer(self) -> Up:
+        return self.start(self.peer_env, self.peer_args, "peer", 120)
+
+    def head(self, name: str, port: int, extra: str = "") -> tuple[dict[str, str], list[str]]:
+        """Host `name`'s environment and `hydra up` arguments: profile far<name> on `port`,
+        dense COMBINE with its peer on the peer host."""
+        env = make_env(self.tmp / name, self.node)
+        prof = self.tmp / name / f"far{name}.yaml"
+        prof.write_text(f"profile: far{name}\n{DENSE}port: {port}\n{extra}")
+        return env, ["--profile", str(prof)]
+
+    def end(self) -> None:
+        for up in reversed(self.ups):
+            if up.proc.poll() is None:
+                up.stop()
+            up.kill_everything()
+
+
 def test_a_second_head_is_told_busy_four_times_and_gets_the_peer_once_the_first_dies(
         tmp_path: Path) -> None:
     from hydra_supervisor.testing.routerhelp import llama_bins
 
     llama_bins()
     ident = buildid.local_identity()
-    ups: list[Up] = []
-    for d in ("peer", "head", "second"):
-        (tmp_path / d).mkdir()
-    peer_port, head_port, second_port = free_port(), free_port(), free_port()
-    node = f"devices:\n  far: {{endpoint: '127.0.0.1:{peer_port}'}}\n"
+    hosts = Hosts(tmp_path, ("head", "second"))
+    peer_port, head_port, second_port = hosts.peer_port, free_port(), free_port()
     try:
-        peer_env = make_env(tmp_path / "peer")
-        peer = Up(peer_env, ["--profile", "demo-peer", "--port", str(peer_port)],
-                  tmp_path / "peer")
-        ups.append(peer)
-        peer.wait_ready(120)
-
-        head_env = make_env(tmp_path / "head", node)
-        prof = tmp_path / "head" / "far.yaml"
-        prof.write_text(f"profile: far\n{DENSE}port: {head_port}\n")
-        head = Up(head_env, ["--profile", str(prof)], tmp_path / "head")
-        ups.append(head)
-        head.wait_ready(300)
+        peer_env = hosts.peer_env
+        hosts.start_peer()
+        head = hosts.start(*hosts.head("head", head_port), "head", 300)
         assert _complete(head_port) == 200
 
-        second_env = make_env(tmp_path / "second", node)
-        prof2 = tmp_path / "second" / "far2.yaml"
-        prof2.write_text(f"profile: far2\n{DENSE}port: {second_port}\n")
+        second_env, second_args = hosts.head("second", second_port)
         took = []
         for i in range(4):
             t0 = time.monotonic()
-            res = run_hydra(second_env, "up", "--profile", str(prof2), timeout=120)
+            res = run_hydra(second_env, "up", *second_args, timeout=120)
             took.append(time.monotonic() - t0)
             err = res.stdout + res.stderr
             assert res.returncode == 2, err
@@ -106,16 +130,11 @@ def test_a_second_head_is_told_busy_four_times_and_gets_the_peer_once_the_first_
 
         head.kill_everything()  # hydra and its llama-server, -9: the kernel closes for them
         t0 = time.monotonic()
-        second = Up(second_env, ["--profile", str(prof2)], tmp_path / "second")
-        ups.append(second)
-        second.wait_ready(300)
+        hosts.start(second_env, second_args, "second", 300)
         print(f"second head ready {time.monotonic() - t0:.1f}s after the first was killed")
         assert _complete(second_port) == 200
     finally:
-        for up in reversed(ups):
-            if up.proc.poll() is None:
-                up.stop()
-            up.kill_everything()
+        hosts.end()
 
 
 def test_a_head_whose_peer_another_head_took_says_who_holds_it_on_re_probe(
@@ -131,25 +150,13 @@ def test_a_head_whose_peer_another_head_took_says_who_holds_it_on_re_probe(
 
     llama_bins()
     ident = buildid.local_identity()
-    ups: list[Up] = []
-    for d in ("peer", "a", "b"):
-        (tmp_path / d).mkdir()
-    peer_port, a_port, b_port = free_port(), free_port(), free_port()
-    node = f"devices:\n  far: {{endpoint: '127.0.0.1:{peer_port}'}}\n"
+    hosts = Hosts(tmp_path, ("a", "b"))
+    peer_port, a_port, b_port = hosts.peer_port, free_port(), free_port()
     try:
-        peer_env = make_env(tmp_path / "peer")
-        peer_args = ["--profile", "demo-peer", "--port", str(peer_port)]
-        peer = Up(peer_env, peer_args, tmp_path / "peer")
-        ups.append(peer)
-        peer.wait_ready(120)
-
-        b_env = make_env(tmp_path / "b", node)
-        prof_b = tmp_path / "b" / "farb.yaml"
-        prof_b.write_text(f"profile: farb\n{DENSE}port: {b_port}\n"
-                          "restart: {backoff_initial: 60, backoff_max: 60}\n")
-        b = Up(b_env, ["--profile", str(prof_b)], tmp_path / "b")
-        ups.append(b)
-        b.wait_ready(300)
+        peer = hosts.start_peer()
+        b_env, b_args = hosts.head("b", b_port,
+                                   "restart: {backoff_initial: 60, backoff_max: 60}\n")
+        hosts.start(b_env, b_args, "b", 300)
         assert _complete(b_port) == 200
 
         peer.kill_everything()  # its hydra and rpc-server: B's next RPC call fails
@@ -171,15 +178,8 @@ def test_a_head_whose_peer_another_head_took_says_who_holds_it_on_re_probe(
         while "probing again" not in str(b_peer()["reason"]):
             assert time.monotonic() < deadline, b_peer()["reason"]
             time.sleep(0.2)
-        peer = Up(peer_env, peer_args, tmp_path / "peer")  # back (its service manager)
-        ups.append(peer)
-        peer.wait_ready(120)
-        a_env = make_env(tmp_path / "a", node)
-        prof_a = tmp_path / "a" / "fara.yaml"
-        prof_a.write_text(f"profile: fara\n{DENSE}port: {a_port}\n")
-        a = Up(a_env, ["--profile", str(prof_a)], tmp_path / "a")
-        ups.append(a)
-        a.wait_ready(300)
+        hosts.start_peer()  # back (its service manager)
+        hosts.start(*hosts.head("a", a_port), "a", 300)
         assert _complete(a_port) == 200
 
         deadline = time.monotonic() + 150  # B's next re-probe: its 60 s backoff
@@ -193,7 +193,4 @@ def test_a_head_whose_peer_another_head_took_says_who_holds_it_on_re_probe(
         assert "closed at once" not in reason, reason
         assert _complete(a_port) == 200  # A undisturbed
     finally:
-        for up in reversed(ups):
-            if up.proc.poll() is None:
-                up.stop()
-            up.kill_everything()
+        hosts.end()
