@@ -249,6 +249,10 @@ def test_own_port_profiles_are_engines_of_their_own_and_metrics_name_each(
     up = hydra_up("-p", "front", "-p", "front-moe", "-p", "side", "--profiles-dir",
                   str(tmp_path), "--metrics-port", str(mport))
     up.wait_ready()
+    # `hydra up` presents its ports in turn, each once its default serves: the second port's
+    # line comes after the first's (its engines may be READY a moment before its lane serves)
+    wait_until(lambda: f"ready: side serving gemma3-270m at http://127.0.0.1:{p2}"
+               in up.output(), 120, "the second port's ready line")
     ports = {p.port: p for p in snapshot(hydra_env).ports}
     assert ports[p1].profiles == ("front", "front-moe") and ports[p1].default == "front"
     assert ports[p2].profiles == ("side",) and ports[p2].default == "side"
