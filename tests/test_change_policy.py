@@ -42,7 +42,7 @@ from hydra_supervisor.serve.node import Node
 from hydra_supervisor.serve.port import Port
 from hydra_supervisor.serve.reports import SwitchReport, SwitchTimeouts
 from hydra_supervisor.serve.states import LaneState
-from hydra_supervisor.testing.routerhelp import one_route, wait_until
+from hydra_supervisor.testing.routerhelp import one_route, read_request, wait_until
 from tests.fake_children import Behaviour, FakeWorld, deployment
 from tests.lane_fakes import (
     BEHAVIOUR,
@@ -379,20 +379,10 @@ class _Upstream:
     def _one(self, c: socket.socket) -> None:
         buf = b""
         while True:  # each request of a keep-alive connection (the router pools them)
-            while b"\r\n\r\n" not in buf:
-                data = c.recv(4096)
-                if not data:
-                    return
-                buf += data
-            head, _, buf = buf.partition(b"\r\n\r\n")
-            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            while len(buf) < length:
-                data = c.recv(4096)
-                if not data:
-                    return
-                buf += data
-            buf = buf[length:]
+            req = read_request(c, buf)
+            if req is None:
+                return
+            buf = req[2]
             self.got += 1
             if not self.answer:
                 break

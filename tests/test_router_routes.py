@@ -25,7 +25,7 @@ from hydra_supervisor.testing.routerhelp import (
     HOST,
     FuncServer,
     connect,
-    recv_exact,
+    read_request,
     recv_to_eof,
     wait_until,
 )
@@ -116,20 +116,8 @@ class Blocking:
         return self.server.addr
 
     def _handle(self, c: socket.socket) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = c.recv(65536)
-            if not chunk:
-                return
-            head += chunk
-        head, _, rest = head.partition(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            k, _, v = line.partition(b":")
-            if k.strip().lower() == b"content-length":
-                length = int(v)
-        if length > len(rest):
-            recv_exact(c, length - len(rest))
+        if read_request(c) is None:
+            return
         with self._lock:
             self.arrived += 1
         assert self.go.wait(DEADLINE), "the test never let the upstream answer"

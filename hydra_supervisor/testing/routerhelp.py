@@ -54,6 +54,29 @@ def recv_exact(sock: socket.socket, n: int, timeout: float = DEADLINE) -> bytes:
     return bytes(out)
 
 
+def read_request(c: socket.socket, buf: bytes = b"") -> tuple[bytes, bytes, bytes] | None:
+    """One HTTP request as a stand-in upstream reads it: (head, body of its Content-Length,
+    what came after it), ``buf`` being what came after the previous one on a keep-alive
+    connection; None when the client closes first."""
+    while b"\r\n\r\n" not in buf:
+        data = c.recv(65536)
+        if not data:
+            return None
+        buf += data
+    head, _, buf = buf.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            length = int(v)
+    while len(buf) < length:
+        data = c.recv(65536)
+        if not data:
+            return None
+        buf += data
+    return head, buf[:length], buf[length:]
+
+
 def recv_to_eof(sock: socket.socket, timeout: float = DEADLINE) -> bytes:
     """Read until EOF (a reset also counts as the end). Fails on the deadline."""
     deadline = time.monotonic() + timeout
