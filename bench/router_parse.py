@@ -19,7 +19,7 @@ import h11
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra_supervisor.router import head  # noqa: E402
-from hydra_supervisor.router.pump import BodyFraming  # noqa: E402
+from hydra_supervisor.router.pump import BodyFraming, take  # noqa: E402
 from hydra_supervisor.router.traffic import Traffic  # noqa: E402
 from hydra_supervisor.router.upstream import Outgoing  # noqa: E402
 from hydra_supervisor.testing.routerhelp import stream_request  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> int:
     tally.head(200, True)
     framing = BodyFraming("chunked")
     per_event = [
-        ("per event: BodyFraming.feed (one whole chunk)", lambda: framing.feed(wire, [])),
+        ("per event: pump.take's framing (one whole chunk)", lambda: take(framing, wire, None)),
         ("per event: Tally.data (the token count)", lambda: tally.data(event)),
     ]
     for name, fn in per_event:

@@ -90,7 +90,7 @@ def test_the_node_file_checks_router_cpus_with_its_line_and_choices(tmp_path):
     first = min(ALLOWED)
     assert load_node(_node(tmp_path, f"router_cpus: [{first}, {first}]\n")).router_cpus \
         == (first,)
-    for bad in ("many", "[]", f"[{max(ALLOWED) + 1}]", "[true]", "1.5"):
+    for bad in ("many", "[]", f"[{max(ALLOWED) + 1}]", "[true]", "1.5", str(first)):
         with pytest.raises(ConfigError) as e:
             load_node(_node(tmp_path, f"models: {{}}\nrouter_cpus: {bad}\n"))
         msg = str(e.value)

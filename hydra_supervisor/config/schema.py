@@ -211,15 +211,11 @@ def _cpus(v: object, p: PathKey) -> Checked:
             f"({affinity.span(allowed)})"
     if v in (affinity.AUTO, affinity.ALL):
         return v, []
-    if isinstance(v, int) and not isinstance(v, bool):
-        v = [v]
-    if (isinstance(v, list) and v and all(isinstance(c, int) and not isinstance(c, bool)
-                                          for c in v)):
-        try:
-            affinity.choose(list(v), allowed, "")
+    if isinstance(v, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in v):
+        try:  # none, or one this process may not run on: ValueError
+            return tuple(sorted(affinity.choose(v, allowed, "") or ())), []
         except ValueError:
-            return None, [(p, f"must be {valid}; got {v!r}")]
-        return tuple(sorted(set(v))), []
+            pass
     return None, [(p, f"must be {valid}; got {v!r}")]
 
 

@@ -89,18 +89,13 @@ def for_process(spec: CpuSpec) -> frozenset[int] | None:
 
 def span(cpus: Iterable[int]) -> str:
     """CPU numbers as the kernel writes a list: ``0-3,6``."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []  # consecutive numbers
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def pinned(factory: Callable[..., threading.Thread],
