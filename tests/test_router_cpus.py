@@ -114,19 +114,27 @@ def test_a_routers_threads_run_on_its_cpu_and_nothing_else_of_the_process_does()
         router.table = one_route_table(route)
         router.start()
         try:
-            s = requests.Session()
-            for _ in range(3):  # a streamed body moves on the pump's thread
-                r = s.post(f"http://127.0.0.1:{router.port}/v1/chat/completions",
-                           json={"messages": [], "stream": True, "max_tokens": 3}, timeout=30)
-                assert r.status_code == 200 and r.text.count("data: ") >= 3
-            mine = [t for t in threading.enumerate() if t.name.startswith("router-pin")]
-            names = {t.name.rsplit("-", 1)[-1] for t in mine}
-            assert {"accept", "pump", "pin"} <= names, names
-            for t in mine:
-                assert t.native_id is not None
-                assert _cpus_of(t.native_id) == {cpu}, t.name
-            assert _cpus_of(threading.main_thread().native_id or 0) == ALLOWED
-            assert router.cpus == {cpu}
+            # ... and again once stopped and started (hydra restarts a router whose acceptor
+            # died): its new threads pin themselves too
+            for started in (False, True):
+                if started:
+                    router.stop()
+                    router.start()
+                s = requests.Session()
+                for _ in range(3):  # a streamed body moves on the pump's thread
+                    r = s.post(f"http://127.0.0.1:{router.port}/v1/chat/completions",
+                               json={"messages": [], "stream": True, "max_tokens": 3},
+                               timeout=30)
+                    assert r.status_code == 200 and r.text.count("data: ") >= 3
+                mine = [t for t in threading.enumerate()
+                        if t.name.startswith("router-pin") and t.is_alive()]
+                names = {t.name.rsplit("-", 1)[-1] for t in mine}
+                assert {"accept", "pump", "pin"} <= names, names
+                for t in mine:
+                    assert t.native_id is not None
+                    assert _cpus_of(t.native_id) == {cpu}, t.name
+                assert _cpus_of(threading.main_thread().native_id or 0) == ALLOWED
+                assert router.cpus == {cpu}
         finally:
             router.stop()
     finally:
